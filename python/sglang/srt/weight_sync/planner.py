@@ -1,0 +1,322 @@
+"""Plan: who sends which box to whom. Pure functions, no communication.
+
+Input: the source layout (which rank holds which box of each HF tensor), the
+target layout (which boxes each rank needs and where they land) and the
+topology (which ranks share a device or a node). Output: a ``Plan`` that every
+rank computes identically:
+
+* every target element gets exactly one source (uncovered -> ``CoverageError``
+  naming tensor, box and rank);
+* a box held on the receiving rank is copied locally, so each rank receives
+  exactly (needed - held) bytes;
+* otherwise the closest holder wins (same device, then same node), ties go to
+  the least-loaded holder so DP replicas share the sending;
+* identical bytes needed by several ranks from one holder become one subgroup
+  broadcast; everything else is point-to-point;
+* moves are cut and grouped into rounds so that no rank moves more than
+  ``bucket_bytes`` in a round (the executor's memory cap).
+
+Overlap search is an interval index on one dim per tensor, not an all-pairs scan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.box import Box, is_contiguous_region
+from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
+from sglang.srt.weight_sync.target_layout import ParamTarget
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class CoverageError(ValueError):
+    """A target region no source rank holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Where ranks live. Ranks on one device exchange over local IPC; on one node, NVLink."""
+
+    device_of: Mapping[int, int] = field(default_factory=dict)
+    node_of: Mapping[int, int] = field(default_factory=dict)
+
+    def distance(self, a: int, b: int) -> int:
+        """0 same rank, 1 same device, 2 same node, 3 across nodes."""
+        if a == b:
+            return 0
+        if self.device_of.get(a, ("r", a)) == self.device_of.get(b, ("r", b)):
+            return 1
+        if self.node_of.get(a, 0) == self.node_of.get(b, 0):
+            return 2
+        return 3
+
+
+@dataclass(frozen=True, slots=True)
+class Dest:
+    """Where a moved region lands: ``param[index][region.translate(delta)]`` on ``rank``;
+    ``shape`` is the shape of ``param[index]``."""
+
+    rank: int
+    param: str
+    index: Tuple[int, ...]
+    delta: Tuple[int, ...]
+    shape: Tuple[int, ...]
+
+    def box(self, region: Box) -> Box:
+        return region.translate(self.delta)
+
+    def contiguous(self, region: Box) -> bool:
+        """Whether the region can be received straight into the parameter."""
+        return is_contiguous_region(self.shape, self.box(region))
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One region of one HF tensor, read from ``src``'s shard, written to ``dests``.
+
+    ``region`` is in global (HF) coordinates; ``src_shard`` is the box the
+    source rank holds. With one dest equal to ``src`` it is a local copy; one
+    other dest, a point-to-point send; several, a broadcast over
+    ``(src,) + dest ranks``. Bytes are counted in the destination dtype, which
+    is what travels: the sender casts.
+    """
+
+    tensor: str
+    region: Box
+    src: int
+    src_shard: Box
+    src_dtype: torch.dtype
+    dtype: torch.dtype
+    dests: Tuple[Dest, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * self.dtype.itemsize
+
+    @property
+    def group(self) -> Tuple[int, ...]:
+        return (self.src,) + tuple(d.rank for d in self.dests)
+
+    def src_box(self) -> Box:
+        """The region in the coordinates of the source rank's local shard."""
+        return self.region.relative_to(self.src_shard)
+
+    def needs_send_staging(self) -> bool:
+        return self.src_dtype != self.dtype or not is_contiguous_region(self.src_shard.sizes, self.src_box())
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroFill:
+    rank: int
+    param: str
+    box: Box
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole job, identical on every rank. ``rounds`` run in order; inside a round,
+    point-to-point moves run as one batch, then broadcasts in list order."""
+
+    local: Tuple[Move, ...]
+    rounds: Tuple[Tuple[Move, ...], ...]
+    zero_fills: Tuple[ZeroFill, ...]
+    broadcast_groups: Tuple[Tuple[int, ...], ...]
+    needed_bytes: Mapping[int, int]
+    held_bytes: Mapping[int, int]
+    bucket_bytes: int
+    fingerprint: str
+
+    def lower_bound_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` must receive at the least: needed minus already held."""
+        return self.needed_bytes.get(rank, 0) - self.held_bytes.get(rank, 0)
+
+    def received_bytes(self, rank: int) -> int:
+        return sum(m.nbytes for rnd in self.rounds for m in rnd for d in m.dests if d.rank == rank)
+
+    def sent_bytes(self, rank: int) -> int:
+        return sum(m.nbytes for rnd in self.rounds for m in rnd if m.src == rank)
+
+    def ranks(self) -> List[int]:
+        return sorted(self.needed_bytes)
+
+    def local_for(self, rank: int) -> List[Move]:
+        return [m for m in self.local if m.src == rank]
+
+
+class _HolderIndex:
+    """Distinct boxes of one tensor with their holders, indexed by start on one dim."""
+
+    __slots__ = ("dim", "boxes", "starts", "max_len")
+
+    def __init__(self, source: SourceTensor):
+        by_box: Dict[Box, List[int]] = defaultdict(list)
+        for rank, box in source.holders:
+            if not box.is_empty():
+                by_box[box].append(rank)
+        ndim = len(source.shape)
+        # Index the dim along which boxes differ most: shards split it, so few boxes overlap a query.
+        self.dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in by_box})) if ndim else 0
+        items = sorted(by_box.items(), key=lambda kv: (kv[0].offsets[self.dim], kv[0].offsets) if ndim else ())
+        self.boxes = [(box, tuple(sorted(ranks))) for box, ranks in items]
+        self.starts = [box.offsets[self.dim] if ndim else 0 for box, _ in items]
+        self.max_len = max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
+
+    def overlapping(self, need: Box) -> List[Tuple[Box, Tuple[int, ...]]]:
+        if need.ndim == 0:
+            return list(self.boxes)
+        lo, hi = need.offsets[self.dim], need.ends[self.dim]
+        first = bisect.bisect_left(self.starts, lo - self.max_len + 1)
+        last = bisect.bisect_left(self.starts, hi)
+        return [(b, r) for b, r in self.boxes[first:last] if b.intersect(need) is not None]
+
+
+def plan(
+    sources: SourceLayout,
+    targets: Mapping[int, Sequence[ParamTarget]],
+    topology: Optional[Topology] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    aliases: Optional[Mapping[str, str]] = None,
+) -> Plan:
+    """Compute the plan. Deterministic: same inputs, same plan, on every rank.
+
+    ``targets`` maps each rank to its parameters; ``aliases`` maps a source
+    name to the target tensor name it carries (tied embeddings).
+    """
+    topology = topology or Topology()
+    sources = _resolve_aliases(sources, aliases or {})
+    index: Dict[str, _HolderIndex] = {}
+    sent: Dict[int, int] = defaultdict(int)
+    needed: Dict[int, int] = defaultdict(int)
+    held: Dict[int, int] = defaultdict(int)
+    local: List[Move] = []
+    remote: Dict[Tuple, List[Dest]] = {}
+    zero_fills: List[ZeroFill] = []
+
+    for rank in sorted(targets):
+        needed[rank] += 0
+        held[rank] += 0
+        for target in targets[rank]:
+            for box in target.zeros:
+                zero_fills.append(ZeroFill(rank, target.name, box))
+            for piece in target.pieces:
+                source = sources.get(piece.tensor)
+                if source is None:
+                    raise CoverageError(
+                        f"tensor {piece.tensor!r} (for {target.name} on rank {rank}) has no source on any rank"
+                    )
+                holders = index.get(piece.tensor)
+                if holders is None:
+                    holders = index[piece.tensor] = _HolderIndex(source)
+                itemsize = target.dtype.itemsize
+                needed[rank] += piece.box.numel * itemsize
+                delta = tuple(p - b for p, b in zip(piece.offsets, piece.box.offsets))
+                param_shape = tuple(target.shape[len(piece.index):])
+                remaining = [piece.box]
+                for box, ranks in _by_preference(holders.overlapping(piece.box), rank, topology):
+                    next_remaining = []
+                    for rem in remaining:
+                        region = rem.intersect(box)
+                        if region is None:
+                            next_remaining.append(rem)
+                            continue
+                        next_remaining.extend(rem.subtract(box))
+                        src = _choose_holder(ranks, rank, topology, sent)
+                        dest = Dest(rank, target.name, piece.index, delta, param_shape)
+                        move_key = (piece.tensor, region, src, box, target.dtype)
+                        if src == rank:
+                            held[rank] += region.numel * itemsize
+                            local.append(_move(source, move_key, (dest,)))
+                        else:
+                            sent[src] += region.numel * itemsize
+                            remote.setdefault(move_key, []).append(dest)
+                    remaining = next_remaining
+                    if not remaining:
+                        break
+                if remaining:
+                    raise CoverageError(
+                        f"tensor {piece.tensor!r} box {remaining[0]} (for {target.name} on rank {rank}) "
+                        f"is held by no rank; holders: "
+                        + ", ".join(f"rank {r} {b}" for r, b in source.holders[:8])
+                    )
+
+    moves = [_move(sources[key[0]], key, tuple(dests)) for key, dests in remote.items()]
+    rounds = _bucket(moves, bucket_bytes)
+    groups = sorted({m.group for rnd in rounds for m in rnd if len(m.dests) > 1})
+    fingerprint = _fingerprint(local, rounds, zero_fills)
+    return Plan(
+        tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes, fingerprint
+    )
+
+
+def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
+    if not aliases:
+        return sources
+    out = dict(sources)
+    for alias, name in aliases.items():
+        if alias in out and name not in out:
+            src = out.pop(alias)
+            out[name] = SourceTensor(name, src.shape, src.dtype, src.holders)
+        else:
+            out.pop(alias, None)
+    return out
+
+
+def _by_preference(candidates, rank: int, topology: Topology):
+    """Boxes held on ``rank`` first, then by their closest holder, then by position."""
+    return sorted(candidates, key=lambda c: (min(topology.distance(rank, r) for r in c[1]), c[0].offsets))
+
+
+def _choose_holder(ranks: Tuple[int, ...], rank: int, topology: Topology, sent: Mapping[int, int]) -> int:
+    return min(ranks, key=lambda r: (topology.distance(rank, r), sent.get(r, 0), r))
+
+
+def _move(source: SourceTensor, key: Tuple, dests: Tuple[Dest, ...]) -> Move:
+    tensor, region, src, box, dtype = key
+    return Move(tensor, region, src, box, source.dtype, dtype, dests)
+
+
+def _split(move: Move, max_bytes: int) -> List[Move]:
+    """Cut a move along its outer rows so each part moves at most ``max_bytes``."""
+    parts = move.region.split_rows(max(1, max_bytes // move.dtype.itemsize))
+    if len(parts) == 1:
+        return [move]
+    return [Move(move.tensor, part, move.src, move.src_shard, move.src_dtype, move.dtype, move.dests) for part in parts]
+
+
+def _bucket(moves: List[Move], bucket_bytes: int) -> Tuple[Tuple[Move, ...], ...]:
+    """Greedy rounds: a new round starts when a move would push any rank it touches past the cap."""
+    rounds: List[List[Move]] = []
+    load: Dict[int, int] = defaultdict(int)
+    current: List[Move] = []
+    for move in moves:
+        for part in _split(move, bucket_bytes):
+            ranks = set(part.group)
+            if current and any(load[r] + part.nbytes > bucket_bytes for r in ranks):
+                rounds.append(current)
+                current, load = [], defaultdict(int)
+            current.append(part)
+            for r in ranks:
+                load[r] += part.nbytes
+    if current:
+        rounds.append(current)
+    return tuple(tuple(r) for r in rounds)
+
+
+def _fingerprint(local: Iterable[Move], rounds, zero_fills) -> str:
+    h = hashlib.sha256()
+    for move in local:
+        h.update(repr(move).encode())
+    for rnd in rounds:
+        h.update(b"|round|")
+        for move in rnd:
+            h.update(repr(move).encode())
+    for z in zero_fills:
+        h.update(repr(z).encode())
+    return h.hexdigest()
