@@ -132,6 +132,7 @@ class Plan:
     held_bytes: Mapping[int, int]
     bucket_bytes: int
     fingerprint: str
+    source_names: Mapping[str, str] = field(default_factory=dict)
 
     def lower_bound_bytes(self, rank: int) -> int:
         """Bytes ``rank`` must receive at the least: needed minus already held."""
@@ -190,7 +191,7 @@ def plan(
     name to the target tensor name it carries (tied embeddings).
     """
     topology = topology or Topology()
-    sources = _resolve_aliases(sources, aliases or {})
+    sources, source_names = _resolve_aliases(sources, aliases or {})
     index: Dict[str, _HolderIndex] = {}
     sent: Dict[int, int] = defaultdict(int)
     needed: Dict[int, int] = defaultdict(int)
@@ -248,24 +249,27 @@ def plan(
 
     moves = [_move(sources[key[0]], key, tuple(dests)) for key, dests in remote.items()]
     rounds = _bucket(moves, bucket_bytes)
-    groups = sorted({m.group for rnd in rounds for m in rnd if len(m.dests) > 1})
+    groups = sorted({tuple(sorted(set(m.group))) for rnd in rounds for m in rnd if len({d.rank for d in m.dests}) > 1})
     fingerprint = _fingerprint(local, rounds, zero_fills)
     return Plan(
-        tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes, fingerprint
+        tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes,
+        fingerprint, source_names,
     )
 
 
-def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
-    if not aliases:
-        return sources
-    out = dict(sources)
+def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> Tuple[SourceLayout, Dict[str, str]]:
+    """Rename sources sent under an alias (tied ``lm_head.weight``) to the name targets use.
+
+    Returns the renamed layout and, for each renamed tensor, the name the shard
+    arrives under. An alias sent alongside its target name is redundant and dropped.
+    """
+    out, renamed = dict(sources), {}
     for alias, name in aliases.items():
-        if alias in out and name not in out:
-            src = out.pop(alias)
+        src = out.pop(alias, None)
+        if src is not None and name not in out:
             out[name] = SourceTensor(name, src.shape, src.dtype, src.holders)
-        else:
-            out.pop(alias, None)
-    return out
+            renamed[name] = alias
+    return out, renamed
 
 
 def _by_preference(candidates, rank: int, topology: Topology):

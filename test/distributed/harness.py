@@ -1,0 +1,105 @@
+"""Run a function on N gloo ranks in fresh processes and return what each rank returned.
+
+Every worker first makes the functions this project must never call raise
+(``DTensor.full_tensor``, ``gather_object``, ``all_gather_object``), so a test
+fails loudly if any code path funnels or materialises payloads.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+import torch.multiprocessing as mp
+
+FORBIDDEN = ("full_tensor", "gather_object", "all_gather_object")
+
+
+class ForbiddenCall(AssertionError):
+    pass
+
+
+def forbid_gathers() -> None:
+    """Replace the forbidden functions in this process with ones that raise."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.tensor import DTensor
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise ForbiddenCall(f"{name} was called")
+
+        return call
+
+    DTensor.full_tensor = refuse("DTensor.full_tensor")
+    for name in ("gather_object", "all_gather_object"):
+        setattr(dist, name, refuse(name))
+        setattr(c10d, name, refuse(name))
+
+
+def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        forbid_gathers()
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+PRELOAD = ["torch.distributed.tensor", "sglang.srt.weight_sync.executor"]
+
+
+def _context():
+    """A fork server that imported torch and sglang once, so each rank starts in milliseconds."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300) -> List[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; raises with every failing rank's traceback.
+
+    After the first failure the others get a few seconds to report, then are killed,
+    so one broken rank does not leave its peers hanging in a collective.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, results)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out, failures = {}, []
+        try:
+            for _ in range(world):
+                try:
+                    rank, ok, value = results.get(timeout=10 if failures else timeout)
+                except queue.Empty:  # the rest are stuck behind a failure or a hang
+                    failures.append(f"ranks {sorted(set(range(world)) - set(out))} gave no answer")
+                    break
+                if ok:
+                    out[rank] = value
+                else:
+                    failures.append(f"rank {rank}:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        if failures:
+            raise AssertionError("\n".join(failures))
+        return [out[r] for r in range(world)]

@@ -1,0 +1,172 @@
+"""Property tests of the planner on random shapes and layouts (pure, no processes).
+
+A plan is replayed symbolically on index-encoded tensors: every destination
+element must be written exactly once, with the right source element, from a
+rank that really holds it; each rank must receive exactly (needed - held)
+bytes, with ``held`` computed here independently; the same inputs in any
+order must give the same plan.
+"""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.planner import CoverageError, plan
+from sglang.srt.weight_sync.source_layout import describe_mesh
+from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+
+@st.composite
+def scenarios(draw):
+    world = draw(st.integers(1, 6))
+    ntensors = draw(st.integers(1, 3))
+    sources, fulls = {}, {}
+    for t in range(ntensors):
+        ndim = draw(st.integers(1, 3))
+        shape = tuple(draw(st.integers(1, 7)) for _ in range(ndim))
+        # A mesh over a random subset/permutation of ranks; every rank of the world is in it
+        # at most once. Random Shard/Replicate placements, uneven shards included.
+        mesh_ranks = draw(st.permutations(range(world)))
+        mesh_ndim = draw(st.integers(1, 2))
+        if mesh_ndim == 2 and world % 2 == 0 and world > 1:
+            mesh = [list(mesh_ranks[: world // 2]), list(mesh_ranks[world // 2:])]
+        else:
+            mesh_ndim, mesh = 1, list(mesh_ranks)
+        placements = tuple(
+            draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)])) for _ in range(mesh_ndim)
+        )
+        name = f"t{t}"
+        sources[name] = describe_mesh(name, shape, torch.float32, mesh, placements)
+        fulls[name] = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + 1000 * t
+    # Targets: each rank wants a few random boxes, stacked along dim 0 of one parameter per tensor.
+    targets = {}
+    for rank in range(world):
+        params = []
+        for name, src in sources.items():
+            if not draw(st.booleans()):
+                continue
+            pieces, row = [], 0
+            for _ in range(draw(st.integers(1, 3))):
+                lo = [draw(st.integers(0, s - 1)) for s in src.shape]
+                sz = [draw(st.integers(1, s - o)) for s, o in zip(src.shape, lo)]
+                box = Box(tuple(lo), tuple(sz))
+                width = tuple(max(s for s in src.shape) for _ in src.shape[1:])
+                pieces.append(Piece(name, box, (), (row,) + (0,) * (len(sz) - 1)))
+                row += sz[0]
+            shape = (row,) + tuple(max(p.box.sizes[d] for p in pieces) for d in range(1, len(src.shape)))
+            params.append(ParamTarget(f"{name}@{rank}", shape, torch.float32, tuple(pieces)))
+        targets[rank] = params
+    bucket = draw(st.sampled_from([16, 64, 1 << 20]))
+    return sources, fulls, targets, bucket
+
+
+def replay(p, sources, fulls, targets):
+    """Apply every move of the plan to index-encoded tensors; count writes per element."""
+    out = {(r, t.name): torch.zeros(t.shape, dtype=torch.float64) for r, ts in targets.items() for t in ts}
+    writes = {k: torch.zeros(v.shape, dtype=torch.int64) for k, v in out.items()}
+    moves = list(p.local) + [m for rnd in p.rounds for m in rnd]
+    for m in moves:
+        held = sources[m.tensor].box_of(m.src)
+        assert held == m.src_shard and held.contains(m.region), f"rank {m.src} does not hold {m.region} of {m.tensor}"
+        for d in m.dests:
+            key = (d.rank, d.param)
+            out[key][d.index][d.box(m.region).slices()] = fulls[m.tensor][m.region.slices()]
+            writes[key][d.index][d.box(m.region).slices()] += 1
+    return out, writes
+
+
+def check_plan(p, sources, fulls, targets):
+    out, writes = replay(p, sources, fulls, targets)
+    for rank, ts in targets.items():
+        needed = held = 0
+        for t in ts:
+            covered = torch.zeros(t.shape, dtype=torch.int64)
+            expect = torch.zeros(t.shape, dtype=torch.float64)
+            for piece in t.pieces:
+                covered[piece.dest_box().slices()] += 1
+                expect[piece.dest_box().slices()] = fulls[piece.tensor][piece.box.slices()]
+                needed += piece.box.numel * 4
+                mine = sources[piece.tensor].box_of(rank)
+                overlap = mine.intersect(piece.box) if mine is not None and not mine.is_empty() else None
+                held += overlap.numel * 4 if overlap else 0
+            assert torch.equal(writes[(rank, t.name)], covered), f"rank {rank} {t.name}: not written exactly once"
+            assert torch.equal(out[(rank, t.name)], expect), f"rank {rank} {t.name}: wrong data"
+        assert p.received_bytes(rank) == needed - held == p.lower_bound_bytes(rank)
+
+
+def covers(sources, targets):
+    """Whether every target element is held somewhere (computed by brute force)."""
+    for ts in targets.values():
+        for t in ts:
+            for piece in t.pieces:
+                mask = torch.zeros(sources[piece.tensor].shape, dtype=torch.bool)
+                for _, box in sources[piece.tensor].holders:
+                    if not box.is_empty():
+                        mask[box.slices()] = True
+                if not mask[piece.box.slices()].all():
+                    return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_exact_single_coverage_and_minimal_bytes(case):
+    sources, fulls, targets, bucket = case
+    if not covers(sources, targets):
+        with pytest.raises(CoverageError, match=r"tensor 't\d' box .* on rank \d+"):
+            plan(sources, targets, bucket_bytes=bucket)
+        return
+    p = plan(sources, targets, bucket_bytes=bucket)
+    check_plan(p, sources, fulls, targets)
+    for rnd in p.rounds:  # no rank moves more than the cap in one round (rows never exceed 7*7*4 bytes)
+        load = {}
+        for m in rnd:
+            for r in set(m.group):
+                load[r] = load.get(r, 0) + m.nbytes
+        assert all(v <= max(bucket, 7 * 7 * 4) for v in load.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_deterministic_regardless_of_input_order(case, rnd: random.Random):
+    sources, fulls, targets, bucket = case
+    if not covers(sources, targets):
+        return
+    shuffled = list(sources.items())
+    rnd.shuffle(shuffled)
+    ranks = list(targets.items())
+    rnd.shuffle(ranks)
+    a = plan(sources, targets, bucket_bytes=bucket)
+    b = plan(dict(shuffled), dict(ranks), bucket_bytes=bucket)
+    assert a.fingerprint == b.fingerprint
+    assert a == b
+
+
+def test_uncovered_box_names_tensor_box_and_rank():
+    src = {"w": describe_mesh("w", (8, 4), torch.float32, [0, 1], (Shard(0),))}
+    src["w"] = type(src["w"])("w", (8, 4), torch.float32, src["w"].holders[:1])  # rank 1's half is missing
+    need = {1: [ParamTarget("p", (8, 4), torch.float32, (Piece("w", Box.full((8, 4)), (), (0, 0)),))]}
+    with pytest.raises(CoverageError, match=r"tensor 'w' box \[4:8, 0:4\] \(for p on rank 1\)"):
+        plan(src, need)
+
+
+def test_replicas_share_the_sending():
+    """Four ranks need a tensor that two DP replicas hold: each replica serves two of them."""
+    src = {"w": describe_mesh("w", (4, 4), torch.float32, [0, 1], (Replicate(),))}
+    need = {r: [ParamTarget("p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),))] for r in range(2, 6)}
+    p = plan(src, need)
+    served = {m.src: sorted(d.rank for d in m.dests) for rnd in p.rounds for m in rnd}
+    assert served == {0: [2, 4], 1: [3, 5]}
+
+
+def test_identical_needs_become_one_broadcast():
+    src = {"w": describe_mesh("w", (4, 4), torch.float32, [0], (Replicate(),))}
+    need = {r: [ParamTarget("p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),))] for r in range(4)}
+    p = plan(src, need)
+    assert p.broadcast_groups == ((0, 1, 2, 3),)
+    assert [len(m.dests) for rnd in p.rounds for m in rnd] == [3]
