@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.executor import execute
+from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, execute
 from sglang.srt.weight_sync.planner import plan
 from sglang.srt.weight_sync.source_layout import describe_dtensor, describe_sharded
 from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
@@ -149,6 +149,7 @@ def run(rank: int, world: int, s: Scenario) -> dict:
     p = plan(layout, targets, bucket_bytes=s.bucket_bytes, aliases=targets_all.aliases)
     mine = targets[rank]
     params = {t.name: torch.full(t.shape, SENTINEL, dtype=t.dtype) for t in mine}
+    agree_on_plan(p)
     stats = execute(p, rank, local, params)
     reference = {n: v for n, v in full.items()}
     for alias, name in targets_all.aliases.items():
@@ -170,3 +171,17 @@ def run_all(rank: int, world: int, scenarios) -> list:
     """Several scenarios in one set of processes (they must all span ``world`` ranks)."""
     assert all(s.ranks == world for s in scenarios)
     return [run(rank, world, s) for s in scenarios]
+
+
+def disagreeing_plans(rank: int, world: int) -> str:
+    """Rank 1 believes in a different bucket size: every rank must refuse before moving data."""
+    s = Scenario(qwen2(), "megatron", 2, 2)
+    targets = model_targets_from_config(s.config, EngineParallel(2), torch.float32)
+    full = full_tensors(targets.tensor_shapes(), torch.float32)
+    layout, _ = _train_shards(s, rank, full)
+    p = plan(layout, targets.by_rank(), bucket_bytes=(1 << 20) if rank == 0 else 256)
+    try:
+        agree_on_plan(p)
+    except ExecutionError as e:
+        return str(e)
+    return "agreed"

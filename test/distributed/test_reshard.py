@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from reshard_cases import Scenario, llama_tied, qwen2, qwen3_moe, run_all
+from reshard_cases import Scenario, disagreeing_plans, llama_tied, qwen2, qwen3_moe, run_all
 
 
 def check(scenarios, results):
@@ -70,3 +70,8 @@ def test_gqa_two_kv_heads_vocab_padding_and_tied_embeddings():
 def test_moe_experts_ep_and_moe_tp(ep, train_tp):
     scenarios = [Scenario(qwen3_moe(), "megatron", train_tp, 4, moe_ep=ep)]
     check(scenarios, run_ranks(4, run_all, scenarios))
+
+
+def test_ranks_with_different_plans_refuse_together():
+    messages = run_ranks(2, disagreeing_plans)
+    assert all("ranks computed different plans" in m for m in messages), messages

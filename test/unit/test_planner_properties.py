@@ -170,3 +170,15 @@ def test_identical_needs_become_one_broadcast():
     p = plan(src, need)
     assert p.broadcast_groups == ((0, 1, 2, 3),)
     assert [len(m.dests) for rnd in p.rounds for m in rnd] == [3]
+
+
+def test_plan_cache_reuses_plans_for_unchanged_layouts():
+    from sglang.srt.weight_sync.planner import PlanCache
+
+    src = {"w": describe_mesh("w", (4, 4), torch.float32, [0, 1], (Shard(0),))}
+    need = {r: [ParamTarget("p", (2, 4), torch.float32, (Piece("w", Box((2 * r, 0), (2, 4)), (), (0, 0)),))] for r in (0, 1)}
+    cache = PlanCache()
+    first = cache.get(src, need)
+    assert cache.get(dict(src), {r: list(t) for r, t in need.items()}) is first
+    moved = {"w": describe_mesh("w", (4, 4), torch.float32, [1, 0], (Shard(0),))}
+    assert cache.get(moved, need) is not first

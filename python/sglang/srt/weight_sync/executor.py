@@ -134,6 +134,20 @@ def check_inputs(
     return sorted(set(problems))
 
 
+def agree_on_plan(plan: Plan, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Check, with one tiny all-reduce, that every rank is about to run the same plan.
+
+    Meant for a CPU (gloo) group, like SGLang's own control traffic (``tp_cpu_group``).
+    """
+    digest = int(plan.fingerprint[:15], 16)
+    both = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[0].item() != digest or -both[1].item() != digest:
+        raise ExecutionError(
+            f"ranks computed different plans (this rank {plan.fingerprint[:15]}): their layouts disagree"
+        )
+
+
 def execute(
     plan: Plan,
     rank: int,

@@ -257,6 +257,49 @@ def plan(
     )
 
 
+def inputs_fingerprint(
+    sources: SourceLayout,
+    targets: Mapping[int, Sequence[ParamTarget]],
+    topology: Optional[Topology] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    aliases: Optional[Mapping[str, str]] = None,
+) -> str:
+    """A digest of everything a plan depends on; equal digests give equal plans."""
+    h = hashlib.sha256()
+    for name in sorted(sources):
+        src = sources[name]
+        h.update(repr((name, src.shape, str(src.dtype), src.holders)).encode())
+    for rank in sorted(targets):
+        h.update(repr((rank, tuple(targets[rank]))).encode())
+    topology = topology or Topology()
+    h.update(repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()))).encode())
+    h.update(repr((bucket_bytes, sorted((aliases or {}).items()))).encode())
+    return h.hexdigest()
+
+
+class PlanCache:
+    """Plans by input digest: an unchanged layout (every step of an RL run) is planned once."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._plans: Dict[str, Plan] = {}
+
+    def get(
+        self,
+        sources: SourceLayout,
+        targets: Mapping[int, Sequence[ParamTarget]],
+        topology: Optional[Topology] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        aliases: Optional[Mapping[str, str]] = None,
+    ) -> Plan:
+        key = inputs_fingerprint(sources, targets, topology, bucket_bytes, aliases)
+        if key not in self._plans:
+            if len(self._plans) >= self.capacity:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan(sources, targets, topology, bucket_bytes, aliases)
+        return self._plans[key]
+
+
 def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> Tuple[SourceLayout, Dict[str, str]]:
     """Rename sources sent under an alias (tied ``lm_head.weight``) to the name targets use.
 
