@@ -41,7 +41,7 @@ def llama_tied(**overrides):
 def qwen3_moe(**overrides):
     cfg = dict(model_type="qwen3_moe", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                vocab_size=512, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
-               num_experts=8, mlp_only_layers=[0], tie_word_embeddings=False)
+               num_experts=8, tie_word_embeddings=False)
     cfg.update(overrides)
     return cfg
 

@@ -86,3 +86,26 @@ def test_unsupported_placements_name_the_tensor(placement, message):
 def test_mismatched_mesh_and_placements():
     with pytest.raises(LayoutError, match="tensor 'w': 1 placements for a 2-d mesh"):
         describe_mesh("w", (8,), torch.float32, [[0, 1], [2, 3]], (Shard(0),))
+
+
+def test_mesh_spec_round_trips_through_sglang_safe_unpickler():
+    """Layout facts travel with each payload; SGLang's SafeUnpickler must accept them."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+
+    spec = MeshSpec((10, 4), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0)))
+    wire = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(spec.to_wire()))
+    assert MeshSpec.from_wire(wire) == spec
+    assert MeshSpec.from_wire(wire).describe("w", {2: 0, 3: 1}) == describe_mesh(
+        "w", (10, 4), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0)), {2: 0, 3: 1}
+    )
+
+
+def test_mesh_spec_refuses_unknown_wire_values():
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+
+    with pytest.raises(LayoutError, match="unknown dtype 'float99'"):
+        MeshSpec.from_wire(((4,), "float99", [0], (("R",),)))
+    with pytest.raises(LayoutError, match="placement Partial is not supported"):
+        MeshSpec.from_wire(((4,), "float32", [0], (("Partial",),)))

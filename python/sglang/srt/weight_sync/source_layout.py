@@ -121,46 +121,73 @@ def describe_mesh(
     return SourceTensor(name, shape, dtype, tuple(holders))
 
 
+@dataclass(frozen=True)
+class MeshSpec:
+    """The facts a tensor's layout is computed from: global shape, dtype, the mesh of
+    (trainer) ranks and one placement per mesh dim. Small and made of builtins on the
+    wire, so it travels with every rank's payload and each receiver derives the same
+    layout without talking to the others."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    mesh: NestedRanks
+    placements: Tuple[Placement, ...]
+
+    @staticmethod
+    def of_dtensor(tensor: DTensor) -> "MeshSpec":
+        return MeshSpec(tuple(tensor.shape), tensor.dtype, tensor.device_mesh.mesh.tolist(), tuple(tensor.placements))
+
+    @staticmethod
+    def sharded(shape: Sequence[int], dtype: torch.dtype, dim: int, ranks: NestedRanks) -> "MeshSpec":
+        """Megatron-style explicit shards: ``ranks[i]`` holds chunk i of ``dim``;
+        a 2-d ``ranks`` lists DP replicas (one row per replica)."""
+        mesh_shape, _ = _flatten(ranks)
+        placements = (Replicate(),) * (len(mesh_shape) - 1) + (Shard(dim),)
+        return MeshSpec(tuple(shape), dtype, ranks, placements)
+
+    @staticmethod
+    def full(shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> "MeshSpec":
+        return MeshSpec(tuple(shape), dtype, list(ranks), (Replicate(),))
+
+    def describe(self, name: str, rank_map: Optional[Mapping[int, int]] = None) -> SourceTensor:
+        return describe_mesh(name, self.shape, self.dtype, self.mesh, self.placements, rank_map)
+
+    def to_wire(self) -> tuple:
+        places = tuple(("S", p.dim) if isinstance(p, Shard) and not isinstance(p, _StridedShard) else ("R",)
+                       if isinstance(p, Replicate) else (type(p).__name__,) for p in self.placements)
+        return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.mesh, places)
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "MeshSpec":
+        shape, dtype, mesh, places = wire
+        dt = getattr(torch, dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise LayoutError(f"unknown dtype {dtype!r}")
+        decoded = []
+        for p in places:
+            if p[0] == "S":
+                decoded.append(Shard(int(p[1])))
+            elif p[0] == "R":
+                decoded.append(Replicate())
+            else:
+                raise LayoutError(f"placement {p[0]} is not supported")
+        return MeshSpec(tuple(int(s) for s in shape), dt, mesh, tuple(decoded))
+
+
 def describe_dtensor(
     name: str, tensor: DTensor, rank_map: Optional[Mapping[int, int]] = None
 ) -> SourceTensor:
     """Layout of a DTensor from its mesh and placements; its data is never touched."""
-    return describe_mesh(
-        name,
-        tuple(tensor.shape),
-        tensor.dtype,
-        tensor.device_mesh.mesh.tolist(),
-        tensor.placements,
-        rank_map,
-    )
+    return MeshSpec.of_dtensor(tensor).describe(name, rank_map)
 
 
 def describe_sharded(
-    name: str,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    dim: int,
-    ranks: NestedRanks,
+    name: str, shape: Sequence[int], dtype: torch.dtype, dim: int, ranks: NestedRanks
 ) -> SourceTensor:
-    """Megatron-style explicit shards: ``ranks[i]`` holds chunk i of ``dim``.
-
-    A 2-d ``ranks`` lists DP replicas (one row per replica, each a full set of shards).
-    """
-    mesh_shape, _ = _flatten(ranks)
-    placements = (Replicate(),) * (len(mesh_shape) - 1) + (Shard(dim),)
-    return describe_mesh(name, shape, dtype, ranks, placements)
+    """Megatron-style explicit shards (see ``MeshSpec.sharded``)."""
+    return MeshSpec.sharded(shape, dtype, dim, ranks).describe(name)
 
 
-def describe_full(
-    name: str, shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]
-) -> SourceTensor:
+def describe_full(name: str, shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> SourceTensor:
     """Every listed rank holds the whole tensor."""
-    return describe_mesh(name, shape, dtype, list(ranks), (Replicate(),))
-
-
-def local_box(source: SourceTensor, rank: int) -> Box:
-    """This rank's box, or an error naming the tensor when it holds none."""
-    box = source.box_of(rank)
-    if box is None:
-        raise LayoutError(f"tensor {source.name!r}: rank {rank} holds no shard")
-    return box
+    return MeshSpec.full(shape, dtype, ranks).describe(name)

@@ -351,9 +351,17 @@ def model_targets_from_config(
     qkv_bias = model_type == "qwen2" or bool(_cfg(config, "attention_bias", False))
     o_bias = model_type != "qwen2" and bool(_cfg(config, "attention_bias", False))
     tied = bool(_cfg(config, "tie_word_embeddings", False)) and model_type != "qwen3_moe"
-    experts = _cfg(config, "num_experts", 0) if model_type == "qwen3_moe" else 0
-    dense_layers = set(_cfg(config, "mlp_only_layers", None) or [])
-    sparse_step = _cfg(config, "decoder_sparse_step", 1) or 1
+    experts = 0
+    if model_type == "qwen3_moe":
+        # transformers 5 writes the expert count as num_local_experts; its config object aliases num_experts.
+        experts = _cfg(config, "num_experts", None) or _cfg(config, "num_local_experts", None)
+        if not experts:
+            raise ValueError("qwen3_moe config has neither num_experts nor num_local_experts")
+        if _cfg(config, "mlp_only_layers", None) or (_cfg(config, "decoder_sparse_step", 1) or 1) != 1:
+            raise ValueError(
+                "qwen3_moe with mlp_only_layers or decoder_sparse_step != 1 is not supported: SGLang 0.5.23 "
+                "builds every layer sparse and never loads those layers' dense weights"
+            )
 
     embed_group = "tp" if model_type == "llama" else "attn_tp"  # Qwen embeds on attn_tp under DP attention
     rules: List[Rule] = [Vocab("model.embed_tokens.weight", "model.embed_tokens.weight", (vocab, hidden), group=embed_group)]
@@ -373,7 +381,7 @@ def model_targets_from_config(
             rules += [Replicated(f"{a}.{n}.weight", f"{a}.{n}.weight", (head_dim,)) for n in ("q_norm", "k_norm")]
         rules += [Replicated(f"{p}.{n}.weight", f"{p}.{n}.weight", (hidden,)) for n in ("input_layernorm", "post_attention_layernorm")]
         m = f"{p}.mlp"
-        if experts and layer not in dense_layers and (layer + 1) % sparse_step == 0:
+        if experts:
             inter = _cfg(config, "moe_intermediate_size")
             rules.append(Replicated(f"{m}.gate.weight", f"{m}.gate.weight", (experts, hidden)))
             rules.append(ExpertsW13(f"{m}.experts.w13_weight", m + ".experts.{e}.gate_proj.weight", m + ".experts.{e}.up_proj.weight", experts, inter, hidden))

@@ -1,0 +1,363 @@
+"""Build real SGLang 0.5.23 models on one CPU process as if they were engine TP rank r of T.
+
+Nothing here runs a forward pass or touches torch.distributed. The model classes
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM``) are constructed from a tiny HF config and fed full HF
+checkpoint tensors through their own ``load_weights`` (then the loader's post-load
+processing, as ``DefaultModelLoader`` runs it), so every parameter ends up sliced by
+SGLang's own weight loaders. The result is SGLang's ground truth for the per-rank
+layout, which ``test_targets_vs_sglang_loaders.py`` compares with our target rules.
+
+How TP is faked (the same way SGLang's own tests do it, see
+``sglang/test/parallel_groups.py``):
+
+* ``get_context().override_server_args(tp_size=T, ep_size=EP)`` publishes a dummy
+  config, so the derived widths (attn_tp_size, moe_ep_size, moe_tp_size) are
+  SGLang's own.
+* ``get_parallel().override(...)`` sets every rank (tp, attn_tp, moe_ep, moe_tp,
+  pp, ...) with the launcher's formulas (``derive_spawn_ranks``:
+  moe_tp_rank = r % (T/EP), moe_ep_rank = r // (T/EP)) and installs fake group
+  objects carrying ``rank_in_group``/``world_size``, which is all that layers
+  read (``get_group_rank_size``). A fake group raises on anything else, so a
+  construction path that would need a real collective is reported, not hidden.
+
+Two platform modes, each run in its own subprocess because SGLang reads
+``SGLANG_USE_CPU_ENGINE`` once, at import:
+
+* ``default``: no CPU engine. The loaders take their generic (CUDA) branches:
+  plain ``narrow``; FusedMoE without padded loading, default runner (triton
+  layout). Only ``RotaryEmbedding.__init__`` imports ``vllm._custom_ops`` on such a
+  platform; a module with that name is provided (its function is never called).
+* ``cpu``: ``SGLANG_USE_CPU_ENGINE=1`` with an import-only ``sgl_kernel`` stand-in
+  (``_stubs/``). Loaders take their CPU branches (``narrow_padded_param_and_loaded_weight``,
+  FusedMoE ``use_padded_loading``), and the HF config is first passed through
+  ``adjust_config_with_unaligned_cpu_tp`` exactly as ``ModelRunner`` does when
+  ``device == "cpu"``.
+
+Usage as a worker: ``python sglang_fakes.py JOB.json OUT.pt`` (see ``run_job``).
+The light helpers (index encoding, decoding) import nothing from SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+STUBS = HERE / "_stubs"
+SENTINEL = -1.0  # written into every parameter before loading: "SGLang never wrote this element"
+
+# Config keys whose CPU-engine adjustment we report.
+ADJUSTED_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim")
+
+MODEL_CLASSES = {
+    "llama": ("sglang.srt.models.llama", "LlamaForCausalLM"),
+    "qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Index encoding: every element of every HF tensor gets a distinct positive value.
+
+
+def index_encoded(shapes: Sequence[Tuple[str, Sequence[int]]]) -> Dict[str, torch.Tensor]:
+    """Full HF tensors whose elements are 1, 2, 3, ... in (sorted name, row-major) order.
+
+    float32 holds every integer below 2**24 exactly, so values survive any copy
+    bit-exactly and 0 (padding) and ``SENTINEL`` never collide with data.
+    """
+    out, offset = {}, 1
+    for name, shape in sorted((n, tuple(s)) for n, s in shapes):
+        numel = math.prod(shape)
+        out[name] = (torch.arange(numel, dtype=torch.float64) + offset).to(torch.float32).reshape(shape)
+        offset += numel
+    if offset >= 2**24:
+        raise ValueError(f"{offset} elements do not fit float32 exactly; use a smaller config")
+    return out
+
+
+def describe_value(value: float, full: Dict[str, torch.Tensor]) -> str:
+    """Which HF element an index-encoded value came from (for failure messages)."""
+    if value == 0:
+        return "0 (zero fill)"
+    if value == SENTINEL:
+        return "never written by SGLang"
+    offset = 1
+    for name in sorted(full):
+        numel = full[name].numel()
+        if offset <= value < offset + numel:
+            flat, index = int(value) - offset, []
+            for size in reversed(full[name].shape):
+                index.append(flat % size)
+                flat //= size
+            return f"{name}{list(reversed(index))}"
+        offset += numel
+    return f"{value!r} (not an HF element)"
+
+
+def describe_layout(param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs: int = 24) -> str:
+    """Where each block of ``param`` came from, as runs of HF rows and columns.
+
+    E.g. ``[0][0:32, 0:64] <- experts.4.gate_proj.weight[0:32, 0:64]; [0][32:64, 0:64] <- zero``:
+    the precise layout of a parameter whose shape the rules do not predict.
+    """
+    names = sorted(full)
+    starts, offset = [], 1
+    for name in names:
+        starts.append(offset)
+        offset += full[name].numel()
+    starts_t = torch.tensor(starts, dtype=torch.int64)
+    p = param.reshape(1, -1) if param.dim() == 1 else param
+    lead = tuple(p.shape[:-2])
+    nrows, ncols = p.shape[-2], p.shape[-1]
+    rows = p.reshape(-1, ncols)
+
+    v = rows.to(torch.float64)
+    ids = torch.searchsorted(starts_t, v.clamp(min=1).to(torch.int64), right=True) - 1
+    ids = torch.where(v == 0, -1, torch.where(v == SENTINEL, -2, ids))
+    vi = v.to(torch.int64)
+    # a new segment starts where the source tensor changes or the HF elements stop being consecutive
+    breaks = (ids[:, 1:] != ids[:, :-1]) | ((ids[:, 1:] >= 0) & (vi[:, 1:] != vi[:, :-1] + 1))
+    ids_l, vi_l, breaks_l = ids.tolist(), vi.tolist(), breaks.tolist()
+
+    def segments(i):
+        cuts = [0] + [j + 1 for j, b in enumerate(breaks_l[i]) if b] + [ncols]
+        return [(ids_l[i][a], vi_l[i][a], a, b) for a, b in zip(cuts, cuts[1:])]
+
+    def hf_index(tid, value):
+        flat, index = value - starts[tid], []
+        for size in reversed(full[names[tid]].shape):
+            index.append(flat % size)
+            flat //= size
+        return list(reversed(index))
+
+    runs = []  # [outer, row_a, row_b, segs]
+    for i in range(rows.shape[0]):
+        outer, r = divmod(i, nrows)
+        segs = segments(i)
+        prev = runs[-1] if runs else None
+        if prev and prev[0] == outer and len(prev[3]) == len(segs) and all(
+            (a[0], a[2], a[3]) == (b[0], b[2], b[3])
+            and (a[0] < 0 or b[1] == a[1] + (r - prev[1]) * full[names[a[0]]].shape[-1])
+            for a, b in zip(prev[3], segs)
+        ):
+            prev[2] = r + 1
+        else:
+            runs.append([outer, r, r + 1, segs])
+    parts = []
+    for outer, a, b, segs in runs:
+        for tid, value, c0, c1 in segs:
+            where = (f"[{outer}]" if lead else "") + (f"[{a}:{b}, {c0}:{c1}]" if param.dim() > 1 else f"[{c0}:{c1}]")
+            if tid == -1:
+                parts.append(f"{where} <- zero")
+            elif tid == -2:
+                parts.append(f"{where} <- never written")
+            else:
+                idx = hf_index(tid, value)
+                if len(idx) == 1:
+                    src = f"{idx[0]}:{idx[0] + c1 - c0}"
+                else:
+                    src = ", ".join(map(str, idx[:-2])) + (", " if len(idx) > 2 else "")
+                    src += f"{idx[-2]}:{idx[-2] + b - a}, {idx[-1]}:{idx[-1] + c1 - c0}"
+                parts.append(f"{where} <- {names[tid]}[{src}]")
+    more = f"; ... ({len(parts) - max_runs} more)" if len(parts) > max_runs else ""
+    return "; ".join(parts[:max_runs]) + more
+
+
+# ----------------------------------------------------------------------------------------------
+# Faked TP rank (SGLang imports are deferred: the env var must be set before the first one).
+
+
+class FakeGroup:
+    """Stands in for a GroupCoordinator: placement metadata only."""
+
+    def __init__(self, rank_in_group: int, world_size: int):
+        self.rank_in_group = rank_in_group
+        self.world_size = world_size
+        self.ranks = list(range(world_size))
+        self.cpu_group = None  # LogitsProcessor keeps a handle for chunked logprobs; unused here
+        self.device_group = None
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def __getattr__(self, name):
+        raise AttributeError(f"FakeGroup({self.rank_in_group}/{self.world_size}) has no {name!r}: "
+                             "model construction needed a real process group")
+
+
+@contextmanager
+def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1):
+    """Publish a dummy SGLang config for TP ``tp_size`` / EP ``moe_ep_size`` and act as ``rank``."""
+    from sglang.srt.runtime_context import derive_spawn_ranks, get_context, get_parallel
+
+    installed = get_context().override_server_args(tp_size=tp_size, ep_size=moe_ep_size)
+    installed.install()
+    try:
+        parallel = get_parallel()
+        assert (parallel.attn_tp_size, parallel.moe_ep_size, parallel.moe_tp_size) == (
+            tp_size, moe_ep_size, tp_size // moe_ep_size)
+        ranks = derive_spawn_ranks(world_rank=rank, tp_size=tp_size, ep_join_rank_offset=0, attn_cp_size=1,
+                                   attn_tp_size=tp_size, moe_dp_size=1, moe_ep_size=moe_ep_size)
+        assert ranks["tp_rank"] == rank and ranks["pp_rank"] == 0
+        moe_tp = tp_size // moe_ep_size
+        values = dict(
+            ranks, attn_tp_rank=rank, attn_dp_rank=0,
+            tp_group=FakeGroup(rank, tp_size),
+            attn_tp_group=FakeGroup(rank, tp_size),
+            moe_ep_group=FakeGroup(ranks["moe_ep_rank"], moe_ep_size),
+            moe_tp_group=FakeGroup(ranks["moe_tp_rank"], moe_tp),
+            moe_dp_group=FakeGroup(0, 1),
+            attn_cp_group=FakeGroup(0, 1),
+            pp_group=FakeGroup(0, 1),
+        )
+        with parallel.override(**values):
+            yield
+    finally:
+        installed.restore()
+
+
+def _provide_vllm_rotary_import() -> None:
+    """On a platform that is neither CUDA nor CPU, ``RotaryEmbedding.__init__`` runs
+    ``from vllm._custom_ops import rotary_embedding``; give that import something to find."""
+    import types
+
+    if "vllm._custom_ops" in sys.modules:
+        return
+    vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+
+    def rotary_embedding(*args, **kwargs):
+        raise NotImplementedError("forward is never run in these tests")
+
+    ops.rotary_embedding = rotary_embedding
+    vllm._custom_ops = ops
+    sys.modules.setdefault("vllm", vllm)
+    sys.modules["vllm._custom_ops"] = ops
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker: HF checkpoint -> SGLang model on rank r -> its parameters.
+
+
+def _save_checkpoint(spec: dict, directory: Path) -> dict:
+    """Write the tiny HF model with ``save_pretrained``; return its config.json and tensor list.
+
+    ``save_pretrained`` gives the on-disk names that SGLang's loaders expect (per-expert
+    ``experts.{e}.gate_proj.weight`` rather than transformers 5's fused in-memory
+    ``experts.gate_up_proj``; no ``lm_head.weight`` when tied).
+    """
+    import transformers
+    from safetensors import safe_open
+
+    kwargs = dict(spec)
+    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    shapes = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            shapes += [(name, list(f.get_slice(name).get_shape())) for name in f.keys()]
+    return {"dir": str(directory), "config": json.loads((directory / "config.json").read_text()),
+            "tensors": sorted(shapes)}
+
+
+def _model_config(directory: Path, mode: str, tp_size: int):
+    """SGLang's own ModelConfig for the checkpoint, adjusted as ModelRunner does on CPU."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+
+    model_config = ModelConfig(model_path=str(directory))
+    changes = {}
+    if mode == "cpu":
+        from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
+
+        before = {k: getattr(model_config.hf_config, k, None) for k in ADJUSTED_KEYS}
+        model_config = adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(), tp_size)
+        after = {k: getattr(model_config.hf_config, k, None) for k in ADJUSTED_KEYS}
+        changes = {k: (before[k], after[k]) for k in ADJUSTED_KEYS if before[k] != after[k]}
+    return model_config.hf_config, changes
+
+
+def load_rank(model_type: str, hf_config, full: Dict[str, torch.Tensor], tp_size: int, rank: int,
+              moe_ep_size: int = 1) -> Dict[str, torch.Tensor]:
+    """SGLang's parameters on engine rank ``rank`` after ``load_weights`` of the full tensors."""
+    import importlib
+
+    module, cls = MODEL_CLASSES[model_type]
+    with fake_engine_rank(tp_size, rank, moe_ep_size):
+        model = getattr(importlib.import_module(module), cls)(hf_config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(SENTINEL)
+        model.load_weights(iter(full.items()))
+        # What DefaultModelLoader.load_model does next: each quant method's post-load processing
+        # (repacking would change the in-memory layout that weight updates write into).
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def run_job(job: dict, out_path: str) -> None:
+    """``job``: {"mode", "workdir", "configs": {id: hf kwargs}, "cases": [[case_id, cfg_id, T, r, ep]]}.
+
+    Writes ``torch.save({"checkpoints": {cfg_id: {"dir", "config": <config.json>, "tensors":
+    [(name, shape)]}}, "results": {case_id: {"params": {...}, "config_changes": {...}} | {"error": str}},
+    "platform": {...}})``.
+    """
+    mode = job["mode"]
+    if mode == "default":
+        _provide_vllm_rotary_import()
+    import sglang.srt.utils as sgl_utils
+
+    platform = {"is_cpu": bool(sgl_utils.is_cpu()), "is_cuda": bool(sgl_utils.is_cuda())}
+    if platform["is_cpu"] != (mode == "cpu"):
+        raise RuntimeError(f"mode {mode!r} but SGLang sees is_cpu()={platform['is_cpu']}")
+
+    checkpoints, results = {}, {}
+    workdir = Path(job["workdir"])
+    for cfg_id, spec in job["configs"].items():
+        checkpoints[cfg_id] = _save_checkpoint(spec, workdir / cfg_id)
+    for case_id, cfg_id, tp_size, rank, ep in job["cases"]:
+        try:
+            with fake_engine_rank(tp_size, rank, ep):  # ModelConfig may read the published config
+                hf_config, changes = _model_config(workdir / cfg_id, mode, tp_size)
+            full = index_encoded(checkpoints[cfg_id]["tensors"])
+            params = load_rank(job["configs"][cfg_id]["model_type"], hf_config, full, tp_size, rank, ep)
+            results[case_id] = {"params": params, "config_changes": changes}
+        except Exception:  # reported per case by the test
+            results[case_id] = {"error": traceback.format_exc()}
+    torch.save({"checkpoints": checkpoints, "results": results, "platform": platform}, out_path)
+
+
+def worker_env(mode: str) -> Dict[str, str]:
+    """Environment for a worker subprocess of ``mode`` ("default" or "cpu")."""
+    env = dict(os.environ)
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    if mode == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUBS), env.get("PYTHONPATH")]))
+    return env
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        run_job(json.load(f), sys.argv[2])

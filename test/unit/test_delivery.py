@@ -1,0 +1,56 @@
+"""The per-rank channel: a trainer process's shards reach the engine rank's process intact."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Shard
+
+from sglang.srt.weight_sync.delivery import DeliveryError, ShardReceiver, ShardSender, make_channel
+from sglang.srt.weight_sync.source_layout import MeshSpec
+
+
+def _trainer(channel, ready, done):
+    sender = ShardSender(channel, engine_rank=1)
+    stale = torch.zeros(2)
+    sender.send("old", 5, {4: 0, 5: 1}, [("w", stale, MeshSpec.full((2,), torch.float32, [4, 5]))])
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100
+    sender.send("u1", 5, {4: 0, 5: 1}, [("w", w, MeshSpec.sharded((6, 4), torch.float32, 0, [4, 5]))])
+    ready.set()
+    done.wait(60)  # the shared memory stays valid while the trainer waits for the engine
+    sender.close()
+
+
+def test_shards_travel_between_processes_and_stale_updates_are_dropped():
+    channel = make_channel()
+    assert os.stat(channel).st_mode & 0o777 == 0o700
+    receiver = ShardReceiver(engine_rank=1)
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_trainer, args=(channel, ready, done))
+    proc.start()
+    try:
+        payload = receiver.receive(channel, "u1", timeout_s=60)
+        assert payload.trainer_rank == 5 and payload.rank_map == {4: 0, 5: 1}
+        assert torch.equal(payload.tensors["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100)
+        assert payload.specs["w"].placements == (Shard(0),)
+        assert [(r, b.offsets) for r, b in payload.specs["w"].describe("w", payload.rank_map).holders] == [
+            (0, (0, 0)), (1, (3, 0))]
+    finally:
+        done.set()
+        proc.join(30)
+        receiver.close()
+
+
+def test_missing_payload_times_out_naming_rank_and_update():
+    receiver = ShardReceiver(engine_rank=3)
+    with pytest.raises(DeliveryError, match="engine rank 3: no payload for update 'u9' within 0.2s"):
+        receiver.receive(make_channel(), "u9", timeout_s=0.2)
+    receiver.close()
+
+
+def test_channel_must_be_private(tmp_path):
+    os.chmod(tmp_path, 0o755)
+    with pytest.raises(DeliveryError, match="mode 0700"):
+        ShardSender(str(tmp_path), 0)
