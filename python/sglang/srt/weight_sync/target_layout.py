@@ -302,12 +302,14 @@ class ModelTargets:
 
     ``aliases`` maps HF names that carry the same data as another name (tied
     ``lm_head.weight`` -> ``model.embed_tokens.weight``) so either may be sent.
+    ``dtype_of`` overrides ``dtype`` per parameter (a live engine's fp32 norms, say).
     """
 
     rules: Tuple[Rule, ...]
     parallel: EngineParallel
     dtype: torch.dtype
     aliases: Mapping[str, str] = field(default_factory=dict)
+    dtype_of: Mapping[str, torch.dtype] = field(default_factory=dict)
 
     def tensor_shapes(self) -> Dict[str, Tuple[int, ...]]:
         shapes: Dict[str, Tuple[int, ...]] = {}
@@ -316,7 +318,7 @@ class ModelTargets:
         return shapes
 
     def for_rank(self, rank: int) -> List[ParamTarget]:
-        return [rule.target(rank, self.parallel, self.dtype) for rule in self.rules]
+        return [rule.target(rank, self.parallel, self.dtype_of.get(rule.param, self.dtype)) for rule in self.rules]
 
     def by_rank(self) -> Dict[int, List[ParamTarget]]:
         return {r: self.for_rank(r) for r in range(self.parallel.tp_size)}

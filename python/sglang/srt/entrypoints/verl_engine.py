@@ -1,0 +1,134 @@
+"""VerlEngine: an SGLang engine driven SPMD-style from every rank of a trainer's TP mesh.
+
+It returns with the contract it had in SGLang 0.4.7 (removed upstream in 0.4.8):
+build it on every rank of ``device_mesh_cpu`` (a 1-D CPU/gloo mesh of the
+trainer ranks that form one inference TP group); the first rank of each node
+hosts the engine. What changed is ``update_weights_from_tensor``: each rank
+keeps its DTensor's local shard (never ``full_tensor()``), delivers it to the
+engine rank beside it, and nothing is gathered (no ``gather_object``); the
+engine reshards on the device (``UpdateWeightsDistributedReqInput``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Literal, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from sglang.srt.weight_sync.trainer_update import Mode, send_weights
+
+
+class VerlEngine:
+    def __init__(
+        self,
+        device_mesh_cpu: DeviceMesh,
+        nnodes: int = 1,
+        backend: Literal["engine", "server"] = "engine",
+        weight_sync_mode: Mode = "auto",
+        **kwargs,
+    ):
+        """``kwargs`` are ``Engine`` (or ``HttpServerEngineAdapter``) arguments;
+        ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer")."""
+        self._device_mesh_cpu = device_mesh_cpu
+        self._group = device_mesh_cpu.get_group()
+        self._ranks = [int(r) for r in device_mesh_cpu.mesh.tolist()]
+        self._tp_rank = device_mesh_cpu.get_local_rank()
+        self._tp_size = device_mesh_cpu.size()
+        self._weight_sync_mode = weight_sync_mode
+        tp_size_per_node = self._tp_size // nnodes
+        node_rank = self._tp_rank // tp_size_per_node
+        first_rank_in_node = self._tp_rank % tp_size_per_node == 0
+        engine_kwargs = dict(**kwargs, tp_size=self._tp_size, node_rank=node_rank, nnodes=nnodes)
+
+        self._engine = None
+        if backend == "engine" and first_rank_in_node:
+            from sglang.srt.entrypoints.engine import Engine
+
+            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+            self._engine = Engine(**engine_kwargs)
+        elif backend == "server" and self._tp_rank == 0:
+            from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
+
+            self._engine = HttpServerEngineAdapter(**engine_kwargs)
+        dist.barrier(group=self._group)
+
+    def generate(
+        self,
+        prompt: Optional[Union[List[str], str]] = None,
+        sampling_params: Optional[Union[List[Dict], Dict]] = None,
+        input_ids: Optional[Union[List[List[int]], List[int]]] = None,
+        image_data: Optional[Union[List[str], str]] = None,
+        return_logprob: Optional[Union[List[bool], bool]] = False,
+        logprob_start_len: Optional[Union[List[int], int]] = None,
+        top_logprobs_num: Optional[Union[List[int], int]] = None,
+        token_ids_logprob: Optional[Union[List[List[int]], List[int]]] = None,
+        lora_path: Optional[List[Optional[str]]] = None,
+        custom_logit_processor: Optional[Union[List[str], str]] = None,
+    ) -> Dict:
+        """Arguments as ``GenerateReqInput``; every rank gets the output."""
+        output = None
+        if self._tp_rank == 0:
+            output = self._engine.generate(
+                prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
+                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
+                lora_path=lora_path, custom_logit_processor=custom_logit_processor,
+            )
+        return self._from_rank0(output)
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: List[Tuple[str, torch.Tensor]],
+        load_format: Optional[str] = None,
+    ) -> None:
+        """Update the engine's weights; call on every rank of the mesh with the same names.
+
+        DTensors are delivered as their local shards; plain tensors are taken to
+        be full on every rank. Raises on every rank if the engine refused the
+        update (its old weights are then still serving).
+        """
+        if load_format is not None:
+            raise ValueError(
+                f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
+                "only load_format=None is supported"
+            )
+        chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode)
+        dist.barrier(group=self._group)  # every payload is on its way before the engine looks
+        result = None
+        if self._tp_rank == 0:
+            self._engine.begin_weight_update()
+            try:
+                result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True)
+            finally:
+                self._engine.end_weight_update()
+        success, message = self._from_rank0(result)
+        if not success:
+            raise RuntimeError(f"weight update {update_id} failed: {message}")
+
+    def release_memory_occupation(self) -> None:
+        if self._tp_rank == 0:
+            self._engine.release_memory_occupation()
+        dist.barrier(group=self._group)
+
+    def resume_memory_occupation(self) -> None:
+        if self._tp_rank == 0:
+            self._engine.resume_memory_occupation()
+        dist.barrier(group=self._group)
+
+    def flush_cache(self) -> None:
+        if self._tp_rank == 0:
+            self._engine.flush_cache()
+        dist.barrier(group=self._group)
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+
+    def _from_rank0(self, value):
+        """Rank 0's (small) result on every rank of the mesh."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self._ranks[0], group=self._group)
+        return box[0]

@@ -1,0 +1,430 @@
+"""The request path of a distributed weight update, as patches/0001..0004 hook it into SGLang 0.5.23.
+
+Checked against the installed wheel, in one process, without an engine: the request
+types and their msgpack round trip, Engine / TokenizerManager / HTTP entry points, the
+scheduler's dispatcher entry and handler (session check, receive once, apply per runner,
+final TP barrier, the reserved load_format of the tensor path), the TP worker and model
+runner hooks. ``sglang.srt.weight_sync.engine_update`` is imported inside the tests only,
+and its functions are replaced by fakes where a hook calls them: this file checks the
+wiring, not the update itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from types import SimpleNamespace
+from typing import List
+
+import msgspec
+import pytest
+import torch
+
+import sglang.srt.managers.io_struct as io
+
+CHANNEL = "/tmp/weight-sync-channel"
+SESSION_MESSAGE = "update_weights_distributed must run between begin_weight_update() and end_weight_update()"
+
+
+def _request(**kw) -> io.UpdateWeightsDistributedReqInput:
+    return io.UpdateWeightsDistributedReqInput(update_id="u", channel=CHANNEL, **kw)
+
+
+# ---------------------------------------------------------------- io_struct (patch 0001)
+
+
+def test_request_types_are_registered_direct_base_req_subclasses():
+    for cls in (io.UpdateWeightsDistributedReqInput, io.UpdateWeightsDistributedReqOutput):
+        assert cls.__module__ == io.__name__
+        assert io.BaseReq in cls.__bases__, f"{cls.__name__} must subclass BaseReq directly"
+        assert cls in io._struct_types, f"{cls.__name__} is missing from the msgpack decoder's union"
+    # upstream's type for the NCCL broadcast path is a different struct with a different wire tag
+    assert io.UpdateWeightsDistributedReqInput is not io.UpdateWeightsFromDistributedReqInput
+
+
+def test_request_defaults():
+    req = _request()
+    assert (req.update_id, req.channel, req.timeout_s, req.bucket_bytes) == ("u", CHANNEL, 120.0, None)
+    assert req.flush_cache is True and req.abort_all_requests is False
+    assert req.weight_version is None and req.selector == "all"
+    assert req.torch_empty_cache is False  # read by the scheduler's flush_cache_after_weight_update
+    with pytest.raises(TypeError):
+        io.UpdateWeightsDistributedReqInput(channel=CHANNEL)  # update_id is required
+
+
+def test_request_round_trips_through_scheduler_ipc_msgpack():
+    for req in (
+        _request(),
+        _request(timeout_s=5.5, bucket_bytes=1 << 20, flush_cache=False, abort_all_requests=True,
+                 weight_version="v7", selector="target", torch_empty_cache=True, rid="r1"),
+    ):
+        data = io.msgpack_encode(req)  # what sock_send puts on the ZMQ socket
+        back = io.msgpack_decode(data)  # what sock_recv returns (io._msgpack_decoder)
+        assert type(back) is io.UpdateWeightsDistributedReqInput
+        assert back == req
+
+
+def test_output_constructs_and_round_trips():
+    for out in (io.UpdateWeightsDistributedReqOutput(success=True, message="Success"),
+                io.UpdateWeightsDistributedReqOutput(success=False, message="refused")):
+        back = io.msgpack_decode(io.msgpack_encode(out))
+        assert type(back) is io.UpdateWeightsDistributedReqOutput and back == out
+
+
+def test_selector_is_validated_on_decode():
+    bad = io.msgpack_encode(_request()).replace(b"all", b"xyz")
+    with pytest.raises(msgspec.ValidationError):
+        io.msgpack_decode(bad)
+
+
+# ---------------------------------------------------------------- Engine, TokenizerManager (patch 0002)
+
+
+def test_engine_method_builds_request_and_returns_tokenizer_result():
+    from sglang.srt.entrypoints.engine import Engine
+
+    params = list(inspect.signature(Engine.update_weights_distributed).parameters)
+    assert params == ["self", "update_id", "channel", "timeout_s", "bucket_bytes", "flush_cache",
+                      "abort_all_requests", "weight_version", "selector"]
+    seen = []
+
+    class FakeTokenizerManager:
+        async def update_weights_distributed(self, obj, request):
+            seen.append((obj, request))
+            return True, "Success"
+
+    engine = SimpleNamespace(loop=asyncio.new_event_loop(), tokenizer_manager=FakeTokenizerManager())
+    try:
+        result = Engine.update_weights_distributed(engine, "u1", CHANNEL, timeout_s=9.0, bucket_bytes=64,
+                                                   flush_cache=False, weight_version="v2", selector="target")
+    finally:
+        engine.loop.close()
+    assert result == (True, "Success")
+    (obj, request), = seen
+    assert request is None
+    assert obj == io.UpdateWeightsDistributedReqInput(update_id="u1", channel=CHANNEL, timeout_s=9.0,
+                                                      bucket_bytes=64, flush_cache=False,
+                                                      weight_version="v2", selector="target")
+
+
+def test_tokenizer_communicator_is_declared():
+    from sglang.srt.managers import tokenizer_control_mixin as tcm
+
+    specs = {spec[0]: spec for spec in tcm._COMMUNICATOR_SPECS}
+    assert specs["update_weights_distributed"] == ("update_weights_distributed", io.UpdateWeightsDistributedReqOutput)
+
+
+class _FakeTokenizerManager:
+    """Just what TokenizerControlMixin.update_weights_distributed touches."""
+
+    def __init__(self, replies, paused=False):
+        from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+
+        self._mixin = TokenizerControlMixin
+        self.replies, self.is_pause, self.events = replies, paused, []
+        self.is_pause_cond = asyncio.Condition()
+        self.mm_processor = SimpleNamespace(clear_preprocess_cache=lambda: self.events.append("clear_mm"))
+        manager = self
+
+        class _Lock:
+            @property
+            def writer_lock(self):
+                class _Writer:
+                    async def __aenter__(self_inner):
+                        manager.events.append("writer_lock")
+
+                    async def __aexit__(self_inner, *exc):
+                        manager.events.append("writer_unlock")
+
+                return _Writer()
+
+        self.model_update_lock = _Lock()
+
+    def auto_create_handle_loop(self):
+        pass
+
+    def abort_request(self, abort_all=False):
+        self.events.append(("abort", abort_all))
+
+    async def update_weights_distributed_communicator(self, obj):
+        self.events.append(("send", obj))
+        return self.replies
+
+    def _update_weight_version_if_provided(self, version):
+        self.events.append(("version", version))
+
+    def _weight_update_session_call(self, communicator, obj):
+        return self._mixin._weight_update_session_call(self, communicator, obj)
+
+    def call(self, obj):
+        return asyncio.run(self._mixin.update_weights_distributed(self, obj))
+
+
+@pytest.fixture
+def single_dp(monkeypatch):
+    from sglang.srt.managers import tokenizer_control_mixin as tcm
+
+    monkeypatch.setattr(tcm, "get_parallel", lambda: SimpleNamespace(dp_size=1, num_dp_ranks=1))
+
+
+def test_tokenizer_method_takes_writer_lock_and_applies_version(single_dp):
+    ok = [io.UpdateWeightsDistributedReqOutput(success=True, message="Success")]
+    tm = _FakeTokenizerManager(ok)
+    req = _request(weight_version="v3", abort_all_requests=True)
+    success, message = tm.call(req)
+    assert success and message == "Success Weight version updated to v3."
+    assert tm.events == [("abort", True), "writer_lock", ("send", req), "writer_unlock", "clear_mm", ("version", "v3")]
+
+
+def test_tokenizer_method_when_paused_skips_writer_lock(single_dp):
+    tm = _FakeTokenizerManager([io.UpdateWeightsDistributedReqOutput(success=True, message="Success")], paused=True)
+    req = _request(flush_cache=False)
+    assert tm.call(req) == (True, "Success")
+    assert tm.events == [("send", req)]
+
+
+def test_tokenizer_method_failure_keeps_version(single_dp):
+    bad = [io.UpdateWeightsDistributedReqOutput(success=False, message="refused")]
+    tm = _FakeTokenizerManager(bad)
+    assert tm.call(_request(weight_version="v3")) == (False, "refused")
+    assert not [e for e in tm.events if e == "clear_mm" or (isinstance(e, tuple) and e[0] == "version")]
+
+
+def test_tokenizer_method_rejects_dp_replicas(monkeypatch):
+    from sglang.srt.managers import tokenizer_control_mixin as tcm
+
+    monkeypatch.setattr(tcm, "get_parallel", lambda: SimpleNamespace(dp_size=2, num_dp_ranks=2))
+    with pytest.raises(AssertionError, match="data-parallel"):
+        _FakeTokenizerManager([]).call(_request())
+
+
+# ---------------------------------------------------------------- scheduler, TP worker, model runner (patch 0003)
+
+
+def test_scheduler_dispatcher_registers_the_request():
+    import sglang.srt.managers.scheduler as scheduler
+
+    source = inspect.getsource(scheduler.Scheduler.init_request_dispatcher)
+    compact = "".join(source.split())
+    assert "(UpdateWeightsDistributedReqInput,self.weight_updater.update_weights_distributed,)" in compact
+    assert scheduler.UpdateWeightsDistributedReqInput is io.UpdateWeightsDistributedReqInput
+
+
+class _Runner:
+    def __init__(self, role, log, result=(True, "Success")):
+        self.role, self.log, self.result = role, log, result
+        self.weight_updater = self
+
+    def update_weights_distributed(self, received, recv_req):
+        self.log.append((self.role, received, recv_req))
+        return self.result
+
+
+@pytest.fixture
+def manager(monkeypatch):
+    """A real SchedulerWeightUpdaterManager with fake workers, TP group and barrier."""
+    from sglang.srt.managers.scheduler_components import weight_updater as swu
+
+    log: List = []
+    monkeypatch.setattr(swu, "get_parallel", lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group="tp_cpu")))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: log.append(("barrier", group)))
+
+    class TpWorker:
+        received = object()
+
+        def weight_update_runners(self):
+            return [("target", _Runner("target", log))]
+
+        def receive_weight_shards(self, recv_req):
+            log.append(("receive", recv_req))
+            return self.received
+
+        def deserialize_own_rank(self, payloads):
+            log.append(("deserialize", payloads))
+            return {"update_id": "from-tensor", "channel": CHANNEL, "timeout_s": 3.0, "bucket_bytes": 128}
+
+    class DraftWorker:
+        def weight_update_runners(self):
+            return [("draft", _Runner("draft", log))]
+
+    scheduler = SimpleNamespace(record_weight_version_change=lambda new_version: log.append(("version", new_version)))
+
+    def flush_cache(empty_cache=False):
+        log.append(("flush", empty_cache))
+        return True
+
+    m = swu.SchedulerWeightUpdaterManager(tp_worker=TpWorker(), draft_worker=DraftWorker(), memory_saver_adapter=None,
+                                          flush_cache=flush_cache, is_fully_idle=lambda **kw: True, scheduler=scheduler)
+    m._session = swu._WeightUpdateSession(selector="all")
+    return m, log
+
+
+def test_scheduler_handler_requires_session(manager):
+    m, log = manager
+    m._session = None
+    out = m.update_weights_distributed(_request())
+    assert type(out) is io.UpdateWeightsDistributedReqOutput
+    assert (out.success, out.message) == (False, SESSION_MESSAGE)
+    assert log == []  # rejected on every rank before any receive or barrier
+
+
+def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
+    m, log = manager
+    req = _request(weight_version="v9", torch_empty_cache=True)
+    out = m.update_weights_distributed(req)
+    assert type(out) is io.UpdateWeightsDistributedReqOutput and (out.success, out.message) == (True, "Success")
+    received = m.tp_worker.received
+    assert log == [("receive", req), ("target", received, req), ("draft", received, req), ("version", "v9"),
+                   ("flush", True), ("barrier", "tp_cpu")]
+    # parameters were copied in place, not through model.load_weights: end_weight_update() still post-loads
+    assert m._session.loaded_weights is False
+
+
+def test_scheduler_handler_selector_and_no_flush(manager):
+    m, log = manager
+    m.update_weights_distributed(_request(selector="target", flush_cache=False))
+    assert [e[0] for e in log] == ["receive", "target", "version", "barrier"]
+
+
+def test_scheduler_handler_failure_stops_and_still_barriers(manager):
+    m, log = manager
+    m.tp_worker.weight_update_runners = lambda: [("target", _Runner("target", log, (False, "refused: rank 1")))]
+    out = m.update_weights_distributed(_request(weight_version="v9"))
+    assert (out.success, out.message) == (False, "refused: rank 1")
+    assert [e[0] for e in log] == ["receive", "target", "barrier"]  # no draft, no version, no flush
+
+
+def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(manager):
+    from sglang.srt.weight_sync import engine_update
+
+    m, log = manager
+    payloads = [b"rank0", b"rank1"]
+    req = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads,
+                                             load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
+                                             flush_cache=False, weight_version="v4", selector="target")
+    out = m.update_weights_from_tensor(req)
+    assert type(out) is io.UpdateWeightsFromTensorReqOutput and (out.success, out.message) == (True, "Success")
+    assert log[0] == ("deserialize", payloads)
+    kind, converted = log[1]
+    assert kind == "receive" and type(converted) is io.UpdateWeightsDistributedReqInput
+    assert (converted.update_id, converted.channel, converted.timeout_s, converted.bucket_bytes) == (
+        "from-tensor", CHANNEL, 3.0, 128)
+    assert (converted.flush_cache, converted.weight_version, converted.selector) == (False, "v4", "target")
+    assert [e[0] for e in log[2:]] == ["target", "version", "barrier"]
+
+
+def test_tensor_path_reserved_load_format_still_requires_session(manager):
+    from sglang.srt.weight_sync import engine_update
+
+    m, log = manager
+    m._session = None
+    out = m.update_weights_from_tensor(io.UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[b"x"], load_format=engine_update.DISTRIBUTED_LOAD_FORMAT))
+    assert type(out) is io.UpdateWeightsFromTensorReqOutput and not out.success
+    assert "begin_weight_update()" in out.message and log == []
+
+
+def test_tp_worker_hook_delegates_to_receive_shards(monkeypatch):
+    from sglang.srt.managers.tp_worker import BaseTpWorker
+    from sglang.srt.weight_sync import engine_update
+
+    req, marker = _request(), object()
+    monkeypatch.setattr(engine_update, "receive_shards", lambda r: marker if r is req else None)
+    assert BaseTpWorker.receive_weight_shards(object(), req) is marker
+
+
+def _model_weight_updater(model, model_config="cfg"):
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    return WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
+                         get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
+                         get_model_runner=None)
+
+
+def test_model_runner_hook_delegates_to_apply_shards(monkeypatch):
+    from sglang.srt.model_executor.model_runner_components import weight_updater as mwu
+    from sglang.srt.weight_sync import engine_update
+
+    calls = []
+    monkeypatch.setattr(mwu, "get_model", lambda: SimpleNamespace(weight_cache_mode="off"))
+    monkeypatch.setattr(mwu, "_unsupported_derived_weight_cache_error", lambda model: None)
+    monkeypatch.setattr(engine_update, "apply_shards", lambda *a: calls.append(a) or (True, "applied"))
+    model, received, req = torch.nn.Linear(2, 2), object(), _request()
+    assert _model_weight_updater(model).update_weights_distributed(received, req) == (True, "applied")
+    assert calls == [(model, "cfg", received, req)]
+
+
+def test_model_runner_hook_refuses_derived_weight_caches_and_weight_cache(monkeypatch):
+    from sglang.srt.model_executor.model_runner_components import weight_updater as mwu
+    from sglang.srt.weight_sync import engine_update
+
+    monkeypatch.setattr(engine_update, "apply_shards", lambda *a: pytest.fail("apply_shards must not run"))
+    updater = _model_weight_updater(torch.nn.Linear(2, 2))
+
+    monkeypatch.setattr(mwu, "_unsupported_derived_weight_cache_error", lambda model: "derived cache active")
+    assert updater.update_weights_distributed(object(), _request()) == (False, "derived cache active")
+
+    monkeypatch.setattr(mwu, "_unsupported_derived_weight_cache_error", lambda model: None)
+    monkeypatch.setattr(mwu, "get_model", lambda: SimpleNamespace(weight_cache_mode="daemon"))
+    success, message = updater.update_weights_distributed(object(), _request())
+    assert not success and "update_weights_distributed" in message and "--weight-cache-mode daemon" in message
+
+
+# ---------------------------------------------------------------- HTTP (patch 0004)
+
+
+def test_http_route_is_registered_with_admin_optional_auth():
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.auth import AuthLevel
+
+    routes = [r for r in app.routes if getattr(r, "path", None) == "/update_weights_distributed"]
+    assert len(routes) == 1 and routes[0].methods == {"POST"}
+    assert routes[0].endpoint._auth_level == AuthLevel.ADMIN_OPTIONAL
+
+
+@pytest.mark.parametrize("success,status", [(True, 200), (False, 400)])
+def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
+    from fastapi.testclient import TestClient
+
+    import sglang.srt.entrypoints.http_server as http_server
+
+    seen = []
+
+    class FakeTokenizerManager:
+        async def update_weights_distributed(self, obj, request):
+            seen.append(obj)
+            return success, "msg"
+
+    monkeypatch.setattr(http_server, "_global_state",
+                        SimpleNamespace(tokenizer_manager=FakeTokenizerManager(), template_manager=None,
+                                        scheduler_info={}))
+    body = {"update_id": "u2", "channel": CHANNEL, "timeout_s": 7.0, "bucket_bytes": 4096, "selector": "target"}
+    response = TestClient(http_server.app).post("/update_weights_distributed", json=body)
+    assert response.status_code == status, response.text
+    assert response.json() == {"success": success, "message": "msg"}
+    assert seen == [io.UpdateWeightsDistributedReqInput(update_id="u2", channel=CHANNEL, timeout_s=7.0,
+                                                        bucket_bytes=4096, selector="target")]
+
+
+def test_http_adapter_posts_the_engine_arguments(monkeypatch):
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
+
+    assert not getattr(HttpServerEngineAdapter, "__abstractmethods__", None)  # still instantiable
+    def names_and_defaults(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert names_and_defaults(HttpServerEngineAdapter.update_weights_distributed) == names_and_defaults(
+        Engine.update_weights_distributed)
+    posted = []
+    adapter = object.__new__(HttpServerEngineAdapter)
+    monkeypatch.setattr(adapter, "_make_request", lambda endpoint, payload=None: posted.append((endpoint, payload))
+                        or {"success": True, "message": "ok"}, raising=False)
+    assert adapter.update_weights_distributed("u3", CHANNEL, weight_version="v1") == {"success": True, "message": "ok"}
+    (endpoint, payload), = posted
+    assert endpoint == "update_weights_distributed"
+    # the JSON body names every field of the request the Engine method builds
+    json.dumps(payload)
+    assert io.UpdateWeightsDistributedReqInput(**payload) == io.UpdateWeightsDistributedReqInput(
+        update_id="u3", channel=CHANNEL, weight_version="v1")
