@@ -22,6 +22,7 @@ Overlap search is an interval index on one dim per tensor, not an all-pairs scan
 from __future__ import annotations
 
 import bisect
+import gc
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -47,15 +48,21 @@ class Topology:
     device_of: Mapping[int, int] = field(default_factory=dict)
     node_of: Mapping[int, int] = field(default_factory=dict)
 
+    def device(self, rank: int):
+        """A rank not listed has a device of its own."""
+        return self.device_of.get(rank, ("rank", rank))
+
+    def node(self, rank: int) -> int:
+        """A rank not listed is on node 0."""
+        return self.node_of.get(rank, 0)
+
     def distance(self, a: int, b: int) -> int:
         """0 same rank, 1 same device, 2 same node, 3 across nodes."""
         if a == b:
             return 0
-        if self.device_of.get(a, ("r", a)) == self.device_of.get(b, ("r", b)):
+        if self.device(a) == self.device(b):
             return 1
-        if self.node_of.get(a, 0) == self.node_of.get(b, 0):
-            return 2
-        return 3
+        return 2 if self.node(a) == self.node(b) else 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +161,9 @@ class Plan:
 class _HolderIndex:
     """Distinct boxes of one tensor with their holders, indexed by start on one dim."""
 
-    __slots__ = ("dim", "boxes", "starts", "max_len")
+    __slots__ = ("dim", "boxes", "starts", "max_len", "groups")
 
-    def __init__(self, source: SourceTensor):
+    def __init__(self, source: SourceTensor, topology: "Topology"):
         by_box: Dict[Box, List[int]] = defaultdict(list)
         for rank, box in source.holders:
             if not box.is_empty():
@@ -168,14 +175,43 @@ class _HolderIndex:
         self.boxes = [(box, tuple(sorted(ranks))) for box, ranks in items]
         self.starts = [box.offsets[self.dim] if ndim else 0 for box, _ in items]
         self.max_len = max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
+        # Holders grouped by device and node: the closest holders of a box are found
+        # with two dict lookups instead of one Topology.distance call per holder.
+        self.groups = {}
+        for box, ranks in self.boxes:
+            by_dev, by_node = defaultdict(list), defaultdict(list)
+            for r in ranks:
+                by_dev[topology.device(r)].append(r)
+                by_node[topology.node(r)].append(r)
+            self.groups[box] = (frozenset(ranks), dict(by_dev), dict(by_node))
+
+    def closest(self, box: Box, ranks: Tuple[int, ...], rank: int, topology: "Topology"):
+        """(distance, holders at that distance) of ``box`` seen from ``rank``: this rank,
+        else holders on its device, else on its node, else all (``Topology.distance``)."""
+        members, by_dev, by_node = self.groups[box]
+        if rank in members:
+            return 0, (rank,)
+        near = by_dev.get(topology.device(rank))
+        if near:
+            return 1, near
+        near = by_node.get(topology.node(rank))
+        if near:
+            return 2, near
+        return 3, ranks
 
     def overlapping(self, need: Box) -> List[Tuple[Box, Tuple[int, ...]]]:
         if need.ndim == 0:
             return list(self.boxes)
-        lo, hi = need.offsets[self.dim], need.ends[self.dim]
+        d = self.dim
+        lo = need.offsets[d]
+        hi = lo + need.sizes[d]
         first = bisect.bisect_left(self.starts, lo - self.max_len + 1)
         last = bisect.bisect_left(self.starts, hi)
-        return [(b, r) for b, r in self.boxes[first:last] if b.intersect(need) is not None]
+        no, ns = need.offsets, need.sizes  # overlap test without building the intersection Box
+        return [
+            (b, r) for b, r in self.boxes[first:last]
+            if all(bo < o + s and o < bo + bs for bo, bs, o, s in zip(b.offsets, b.sizes, no, ns))
+        ]
 
 
 def plan(
@@ -190,6 +226,16 @@ def plan(
     ``targets`` maps each rank to its parameters; ``aliases`` maps a source
     name to the target tensor name it carries (tied embeddings).
     """
+    gc_enabled = gc.isenabled()
+    gc.disable()  # millions of short-lived acyclic objects: collector passes only cost time
+    try:
+        return _plan(sources, targets, topology, bucket_bytes, aliases)
+    finally:
+        if gc_enabled:
+            gc.enable()
+
+
+def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
     topology = topology or Topology()
     sources, source_names = _resolve_aliases(sources, aliases or {})
     index: Dict[str, _HolderIndex] = {}
@@ -214,21 +260,28 @@ def plan(
                     )
                 holders = index.get(piece.tensor)
                 if holders is None:
-                    holders = index[piece.tensor] = _HolderIndex(source)
+                    holders = index[piece.tensor] = _HolderIndex(source, topology)
                 itemsize = target.dtype.itemsize
                 needed[rank] += piece.box.numel * itemsize
                 delta = tuple(p - b for p, b in zip(piece.offsets, piece.box.offsets))
                 param_shape = tuple(target.shape[len(piece.index):])
                 remaining = [piece.box]
-                for box, ranks in _by_preference(holders.overlapping(piece.box), rank, topology):
+                # Boxes held on this rank first, then by their closest holder, then by position.
+                keyed = [(holders.closest(box, ranks, rank, topology), box) for box, ranks in holders.overlapping(piece.box)]
+                keyed.sort(key=lambda k: (k[0][0], k[1].offsets))
+                for (_, near), box in keyed:
                     next_remaining = []
                     for rem in remaining:
-                        region = rem.intersect(box)
-                        if region is None:
-                            next_remaining.append(rem)
-                            continue
-                        next_remaining.extend(rem.subtract(box))
-                        src = _choose_holder(ranks, rank, topology, sent)
+                        if box.contains(rem):  # the common case: one holder box covers the piece
+                            region = rem
+                        else:
+                            region = rem.intersect(box)
+                            if region is None:
+                                next_remaining.append(rem)
+                                continue
+                            next_remaining.extend(rem.subtract(box))
+                        # Among the closest holders the least loaded sends, so DP replicas share the work.
+                        src = near[0] if len(near) == 1 else min(near, key=lambda r: (sent.get(r, 0), r))
                         dest = Dest(rank, target.name, piece.index, delta, param_shape)
                         move_key = (piece.tensor, region, src, box, target.dtype)
                         if src == rank:
@@ -266,11 +319,16 @@ def inputs_fingerprint(
 ) -> str:
     """A digest of everything a plan depends on; equal digests give equal plans."""
     h = hashlib.sha256()
-    for name in sorted(sources):
-        src = sources[name]
-        h.update(repr((name, src.shape, str(src.dtype), src.holders)).encode())
+    h.update(repr([
+        (n, s.shape, str(s.dtype), [(r, b.offsets, b.sizes) for r, b in s.holders])
+        for n, s in sorted(sources.items())
+    ]).encode())
     for rank in sorted(targets):
-        h.update(repr((rank, tuple(targets[rank]))).encode())
+        h.update(repr((rank, [
+            (t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets) for p in t.pieces],
+             [(z.offsets, z.sizes) for z in t.zeros])
+            for t in targets[rank]
+        ])).encode())
     topology = topology or Topology()
     h.update(repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()))).encode())
     h.update(repr((bucket_bytes, sorted((aliases or {}).items()))).encode())
@@ -315,15 +373,6 @@ def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> Tuple
     return out, renamed
 
 
-def _by_preference(candidates, rank: int, topology: Topology):
-    """Boxes held on ``rank`` first, then by their closest holder, then by position."""
-    return sorted(candidates, key=lambda c: (min(topology.distance(rank, r) for r in c[1]), c[0].offsets))
-
-
-def _choose_holder(ranks: Tuple[int, ...], rank: int, topology: Topology, sent: Mapping[int, int]) -> int:
-    return min(ranks, key=lambda r: (topology.distance(rank, r), sent.get(r, 0), r))
-
-
 def _move(source: SourceTensor, key: Tuple, dests: Tuple[Dest, ...]) -> Move:
     tensor, region, src, box, dtype = key
     return Move(tensor, region, src, box, source.dtype, dtype, dests)
@@ -356,14 +405,18 @@ def _bucket(moves: List[Move], bucket_bytes: int) -> Tuple[Tuple[Move, ...], ...
     return tuple(tuple(r) for r in rounds)
 
 
+def _move_key(m: Move) -> tuple:
+    """A move as plain tuples: its repr is ~4x cheaper than the dataclass repr."""
+    return (m.tensor, m.region.offsets, m.region.sizes, m.src, m.src_shard.offsets, m.src_shard.sizes,
+            str(m.src_dtype), str(m.dtype),
+            tuple((d.rank, d.param, d.index, d.delta, d.shape) for d in m.dests))
+
+
 def _fingerprint(local: Iterable[Move], rounds, zero_fills) -> str:
     h = hashlib.sha256()
-    for move in local:
-        h.update(repr(move).encode())
+    h.update(repr([_move_key(m) for m in local]).encode())
     for rnd in rounds:
         h.update(b"|round|")
-        for move in rnd:
-            h.update(repr(move).encode())
-    for z in zero_fills:
-        h.update(repr(z).encode())
+        h.update(repr([_move_key(m) for m in rnd]).encode())
+    h.update(repr([(z.rank, z.param, z.box.offsets, z.box.sizes) for z in zero_fills]).encode())
     return h.hexdigest()
