@@ -9,7 +9,7 @@ the executor's staging peak against the bucket cap.
 import pytest
 import torch
 
-from harness import run_ranks
+from ranks import run_ranks
 from reshard_cases import Scenario, disagreeing_plans, llama_tied, qwen2, qwen3_moe, run_all
 
 

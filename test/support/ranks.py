@@ -63,20 +63,22 @@ def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
 PRELOAD = ["torch.distributed.tensor", "sglang.srt.weight_sync.executor"]
 
 
-def _context():
-    """A fork server that imported torch and sglang once, so each rank starts in milliseconds."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+def _context(start_method: str):
+    """By default a fork server that imported torch and sglang once, so each rank starts
+    in milliseconds; "spawn" for ranks that start engines (fresh interpreters)."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300) -> List[Any]:
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, start_method: str = "forkserver") -> List[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; raises with every failing rank's traceback.
 
     After the first failure the others get a few seconds to report, then are killed,
     so one broken rank does not leave its peers hanging in a collective.
     """
-    ctx = _context()
+    ctx = _context(start_method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")

@@ -28,8 +28,8 @@ Two platform modes, each run in its own subprocess because SGLang reads
   plain ``narrow``; FusedMoE without padded loading, default runner (triton
   layout). Only ``RotaryEmbedding.__init__`` imports ``vllm._custom_ops`` on such a
   platform; a module with that name is provided (its function is never called).
-* ``cpu``: ``SGLANG_USE_CPU_ENGINE=1`` with an import-only ``sgl_kernel`` stand-in
-  (``_stubs/``). Loaders take their CPU branches (``narrow_padded_param_and_loaded_weight``,
+* ``cpu``: ``SGLANG_USE_CPU_ENGINE=1`` with the pure-torch ``sgl_kernel`` stand-in
+  (``test/support/sgl_kernel``). Loaders take their CPU branches (``narrow_padded_param_and_loaded_weight``,
   FusedMoE ``use_padded_loading``), and the HF config is first passed through
   ``adjust_config_with_unaligned_cpu_tp`` exactly as ``ModelRunner`` does when
   ``device == "cpu"``.
@@ -52,7 +52,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 HERE = Path(__file__).resolve().parent
-STUBS = HERE / "_stubs"
+STUBS = HERE.parent / "support"  # holds the sgl_kernel stand-in package
 SENTINEL = -1.0  # written into every parameter before loading: "SGLang never wrote this element"
 
 # Config keys whose CPU-engine adjustment we report.
@@ -349,12 +349,19 @@ def run_job(job: dict, out_path: str) -> None:
 def worker_env(mode: str) -> Dict[str, str]:
     """Environment for a worker subprocess of ``mode`` ("default" or "cpu")."""
     env = dict(os.environ)
+    # Start from a neutral platform even when the pytest process was set up for the CPU
+    # engine (test/e2e/conftest.py sets SGLANG_USE_CPU_ENGINE=1 and puts STUBS on PYTHONPATH).
     env.pop("SGLANG_USE_CPU_ENGINE", None)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != STUBS]
     env.setdefault("OMP_NUM_THREADS", "1")
     env["TRANSFORMERS_VERBOSITY"] = "error"
     if mode == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUBS), env.get("PYTHONPATH")]))
+        path.insert(0, str(STUBS))
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    else:
+        env.pop("PYTHONPATH", None)
     return env
 
 

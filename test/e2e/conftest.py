@@ -1,0 +1,55 @@
+"""End-to-end tests against a real ``sglang.Engine`` on CPU.
+
+Importing this conftest configures the CPU engine environment for the whole pytest
+process (``configure_cpu_env``: ``SGLANG_USE_CPU_ENGINE=1``, ``test/support`` with the
+``sgl_kernel`` stand-in first on ``sys.path`` and ``PYTHONPATH``). Pytest imports it while
+collecting ``test/e2e``, before any e2e test module, so test modules may
+``import sglang`` at the top. It stays set for the rest of the run; the other test
+folders are fine with that (see ``test/support/engine.py`` and the notes there).
+
+Helpers live in ``test/support`` and are imported as top-level modules::
+
+    from engine import cpu_engine, engine_greedy, hf_greedy
+    import tiny_models
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+from engine import _shm_entries, cleanup_shm, configure_cpu_env  # noqa: E402
+
+configure_cpu_env()
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(kind, seed=0, **overrides) -> (path, config)``, each built once per session."""
+    cache = {}
+
+    def make(kind: str, seed: int = 0, **overrides):
+        key = (kind, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"{kind}_s{seed}")
+            cache[key] = tiny_models.make_tiny_model(kind, directory, seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dev_shm_hygiene():
+    """After the e2e tests, remove the /dev/shm files that appeared meanwhile and that no live
+    process uses: ``cpu_engine`` cleans up after itself, but engines started elsewhere (e.g.
+    inside trainer-rank processes) leave ``sglang_loads_*``/``sem.mp-*`` files behind."""
+    before, started = _shm_entries(), time.time()
+    yield
+    cleanup_shm(before, started)

@@ -1,0 +1,130 @@
+"""A real SGLang engine on CPU updated from trainer shards, through every entry point.
+
+Trainer ranks (gloo processes, gathers forbidden) hold DTensor or plain shards of
+perturbed weights and update a running engine through ``VerlEngine``,
+``weight_sync.utils.update_weights`` (with a verl-like client that only has the
+tensor endpoint) and ``Engine.update_weights_distributed``. After each update the
+engine's parameters must equal SGLang's slicing of the new weights bit for bit
+(per-rank SHA-256 from SGLang's weight checker) and its greedy generation must
+equal HF transformers' with the same weights. Bad updates must be refused with a
+message naming tensor and rank, leaving the old weights serving.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from engine import hf_greedy, stable_prompts
+from ranks import run_ranks
+from update_cases import BAD_NAME, MAX_NEW, engine_job, new_weights
+
+# SGLang's CPU MoE kernels round differently from HF's: a 0.25 logit margin (about 4 bf16
+# ulps) is too thin there, 0.5 is not (measured; the parameters themselves are bit-exact).
+MOE_MARGIN = 0.5
+UPDATES = [("verl", "fsdp", 1), ("verl", "tp", 2), ("verl", "full", 3), ("utils", "fsdp", 4), ("engine", "tp", 5)]
+FAILURES = {
+    "unknown_name": f"unknown tensor '{BAD_NAME}'",
+    "wrong_shape": "global shape",
+    "missing": "engine rank 1: no payload for update",
+    "stale": "no payload for update 'stale-2'",
+    "bad_dtype": "dtype torch.int32 cannot be cast",
+    "not_covered": "is held by no rank",
+}
+
+
+def expected_checksums(config, weights, tp: int, ep: int):
+    from sglang.srt.managers.mm_utils import tensor_hash
+    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
+
+    targets = model_targets_from_config(config, EngineParallel(tp, moe_ep_size=ep), torch.bfloat16)
+    return {r: {t.name: f"{tensor_hash(reference_param(t, weights)):016x}" for t in targets.for_rank(r)}
+            for r in range(tp)}
+
+
+def check_update(record, model_dir, config, seed, tp, prompts, ep=1):
+    weights = new_weights(model_dir, seed)
+    expected = expected_checksums(config, weights, tp, ep)
+    for r in range(tp):
+        got = {n: record["checksums"][r][n] for n in expected[r]}
+        wrong = sorted(n for n in expected[r] if got[n] != expected[r][n])
+        assert not wrong, f"{record['step']}: engine rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
+    if prompts is None:
+        return
+    reference = hf_greedy(model_dir, prompts[seed], MAX_NEW, weights=weights)
+    assert record["generation"] == reference, f"{record['step']}: generation differs from HF transformers"
+
+
+def run(kind, tp, world, steps, tmp_path, generate=True, **engine_kwargs):
+    """Run the steps; each weight set gets prompts whose greedy path has no bf16 near-tie
+    for it, which makes exact comparison with HF meaningful."""
+    model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
+    seeds = sorted({seed for kind_, _, seed in steps if kind_ != "fail"})
+    prompts = None
+    if generate:
+        margin = MOE_MARGIN if "moe" in kind else 0.25
+        prompts = {s: stable_prompts([(model_dir, new_weights(model_dir, s))], 3, MAX_NEW, margin) for s in seeds}
+        prompts["start"] = stable_prompts([model_dir], 3, MAX_NEW, margin)
+    forbidden_log = tmp_path / "forbidden-calls"
+    forbidden_log.mkdir()
+    job = dict(model_dir=model_dir, tp=tp, steps=steps, engine_kwargs=engine_kwargs, prompts=prompts or {"start": None},
+               generate=generate, forbidden_log=str(forbidden_log))
+    results = [r for r in run_ranks(world, engine_job, job, timeout=600, start_method="spawn") if r]
+    for records in results:
+        for record in records[1:]:
+            assert record["forbidden_calls"] == 0, f"{record['step']}: full_tensor/gather_object called during the update"
+    if tp > 1:  # the recorder is live in the engine's processes: it saw the weight checker's gathers
+        assert any(f.read_text() for f in forbidden_log.iterdir()), "forbidden-call recorder is not active"
+    return model_dir, config, prompts, results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
+    fails = [("fail", kind, 10 + i) for i, kind in enumerate(FAILURES) if tp > 1 or kind != "missing"]
+    steps = UPDATES + fails + [("verl", "fsdp", 20)]
+    model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
+    last_good = None
+    for record in records[1:]:
+        kind, arg, seed = record["step"]
+        if kind == "fail":
+            assert record["success"] is False and FAILURES[arg] in record["message"], record["message"]
+            assert "no parameter changed" in record["message"]
+            assert record["generation"] == last_good["generation"], f"{arg}: old weights no longer serving"
+            assert record["checksums"] == last_good["checksums"], f"{arg}: a parameter changed"
+        else:
+            assert record.get("success", True), record.get("message")
+            check_update(record, model_dir, config, seed, tp, prompts)
+            last_good = record
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])
+def test_models_at_tp2(kind, tmp_path):
+    steps = [("verl", "fsdp", 1), ("verl", "tp", 2), ("utils", "fsdp", 3)]
+    model_dir, config, prompts, (records,) = run(kind, 2, 2, steps, tmp_path)
+    for record in records[1:]:
+        assert record.get("success", True), record.get("message")
+        check_update(record, model_dir, config, record["step"][2], 2, prompts)
+
+
+def test_moe_expert_parallel_parameters(tmp_path):
+    """Experts split over EP 2 (MoE-TP 1). SGLang 0.5.23's CPU engine cannot run a forward
+    pass with ep_size > 1 (its MoE path indexes expert -1), so only the parameters are
+    checked here, bit for bit; generation with EP needs a GPU."""
+    engine_kwargs = {"ep_size": 2}
+    steps = [("verl", "fsdp", 1), ("utils", "tp", 2)]
+    model_dir, config, prompts, (records,) = run("qwen3_moe", 2, 2, steps, tmp_path, generate=False, **engine_kwargs)
+    for record in records[1:]:
+        assert record.get("success", True), record.get("message")
+        check_update(record, model_dir, config, record["step"][2], 2, prompts, engine_kwargs.get("ep_size", 1))
+
+
+def test_fsdp_over_two_engines_reshards_on_the_trainer_side(tmp_path):
+    """FSDP Shard(0) over 2 ranks, one TP-1 engine per rank: the shards beside one engine
+    cover half of each tensor, so the trainer side moves the rest first."""
+    steps = [("verl", "fsdp", 1), ("utils", "fsdp", 2)]
+    model_dir, config, prompts, engines = run("qwen2", 1, 2, steps, tmp_path)
+    assert len(engines) == 2
+    for records in engines:
+        for record in records[1:]:
+            check_update(record, model_dir, config, record["step"][2], 1, prompts)

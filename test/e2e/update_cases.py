@@ -1,0 +1,224 @@
+"""What each trainer rank does in the end-to-end tests.
+
+``engine_job`` runs on every rank of a gloo world of trainer processes. Rank 0
+hosts a real CPU ``sglang.Engine`` (through ``VerlEngine``, which builds it on
+the first rank of the mesh). The job runs a list of steps: weight updates
+through each public entry point and trainer layout, and bad updates that must
+be refused. After every step rank 0 records the engine's greedy generation and
+its per-rank parameter checksums (SGLang's own weight checker), which the test
+compares with HF transformers and with SGLang's slicing of the new weights.
+Every trainer process runs with ``full_tensor``, ``gather_object`` and
+``all_gather_object`` replaced by functions that raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+MAX_NEW = 8
+ROUTER_SCALE = 16.0
+BAD_NAME = "model.layers.0.self_attn.no_such_proj.weight"
+
+
+def new_weights(model_dir, seed: int) -> Dict[str, torch.Tensor]:
+    """The same 'trained' weights on every rank: each checkpoint tensor moved by 20% of its own
+    spread, as a (large) training step would."""
+    import tiny_models
+
+    ckpt = tiny_models.load_checkpoint(model_dir)
+    out = {n: (t.float() + 0.2 * tiny_models.random_like(t, seed=seed * 1000 + i).float()).to(t.dtype)
+           for i, (n, t) in enumerate(sorted(ckpt.items()))}
+    for name in out:  # a decisive MoE router: top-k near-ties would flip experts under bf16 either way
+        if name.endswith("mlp.gate.weight"):
+            out[name] = (out[name].float() * ROUTER_SCALE).to(out[name].dtype)
+    return out
+
+
+def _row_parallel(name: str) -> bool:
+    return "o_proj.weight" in name or "down_proj.weight" in name
+
+
+def as_layout(weights: Dict[str, torch.Tensor], layout: str, mesh) -> List[Tuple[str, torch.Tensor]]:
+    """How a trainer holds them: "fsdp" (FSDP2-style Shard(0) DTensors), "tp" (Megatron-style
+    DTensors: Shard(0) column, Shard(1) row, norms replicated) or "full" (plain tensors)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out = []
+    for name, t in sorted(weights.items()):
+        if layout == "full":
+            out.append((name, t))
+            continue
+        if layout == "fsdp":
+            place = Shard(0)
+        elif "norm" in name or name.endswith("mlp.gate.weight"):
+            place = Replicate()
+        else:
+            place = Shard(1) if _row_parallel(name) else Shard(0)
+        out.append((name, distribute_tensor(t, mesh, (place,), src_data_rank=None)))
+    return out
+
+
+class VerlLikeClient:
+    """What verl hands ``weight_sync.utils.update_weights`` as ``engine``: an async
+    ``update_weights_from_tensor(req)`` and ``flush_cache()``, no new method."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    async def update_weights_from_tensor(self, req):
+        return await self._engine.tokenizer_manager.update_weights_from_tensor(req, None)
+
+    async def flush_cache(self):
+        return await self._engine.tokenizer_manager.flush_cache()
+
+
+def _checksums(engine) -> Dict[int, Dict[str, str]]:
+    import msgspec
+
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput, ChecksumInfo
+
+    ok, message, ranks, _ = engine.loop.run_until_complete(
+        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
+    )
+    assert ok, message
+    infos = []
+    while ranks:  # one entry per rank (and runner role), possibly nested in lists
+        item = ranks.pop()
+        ranks.extend(item) if isinstance(item, list) else infos.append(item)
+    infos = [msgspec.convert(r, ChecksumInfo) for r in infos]
+    return {i.parallelism_info[0].tp_rank: i.checksums for i in infos}  # one target runner per rank
+
+
+def _forbidden_calls(log_dir: str) -> int:
+    """Calls of full_tensor/gather_object/all_gather_object recorded so far by any process."""
+    return sum(len(open(os.path.join(log_dir, f)).readlines()) for f in os.listdir(log_dir))
+
+
+def _generate(verl, prompts) -> List[List[int]]:
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+    return [o["output_ids"] for o in verl.generate(input_ids=prompts, sampling_params=params)]
+
+
+def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout_s=120.0, send=True):
+    """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
+    ``Engine.update_weights_distributed``; returns (success, message) on every rank."""
+    from sglang.srt.weight_sync.trainer_update import open_channel
+
+    chan = open_channel(ranks, group)
+    update_id = update_id or chan.next_update_id()
+    if send:
+        chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    dist.barrier(group=group)
+    result = None
+    if dist.get_rank() == ranks[0]:
+        engine = verl._engine
+        engine.begin_weight_update()
+        try:
+            result = engine.update_weights_distributed(request_id or update_id, chan.channel, timeout_s=timeout_s)
+        finally:
+            engine.end_weight_update()
+    box = [result]
+    dist.broadcast_object_list(box, src=ranks[0], group=group)
+    return tuple(box[0])
+
+
+def _bad_shards(kind: str, weights, mesh) -> list:
+    """Shards of a refused update: every rank sends them (rank 1 sends none for "missing")."""
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.trainer_update import prepare_shards
+
+    shards = prepare_shards(as_layout(weights, "fsdp", mesh))
+    name, local, spec = shards[0]
+    if kind == "unknown_name":
+        shards.append((BAD_NAME, local, MeshSpec(spec.shape, spec.dtype, spec.mesh, spec.placements)))
+    elif kind == "wrong_shape":
+        shape = (spec.shape[0] + dist.get_world_size(),) + tuple(spec.shape[1:])
+        shards[0] = (name, torch.cat([local, local[:1]]), MeshSpec(shape, spec.dtype, spec.mesh, spec.placements))
+    elif kind == "bad_dtype":
+        shards[0] = (name, local.to(torch.int32), MeshSpec(spec.shape, torch.int32, spec.mesh, spec.placements))
+    elif kind == "not_covered":  # claims a second holder (rank 99) that is not beside the engine
+        from torch.distributed.tensor import Shard
+
+        full = MeshSpec(spec.shape, spec.dtype, list(range(dist.get_world_size())) + [99], (Shard(0),))
+        box = full.describe(name).box_of(dist.get_rank())
+        shards[0] = (name, weights[name][box.slices()].clone(), full)
+    return shards
+
+
+def engine_job(rank: int, world: int, job: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from engine import omp_bind
+    from sglang.srt.entrypoints.verl_engine import VerlEngine
+    from sglang.srt.weight_sync import utils as weight_sync_utils
+
+    tp = job["tp"]  # engines of `tp` ranks side by side; the trainer's mesh spans the whole world
+    os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]  # read by the engine's processes (sitecustomize)
+    if tp > 1:
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    engines = init_device_mesh("cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+    engine_mesh = engines["infer_tp"]
+    group, ranks = engine_mesh.get_group(), [int(r) for r in engine_mesh.mesh.tolist()]
+    leader = rank == ranks[0]
+    verl = VerlEngine(
+        engine_mesh, model_path=str(job["model_dir"]), device="cpu", attention_backend="torch_native",
+        skip_tokenizer_init=True, mem_fraction_static=0.05, max_total_tokens=4096, disable_cuda_graph=True,
+        random_seed=0, log_level="error", **job.get("engine_kwargs", {}),
+    )
+    prompts = job["prompts"]["start"]  # per weight set: no bf16 near-tie on their greedy paths
+    generate = (lambda: _generate(verl, prompts)) if job.get("generate", True) else (lambda: None)  # noqa: E731
+    records = [dict(step="start", generation=generate())]
+    try:
+        for step in job["steps"]:
+            kind, arg, seed = step
+            record = dict(step=step)
+            calls_before = _forbidden_calls(job["forbidden_log"])
+            if kind == "verl":
+                verl.update_weights_from_tensor(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
+                record["success"] = True
+            elif kind == "utils":
+                client = VerlLikeClient(verl._engine) if leader else None
+                params = as_layout(new_weights(job["model_dir"], seed), arg, mesh)  # DTensors on the trainer's mesh
+                call = weight_sync_utils.update_weights(client, params, "infer_tp", engines, flush_cache=False)
+                if leader:
+                    verl._engine.begin_weight_update()
+                    out = verl._engine.loop.run_until_complete(call)
+                    verl._engine.end_weight_update()
+                    verl._engine.flush_cache()
+                    record["success"], record["message"] = out
+                else:
+                    asyncio.run(call)
+            elif kind == "engine":
+                from sglang.srt.weight_sync.trainer_update import prepare_shards
+
+                shards = prepare_shards(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
+                record["success"], record["message"] = _direct(verl, ranks, group, shards)
+            elif kind == "fail":
+                weights = new_weights(job["model_dir"], seed)
+                shards = _bad_shards(arg, weights, mesh)
+                if arg == "missing":
+                    record["success"], record["message"] = _direct(verl, ranks, group, shards, timeout_s=3, send=rank != 1)
+                elif arg == "stale":
+                    record["success"], record["message"] = _direct(
+                        verl, ranks, group, shards, update_id="stale-1", request_id="stale-2", timeout_s=3)
+                else:
+                    record["success"], record["message"] = _direct(verl, ranks, group, shards)
+            else:
+                raise ValueError(kind)
+            record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - calls_before
+            if kind != "fail" and job.get("generate", True):
+                prompts = job["prompts"][seed]
+            record["generation"] = generate()
+            if leader:
+                record["checksums"] = _checksums(verl._engine)
+            records.append(record)
+    finally:
+        dist.barrier()
+        verl.shutdown()
+    return records if leader else []

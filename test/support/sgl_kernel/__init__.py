@@ -1,0 +1,54 @@
+"""Pure-torch stand-in for ``sgl_kernel`` (no CPU build of sgl-kernel exists on PyPI).
+
+With ``SGLANG_USE_CPU_ENGINE=1`` many SGLang modules run ``from sgl_kernel import X`` at
+import time. On a CPU without AMX, SGLang falls back to native torch for RMSNorm,
+SiLU-and-mul, rotary embedding, the KV store, linear/logits and the all-reduce, so
+only one kernel really runs in a tiny-model Engine: ``assign_req_to_token_pool_cpu``
+(decode-time KV slot bookkeeping), implemented here in plain torch. Every other name
+resolves to a function that raises ``NotImplementedError`` when called, so imports
+succeed and an unexpected use fails loudly.
+
+No ``torch.ops.sgl_kernel`` ops are registered: SGLang's AMX check
+(``cpu_has_amx_support``) needs ``torch.ops.sgl_kernel.convert_weight_packed``, so the
+AMX paths stay off even on an AMX CPU.
+
+The directory holding this package (``test/support``) must be on the ``PYTHONPATH``
+*environment variable*, not only ``sys.path``: the scheduler and detokenizer processes
+are spawned and inherit the environment. With a full sglang install (real CUDA
+``sglang-kernel``) it must come first, to shadow the real package.
+"""
+
+import torch
+
+__version__ = "0.0.0+torch-stand-in"
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                 max_ctx_len=None):
+    """``req_to_token[req_pool_indices[k], start_offset[k]:end_offset[k]] = next (end-start) of out_cache_loc``.
+
+    Requests are walked in order with a running offset into ``out_cache_loc`` (what the
+    Triton kernel ``assign_req_to_token_pool`` computes as the sum of the previous
+    requests' lengths). ``max_ctx_len`` (the row length of ``req_to_token``) is unused.
+    """
+    rows = req_pool_indices.tolist()
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    pt = 0
+    for row, s, e in zip(rows, starts, ends):
+        n = e - s
+        if n > 0:
+            req_to_token[row, s:e] = out_cache_loc[pt:pt + n].to(req_to_token.dtype)
+        pt += n
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def _not_implemented(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name} is not available (pure-torch test stand-in)")
+
+    _not_implemented.__name__ = name
+    _not_implemented.__qualname__ = name
+    return _not_implemented
