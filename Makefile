@@ -4,7 +4,7 @@ WHEEL := dist/sglang-0.5.23+dwu1-*.whl
 SITE   = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 PLANNER = $(SITE)/sglang/srt/weight_sync/planner.py
 
-.PHONY: venv wheel install test bench clean
+.PHONY: venv wheel install test bench demo clean
 
 venv:
 	bash scripts/setup_env.sh
@@ -25,6 +25,11 @@ test: install
 
 bench: install
 	$(PY) -m benchmark.weight_sync.simulate
+	$(PY) -m benchmark.weight_sync.cpu_run
+
+# A real engine on CPU updated by a simulated FSDP trainer, against upstream's path in the same run.
+demo: install
+	$(PY) -m benchmark.weight_sync.demo
 
 clean:
 	rm -rf build dist
