@@ -148,9 +148,6 @@ class Plan:
     def received_bytes(self, rank: int) -> int:
         return sum(m.nbytes for rnd in self.rounds for m in rnd for d in m.dests if d.rank == rank)
 
-    def sent_bytes(self, rank: int) -> int:
-        return sum(m.nbytes for rnd in self.rounds for m in rnd if m.src == rank)
-
     def ranks(self) -> List[int]:
         return sorted(self.needed_bytes)
 
