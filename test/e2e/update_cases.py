@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 MAX_NEW = 8
-ROUTER_SCALE = 16.0
 BAD_NAME = "model.layers.0.self_attn.no_such_proj.weight"
 
 
@@ -31,12 +30,8 @@ def new_weights(model_dir, seed: int) -> Dict[str, torch.Tensor]:
     import tiny_models
 
     ckpt = tiny_models.load_checkpoint(model_dir)
-    out = {n: (t.float() + 0.2 * tiny_models.random_like(t, seed=seed * 1000 + i).float()).to(t.dtype)
-           for i, (n, t) in enumerate(sorted(ckpt.items()))}
-    for name in out:  # a decisive MoE router: top-k near-ties would flip experts under bf16 either way
-        if name.endswith("mlp.gate.weight"):
-            out[name] = (out[name].float() * ROUTER_SCALE).to(out[name].dtype)
-    return out
+    return {n: (t.float() + 0.2 * tiny_models.random_like(t, seed=seed * 1000 + i).float()).to(t.dtype)
+            for i, (n, t) in enumerate(sorted(ckpt.items()))}
 
 
 def _row_parallel(name: str) -> bool:
