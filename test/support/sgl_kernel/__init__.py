@@ -42,13 +42,19 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
         pt += n
 
 
-def __getattr__(name):
+def missing(module: str, name: str):
+    """What ``from <module> import <name>`` gets for a kernel the stand-in lacks: a callable
+    that raises if used (dunders raise AttributeError, as Python's import machinery expects)."""
     if name.startswith("__"):
         raise AttributeError(name)
 
     def _not_implemented(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name} is not available (pure-torch test stand-in)")
+        raise NotImplementedError(f"{module}.{name} is not available (pure-torch test stand-in)")
 
     _not_implemented.__name__ = name
     _not_implemented.__qualname__ = name
     return _not_implemented
+
+
+def __getattr__(name):
+    return missing("sgl_kernel", name)

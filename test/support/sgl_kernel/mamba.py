@@ -4,13 +4,8 @@ See ``sgl_kernel/__init__.py`` (the package's docstring) for why this exists.
 """
 
 
+from sgl_kernel import missing
+
+
 def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def _not_implemented(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.mamba.{name} is not available (pure-torch test stand-in)")
-
-    _not_implemented.__name__ = name
-    _not_implemented.__qualname__ = name
-    return _not_implemented
+    return missing("sgl_kernel.mamba", name)
