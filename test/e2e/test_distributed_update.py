@@ -41,6 +41,7 @@ def expected_checksums(config, weights, tp: int, ep: int):
 
 
 def check_update(record, model_dir, config, seed, tp, prompts, ep=1):
+    """Parameters bit-exact and greedy generation equal to HF's (when ``prompts`` are given)."""
     weights = new_weights(model_dir, seed)
     expected = expected_checksums(config, weights, tp, ep)
     for r in range(tp):
@@ -57,7 +58,7 @@ def run(kind, tp, world, steps, tmp_path, generate=True, **engine_kwargs):
     """Run the steps; each weight set gets prompts whose greedy path has no bf16 near-tie
     for it, which makes exact comparison with HF meaningful."""
     model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
-    seeds = sorted({seed for kind_, _, seed in steps if kind_ != "fail"})
+    seeds = sorted({seed for kind_, _, seed in steps if kind_ not in ("fail", "verl_bad")})
     prompts = None
     if generate:
         prompts = {s: stable_prompts([(model_dir, new_weights(model_dir, s))], 3, MAX_NEW) for s in seeds}
@@ -110,6 +111,23 @@ def test_qwen2_at_tp4(tmp_path):
     for record in records[1:]:
         assert record.get("success", True), record.get("message")
         check_update(record, model_dir, config, record["step"][2], 4, prompts)
+
+
+def test_verl_engine_http_server_backend(tmp_path):
+    """VerlEngine(backend="server"): the update goes through POST /update_weights_distributed
+    of a real HTTP server (HttpServerEngineAdapter); a refused one raises on every rank."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    steps = [("verl", "fsdp", 1), ("verl_bad", "fsdp", 2)]
+    model_dir, config, prompts, (records,) = run("qwen2", 2, 2, steps, tmp_path, backend="server", port=port)
+    good, bad = records[1:]
+    check_update(good, model_dir, config, 1, 2, prompts)
+    assert bad["success"] is False and f"unknown tensor '{BAD_NAME}'" in bad["message"], bad["message"]
+    assert bad["generation"] == good["generation"], "the refused update changed what the server generates"
+    assert bad["checksums"] == good["checksums"], "the refused update changed a parameter"
 
 
 def test_moe_expert_parallel_parameters(tmp_path):

@@ -73,13 +73,19 @@ class VerlLikeClient:
 
 
 def _checksums(engine) -> Dict[int, Dict[str, str]]:
+    """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP."""
     import msgspec
+    import requests
 
     from sglang.srt.managers.io_struct import CheckWeightsReqInput, ChecksumInfo
 
-    ok, message, ranks, _ = engine.loop.run_until_complete(
-        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
-    )
+    if hasattr(engine, "tokenizer_manager"):
+        ok, message, ranks, _ = engine.loop.run_until_complete(
+            engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
+        )
+    else:  # HttpServerEngineAdapter: the server's /weights_checker route
+        body = requests.post(f"{engine.server_args.url()}/weights_checker", json={"action": "checksum"}).json()
+        ok, message, ranks = body["success"], body["message"], body.get("ranks")
     assert ok, message
     infos = []
     while ranks:  # one entry per rank (and runner role), possibly nested in lists
@@ -177,6 +183,14 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             if kind == "verl":
                 verl.update_weights_from_tensor(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
                 record["success"] = True
+            elif kind == "verl_bad":  # a refused update raises on every rank, whatever the backend
+                bad = as_layout(new_weights(job["model_dir"], seed), arg, mesh)
+                bad.append((BAD_NAME, bad[0][1]))
+                try:
+                    verl.update_weights_from_tensor(bad)
+                    record["success"] = True
+                except RuntimeError as e:
+                    record["success"], record["message"] = False, str(e)
             elif kind == "utils":
                 client = VerlLikeClient(verl._engine) if leader else None
                 params = as_layout(new_weights(job["model_dir"], seed), arg, mesh)  # DTensors on the trainer's mesh
@@ -207,7 +221,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             else:
                 raise ValueError(kind)
             record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - calls_before
-            if kind != "fail" and job.get("generate", True):
+            if kind not in ("fail", "verl_bad") and job.get("generate", True):
                 prompts = job["prompts"][seed]
             record["generation"] = generate()
             if leader:

@@ -417,13 +417,39 @@ def test_http_adapter_posts_the_engine_arguments(monkeypatch):
 
     assert names_and_defaults(HttpServerEngineAdapter.update_weights_distributed) == names_and_defaults(
         Engine.update_weights_distributed)
-    posted = []
+    import sglang.srt.entrypoints.http_server_engine as module
+
+    posted, replies = [], []
+
+    class Response:
+        def __init__(self, status, body):
+            self.status_code, self._body = status, body
+
+        def raise_for_status(self):
+            if self.status_code >= 400:
+                raise RuntimeError(f"HTTP {self.status_code}")
+
+        def json(self):
+            return self._body
+
+    def post(url, json=None, verify=None):
+        posted.append((url, json))
+        return replies.pop(0)
+
+    monkeypatch.setattr(module.requests, "post", post)
+    monkeypatch.setattr(module, "ssl_verify_of", lambda server_args: True)
     adapter = object.__new__(HttpServerEngineAdapter)
-    monkeypatch.setattr(adapter, "_make_request", lambda endpoint, payload=None: posted.append((endpoint, payload))
-                        or {"success": True, "message": "ok"}, raising=False)
+    adapter.server_args = type("Args", (), {"url": lambda self: "http://host:1"})()
+    replies.append(Response(200, {"success": True, "message": "ok"}))
     assert adapter.update_weights_distributed("u3", CHANNEL, weight_version="v1") == {"success": True, "message": "ok"}
-    (endpoint, payload), = posted
-    assert endpoint == "update_weights_distributed"
+    (url, payload), = posted
+    assert url == "http://host:1/update_weights_distributed"
+    # a refused update (400) comes back with the server's message, which names tensor and rank
+    replies.append(Response(400, {"success": False, "message": "unknown tensor 'x'"}))
+    assert adapter.update_weights_distributed("u4", CHANNEL) == {"success": False, "message": "unknown tensor 'x'"}
+    replies.append(Response(500, {}))
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        adapter.update_weights_distributed("u5", CHANNEL)
     # the JSON body names every field of the request the Engine method builds
     json.dumps(payload)
     assert io.UpdateWeightsDistributedReqInput(**payload) == io.UpdateWeightsDistributedReqInput(

@@ -99,11 +99,16 @@ class VerlEngine:
         dist.barrier(group=self._group)  # every payload is on its way before the engine looks
         result = None
         if self._tp_rank == 0:
-            self._engine.begin_weight_update()
             try:
-                result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True)
-            finally:
-                self._engine.end_weight_update()
+                self._engine.begin_weight_update()
+                try:
+                    result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True)
+                finally:
+                    self._engine.end_weight_update()
+                # Engine returns (success, message); the HTTP adapter returns the JSON body
+                result = (result["success"], result["message"]) if isinstance(result, dict) else tuple(result)
+            except Exception as e:  # noqa: BLE001 - e.g. an HTTP 400; every rank must hear, not hang
+                result = (False, f"{type(e).__name__}: {e}")
         success, message = self._from_rank0(result)
         if not success:
             raise RuntimeError(f"weight update {update_id} failed: {message}")
