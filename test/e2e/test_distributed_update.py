@@ -58,7 +58,7 @@ def run(kind, tp, world, steps, tmp_path, generate=True, **engine_kwargs):
     """Run the steps; each weight set gets prompts whose greedy path has no bf16 near-tie
     for it, which makes exact comparison with HF meaningful."""
     model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
-    seeds = sorted({seed for kind_, _, seed in steps if kind_ not in ("fail", "verl_bad")})
+    seeds = sorted({seed for kind_, _, seed in steps if kind_ not in ("fail", "verl_bad", "memory")})
     prompts = None
     if generate:
         prompts = {s: stable_prompts([(model_dir, new_weights(model_dir, s))], 3, MAX_NEW) for s in seeds}
@@ -79,12 +79,14 @@ def run(kind, tp, world, steps, tmp_path, generate=True, **engine_kwargs):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
     fails = [("fail", kind, 10 + i) for i, kind in enumerate(FAILURES) if tp > 1 or kind != "missing"]
-    steps = UPDATES + fails + [("verl", "fsdp", 20)]
+    steps = UPDATES + fails + [("verl", "fsdp", 20), ("memory", "release_resume", 20)]
     model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
     last_good = None
     for record in records[1:]:
         kind, arg, seed = record["step"]
-        if kind == "fail":
+        if kind == "memory":
+            assert record["generation"] == last_good["generation"] and record["checksums"] == last_good["checksums"]
+        elif kind == "fail":
             assert record["success"] is False and FAILURES[arg] in record["message"], record["message"]
             assert "no parameter changed" in record["message"]
             assert record["generation"] == last_good["generation"], f"{arg}: old weights no longer serving"

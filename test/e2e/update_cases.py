@@ -183,6 +183,11 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             if kind == "verl":
                 verl.update_weights_from_tensor(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
                 record["success"] = True
+            elif kind == "memory":  # VerlEngine's other duties: the same model must come back
+                verl.release_memory_occupation()
+                verl.resume_memory_occupation()
+                verl.flush_cache()
+                record["success"] = True
             elif kind == "verl_bad":  # a refused update raises on every rank, whatever the backend
                 bad = as_layout(new_weights(job["model_dir"], seed), arg, mesh)
                 bad.append((BAD_NAME, bad[0][1]))
@@ -221,7 +226,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             else:
                 raise ValueError(kind)
             record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - calls_before
-            if kind not in ("fail", "verl_bad") and job.get("generate", True):
+            if kind not in ("fail", "verl_bad", "memory") and job.get("generate", True):
                 prompts = job["prompts"][seed]
             record["generation"] = generate()
             if leader:
