@@ -76,7 +76,7 @@ import json
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 

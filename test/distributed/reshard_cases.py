@@ -10,7 +10,7 @@ its parameters bit-exactly against SGLang's slicing rules.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
