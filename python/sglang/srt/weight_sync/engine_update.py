@@ -39,12 +39,31 @@ _receiver: Optional[ShardReceiver] = None
 _plans = PlanCache()
 
 
+# Our figures, one list entry per engine TP rank, in separate reply fields: the message keeps upstream's text.
+FIGURES = ("bytes_received", "lower_bound_bytes", "peak_staging_bytes")
+
+
 @dataclass
 class ReceivedShards:
-    """This rank's payload, or why there is none."""
+    """This rank's payload, or why there is none; after the update, every TP rank's figures
+    (``FIGURES``, summed over the runners the update wrote)."""
 
     payload: Optional[Payload]
     error: Optional[str] = None
+    figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+
+    def reply(self, output_cls, success: bool, message: str):
+        """The scheduler's reply: upstream's fields, plus the figures where ``output_cls`` has them
+        (``UpdateWeightsDistributedReqOutput``; the tensor path keeps upstream's struct)."""
+        extra = {k: v for k, v in self.figures.items() if k in getattr(output_cls, "__struct_fields__", ())}
+        return output_cls(success=success, message=message, **extra)
+
+
+def reply_body(success: bool, message: str, outputs) -> dict:
+    """What ``Engine.update_weights_distributed`` and the HTTP route return: upstream's
+    ``success``/``message`` and the figures of the (single data-parallel) scheduler's reply."""
+    first = outputs[0] if outputs else None
+    return {"success": success, "message": message, **{k: list(getattr(first, k, [])) for k in FIGURES}}
 
 
 def receive_shards(recv_req) -> ReceivedShards:
@@ -110,10 +129,13 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
     except ExecutionError as e:
         return False, f"distributed weight update refused, no parameter changed: {e}"
     stats = execute(the_plan, rank, shards, params, group=device_group)
-    return True, (
-        f"Success: rank {rank} received {stats.bytes_received} bytes "
-        f"(lower bound {the_plan.lower_bound_bytes(rank)}), staged at most {stats.peak_staging_bytes}"
-    )
+    mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
+    logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), staged at most %d",
+                recv_req.update_id, rank, *mine)
+    for key, values in zip(FIGURES, _share_figures(mine, rank, par.tp_size, cpu_group)):
+        previous = received.figures.get(key, [0] * par.tp_size)
+        received.figures[key] = [a + b for a, b in zip(previous, values)]
+    return True, "Success"  # upstream's text: callers test for it
 
 
 def engine_targets(
@@ -176,6 +198,14 @@ def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List
         if pieces:
             out.append(dataclasses.replace(t, pieces=pieces))
     return out
+
+
+def _share_figures(mine: Tuple[int, ...], rank: int, world: int, group) -> List[List[int]]:
+    """Each figure of every TP rank, on every rank (one small all-reduce): rank 0 replies for all."""
+    table = torch.zeros(len(mine), world, dtype=torch.int64)
+    table[:, rank] = torch.tensor(mine, dtype=torch.int64)
+    dist.all_reduce(table, group=group)
+    return table.tolist()
 
 
 def _share_problems(problems: List[str], rank: int, world: int, group) -> List[str]:
