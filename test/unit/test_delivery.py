@@ -35,7 +35,7 @@ def test_shards_travel_between_processes_and_stale_updates_are_dropped():
         assert payload.trainer_rank == 5 and payload.rank_map == {4: 0, 5: 1}
         assert torch.equal(payload.tensors["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100)
         assert payload.specs["w"].placements == (Shard(0),)
-        assert [(r, b.offsets) for r, b in payload.specs["w"].describe("w", payload.rank_map).holders] == [
+        assert [(h.rank, h.box.offsets) for h in payload.specs["w"].describe("w", payload.rank_map).holders] == [
             (0, (0, 0)), (1, (3, 0))]
     finally:
         done.set()

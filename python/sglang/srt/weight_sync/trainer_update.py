@@ -113,9 +113,9 @@ def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
 def uncovered(source: SourceTensor) -> Optional[Box]:
     """A region of the tensor that none of the holders has, or None when they cover it."""
     remaining = [Box.full(source.shape)]
-    for _, box in source.holders:
-        if not box.is_empty():
-            remaining = [piece for rem in remaining for piece in rem.subtract(box)]
+    for h in source.holders:
+        if not h.box.is_empty():
+            remaining = [piece for rem in remaining for piece in rem.subtract(h.box)]
     return remaining[0] if remaining else None
 
 
@@ -143,9 +143,10 @@ def reshard_for_engines(shards: Shards, engine_groups: Sequence[Sequence[int]], 
     for name, tensor, spec in shards:
         sources[name], local[name] = spec.describe(name), tensor
         neutral[name] = MeshSpec.sharded(spec.shape, spec.dtype, 0, groups)
-        for rank, box in neutral[name].describe(name).holders:
-            piece = Piece(name, box, (), (0,) * box.ndim)
-            targets.setdefault(rank, []).append(ParamTarget(name, box.sizes, spec.dtype, (piece,) if box.numel else ()))
+        for h in neutral[name].describe(name).holders:
+            piece = Piece(name, h.box, (), (0,) * h.box.ndim)
+            targets.setdefault(h.rank, []).append(
+                ParamTarget(name, h.box.sizes, spec.dtype, (piece,) if h.box.numel else ()))
     me = dist.get_rank()
     plan = _plans.get(sources, targets, bucket_bytes=bucket_bytes)
     mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=local[t.name].device) for t in targets[me]}
@@ -212,7 +213,7 @@ async def update_weights_distributed(
     request whose reserved ``load_format`` makes the engine take the payloads
     from the channel. ``fallback`` (upstream's gathered path) runs only for what
     this path cannot serve: another ``load_format``, or a layout that is not
-    boxes (e.g. ``_StridedShard``).
+    boxes (``Partial`` placements).
     """
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
