@@ -96,6 +96,20 @@ class VerlEngine:
                 "only load_format=None is supported"
             )
         chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode)
+        self.apply_delivered(chan, update_id)
+
+    def update_weights_from_megatron(self, model_chunks, hf_vocab: int, shared_expert_hf: str = "shared_experts") -> None:
+        """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
+        gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
+        from sglang.srt.weight_sync.megatron_update import send_megatron_weights
+
+        chan, update_id = send_megatron_weights(model_chunks, hf_vocab, self._ranks, self._group,
+                                                self._weight_sync_mode, shared_expert_hf=shared_expert_hf)
+        self.apply_delivered(chan, update_id)
+
+    def apply_delivered(self, chan, update_id: str) -> None:
+        """Have the engine apply what every rank of the mesh delivered under ``update_id``;
+        raises on every rank if it refused."""
         dist.barrier(group=self._group)  # every payload is on its way before the engine looks
         result = None
         if self._tp_rank == 0:

@@ -3,7 +3,9 @@
 The channel is a private directory (mode 0700) holding one ZeroMQ ``ipc://``
 socket per engine TP rank. A trainer rank PUSHes one message: the update id,
 which trainer rank it is, the map from trainer ranks to engine ranks, and its
-local shards, each with the ``MeshSpec`` its layout derives from. Tensors go
+local shards, each with the ``MeshSpec`` its layout derives from; fused local
+buffers (Megatron-core) travel without a spec, and the HF tensors they hold
+pieces of come with ``HoldersSpec``s. Tensors go
 through SGLang's ``MultiprocessingSerializer``: CUDA IPC handles on GPU, shared
 memory on CPU, so no payload bytes are copied or gathered anywhere. The
 engine's control request carries the update id only.
@@ -17,13 +19,13 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import zmq
 
 from sglang.srt.utils import MultiprocessingSerializer
-from sglang.srt.weight_sync.source_layout import MeshSpec
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +53,14 @@ def _check_private(channel: str) -> None:
 
 @dataclass
 class Payload:
-    """What one engine rank received: the trainer shards beside it and their layouts."""
+    """What one engine rank received: the trainer's local tensors beside it (by buffer key)
+    and the layouts of the HF tensors they hold (by HF name)."""
 
     update_id: str
     trainer_rank: int
     rank_map: Dict[int, int]
     tensors: Dict[str, torch.Tensor]
-    specs: Dict[str, MeshSpec]
+    specs: Dict[str, Union[MeshSpec, HoldersSpec]]
 
 
 def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[torch.Tensor, MeshSpec]:
@@ -89,14 +92,18 @@ class ShardSender:
         update_id: str,
         trainer_rank: int,
         rank_map: Mapping[int, int],
-        shards: Sequence[Tuple[str, torch.Tensor, MeshSpec]],
+        shards: Sequence[Tuple[str, torch.Tensor, Optional[MeshSpec]]],
+        pieces: Optional[Mapping[str, HoldersSpec]] = None,
     ) -> None:
+        """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
+        ``pieces`` (HF name -> HoldersSpec) describe)."""
         self._alive = [t for _, t, _ in shards]
         message = {
             "update_id": update_id,
             "trainer_rank": int(trainer_rank),
             "rank_map": {int(k): int(v) for k, v in rank_map.items()},
-            "tensors": [(name, t.detach(), spec.to_wire()) for name, t, spec in shards],
+            "tensors": [(name, t.detach(), None if spec is None else spec.to_wire()) for name, t, spec in shards],
+            "pieces": [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
         }
         self._sock.send(MultiprocessingSerializer.serialize(message))
 
@@ -152,5 +159,11 @@ def _payload(message: dict, engine_rank: int) -> Payload:
     for name, tensor, wire in message["tensors"]:
         if name in tensors:
             raise DeliveryError(f"engine rank {engine_rank}: tensor {name!r} delivered twice")
-        tensors[name], specs[name] = tensor, MeshSpec.from_wire(wire)
+        tensors[name] = tensor
+        if wire is not None:
+            specs[name] = MeshSpec.from_wire(wire)
+    for name, wire in message.get("pieces", ()):
+        if name in specs:
+            raise DeliveryError(f"engine rank {engine_rank}: tensor {name!r} described twice")
+        specs[name] = HoldersSpec.from_wire(wire)
     return Payload(message["update_id"], message["trainer_rank"], dict(message["rank_map"]), tensors, specs)

@@ -149,9 +149,10 @@ def engine_targets(
 
 
 def _sources(payload: Payload, targets: ModelTargets, rank: int):
-    """Source layout from the payload's specs; refuses names and shapes the model does not have."""
+    """Source layout from the payload's specs, and the local buffers it reads (by key);
+    refuses names and shapes the model does not have."""
     expected = targets.tensor_shapes()
-    sources, shards = {}, {}
+    sources = {}
     for name, spec in payload.specs.items():
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -163,8 +164,7 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         if not spec.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
         sources[name] = spec.describe(name, payload.rank_map)
-        shards[name] = payload.tensors[name]
-    return sources, shards
+    return sources, payload.tensors
 
 
 def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List[ParamTarget]:
