@@ -122,7 +122,9 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     try:
         before = _forbidden_calls(job["forbidden_log"])
         chan, update_id = send_megatron_weights([model], vocab, ranks, group)
-        record["success"], record["message"] = _request(verl, ranks, group, chan, update_id)
+        reply = _request(verl, ranks, group, chan, update_id)
+        record["success"], record["message"] = reply["success"], reply["message"]
+        record["received"], record["lower_bound"] = reply["bytes_received"], reply["lower_bound_bytes"]
         record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - before
         record["generation"] = _generate(verl, job["prompts"])
         if rank == ranks[0]:
