@@ -55,12 +55,31 @@ _receiver: Optional[ShardReceiver] = None
 _plans = PlanCache()
 
 
+# Our figures, one list entry per engine TP rank, in separate reply fields: the message keeps upstream's text.
+FIGURES = ("bytes_received", "lower_bound_bytes", "peak_staging_bytes")
+
+
 @dataclass
 class ReceivedShards:
-    """This rank's payload, or why there is none."""
+    """This rank's payload, or why there is none; after the update, every TP rank's figures
+    (``FIGURES``, summed over the runners the update wrote)."""
 
     payload: Optional[Payload]
     error: Optional[str] = None
+    figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+
+    def reply(self, output_cls, success: bool, message: str):
+        """The scheduler's reply: upstream's fields, plus the figures where ``output_cls`` has them
+        (``UpdateWeightsDistributedReqOutput``; the tensor path keeps upstream's struct)."""
+        extra = {k: v for k, v in self.figures.items() if k in getattr(output_cls, "__struct_fields__", ())}
+        return output_cls(success=success, message=message, **extra)
+
+
+def reply_body(success: bool, message: str, outputs) -> dict:
+    """What ``Engine.update_weights_distributed`` and the HTTP route return: upstream's
+    ``success``/``message`` and the figures of the (single data-parallel) scheduler's reply."""
+    first = outputs[0] if outputs else None
+    return {"success": success, "message": message, **{k: list(getattr(first, k, [])) for k in FIGURES}}
 
 
 def request_problems(req) -> List[str]:
@@ -179,6 +198,10 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         return False, f"{REFUSED}engine rank {rank}: {e}"
     try:
         stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
+        mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
+        logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
+                    "staged at most %d", recv_req.update_id, rank, *mine)
+        shared = _share_figures(mine, rank, par.tp_size, cpu_group, bound)
     except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
         logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
         return False, (
@@ -186,10 +209,10 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
             f"({type(e).__name__}: {e}): the weights are now MIXED (some parameters new, some old); "
             "only a complete successful update restores a consistent model"
         )
-    return True, (
-        f"Success: rank {rank} received {stats.bytes_received} bytes "
-        f"(lower bound {the_plan.lower_bound_bytes(rank)}), staged at most {stats.peak_staging_bytes}"
-    )
+    for key, values in zip(FIGURES, shared):
+        previous = received.figures.get(key, [0] * par.tp_size)
+        received.figures[key] = [a + b for a, b in zip(previous, values)]
+    return True, "Success"  # upstream's text: callers test for it
 
 
 def engine_targets(
@@ -225,9 +248,10 @@ def engine_targets(
 
 
 def _sources(payload: Payload, targets: ModelTargets, rank: int):
-    """Source layout from the payload's specs; refuses names and shapes the model does not have."""
+    """Source layout from the payload's specs, and the local buffers it reads (by key);
+    refuses names and shapes the model does not have."""
     expected = targets.tensor_shapes()
-    sources, shards = {}, {}
+    sources = {}
     for name, spec in payload.specs.items():
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -238,13 +262,12 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
             raise ValueError(f"tensor {name!r}: global shape {spec.shape}, the model expects {expected[canonical]}")
         if not spec.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
-        shard = payload.tensors[name]
-        if shard.is_floating_point() and not bool(torch.isfinite(shard).all()):
-            raise ValueError(f"tensor {name!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or "
-                             "inf values (refused: see docs/usage.md)")
         sources[name] = spec.describe(name, payload.rank_map)
-        shards[name] = shard
-    return sources, shards
+    for key, local in payload.tensors.items():
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise ValueError(f"tensor {key!r}: the local buffer from trainer rank {payload.trainer_rank} holds NaN "
+                             "or inf values (refused: see docs/usage.md)")
+    return sources, payload.tensors
 
 
 def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List[ParamTarget]:
@@ -263,6 +286,15 @@ def _timeout(recv_req) -> float:
         return check_timeout(recv_req.timeout_s)
     except DeliveryError:  # already refused by request_problems; still bound the collectives
         return DEFAULT_TIMEOUT_S
+
+
+def _share_figures(mine: Tuple[int, ...], rank: int, world: int, group, timeout_s: float) -> List[List[int]]:
+    """Each figure of every TP rank, on every rank (one small all-reduce): rank 0 replies for all."""
+    table = torch.zeros(len(mine), world, dtype=torch.int64)
+    table[:, rank] = torch.tensor(mine, dtype=torch.int64)
+    wait(dist.all_reduce(table, group=group, async_op=True), timeout_s,
+         f"sharing the update's figures with the other TP ranks ({world} ranks)")
+    return table.tolist()
 
 
 def _share_problems(problems: List[str], rank: int, world: int, group, timeout_s: float) -> List[str]:
