@@ -48,48 +48,17 @@ def _sample(step: int) -> dict:
                 dev_shm_files=len(os.listdir("/dev/shm")))
 
 
-async def _generate(tm, prompt, max_new):
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    obj = GenerateReqInput(input_ids=prompt, sampling_params={"max_new_tokens": max_new, "temperature": 0.0,
-                                                             "ignore_eos": True})
-    out = None
-    async for out in tm.generate_request(obj, None):
-        pass
-    return out
-
-
-async def _update(eng, channel, update_id, per_rank):
-    from faults import send
-    from sglang.srt.managers.io_struct import (
-        BeginWeightUpdateReqInput,
-        EndWeightUpdateReqInput,
-        UpdateWeightsDistributedReqInput,
-    )
-
-    tm = eng.tokenizer_manager
-    senders = send(channel, update_id, per_rank)
-    try:
-        await tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
-        try:
-            return await tm.update_weights_distributed(
-                UpdateWeightsDistributedReqInput(update_id=update_id, channel=channel, timeout_s=60), None)
-        finally:
-            await tm.end_weight_update(EndWeightUpdateReqInput(), None)
-    finally:
-        for s in senders:
-            s.close()
-
-
 async def _loaded(eng, channel, shards_of, updates, concurrency, prompts, max_new):
     """``updates`` updates while ``concurrency`` generations are always in flight."""
+    from faults import generate_async, update_async
+
     tm = eng.tokenizer_manager
     stop, done, failed = False, 0, []
 
     async def load(i):
         nonlocal done
         while not stop:
-            out = await _generate(tm, prompts[i % len(prompts)], max_new)
+            out = await generate_async(tm, prompts[i % len(prompts)], max_new)
             if out is None or len(out["output_ids"]) != max_new:
                 failed.append(out)
             done += 1
@@ -98,7 +67,7 @@ async def _loaded(eng, channel, shards_of, updates, concurrency, prompts, max_ne
     times = []
     for u in range(updates):
         start = time.monotonic()
-        success, message = await _update(eng, channel, f"loaded-{u}", shards_of(u))
+        success, message = await update_async(eng, channel, f"loaded-{u}", shards_of(u), timeout_s=60)
         times.append(time.monotonic() - start)
         assert success, message
     stop = True
@@ -118,7 +87,7 @@ def main() -> None:
 
     import tiny_models
     from engine import cpu_engine
-    from faults import TP, full_shards
+    from faults import TP, full_shards, generate_async, update_async
     from sglang.srt.weight_sync.delivery import make_channel
     from update_cases import new_weights
 
@@ -132,19 +101,20 @@ def main() -> None:
         start = time.monotonic()
         for u in range(1, args.updates + 1):
             success, message = eng.loop.run_until_complete(
-                _update(eng, channel, f"soak-{u}", [weight_sets[u % 2]] * TP))
+                update_async(eng, channel, f"soak-{u}", [weight_sets[u % 2]] * TP, timeout_s=60))
             assert success, f"update {u}: {message}"
             if u % args.every == 0:
                 samples.append(_sample(u))
+                Path(args.out).write_text(json.dumps(dict(result, samples=samples), indent=1))  # partial
                 print(f"{u} updates, {time.monotonic() - start:.0f}s", file=sys.stderr)
         result["sequential_s_per_update"] = round((time.monotonic() - start) / max(args.updates, 1), 4)
         loaded = eng.loop.run_until_complete(_loaded(
             eng, channel, lambda u: [weight_sets[u % 2]] * TP, args.loaded, args.concurrency, prompts, 8))
         final = weight_sets[(args.loaded - 1) % 2]
-        after = [eng.loop.run_until_complete(_generate(eng.tokenizer_manager, p, 8))["output_ids"] for p in prompts]
+        after = [eng.loop.run_until_complete(generate_async(eng.tokenizer_manager, p, 8))["output_ids"] for p in prompts]
         # the same weights again, through a fresh update with nothing in flight: output must not change
-        assert eng.loop.run_until_complete(_update(eng, channel, "final", [final] * TP))[0]
-        again = [eng.loop.run_until_complete(_generate(eng.tokenizer_manager, p, 8))["output_ids"] for p in prompts]
+        assert eng.loop.run_until_complete(update_async(eng, channel, "final", [final] * TP, timeout_s=60))[0]
+        again = [eng.loop.run_until_complete(generate_async(eng.tokenizer_manager, p, 8))["output_ids"] for p in prompts]
         loaded["output_after_equals_final_model"] = after == again
         result["loaded"] = loaded
         samples.append(_sample(args.updates + args.loaded + 1))

@@ -59,8 +59,8 @@ def update(eng, channel: str, update_id: str, per_rank: Sequence[list] = (), **k
     eng.begin_weight_update()
     try:
         start = time.monotonic()
-        success, message = eng.update_weights_distributed(update_id, channel, **kwargs)
-        return success, message, time.monotonic() - start
+        reply = eng.update_weights_distributed(update_id, channel, **kwargs)
+        return reply["success"], reply["message"], time.monotonic() - start
     finally:
         eng.end_weight_update()
         for s in senders:
@@ -210,3 +210,42 @@ def run_trainers(eng, world: int, job: dict, deadline_s: float = 300) -> Tuple[D
                     p.kill()
         left = sorted(d for d in os.listdir(tmp) if d.startswith("sglang-weights-"))
     return out, left
+
+
+# ----------------------------------------------------------------------------------------------
+# Updates while generation is in flight: everything on the engine's own event loop.
+
+
+async def generate_async(tm, prompt: Sequence[int], max_new: int) -> dict:
+    """One greedy generation through the tokenizer manager; its last output."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=list(prompt), sampling_params={"max_new_tokens": max_new, "temperature": 0.0,
+                                                                   "ignore_eos": True})
+    out = None
+    async for out in tm.generate_request(obj, None):
+        pass
+    return out
+
+
+async def update_async(eng, channel: str, update_id: str, per_rank: Sequence[list], **kwargs) -> Tuple[bool, str]:
+    """``update`` from within the engine's loop (so generation can run beside it)."""
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsDistributedReqInput,
+    )
+
+    tm = eng.tokenizer_manager
+    senders = send(channel, update_id, per_rank)
+    try:
+        await tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
+        try:
+            reply = await tm.update_weights_distributed(
+                UpdateWeightsDistributedReqInput(update_id=update_id, channel=channel, **kwargs), None)
+            return reply["success"], reply["message"]
+        finally:
+            await tm.end_weight_update(EndWeightUpdateReqInput(), None)
+    finally:
+        for s in senders:
+            s.close()

@@ -2,7 +2,6 @@
 generates, shuts down; the trainer side closes its channels. Everything a run leaves
 (multiprocessing's resource-tracker warnings) shows on this process's stderr at exit."""
 
-import os
 import sys
 from pathlib import Path
 
