@@ -2,7 +2,8 @@
 
 Like ``test/e2e``, importing this conftest configures the CPU engine environment for
 the pytest process; helpers come from ``test/support`` (and the e2e update cases).
-Each module shares one TP-2 engine across its tests (``engine`` fixture below).
+All tests share one TP-2 engine (``engine`` fixture below, session scope: this
+conftest only serves this folder); each test first sets the weights it checks against.
 """
 
 import sys
@@ -22,7 +23,7 @@ configure_cpu_env()
 from faults import running_engine  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine(tmp_path_factory):
     """A running TP-2 tiny-Qwen2 engine: ``(engine, model_dir, config)``."""
     with running_engine(tmp_path_factory.mktemp("model")) as ctx:

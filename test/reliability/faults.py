@@ -76,3 +76,176 @@ def engine_fds() -> int:
         with contextlib.suppress(psutil.Error):
             total += child.num_fds()
     return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainer ranks that die: a gloo world of trainer processes whose first rank relays its
+# control request to the engine in the test process.
+
+
+class RelayClient:
+    """What rank 0 hands ``update_weights_distributed`` as ``engine``: the request goes to the
+    test process, which owns the engine, and the answer comes back."""
+
+    def __init__(self, requests, answers):
+        self.requests, self.answers = requests, answers
+
+    async def update_weights_from_tensor(self, req):
+        self.requests.put(req)
+        return self.answers.get(timeout=600)
+
+
+def _arrange_death(when: str) -> None:
+    """Make this trainer rank exit (as a SIGKILL would: no cleanup) at ``when``."""
+    import os
+
+    from sglang.srt.weight_sync import trainer_update
+
+    if when == "before_delivery":
+        os._exit(1)
+    if when == "after_delivery":  # past the barrier that says every payload is on its way
+        real = trainer_update.barrier
+
+        def barrier_then_die(*args, **kwargs):
+            real(*args, **kwargs)
+            os._exit(1)
+
+        trainer_update.barrier = barrier_then_die
+    if when == "mid_update":  # entering trainer-side resharding: its peers wait for this rank's rows
+        def execute_then_die(*args, **kwargs):
+            os._exit(1)
+
+        trainer_update.execute = execute_then_die
+
+
+def trainer_job(rank: int, world: int, job: dict) -> dict:
+    """A good update (seed 1), then the fault: ``job["die_rank"]`` dies at ``job["when"]``;
+    the survivors report how long they took to fail and why."""
+    import asyncio
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sglang.srt.weight_sync import trainer_update
+    from update_cases import as_layout, new_weights
+
+    mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+    layout = "fsdp"
+    if job["when"] == "mid_update":  # Megatron-like shards, every tensor resharded on the trainer side first
+        layout = "tp"
+        trainer_update.send_weights = functools.partial(trainer_update.send_weights, mode="trainer")
+    client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
+
+    def update(seed):
+        weights = as_layout(new_weights(job["model_dir"], seed), layout, mesh["infer_tp"])
+        return asyncio.run(trainer_update.update_weights_distributed(
+            client, weights, "infer_tp", mesh, fallback=None, timeout_s=job["timeout_s"]))
+
+    first = update(1)
+    dist.barrier()
+    if rank == job["die_rank"]:
+        _arrange_death(job["when"])
+    start = time.monotonic()
+    try:
+        update(2)
+        outcome = "returned"
+    except Exception as e:  # noqa: BLE001 - the survivor's error is what the test checks
+        outcome = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    trainer_update.close_channels()  # what VerlEngine.shutdown() does
+    return dict(first=first, elapsed=elapsed, outcome=outcome)
+
+
+def run_trainers(eng, world: int, job: dict, deadline_s: float = 300) -> Tuple[Dict[int, dict], List[str]]:
+    """Run ``trainer_job`` on ``world`` spawned gloo ranks while this process serves rank 0's
+    engine requests; returns the results of the ranks that lived (dead ranks give none) and
+    the channel directories left behind (the ranks make them in a private ``TMPDIR``)."""
+    import multiprocessing as mp
+    import os
+    import queue
+    import tempfile
+
+    from ranks import _worker
+
+    ctx = mp.get_context("spawn")
+    results, requests, answers = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    job = dict(job, requests=requests, answers=answers)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world, store, trainer_job, (job,), results))
+                 for r in range(world)]
+        old_tmp = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = tmp
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if old_tmp is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = old_tmp
+        out, end = {}, time.monotonic() + deadline_s
+        try:
+            while time.monotonic() < end and (any(p.is_alive() for p in procs) or not results.empty()):
+                try:
+                    req = requests.get(timeout=0.2)
+                except queue.Empty:
+                    pass
+                else:
+                    eng.begin_weight_update()
+                    try:
+                        answers.put(eng.loop.run_until_complete(
+                            eng.tokenizer_manager.update_weights_from_tensor(req, None)))
+                    finally:
+                        eng.end_weight_update()
+                with contextlib.suppress(queue.Empty):
+                    rank, ok, value = results.get_nowait()
+                    assert ok, f"trainer rank {rank} failed:\n{value}"
+                    out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        left = sorted(d for d in os.listdir(tmp) if d.startswith("sglang-weights-"))
+    return out, left
+
+
+# ----------------------------------------------------------------------------------------------
+# Updates while generation is in flight: everything on the engine's own event loop.
+
+
+async def generate_async(tm, prompt: Sequence[int], max_new: int) -> dict:
+    """One greedy generation through the tokenizer manager; its last output."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=list(prompt), sampling_params={"max_new_tokens": max_new, "temperature": 0.0,
+                                                                   "ignore_eos": True})
+    out = None
+    async for out in tm.generate_request(obj, None):
+        pass
+    return out
+
+
+async def update_async(eng, channel: str, update_id: str, per_rank: Sequence[list], **kwargs) -> Tuple[bool, str]:
+    """``update`` from within the engine's loop (so generation can run beside it)."""
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsDistributedReqInput,
+    )
+
+    tm = eng.tokenizer_manager
+    senders = send(channel, update_id, per_rank)
+    try:
+        await tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
+        try:
+            reply = await tm.update_weights_distributed(
+                UpdateWeightsDistributedReqInput(update_id=update_id, channel=channel, **kwargs), None)
+            return reply["success"], reply["message"]
+        finally:
+            await tm.end_weight_update(EndWeightUpdateReqInput(), None)
+    finally:
+        for s in senders:
+            s.close()

@@ -517,6 +517,29 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
                                                         bucket_bytes=4096, selector="target")]
 
 
+@pytest.mark.parametrize("body", [
+    {"channel": "c"},  # update_id missing
+    {"update_id": "u"},  # channel missing
+    {"update_id": 7, "channel": "c"},
+    {"update_id": "u", "channel": "c", "timeout_s": "soon"},
+    {"update_id": "u", "channel": "c", "bucket_bytes": "big"},
+    {"update_id": "u", "channel": ["c"]},
+])
+def test_http_route_rejects_malformed_bodies_with_4xx(monkeypatch, body):
+    from fastapi.testclient import TestClient
+
+    import sglang.srt.entrypoints.http_server as http_server
+
+    class NeverCalled:
+        async def update_weights_distributed(self, obj, request):
+            pytest.fail(f"a malformed body reached the tokenizer manager: {obj}")
+
+    monkeypatch.setattr(http_server, "_global_state",
+                        SimpleNamespace(tokenizer_manager=NeverCalled(), template_manager=None, scheduler_info={}))
+    response = TestClient(http_server.app).post("/update_weights_distributed", json=body)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+
+
 def test_http_adapter_posts_the_engine_arguments(monkeypatch):
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter

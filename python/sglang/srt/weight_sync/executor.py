@@ -200,7 +200,8 @@ def execute(
         stats.largest_round_bytes = max(
             stats.largest_round_bytes, sum(m.nbytes for m in mine if m.src == rank or _my_dests(m, rank))
         )
-        phase = f"rank {rank}: executor round {stats.rounds}"
+        peers = sorted(({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank})
+        phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
         _run_p2p(plan, rank, [m for m in mine if len(_receivers(m)) == 1], shards, params, group, staging, to_global,
                  lambda work: _wait(work, timeout_s, phase))
         for move in mine:
