@@ -115,13 +115,18 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
     update_id = update_id or chan.next_update_id()
     if send:
         chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    return _request(verl, ranks, group, chan, request_id or update_id, timeout_s)
+
+
+def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
+    """``Engine.update_weights_distributed`` for what every rank delivered; (success, message) on every rank."""
     dist.barrier(group=group)
     result = None
     if dist.get_rank() == ranks[0]:
         engine = verl._engine
         engine.begin_weight_update()
         try:
-            result = engine.update_weights_distributed(request_id or update_id, chan.channel, timeout_s=timeout_s)
+            result = engine.update_weights_distributed(update_id, chan.channel, timeout_s=timeout_s)
         finally:
             engine.end_weight_update()
     box = [result]

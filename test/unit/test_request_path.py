@@ -12,8 +12,11 @@ wiring, not the update itself.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import json
+import os
+import tempfile
 from types import SimpleNamespace
 from typing import List
 
@@ -23,14 +26,16 @@ import torch
 
 import sglang.srt.managers.io_struct as io
 
-CHANNEL = "/tmp/weight-sync-channel"
+# a real (empty) channel directory: the tokenizer manager validates the channel before any scheduler sees it
+CHANNEL = tempfile.mkdtemp(prefix="sglang-weights-")
+atexit.register(os.rmdir, CHANNEL)
 SESSION_MESSAGE = "update_weights_distributed must run between begin_weight_update() and end_weight_update()"
 FIGURES = {"bytes_received": [4, 6], "lower_bound_bytes": [4, 6], "peak_staging_bytes": [2, 3]}
 NO_FIGURES = {"bytes_received": [], "lower_bound_bytes": [], "peak_staging_bytes": []}
 
 
 def _request(**kw) -> io.UpdateWeightsDistributedReqInput:
-    return io.UpdateWeightsDistributedReqInput(update_id="u", channel=CHANNEL, **kw)
+    return io.UpdateWeightsDistributedReqInput(**{"update_id": "u", "channel": CHANNEL, **kw})
 
 
 # ---------------------------------------------------------------- io_struct (patch 0001)
@@ -191,6 +196,23 @@ def test_tokenizer_method_failure_keeps_version(single_dp):
     tm = _FakeTokenizerManager(bad)
     assert tm.call(_request(weight_version="v3")) == {"success": False, "message": "refused", **NO_FIGURES}
     assert not [e for e in tm.events if e == "clear_mm" or (isinstance(e, tuple) and e[0] == "version")]
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("timeout_s", -1, "timeout_s=-1: must be a number of seconds in (0, 3600]"),
+    ("timeout_s", 2_147_484, "timeout_s=2147484"),
+    ("timeout_s", "soon", "timeout_s='soon'"),
+    ("bucket_bytes", 1, "bucket_bytes=1: must be None"),
+    ("bucket_bytes", -1, "bucket_bytes=-1"),
+    ("update_id", "", "update_id='': must be a non-empty string"),
+    ("channel", "/nonexistent/sglang-weights-x", "channel '/nonexistent/sglang-weights-x' does not exist"),
+])
+def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(single_dp, field, value, text):
+    tm = _FakeTokenizerManager([])
+    reply = tm.call(_request(**{field: value}))
+    assert not reply["success"] and text in reply["message"], reply
+    assert {k: reply[k] for k in NO_FIGURES} == NO_FIGURES
+    assert tm.events == []  # nothing aborted, locked or sent
 
 
 def test_tokenizer_method_rejects_dp_replicas(monkeypatch):
