@@ -35,7 +35,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import tiny_models
@@ -78,7 +77,9 @@ def _verl_sources(tmp_path: Path) -> dict:
     copy = tmp_path / "verl" / "workers" / "engine" / "fsdp"
     copy.mkdir(parents=True)
     shutil.copy(src, copy)
-    subprocess.run(["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(PATCH)], check=True)
+    applied = subprocess.run(["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(PATCH)],
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, f"{PATCH.name} does not apply to verl 0.9.1:\n{applied.stdout}{applied.stderr}"
     return {"stock": src.read_text(), "patched": (copy / "transformer_impl.py").read_text()}
 
 
