@@ -4,7 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-[ -f "$VENV/.ready" ] && exit 0
+# verl's release for test/e2e/test_verl_release.py (--no-deps, see the file); added to existing venvs too.
+verl_deps() {
+  cmp -s scripts/requirements-verl.txt "$VENV/.verl-ready" && return
+  "$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" --no-deps -r scripts/requirements-verl.txt
+  cp scripts/requirements-verl.txt "$VENV/.verl-ready"
+}
+[ -f "$VENV/.ready" ] && { verl_deps; exit 0; }
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
@@ -18,3 +24,4 @@ TV=$("$PY" -c 'import importlib.util,os;print(os.path.dirname(importlib.util.fin
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV/_meta_registrations.py"
 "$PY" -c "import torchvision.transforms, sglang.srt.layers.linear" >/dev/null
 touch "$VENV/.ready"
+verl_deps
