@@ -186,7 +186,12 @@ def expert_indices(config, ep_rank, ep, monkeypatch):
 
 
 def glu_master(hf, prefix):
-    return torch.cat([hf[f"{prefix}gate_proj.weight"], hf[f"{prefix}up_proj.weight"]])
+    """The TP-1 fc1 [gate; up]; megatron-core's own swiglu must read it as silu(gate) * up."""
+    master = torch.cat([hf[f"{prefix}gate_proj.weight"], hf[f"{prefix}up_proj.weight"]])
+    x = torch.linspace(-1, 1, master.shape[1], dtype=torch.float64).view(1, -1) / master.abs().max()
+    gate, up = x @ hf[f"{prefix}gate_proj.weight"].T, x @ hf[f"{prefix}up_proj.weight"].T
+    assert torch.allclose(swiglu(x @ master.T), torch.nn.functional.silu(gate) * up), prefix
+    return master
 
 
 def expected_locals(model, rank, hf, built, monkeypatch):
