@@ -61,7 +61,9 @@ def test_missing_payload_times_out_naming_rank_and_update():
     receiver.close()
 
 
-def test_channel_must_be_private(tmp_path):
-    os.chmod(tmp_path, 0o755)
-    with pytest.raises(DeliveryError, match="mode 0700"):
-        ShardSender(str(tmp_path), 0)
+def test_channel_must_be_private():
+    channel = make_channel()
+    os.chmod(channel, 0o755)
+    with pytest.raises(DeliveryError, match="has mode 0755; it must be 0700"):
+        ShardSender(channel, 0)
+    os.rmdir(channel)

@@ -61,6 +61,7 @@ def send_megatron_weights(
     mode: Mode = "auto",
     bucket_bytes: int = 512 << 20,
     shared_expert_hf: str = "shared_experts",
+    timeout_s: Optional[float] = None,
 ) -> Tuple[TrainerChannel, str]:
     """Deliver this rank's part of every HF tensor to the engine rank beside it; every
     trainer rank calls this together. Returns the channel and the update id."""
@@ -71,7 +72,8 @@ def send_megatron_weights(
     sources = megatron_sources(model, all_coords(me))
     specs = {n: HoldersSpec(s.shape, s.dtype, s.holders) for n, s in sources.items()}
     moved = set(trainer_side_names([(n, None, spec) for n, spec in specs.items()], chan.engine_groups, mode))
-    shards = reshard_to_engine_groups({n: sources[n] for n in moved}, buffers, chan.engine_groups, bucket_bytes) \
+    shards = reshard_to_engine_groups({n: sources[n] for n in moved}, buffers, chan.engine_groups, bucket_bytes,
+                                      timeout_s) \
         if moved else []
     mine = set(chan.group_ranks)
     pieces = {n: HoldersSpec(s.shape, s.dtype, tuple(h for h in s.holders if h.rank in mine))
