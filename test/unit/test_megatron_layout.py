@@ -408,3 +408,15 @@ def test_vocab_verify_layouts_cases(hf_vocab, divisible_by, tp):
         assert real == ([(lo, min(hi, hf_vocab) - lo, 0)] if lo < hf_vocab else [])
         rows += sum(n for _, n, _ in real)
     assert rows == hf_vocab
+
+
+@pytest.mark.parametrize("ffn,tp", [(12, 1), (12, 2), (12, 3), (16, 4)])
+def test_fc1_verify_layouts_cases(ffn, tp):
+    """GLU fc1 at every TP (3 included): each rank's [gate_t; up_t] is megatron-core's stride-2 split."""
+    model = MegatronModel(dense(tp, nq=12 if tp == 3 else 8, ng=12 if tp == 3 else 8, ffn=ffn, layers=1),
+                          50, 64 * tp, False)
+    hf = hf_tensors(model)
+    name = "chunk0/decoder.layers.0.mlp.linear_fc1.weight"
+    for t in range(tp):
+        local = rebuild(model, MegatronRank(t), hf)[name]
+        assert torch.equal(local, split(glu_master(hf, "model.layers.0.mlp."), t, tp, 0, stride=2)), (ffn, tp, t)
