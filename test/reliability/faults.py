@@ -59,8 +59,8 @@ def update(eng, channel: str, update_id: str, per_rank: Sequence[list] = (), **k
     eng.begin_weight_update()
     try:
         start = time.monotonic()
-        success, message = eng.update_weights_distributed(update_id, channel, **kwargs)
-        return success, message, time.monotonic() - start
+        reply = eng.update_weights_distributed(update_id, channel, **kwargs)
+        return reply["success"], reply["message"], time.monotonic() - start
     finally:
         eng.end_weight_update()
         for s in senders:

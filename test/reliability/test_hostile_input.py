@@ -156,7 +156,7 @@ def test_garbage_and_blocked_pickles_pushed_into_the_socket(engine, baseline):
         import json
 
         return json.dumps({"update_id": update_id, "trainer_rank": rank, "rank_map": [[0, 0], [1, 1]],
-                           "tensors": [["model.norm.weight", spec]]}).encode()
+                           "tensors": [["model.norm.weight", spec]], "pieces": []}).encode()
 
     channel = _channel()
     garbage = [[b"\x00\xffgarbage"], [b"not json", b"x"], [b'{"update_id": 1}', b"x"]]

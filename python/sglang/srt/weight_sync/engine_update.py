@@ -265,8 +265,8 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         sources[name] = spec.describe(name, payload.rank_map)
     for key, local in payload.tensors.items():
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            raise ValueError(f"tensor {key!r}: the local buffer from trainer rank {payload.trainer_rank} holds NaN "
-                             "or inf values (refused: see docs/usage.md)")
+            raise ValueError(f"tensor {key!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
+                             "values (refused: see docs/usage.md)")
     return sources, payload.tensors
 
 
