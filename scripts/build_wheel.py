@@ -193,7 +193,7 @@ def main() -> None:
         die(f"invalid local version label {args.label!r} (lower-case alphanumerics and dots)")
     version = f"{UPSTREAM_VERSION}+{args.label}"
 
-    series = read_series(ROOT / "patches")
+    series = read_series(ROOT / "patches" / UPSTREAM_VERSION)
     src_whl = upstream_wheel(args.build_dir / "upstream")
     tree = args.build_dir / "wheel"
     if tree.exists():
