@@ -35,7 +35,7 @@ def test_shards_travel_between_processes_and_stale_updates_are_dropped():
         assert payload.trainer_rank == 5 and payload.rank_map == {4: 0, 5: 1}
         assert torch.equal(payload.tensors["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100)
         assert payload.specs["w"].placements == (Shard(0),)
-        assert [(r, b.offsets) for r, b in payload.specs["w"].describe("w", payload.rank_map).holders] == [
+        assert [(h.rank, h.box.offsets) for h in payload.specs["w"].describe("w", payload.rank_map).holders] == [
             (0, (0, 0)), (1, (3, 0))]
     finally:
         done.set()
@@ -50,7 +50,9 @@ def test_missing_payload_times_out_naming_rank_and_update():
     receiver.close()
 
 
-def test_channel_must_be_private(tmp_path):
-    os.chmod(tmp_path, 0o755)
-    with pytest.raises(DeliveryError, match="mode 0700"):
-        ShardSender(str(tmp_path), 0)
+def test_channel_must_be_private():
+    channel = make_channel()
+    os.chmod(channel, 0o755)
+    with pytest.raises(DeliveryError, match="has mode 0755; it must be 0700"):
+        ShardSender(channel, 0)
+    os.rmdir(channel)
