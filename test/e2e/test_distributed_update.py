@@ -101,6 +101,17 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
             last_good = record
 
 
+def test_smoke_fsdp_trainer_updates_engine(tmp_path):
+    """The end-to-end smoke CI runs on every SGLang base wheel (``make smoke BASE=...``): FSDP
+    Shard(0) trainer ranks update a TP-2 engine through VerlEngine, weight_sync.utils.update_weights
+    and Engine.update_weights_distributed; after each, parameters bit-exact and generation equal to HF."""
+    steps = [("verl", "fsdp", 1), ("utils", "fsdp", 2), ("engine", "fsdp", 3)]
+    model_dir, config, prompts, (records,) = run("qwen2", 2, 2, steps, tmp_path)
+    for record in records[1:]:
+        assert record.get("success", True), record.get("message")
+        check_update(record, model_dir, config, record["step"][2], 2, prompts)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])
 def test_models_at_tp2(kind, tmp_path):
     steps = [("verl", "fsdp", 1), ("verl", "tp", 2), ("utils", "fsdp", 3)]

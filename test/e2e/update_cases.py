@@ -73,16 +73,22 @@ class VerlLikeClient:
 
 
 def _checksums(engine) -> Dict[int, Dict[str, str]]:
-    """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP."""
+    """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP
+    (0.5.23 replies (ok, message, ranks, extra), 0.5.12 (ok, message, ranks))."""
     import msgspec
     import requests
 
-    from sglang.srt.managers.io_struct import CheckWeightsReqInput, ChecksumInfo
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    try:
+        from sglang.srt.managers.io_struct import ChecksumInfo
+    except ImportError:  # 0.5.12
+        from sglang.srt.utils.weight_checker import ChecksumInfo
 
     if hasattr(engine, "tokenizer_manager"):
-        ok, message, ranks, _ = engine.loop.run_until_complete(
+        ok, message, ranks = engine.loop.run_until_complete(
             engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
-        )
+        )[:3]
     else:  # HttpServerEngineAdapter: the server's /weights_checker route
         body = requests.post(f"{engine.server_args.url()}/weights_checker", json={"action": "checksum"}).json()
         ok, message, ranks = body["success"], body["message"], body.get("ranks")
@@ -109,6 +115,7 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
     ``Engine.update_weights_distributed``; returns its reply (success, message and the
     figures per engine rank) on every rank."""
+    from sglang.srt.weight_sync.sglang_compat import weight_update_session
     from sglang.srt.weight_sync.trainer_update import open_channel
 
     chan = open_channel(ranks, group)
@@ -118,12 +125,9 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
     dist.barrier(group=group)
     result = None
     if dist.get_rank() == ranks[0]:
-        engine = verl._engine
-        engine.begin_weight_update()
-        try:
-            result = engine.update_weights_distributed(request_id or update_id, chan.channel, timeout_s=timeout_s)
-        finally:
-            engine.end_weight_update()
+        with weight_update_session(verl._engine):
+            result = verl._engine.update_weights_distributed(request_id or update_id, chan.channel,
+                                                             timeout_s=timeout_s)
     box = [result]
     dist.broadcast_object_list(box, src=ranks[0], group=group)
     return box[0]
@@ -158,6 +162,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     from engine import omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync import utils as weight_sync_utils
+    from sglang.srt.weight_sync.sglang_compat import weight_update_session
 
     tp = job["tp"]  # engines of `tp` ranks side by side; the trainer's mesh spans the whole world
     os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]  # read by the engine's processes (sitecustomize)
@@ -202,9 +207,8 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 params = as_layout(new_weights(job["model_dir"], seed), arg, mesh)  # DTensors on the trainer's mesh
                 call = weight_sync_utils.update_weights(client, params, "infer_tp", engines, flush_cache=False)
                 if leader:
-                    verl._engine.begin_weight_update()
-                    out = verl._engine.loop.run_until_complete(call)
-                    verl._engine.end_weight_update()
+                    with weight_update_session(verl._engine):
+                        out = verl._engine.loop.run_until_complete(call)
                     verl._engine.flush_cache()
                     record["success"], record["message"] = out
                 else:

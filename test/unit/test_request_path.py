@@ -209,8 +209,8 @@ def test_tokenizer_method_failure_keeps_version(single_dp):
 ])
 def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(single_dp, field, value, text):
     tm = _FakeTokenizerManager([])
-    success, message = tm.call(_request(**{field: value}))
-    assert not success and text in message, message
+    out = tm.call(_request(**{field: value}))
+    assert out["success"] is False and text in out["message"], out
     assert tm.events == []  # nothing aborted, locked or sent
 
 
