@@ -115,19 +115,24 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
     ``Engine.update_weights_distributed``; returns its reply (success, message and the
     figures per engine rank) on every rank."""
-    from sglang.srt.weight_sync.sglang_compat import weight_update_session
     from sglang.srt.weight_sync.trainer_update import open_channel
 
     chan = open_channel(ranks, group)
     update_id = update_id or chan.next_update_id()
     if send:
         chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    return _request(verl, ranks, group, chan, request_id or update_id, timeout_s)
+
+
+def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
+    """``Engine.update_weights_distributed`` for what every rank delivered; (success, message) on every rank."""
+    from sglang.srt.weight_sync.sglang_compat import weight_update_session
+
     dist.barrier(group=group)
     result = None
     if dist.get_rank() == ranks[0]:
         with weight_update_session(verl._engine):
-            result = verl._engine.update_weights_distributed(request_id or update_id, chan.channel,
-                                                             timeout_s=timeout_s)
+            result = verl._engine.update_weights_distributed(update_id, chan.channel, timeout_s=timeout_s)
     box = [result]
     dist.broadcast_object_list(box, src=ranks[0], group=group)
     return box[0]

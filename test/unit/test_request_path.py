@@ -209,8 +209,9 @@ def test_tokenizer_method_failure_keeps_version(single_dp):
 ])
 def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(single_dp, field, value, text):
     tm = _FakeTokenizerManager([])
-    out = tm.call(_request(**{field: value}))
-    assert out["success"] is False and text in out["message"], out
+    reply = tm.call(_request(**{field: value}))
+    assert not reply["success"] and text in reply["message"], reply
+    assert {k: reply[k] for k in NO_FIGURES} == NO_FIGURES
     assert tm.events == []  # nothing aborted, locked or sent
 
 

@@ -104,7 +104,22 @@ class VerlEngine:
             )
         chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode,
                                        timeout_s=self._timeout_s)
-        me = dist.get_rank()
+        self.apply_delivered(chan, update_id)
+
+    def update_weights_from_megatron(self, model_chunks, hf_vocab: int, shared_expert_hf: str = "shared_experts") -> None:
+        """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
+        gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
+        from sglang.srt.weight_sync.megatron_update import send_megatron_weights
+
+        chan, update_id = send_megatron_weights(model_chunks, hf_vocab, self._ranks, self._group,
+                                                self._weight_sync_mode, shared_expert_hf=shared_expert_hf,
+                                                timeout_s=self._timeout_s)
+        self.apply_delivered(chan, update_id)
+
+    def apply_delivered(self, chan, update_id: str) -> None:
+        """Have the engine apply what every rank of the mesh delivered under ``update_id``;
+        raises on every rank if it refused."""
+        me = dist.get_rank()  # every payload is on its way before the engine looks
         barrier(self._group, self._timeout_s, f"trainer rank {me}: before the engine reads the payloads")
         result = None
         if self._tp_rank == 0:

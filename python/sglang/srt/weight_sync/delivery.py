@@ -6,10 +6,12 @@ identity, not a string: it is resolved (``realpath``) and checked before any
 socket is bound or connected, so every spelling of one directory is one
 channel. A trainer rank PUSHes one two-part message: a JSON header (the update
 id, which trainer rank it is, the map from trainer ranks to engine ranks, each
-tensor's name and ``MeshSpec``) and its local shards. Tensors go through
-SGLang's ``MultiprocessingSerializer``: CUDA IPC handles on GPU, shared memory
-on CPU, so no payload bytes are copied or gathered anywhere. The engine reads
-and checks the header before it unpickles anything, refuses update ids it has
+tensor's name and ``MeshSpec``; fused local buffers (Megatron-core) travel
+without a spec, and the HF tensors they hold pieces of come with
+``HoldersSpec``s) and its local tensors. Tensors go through SGLang's
+``MultiprocessingSerializer``: CUDA IPC handles on GPU, shared memory on CPU,
+so no payload bytes are copied or gathered anywhere. The engine reads and
+checks the header before it unpickles anything, refuses update ids it has
 already consumed, and never dies of a malformed message.
 """
 
@@ -25,13 +27,13 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import zmq
 
 from sglang.srt.utils import MultiprocessingSerializer
-from sglang.srt.weight_sync.source_layout import MeshSpec
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +103,14 @@ def resolve_channel(channel, engine_rank: int = 0) -> str:
 
 @dataclass
 class Payload:
-    """What one engine rank received: the trainer shards beside it and their layouts."""
+    """What one engine rank received: the trainer's local tensors beside it (by buffer key)
+    and the layouts of the HF tensors they hold (by HF name)."""
 
     update_id: str
     trainer_rank: int
     rank_map: Dict[int, int]
     tensors: Dict[str, torch.Tensor]
-    specs: Dict[str, MeshSpec]
+    specs: Dict[str, Union[MeshSpec, HoldersSpec]]
 
 
 def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[torch.Tensor, MeshSpec]:
@@ -155,15 +158,19 @@ class ShardSender:
         update_id: str,
         trainer_rank: int,
         rank_map: Mapping[int, int],
-        shards: Sequence[Tuple[str, torch.Tensor, MeshSpec]],
+        shards: Sequence[Tuple[str, torch.Tensor, Optional[MeshSpec]]],
+        pieces: Optional[Mapping[str, HoldersSpec]] = None,
     ) -> None:
+        """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
+        ``pieces`` (HF name -> HoldersSpec) describe)."""
         # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
         self._alive = [t.detach() if t.is_contiguous() else t.detach().contiguous() for _, t, _ in shards]
         header = {
             "update_id": str(update_id),
             "trainer_rank": int(trainer_rank),
             "rank_map": [[int(k), int(v)] for k, v in rank_map.items()],
-            "tensors": [[name, spec.to_wire()] for name, _, spec in shards],
+            "tensors": [[name, None if spec is None else spec.to_wire()] for name, _, spec in shards],
+            "pieces": [[name, spec.to_wire()] for name, spec in (pieces or {}).items()],
         }
         with _file_system_sharing(any(not t.is_cuda for t in self._alive)):
             blob = MultiprocessingSerializer.serialize(self._alive)
@@ -275,10 +282,13 @@ class ShardReceiver:
         if not isinstance(tensors, list) or len(tensors) != len(names) \
                 or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise self._error(f"trainer rank {trainer} sent {type(tensors).__name__}, not {len(names)} tensors")
-        specs = {}
-        for name, wire in header["tensors"]:
+        specs: Dict[str, Union[MeshSpec, HoldersSpec]] = {}
+        described = [(n, w, MeshSpec.from_wire) for n, w in header["tensors"] if w is not None]
+        for name, wire, decode in described + [(n, w, HoldersSpec.from_wire) for n, w in header["pieces"]]:
+            if name in specs:
+                raise self._error(f"tensor {name!r} described twice by trainer rank {trainer}")
             try:
-                specs[name] = MeshSpec.from_wire(wire)
+                specs[name] = decode(wire)
             except Exception as e:  # noqa: BLE001 - names the tensor whatever the wire got wrong
                 raise self._error(f"tensor {name!r} from trainer rank {trainer}: bad layout {wire!r}: {e}") from None
         return Payload(header["update_id"], trainer, header["rank_map"], dict(zip(names, tensors)), specs)
@@ -296,12 +306,18 @@ def _header(frames: List[bytes]) -> dict:
         raise DeliveryError(f"{len(frames)} frame(s); expected a header and the shards")
     try:
         header = json.loads(frames[0])
-        update_id, trainer, pairs, tensors = (header["update_id"], header["trainer_rank"], header["rank_map"],
-                                              header["tensors"])
+        update_id, trainer, pairs, tensors, pieces = (header["update_id"], header["trainer_rank"],
+                                                      header["rank_map"], header["tensors"], header["pieces"])
         rank_map = {int(k): int(v) for k, v in pairs}
     except (ValueError, TypeError, KeyError) as e:
         raise DeliveryError(f"unreadable header: {type(e).__name__}: {e}") from None
-    if not isinstance(update_id, str) or not isinstance(trainer, int) or not isinstance(tensors, list) \
-            or not all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) for t in tensors):
+    if not isinstance(update_id, str) or not isinstance(trainer, int) or not _named_pairs(tensors) \
+            or not _named_pairs(pieces):
         raise DeliveryError("header fields have the wrong types")
-    return {"update_id": update_id, "trainer_rank": trainer, "rank_map": rank_map, "tensors": tensors}
+    return {"update_id": update_id, "trainer_rank": trainer, "rank_map": rank_map, "tensors": tensors,
+            "pieces": pieces}
+
+
+def _named_pairs(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str)
+                                           for t in value)

@@ -277,9 +277,10 @@ def engine_targets(
 
 
 def _sources(payload: Payload, targets: ModelTargets, rank: int):
-    """Source layout from the payload's specs; refuses names and shapes the model does not have."""
+    """Source layout from the payload's specs, and the local buffers it reads (by key);
+    refuses names and shapes the model does not have."""
     expected = targets.tensor_shapes()
-    sources, shards = {}, {}
+    sources = {}
     for name, spec in payload.specs.items():
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -290,13 +291,12 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
             raise ValueError(f"tensor {name!r}: global shape {spec.shape}, the model expects {expected[canonical]}")
         if not spec.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
-        shard = payload.tensors[name]
-        if shard.is_floating_point() and not bool(torch.isfinite(shard).all()):
-            raise ValueError(f"tensor {name!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or "
-                             "inf values (refused: see docs/usage.md)")
         sources[name] = spec.describe(name, payload.rank_map)
-        shards[name] = shard
-    return sources, shards
+    for key, local in payload.tensors.items():
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise ValueError(f"tensor {key!r}: the local buffer from trainer rank {payload.trainer_rank} holds NaN "
+                             "or inf values (refused: see docs/usage.md)")
+    return sources, payload.tensors
 
 
 def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List[ParamTarget]:

@@ -213,9 +213,7 @@ class MeshSpec:
     @staticmethod
     def from_wire(wire: tuple) -> "MeshSpec":
         shape, dtype, mesh, places = wire
-        dt = getattr(torch, dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise LayoutError(f"unknown dtype {dtype!r}")
+        dt = _dtype_from_wire(dtype)
         decoded = []
         for p in places:
             if p[0] == "S":
@@ -246,3 +244,40 @@ def describe_sharded(
 def describe_full(name: str, shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> SourceTensor:
     """Every listed rank holds the whole tensor."""
     return MeshSpec.full(shape, dtype, ranks).describe(name)
+
+
+def _dtype_from_wire(dtype: str) -> torch.dtype:
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise LayoutError(f"unknown dtype {dtype!r}")
+    return dt
+
+
+@dataclass(frozen=True)
+class HoldersSpec:
+    """An HF tensor's holders listed one by one (trainer ranks), for sources no mesh
+    describes (Megatron-core fused parameters, ``megatron_layout``). Builtins on the
+    wire, like ``MeshSpec``, so it travels with a payload."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    holders: Tuple[Holder, ...]
+
+    def describe(self, name: str, rank_map: Optional[Mapping[int, int]] = None) -> SourceTensor:
+        holders = self.holders
+        if rank_map is not None:
+            holders = tuple(Holder(rank_map[h.rank], h.box, h.buffer, h.offsets, h.buffer_shape)
+                            for h in holders if h.rank in rank_map)
+        return SourceTensor(name, self.shape, self.dtype, holders)
+
+    def to_wire(self) -> tuple:
+        return ("holders", tuple(self.shape), str(self.dtype).removeprefix("torch."), tuple(
+            (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in self.holders))
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "HoldersSpec":
+        _, shape, dtype, holders = wire
+        dt = _dtype_from_wire(dtype)
+        return HoldersSpec(tuple(int(s) for s in shape), dt, tuple(
+            Holder(int(r), Box(tuple(o), tuple(s)), str(b), tuple(lo), tuple(bs)) for r, o, s, b, lo, bs in holders))
+

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Literal, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, ShardSender, check_timeout, local_shard
 from sglang.srt.weight_sync.executor import execute
 from sglang.srt.weight_sync.planner import PlanCache
-from sglang.srt.weight_sync.source_layout import MeshSpec, SourceTensor
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 from sglang.srt.weight_sync.waits import GRACE_S, barrier
 
@@ -154,30 +154,42 @@ def reshard_for_engines(
     """Trainer-side mode: over the default (trainer) group, each rank receives the rows
     of each tensor that ``Shard(0)`` within its engine group gives it, and no more.
     Every trainer rank must call this with the same tensors."""
+    sources = {name: spec.describe(name) for name, _, spec in shards}
+    return reshard_to_engine_groups(sources, {name: t for name, t, _ in shards}, engine_groups, bucket_bytes,
+                                    timeout_s)
+
+
+def reshard_to_engine_groups(
+    sources: SourceLayout, buffers: Dict[str, torch.Tensor], engine_groups: Sequence[Sequence[int]], bucket_bytes: int,
+    timeout_s: Optional[float] = None,
+) -> Shards:
+    """``reshard_for_engines`` for any source layout (trainer ranks), reading this rank's
+    local ``buffers`` by holder key."""
     groups = [list(g) for g in engine_groups]
-    sources, targets, local, neutral = {}, {}, {}, {}
-    for name, tensor, spec in shards:
-        sources[name], local[name] = spec.describe(name), tensor
-        neutral[name] = MeshSpec.sharded(spec.shape, spec.dtype, 0, groups)
+    targets, neutral = {}, {}
+    device = next(iter(buffers.values())).device if buffers else None
+    for name, src in sorted(sources.items()):
+        neutral[name] = MeshSpec.sharded(src.shape, src.dtype, 0, groups)
         for h in neutral[name].describe(name).holders:
             piece = Piece(name, h.box, (), (0,) * h.box.ndim)
             targets.setdefault(h.rank, []).append(
-                ParamTarget(name, h.box.sizes, spec.dtype, (piece,) if h.box.numel else ()))
+                ParamTarget(name, h.box.sizes, src.dtype, (piece,) if h.box.numel else ()))
     me = dist.get_rank()
     plan = _plans.get(sources, targets, bucket_bytes=bucket_bytes)
-    mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=local[t.name].device) for t in targets[me]}
-    execute(plan, me, local, mine, timeout_s=timeout_s)
-    return [(name, mine[name], neutral[name]) for name, _, _ in shards]
+    mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.get(me, ())}
+    execute(plan, me, buffers, mine, timeout_s=timeout_s)
+    return [(name, mine[name], neutral[name]) for name in sorted(sources)]
 
 
-def deliver(chan: TrainerChannel, shards: Shards) -> str:
-    """Send this rank's shards to the engine rank beside it; returns the update id."""
+def deliver(chan: TrainerChannel, shards: Shards, pieces: Optional[Mapping[str, HoldersSpec]] = None) -> str:
+    """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
+    engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
     if any(t.is_cuda for _, t, _ in shards):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA IPC names GPUs by UUID (breaks CPU tensors, so GPU only)
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards, pieces)
     return update_id
 
 
