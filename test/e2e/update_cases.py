@@ -72,18 +72,40 @@ class VerlLikeClient:
         return await self._engine.tokenizer_manager.flush_cache()
 
 
+# SGLang releases whose weight checker has no "checksum" action (0.5.10.post1's compares on CUDA only).
+NO_CHECKSUMS = ("0.5.10.post1",)
+
+
+def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:
+    """Per-rank parameter checksums of what SGLang's own ShardedStateLoader saves of the live
+    model (``Engine.save_sharded_model``), for the releases in ``NO_CHECKSUMS``."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    out: Dict[int, Dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        engine.save_sharded_model(params={"path": directory, "pattern": None, "max_size": None})
+        for f in sorted(os.listdir(directory)):  # model-rank-{rank}-part-{part}.safetensors
+            rank = int(f.split("-")[2])
+            out.setdefault(rank, {}).update(
+                {n: f"{tensor_hash(t):016x}" for n, t in load_file(os.path.join(directory, f)).items()})
+    return out
+
+
 def _checksums(engine) -> Dict[int, Dict[str, str]]:
     """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP
     (0.5.23 replies (ok, message, ranks, extra), 0.5.12 (ok, message, ranks))."""
     import msgspec
     import requests
+    import sglang
+
+    if sglang.__version__.split("+")[0] in NO_CHECKSUMS:
+        return _saved_checksums(engine)
 
     from sglang.srt.managers.io_struct import CheckWeightsReqInput
-
-    try:
-        from sglang.srt.managers.io_struct import ChecksumInfo
-    except ImportError:  # 0.5.12
-        from sglang.srt.utils.weight_checker import ChecksumInfo
 
     if hasattr(engine, "tokenizer_manager"):
         ok, message, ranks = engine.loop.run_until_complete(
@@ -97,8 +119,10 @@ def _checksums(engine) -> Dict[int, Dict[str, str]]:
     while ranks:  # one entry per rank (and runner role), possibly nested in lists
         item = ranks.pop()
         ranks.extend(item) if isinstance(item, list) else infos.append(item)
-    infos = [msgspec.convert(r, ChecksumInfo) for r in infos]
-    return {i.parallelism_info[0].tp_rank: i.checksums for i in infos}  # one target runner per rank
+    infos = [msgspec.to_builtins(r) for r in infos]  # 0.5.23: msgspec ChecksumInfo; 0.5.12: plain dicts
+    # one target runner per rank; parallelism_info is one entry per runner role on 0.5.23, a single one on 0.5.12
+    par = [i["parallelism_info"] for i in infos]
+    return {(p[0] if isinstance(p, list) else p)["tp_rank"]: i["checksums"] for p, i in zip(par, infos)}
 
 
 def _forbidden_calls(log_dir: str) -> int:

@@ -30,3 +30,11 @@ if _LOG_DIR:
         _wrapped = _recording(_name, getattr(_c10d, _name))
         setattr(_dist, _name, _wrapped)
         setattr(_c10d, _name, _wrapped)
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+    import torch as _torch
+
+    if _torch.version.cuda is not None and not _torch.cuda.is_available():
+        # The CUDA torch build that SGLang 0.5.10/0.5.12 pin, on a machine without GPU: SGLang 0.5.12's
+        # weight checker calls torch.cuda.synchronize(), which has nothing to wait for here.
+        _torch.cuda.synchronize = lambda device=None: None
