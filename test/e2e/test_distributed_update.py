@@ -19,7 +19,7 @@ import torch
 import tiny_models
 from engine import hf_greedy, stable_prompts
 from ranks import run_ranks
-from update_cases import BAD_NAME, MAX_NEW, NO_CHECKSUMS, engine_job, new_weights
+from update_cases import BAD_NAME, GATHERING_CHECKER, MAX_NEW, engine_job, new_weights
 
 UPDATES = [("verl", "fsdp", 1), ("verl", "tp", 2), ("verl", "full", 3), ("utils", "fsdp", 4), ("engine", "tp", 5)]
 FAILURES = {
@@ -72,9 +72,9 @@ def run(kind, tp, world, steps, tmp_path, generate=True, **engine_kwargs):
     for records in results:
         for record in records[1:]:
             assert record["forbidden_calls"] == 0, f"{record['step']}: full_tensor/gather_object called during the update"
-    # the recorder is live in the engine's processes: it saw the weight checker's gathers (on
-    # NO_CHECKSUMS releases the parameters are read without any gather, so there is nothing to see)
-    if tp > 1 and sglang.__version__.split("+")[0] not in NO_CHECKSUMS:
+    # the recorder is live in the engine's processes: it saw the weight checker's gathers (only
+    # 0.5.23's checker gathers objects; older releases read the parameters without any)
+    if tp > 1 and sglang.__version__.split("+")[0] in GATHERING_CHECKER:
         assert any(f.read_text() for f in forbidden_log.iterdir()), "forbidden-call recorder is not active"
     return model_dir, config, prompts, results
 

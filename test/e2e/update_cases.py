@@ -74,6 +74,8 @@ class VerlLikeClient:
 
 # SGLang releases whose weight checker has no "checksum" action (0.5.10.post1's compares on CUDA only).
 NO_CHECKSUMS = ("0.5.10.post1",)
+# Releases whose weight checker calls all_gather_object in the engine: what shows the recorder is live.
+GATHERING_CHECKER = ("0.5.23",)
 
 
 def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:
