@@ -51,3 +51,11 @@ if _FIGURES_DIR:
     _figures_logger = _logging.getLogger("sglang.srt.weight_sync.engine_update")
     _figures_logger.setLevel(_logging.INFO)
     _figures_logger.addHandler(_FigureRecorder())
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+    import torch as _torch
+
+    if _torch.version.cuda is not None and not _torch.cuda.is_available():
+        # The CUDA torch build that SGLang 0.5.10/0.5.12 pin, on a machine without GPU: SGLang 0.5.12's
+        # weight checker calls torch.cuda.synchronize(), which has nothing to wait for here.
+        _torch.cuda.synchronize = lambda device=None: None

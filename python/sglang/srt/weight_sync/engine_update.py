@@ -35,6 +35,7 @@ from sglang.srt.weight_sync.delivery import (
 )
 from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
+from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
 from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, model_targets_from_config
 from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
@@ -50,6 +51,8 @@ MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
 MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds (a 1-byte bucket took minutes)
 MAX_UPDATE_ID_CHARS = 256
 REFUSED = "distributed weight update refused, no parameter changed: "
+# Flags a tensor-path request and a distributed request share, where the release has them.
+CARRIED_FIELDS = ("flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache")
 
 _receiver: Optional[ShardReceiver] = None
 _plans = PlanCache()
@@ -105,11 +108,9 @@ def receive_shards(recv_req) -> ReceivedShards:
     """Take this TP rank's payload for ``recv_req.update_id`` from its channel socket.
     Never raises: whatever goes wrong is this rank's refusal, shared in ``apply_shards``."""
     global _receiver
-    from sglang.srt.runtime_context import get_parallel
-
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    rank = get_parallel().tp_rank
+    rank = tp_state().rank
     try:
         problems = [recv_req.problem] if isinstance(recv_req, _unreadable_request()) else request_problems(recv_req)
         if problems:
@@ -130,22 +131,52 @@ def _unreadable_request():
     """The request type for a reserved-format payload that could not be read; carries why."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
-    class UnreadableDistributedRequest(UpdateWeightsDistributedReqInput, kw_only=True):
-        problem: str = ""
+    return subclass_with_field(UpdateWeightsDistributedReqInput, "UnreadableDistributedRequest", "problem", str, "")
 
-    return UnreadableDistributedRequest
+
+def _carried(src, dst_cls) -> dict:
+    """The flags of request ``src`` that request type ``dst_cls`` also has on this release."""
+    accepted = field_names(dst_cls)
+    return {f: getattr(src, f) for f in CARRIED_FIELDS if f in accepted and hasattr(src, f)}
 
 
 def as_distributed_request(recv_req, deserialize_own_rank):
-    """The distributed request behind a tensor-path request with the reserved load_format.
+    """The distributed request behind a tensor-path request with the reserved load_format."""
+    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
+
+    common = _carried(recv_req, UpdateWeightsDistributedReqInput)
+    return _control_request(lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common)
+
+
+def as_tensor_request(obj, tp_size: int):
+    """The tensor-path request carrying distributed update ``obj`` to ``tp_size`` engine ranks:
+    each rank's payload is the update's control dict, marked by the reserved load_format."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    control = {"update_id": obj.update_id, "channel": obj.channel, "timeout_s": obj.timeout_s,
+               "bucket_bytes": obj.bucket_bytes}
+    return UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(control) for _ in range(tp_size)],
+        load_format=DISTRIBUTED_LOAD_FORMAT,
+        **_carried(obj, UpdateWeightsFromTensorReqInput),
+    )
+
+
+def update_from_payload(model: torch.nn.Module, model_config, own_payload) -> Tuple[bool, str]:
+    """The whole engine side on releases whose model runner is the only hook (0.5.10, 0.5.12):
+    it hands over this rank's control payload; the scheduler flushes the cache as for any update."""
+    recv_req = _control_request(lambda: own_payload, {})
+    return apply_shards(model, model_config, receive_shards(recv_req), recv_req)
+
+
+def _control_request(read_control, common: dict):
+    """The distributed request from a control payload (``read_control()``) and the flags ``common``.
     A payload that cannot be read gives a request that every rank refuses together."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
-    common = dict(flush_cache=recv_req.flush_cache, abort_all_requests=recv_req.abort_all_requests,
-                  weight_version=recv_req.weight_version, selector=recv_req.selector,
-                  torch_empty_cache=recv_req.torch_empty_cache)
     try:
-        own = deserialize_own_rank(recv_req.serialized_named_tensors)
+        own = read_control()
         if not isinstance(own, dict):
             raise TypeError(f"the control payload is a {type(own).__name__}, not a dict")
         missing = [k for k in ("update_id", "channel") if k not in own]
@@ -163,10 +194,8 @@ def as_distributed_request(recv_req, deserialize_own_rank):
 
 def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
     """Validate, agree, plan and execute on this rank; every TP rank calls it together."""
-    from sglang.srt.runtime_context import get_parallel
-
-    par = get_parallel()
-    rank, cpu_group, device_group = par.tp_rank, par.tp_group.cpu_group, par.tp_group.device_group
+    par = tp_state()
+    rank, cpu_group, device_group = par.rank, par.cpu_group, par.device_group
     # every rank waited at most timeout_s for its payload before these collectives
     bound = _timeout(recv_req) + GRACE_S
     problems: List[str] = []
@@ -175,10 +204,10 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         problems.append(received.error)
     else:
         try:
-            parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
+            parallel = EngineParallel(par.size, par.attn_tp_size, par.moe_ep_size)
             targets, params = engine_targets(model, model_config.hf_config, parallel, rank)
             sources, shards = _sources(received.payload, targets, rank)
-            needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.tp_size)}
+            needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.size)}
             the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
                                   aliases=targets.aliases)
             problems += check_inputs(the_plan, rank, shards, params)
@@ -188,7 +217,7 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
             logger.exception("engine rank %d: validating a distributed weight update failed", rank)
             problems.append(f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}")
     try:
-        everyone = _share_problems(problems, rank, par.tp_size, cpu_group, bound)
+        everyone = _share_problems(problems, rank, par.size, cpu_group, bound)
         if everyone:
             return False, REFUSED + "; ".join(everyone)
         agree_on_plan(the_plan, cpu_group, bound, rank)
@@ -201,7 +230,7 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
         logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
                     "staged at most %d", recv_req.update_id, rank, *mine)
-        shared = _share_figures(mine, rank, par.tp_size, cpu_group, bound)
+        shared = _share_figures(mine, rank, par.size, cpu_group, bound)
     except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
         logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
         return False, (
@@ -210,7 +239,7 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
             "only a complete successful update restores a consistent model"
         )
     for key, values in zip(FIGURES, shared):
-        previous = received.figures.get(key, [0] * par.tp_size)
+        previous = received.figures.get(key, [0] * par.size)
         received.figures[key] = [a + b for a, b in zip(previous, values)]
     return True, "Success"  # upstream's text: callers test for it
 
