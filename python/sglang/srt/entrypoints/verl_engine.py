@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from sglang.srt.weight_sync.trainer_update import Mode, send_weights
+from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, check_timeout
+from sglang.srt.weight_sync.trainer_update import Mode, close_channels, send_weights
+from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result
 
 
 class VerlEngine:
@@ -28,16 +30,20 @@ class VerlEngine:
         nnodes: int = 1,
         backend: Literal["engine", "server"] = "engine",
         weight_sync_mode: Mode = "auto",
+        weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs,
     ):
         """``kwargs`` are ``Engine`` (or ``HttpServerEngineAdapter``) arguments;
-        ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer")."""
+        ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer");
+        ``weight_sync_timeout_s`` bounds every wait of an update (a dead peer is
+        reported, on every surviving rank, within about twice that)."""
         self._device_mesh_cpu = device_mesh_cpu
         self._group = device_mesh_cpu.get_group()
         self._ranks = [int(r) for r in device_mesh_cpu.mesh.tolist()]
         self._tp_rank = device_mesh_cpu.get_local_rank()
         self._tp_size = device_mesh_cpu.size()
         self._weight_sync_mode = weight_sync_mode
+        self._timeout_s = check_timeout(weight_sync_timeout_s)
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
         first_rank_in_node = self._tp_rank % tp_size_per_node == 0
@@ -95,21 +101,42 @@ class VerlEngine:
                 f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
                 "only load_format=None is supported"
             )
-        chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode)
-        dist.barrier(group=self._group)  # every payload is on its way before the engine looks
+        chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode,
+                                       timeout_s=self._timeout_s)
+        self.apply_delivered(chan, update_id)
+
+    def update_weights_from_megatron(self, model_chunks, hf_vocab: int, shared_expert_hf: str = "shared_experts") -> None:
+        """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
+        gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
+        from sglang.srt.weight_sync.megatron_update import send_megatron_weights
+
+        chan, update_id = send_megatron_weights(model_chunks, hf_vocab, self._ranks, self._group,
+                                                self._weight_sync_mode, shared_expert_hf=shared_expert_hf,
+                                                timeout_s=self._timeout_s)
+        self.apply_delivered(chan, update_id)
+
+    def apply_delivered(self, chan, update_id: str) -> None:
+        """Have the engine apply what every rank of the mesh delivered under ``update_id``;
+        raises on every rank if it refused."""
+        me = dist.get_rank()  # every payload is on its way before the engine looks
+        barrier(self._group, self._timeout_s, f"trainer rank {me}: before the engine reads the payloads")
         result = None
         if self._tp_rank == 0:
             try:
                 self._engine.begin_weight_update()
                 try:
-                    result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True)
+                    result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True,
+                                                                     timeout_s=self._timeout_s)
                 finally:
                     self._engine.end_weight_update()
                 # Engine returns (success, message); the HTTP adapter returns the JSON body
                 result = (result["success"], result["message"]) if isinstance(result, dict) else tuple(result)
             except Exception as e:  # noqa: BLE001 - e.g. an HTTP 400; every rank must hear, not hang
                 result = (False, f"{type(e).__name__}: {e}")
-        success, message = self._from_rank0(result)
+        # the host waits for the engine: at most timeout_s for payloads, timeout_s + GRACE_S for its ranks
+        success, message = broadcast_result(result, self._ranks[0], self._group, 2 * self._timeout_s + GRACE_S,
+                                            f"trainer rank {me}: waiting for the engine's answer from rank "
+                                            f"{self._ranks[0]}")
         if not success:
             raise RuntimeError(f"weight update {update_id} failed: {message}")
 
@@ -129,6 +156,7 @@ class VerlEngine:
         dist.barrier(group=self._group)
 
     def shutdown(self) -> None:
+        close_channels()
         if self._engine is not None:
             self._engine.shutdown()
 

@@ -15,22 +15,25 @@ rank lacks so that every engine group holds its tensor split evenly on dim 0
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Literal, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.delivery import ShardSender, local_shard
+from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, ShardSender, check_timeout, local_shard
 from sglang.srt.weight_sync.executor import execute
 from sglang.srt.weight_sync.planner import PlanCache
-from sglang.srt.weight_sync.source_layout import MeshSpec, SourceTensor
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+from sglang.srt.weight_sync.waits import GRACE_S, barrier
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +79,25 @@ def open_channel(group_ranks: Sequence[int], group: Optional[dist.ProcessGroup])
     if key not in _channels:
         token = [uuid.uuid4().hex if dist.get_rank() == key[0] else None]
         dist.broadcast_object_list(token, src=key[0], group=group)
-        channel = os.path.join(tempfile.gettempdir(), f"sglang-weights-{token[0]}")
+        channel = os.path.join(tempfile.gettempdir(), f"{CHANNEL_PREFIX}{token[0]}")
         os.makedirs(channel, mode=0o700, exist_ok=True)
         os.chmod(channel, 0o700)
         engine_rank = key.index(dist.get_rank())
+        if not _channels:
+            atexit.register(close_channels)
         _channels[key] = TrainerChannel(
             channel, key, _engine_groups(key[0], engine_rank), engine_rank, ShardSender(channel, engine_rank), token[0]
         )
     return _channels[key]
+
+
+def close_channels() -> None:
+    """Close this process's senders and remove their channel directories (with the engine
+    sockets in them): the trainer made them, so the trainer takes them away."""
+    while _channels:
+        _, chan = _channels.popitem()
+        chan.sender.close()
+        shutil.rmtree(chan.channel, ignore_errors=True)
 
 
 def _engine_groups(first_rank: int, engine_rank: int) -> Tuple[Tuple[int, ...], ...]:
@@ -113,9 +127,9 @@ def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
 def uncovered(source: SourceTensor) -> Optional[Box]:
     """A region of the tensor that none of the holders has, or None when they cover it."""
     remaining = [Box.full(source.shape)]
-    for _, box in source.holders:
-        if not box.is_empty():
-            remaining = [piece for rem in remaining for piece in rem.subtract(box)]
+    for h in source.holders:
+        if not h.box.is_empty():
+            remaining = [piece for rem in remaining for piece in rem.subtract(h.box)]
     return remaining[0] if remaining else None
 
 
@@ -134,33 +148,48 @@ def trainer_side_names(shards: Shards, engine_groups: Sequence[Sequence[int]], m
     return names
 
 
-def reshard_for_engines(shards: Shards, engine_groups: Sequence[Sequence[int]], bucket_bytes: int) -> Shards:
+def reshard_for_engines(
+    shards: Shards, engine_groups: Sequence[Sequence[int]], bucket_bytes: int, timeout_s: Optional[float] = None
+) -> Shards:
     """Trainer-side mode: over the default (trainer) group, each rank receives the rows
     of each tensor that ``Shard(0)`` within its engine group gives it, and no more.
     Every trainer rank must call this with the same tensors."""
+    sources = {name: spec.describe(name) for name, _, spec in shards}
+    return reshard_to_engine_groups(sources, {name: t for name, t, _ in shards}, engine_groups, bucket_bytes,
+                                    timeout_s)
+
+
+def reshard_to_engine_groups(
+    sources: SourceLayout, buffers: Dict[str, torch.Tensor], engine_groups: Sequence[Sequence[int]], bucket_bytes: int,
+    timeout_s: Optional[float] = None,
+) -> Shards:
+    """``reshard_for_engines`` for any source layout (trainer ranks), reading this rank's
+    local ``buffers`` by holder key."""
     groups = [list(g) for g in engine_groups]
-    sources, targets, local, neutral = {}, {}, {}, {}
-    for name, tensor, spec in shards:
-        sources[name], local[name] = spec.describe(name), tensor
-        neutral[name] = MeshSpec.sharded(spec.shape, spec.dtype, 0, groups)
-        for rank, box in neutral[name].describe(name).holders:
-            piece = Piece(name, box, (), (0,) * box.ndim)
-            targets.setdefault(rank, []).append(ParamTarget(name, box.sizes, spec.dtype, (piece,) if box.numel else ()))
+    targets, neutral = {}, {}
+    device = next(iter(buffers.values())).device if buffers else None
+    for name, src in sorted(sources.items()):
+        neutral[name] = MeshSpec.sharded(src.shape, src.dtype, 0, groups)
+        for h in neutral[name].describe(name).holders:
+            piece = Piece(name, h.box, (), (0,) * h.box.ndim)
+            targets.setdefault(h.rank, []).append(
+                ParamTarget(name, h.box.sizes, src.dtype, (piece,) if h.box.numel else ()))
     me = dist.get_rank()
     plan = _plans.get(sources, targets, bucket_bytes=bucket_bytes)
-    mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=local[t.name].device) for t in targets[me]}
-    execute(plan, me, local, mine)
-    return [(name, mine[name], neutral[name]) for name, _, _ in shards]
+    mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.get(me, ())}
+    execute(plan, me, buffers, mine, timeout_s=timeout_s)
+    return [(name, mine[name], neutral[name]) for name in sorted(sources)]
 
 
-def deliver(chan: TrainerChannel, shards: Shards) -> str:
-    """Send this rank's shards to the engine rank beside it; returns the update id."""
+def deliver(chan: TrainerChannel, shards: Shards, pieces: Optional[Mapping[str, HoldersSpec]] = None) -> str:
+    """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
+    engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
     if any(t.is_cuda for _, t, _ in shards):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA IPC names GPUs by UUID (breaks CPU tensors, so GPU only)
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards, pieces)
     return update_id
 
 
@@ -176,18 +205,20 @@ def send_weights(
     group: Optional[dist.ProcessGroup],
     mode: Mode = "auto",
     bucket_bytes: int = 512 << 20,
+    timeout_s: Optional[float] = None,
 ) -> Tuple[TrainerChannel, str]:
     """Deliver this rank's shards of ``named_tensors`` to the engine rank beside it.
 
     Every trainer rank calls this with the same names. Returns the channel and
-    the update id for the engine's control request.
+    the update id for the engine's control request. Trainer-side resharding waits
+    at most ``timeout_s`` per round for its peers.
     """
     chan = open_channel(group_ranks, group)
     shards = prepare_shards(named_tensors)
     names = set(trainer_side_names(shards, chan.engine_groups, mode))
     if names:
         moved = {n: (t, s) for n, t, s in reshard_for_engines([x for x in shards if x[0] in names],
-                                                               chan.engine_groups, bucket_bytes)}
+                                                               chan.engine_groups, bucket_bytes, timeout_s)}
         shards = [(n, *moved[n]) if n in names else (n, t, s) for n, t, s in shards]
     return chan, deliver(chan, shards)
 
@@ -201,7 +232,7 @@ async def update_weights_distributed(
     flush_cache: Optional[bool] = None,
     *,
     fallback,
-    timeout_s: float = 120.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ):
     """``weight_sync.utils.update_weights`` without full_tensor() or gather_object.
 
@@ -212,25 +243,28 @@ async def update_weights_distributed(
     request whose reserved ``load_format`` makes the engine take the payloads
     from the channel. ``fallback`` (upstream's gathered path) runs only for what
     this path cannot serve: another ``load_format``, or a layout that is not
-    boxes (e.g. ``_StridedShard``).
+    boxes (``Partial`` placements). Every wait is bounded by ``timeout_s``: when a
+    peer dies the survivors raise ``waits.PeerLost`` naming the phase.
     """
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.engine_update import DISTRIBUTED_LOAD_FORMAT
     from sglang.srt.weight_sync.source_layout import LayoutError
 
+    timeout_s = check_timeout(timeout_s)
     mesh = device_mesh[device_mesh_key]
     ranks, group = [int(r) for r in mesh.mesh.tolist()], mesh.get_group()
     reason = f"load_format={load_format!r}" if load_format is not None else None
     if reason is None:
         try:
-            chan, update_id = send_weights(params_batch, ranks, group)
+            chan, update_id = send_weights(params_batch, ranks, group, timeout_s=timeout_s)
         except LayoutError as e:
             reason = str(e)
     if reason is not None:
         logger.warning("update_weights: using the gathered (full_tensor) path: %s", reason)
         return await fallback(engine, params_batch, device_mesh_key, device_mesh, load_format)
-    dist.barrier(group=group)  # every payload is on its way before the engine looks
+    me = dist.get_rank()
+    barrier(group, timeout_s, f"trainer rank {me}: before the engine reads the payloads")
     result = None
     if mesh.get_local_rank() == 0:
         control = {"update_id": update_id, "channel": chan.channel, "timeout_s": timeout_s}
@@ -240,5 +274,7 @@ async def update_weights_distributed(
             flush_cache=True if flush_cache is None else flush_cache,
         )
         result = await engine.update_weights_from_tensor(req)
-    dist.barrier(group=group)  # the engine has read every shard before the trainer may change them
+    # the engine has read every shard before the trainer may change them; it waits at most
+    # timeout_s for payloads and timeout_s + GRACE_S for its own ranks
+    barrier(group, 2 * timeout_s + GRACE_S, f"trainer rank {me}: while the engine applies the update")
     return result
