@@ -62,10 +62,12 @@ def engine_derived_targets(model_config) -> DerivedTargets:
 def _original_hf_config(model_config):
     """The config as on disk: the CPU engine pads heads in ``model_config.hf_config``, but the
     checkpoint a trainer sends has the original shapes. SGLang's own (cached) ``get_config``."""
+    from sglang.srt.runtime_context import get_context
     from sglang.srt.utils.hf_transformers.config import get_config
 
-    return get_config(model_config.model_path, trust_remote_code=model_config.trust_remote_code,
-                      revision=model_config.revision, model_override_args=model_config.model_override_args)
+    return get_config(model_config.model_path, trust_remote_code=get_context().server_args.trust_remote_code,
+                      revision=model_config.revision, model_override_args=model_config.model_override_args,
+                      model_config_parser=model_config.model_config_parser)
 
 
 def cache_key(model_config, checkpoint: CheckpointLayout) -> str:
