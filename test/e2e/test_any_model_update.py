@@ -6,7 +6,10 @@ FSDP2 and a Megatron-style update. After each, every engine rank's parameters mu
 bit for bit, SGLang's own load of the new weights (the model loaded by SGLang's loaders as
 that rank, in one process, from a checkpoint holding the new weights), and greedy
 generation must equal HF transformers' with the new weights: that also proves tensors
-SGLang computes from parameters (Gemma's norm weight + 1, MLA's w_kc/w_vc) were refreshed.
+SGLang computes from parameters (Gemma's norm weight + 1) were refreshed. gpt-oss is not
+here: SGLang's CPU engine cannot run it (torch_native has no attention sinks; intel_amx
+needs AMX and sgl-kernel's CPU ops); its targets, permuted w13 included, are proved
+against SGLang's load in test_derived_targets.py.
 """
 
 from __future__ import annotations
@@ -62,9 +65,16 @@ def check_models_update(kind: str, tmp_path, generate: bool = True, **engine_kwa
             assert record["generation"] == reference, f"{kind} {record['step']}: generation differs from HF"
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "phi3", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "phi3"])
 def test_derived_targets_update_new_architectures(kind, tmp_path):
     check_models_update(kind, tmp_path)
+
+
+def test_deepseek_v3_shaped_update_parameters(tmp_path):
+    """MLA + MoE + shared expert, parameters only: SGLang's CPU engine (torch_native) cannot
+    run DeepSeek's MHA prefill (it reads the latent KV cache as keys and values), so no
+    generation. The MLA w_kc/w_vc refresh is proved by test_derived_targets.py."""
+    check_models_update("deepseek_v3", tmp_path, generate=False)
 
 
 def test_cpu_padded_heads_update(tmp_path):

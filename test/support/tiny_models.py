@@ -77,7 +77,10 @@ SPECS: Dict[str, dict] = {
                         num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
                         moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-                        rope_scaling=None, tie_word_embeddings=False),
+                        # SGLang's CPU engine builds MLA rope only as deepseek_yarn; factor 1 is plain rope
+                        rope_scaling=dict(rope_type="yarn", factor=1.0, original_max_position_embeddings=512,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+                        tie_word_embeddings=False),
     # One kv head: SGLang's CPU engine pads heads at TP 2 (adjust_config_with_unaligned_cpu_tp).
     "llama_kv1": dict(model_type="llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=1,
                       head_dim=16, intermediate_size=256, tie_word_embeddings=False),
