@@ -37,7 +37,9 @@ from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
 from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
 from sglang.srt.weight_sync.source_layout import LayoutError
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, model_targets_from_config
+from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
+from sglang.srt.weight_sync.target_cache import engine_derived_targets
+from sglang.srt.weight_sync.target_layout import ParamTarget
 from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
 
 logger = logging.getLogger(__name__)
@@ -204,8 +206,7 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         problems.append(received.error)
     else:
         try:
-            parallel = EngineParallel(par.size, par.attn_tp_size, par.moe_ep_size)
-            targets, params = engine_targets(model, model_config.hf_config, parallel, rank)
+            targets, params = engine_targets(model, model_config, rank)
             sources, shards = _sources(received.payload, targets, rank)
             needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.size)}
             the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
@@ -227,6 +228,9 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         return False, f"{REFUSED}engine rank {rank}: {e}"
     try:
         stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
+        # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
+        # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
+        refresh_after_update(model)
         mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
         logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
                     "staged at most %d", recv_req.update_id, rank, *mine)
@@ -244,41 +248,35 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
     return True, "Success"  # upstream's text: callers test for it
 
 
-def engine_targets(
-    model: torch.nn.Module, hf_config, parallel: EngineParallel, rank: int
-) -> Tuple[ModelTargets, Dict[str, torch.Tensor]]:
-    """Target rules for this engine, checked against the live parameters of ``rank``.
+def engine_targets(model: torch.nn.Module, model_config, rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor]]:
+    """This engine's targets, derived from SGLang's own loaders (``target_cache``), checked
+    against the live tensors of ``rank``.
 
-    Returns the rules (with each parameter's live dtype) and this rank's
-    parameters by name. A live parameter that differs from what the rules
-    describe means the layout is not one this package knows: refuse.
+    Returns the targets (with each parameter's live dtype) and this rank's tensors by
+    name. A live tensor that differs from its derived shape means the engine was not
+    built the way the derivation rebuilt it: refuse.
     """
-    heads = getattr(hf_config, "num_attention_heads", None)
-    original = getattr(hf_config, "original_num_attention_heads", heads)
-    if original != heads:
-        raise ValueError(
-            f"SGLang padded this model's heads for TP {parallel.tp_size} ({original} -> {heads}; its CPU engine "
-            "does this when heads do not divide TP); distributed updates need an unpadded layout"
-        )
-    targets = model_targets_from_config(hf_config, parallel, next(model.parameters()).dtype)
+    targets = engine_derived_targets(model_config)
     live = dict(model.named_parameters())
+    live.update((n, b) for n, b in model.named_buffers() if n not in live)
     params: Dict[str, torch.Tensor] = {}
     for target in targets.for_rank(rank):
         param = live.get(target.name)
         if param is None:
-            raise ValueError(f"the model has no parameter {target.name!r} that the layout rules describe")
+            raise ValueError(f"the model has no parameter {target.name!r} that SGLang's loader writes on rank {rank}")
         if tuple(param.shape) != target.shape:
             raise ValueError(
                 f"parameter {target.name!r} has shape {tuple(param.shape)} on rank {rank}, "
-                f"the layout rules expect {target.shape}"
+                f"SGLang's loader (derived on meta) writes {target.shape}"
             )
         params[target.name] = param.data  # written in place: CUDA graphs hold this storage
     return dataclasses.replace(targets, dtype_of={n: p.dtype for n, p in params.items()}), params
 
 
-def _sources(payload: Payload, targets: ModelTargets, rank: int):
+def _sources(payload: Payload, targets: DerivedTargets, rank: int):
     """Source layout from the payload's specs, and the local buffers it reads (by key);
-    refuses names and shapes the model does not have."""
+    refuses names and shapes the model does not have, and tensors SGLang's loader does not
+    copy (quantised, computed: an update cannot write them)."""
     expected = targets.tensor_shapes()
     sources = {}
     for name, spec in payload.specs.items():
@@ -287,6 +285,8 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         canonical = targets.aliases.get(name, name)
         if canonical not in expected:
             raise KeyError(f"unknown tensor {name!r}: not a weight of this model")
+        if canonical in targets.not_copied:
+            raise ValueError(f"tensor {name!r} is not a copy in SGLang's loader: {targets.not_copied[canonical]}")
         if spec.shape != expected[canonical]:
             raise ValueError(f"tensor {name!r}: global shape {spec.shape}, the model expects {expected[canonical]}")
         if not spec.dtype.is_floating_point:
@@ -299,7 +299,7 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
     return sources, payload.tensors
 
 
-def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List[ParamTarget]:
+def _restrict(wanted: List[ParamTarget], sources, targets: DerivedTargets) -> List[ParamTarget]:
     """Only the pieces this update delivers: a trainer may send its weights in batches."""
     delivered = {targets.aliases.get(n, n) for n in sources}
     out = []
