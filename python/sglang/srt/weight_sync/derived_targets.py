@@ -174,10 +174,14 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
 
 def refresh_after_update(model: torch.nn.Module) -> None:
     """What SGLang runs after writing parameters directly, bypassing their weight loaders
-    (its presharded loader): Gemma norms' ``weight + 1`` and parameter aliases refreshed."""
-    from sglang.srt.model_loader.loader import PreshardedModelLoader
+    (its presharded loader): Gemma norms' ``weight + 1`` and parameter aliases refreshed.
+    Releases before 0.5.23 have no such loader, and their (rule-based) targets hold no
+    computed tensors: nothing to refresh."""
+    from sglang.srt.model_loader import loader
 
-    PreshardedModelLoader._rebind_parameter_aliases(model)
+    presharded = getattr(loader, "PreshardedModelLoader", None)
+    if presharded is not None:
+        presharded._rebind_parameter_aliases(model)
 
 
 def _named_tensors(model: torch.nn.Module):

@@ -41,6 +41,14 @@ def tp_state() -> TpState:
                    par.tp_group.cpu_group, par.tp_group.device_group)
 
 
+def loader_derivation_available() -> bool:
+    """Deriving targets from SGLang's loaders (``derived_targets``) rebuilds the model as each
+    TP rank through 0.5.23's ``runtime_context``; older releases have no such switch."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+
+
 def field_names(cls) -> Tuple[str, ...]:
     """Fields of an io_struct request: msgspec Structs since 0.5.23, dataclasses before."""
     if dataclasses.is_dataclass(cls):

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 from sglang.srt.weight_sync.derived_targets import CheckpointLayout, DerivedTargets, checkpoint_layout, derive_targets
+from sglang.srt.weight_sync.sglang_compat import loader_derivation_available, tp_state
+from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ def cache_dir() -> Path:
 
 def engine_derived_targets(model_config) -> DerivedTargets:
     """This engine's targets for every TP rank (the published layout), derived at most once."""
+    if not loader_derivation_available():
+        return _rule_targets(model_config)
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()
@@ -57,6 +61,15 @@ def engine_derived_targets(model_config) -> DerivedTargets:
         _write(path, targets)
     _memory[memory_key] = targets
     return targets
+
+
+def _rule_targets(model_config) -> DerivedTargets:
+    """Older SGLang releases (0.5.12, 0.5.10.post1), where the loaders cannot be rebuilt per TP
+    rank: the hand-written rules' targets (Llama, Qwen2, Qwen3, Qwen3-MoE; others refused)."""
+    tp = tp_state()
+    rules = model_targets_from_config(model_config.hf_config, EngineParallel(tp.size, tp.attn_tp_size, tp.moe_ep_size))
+    per_rank = tuple(tuple(rules.for_rank(r)) for r in range(tp.size))
+    return DerivedTargets(rules.parallel, per_rank, rules.tensor_shapes(), dict(rules.aliases))
 
 
 def _original_hf_config(model_config):
