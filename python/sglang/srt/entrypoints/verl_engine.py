@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from sglang.srt.weight_sync.trainer_update import Mode, send_weights
+from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
+from sglang.srt.weight_sync.trainer_update import ControlRequest, Mode, UpdateReport, as_reply, drive, update_flow
 
 
 class VerlEngine:
@@ -28,16 +29,19 @@ class VerlEngine:
         nnodes: int = 1,
         backend: Literal["engine", "server"] = "engine",
         weight_sync_mode: Mode = "auto",
+        weight_sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **kwargs,
     ):
         """``kwargs`` are ``Engine`` (or ``HttpServerEngineAdapter``) arguments;
-        ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer")."""
+        ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer");
+        ``weight_sync_bucket_bytes`` caps the trainer side's staging and buffers."""
         self._device_mesh_cpu = device_mesh_cpu
         self._group = device_mesh_cpu.get_group()
         self._ranks = [int(r) for r in device_mesh_cpu.mesh.tolist()]
         self._tp_rank = device_mesh_cpu.get_local_rank()
         self._tp_size = device_mesh_cpu.size()
         self._weight_sync_mode = weight_sync_mode
+        self._weight_sync_bucket_bytes = weight_sync_bucket_bytes
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
         first_rank_in_node = self._tp_rank % tp_size_per_node == 0
@@ -83,35 +87,35 @@ class VerlEngine:
         self,
         named_tensors: List[Tuple[str, torch.Tensor]],
         load_format: Optional[str] = None,
-    ) -> None:
+    ) -> UpdateReport:
         """Update the engine's weights; call on every rank of the mesh with the same names.
 
         DTensors are delivered as their local shards; plain tensors are taken to
-        be full on every rank. Raises on every rank if the engine refused the
-        update (its old weights are then still serving).
+        be full on every rank. Returns this rank's report (where resharding ran,
+        bytes received and their lower bound). Raises on every rank if the engine
+        refused the update (its old weights are then still serving).
         """
         if load_format is not None:
             raise ValueError(
                 f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
                 "only load_format=None is supported"
             )
-        chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode)
-        dist.barrier(group=self._group)  # every payload is on its way before the engine looks
-        result = None
-        if self._tp_rank == 0:
-            try:
-                self._engine.begin_weight_update()
-                try:
-                    result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True)
-                finally:
-                    self._engine.end_weight_update()
-                # Engine returns (success, message); the HTTP adapter returns the JSON body
-                result = (result["success"], result["message"]) if isinstance(result, dict) else tuple(result)
-            except Exception as e:  # noqa: BLE001 - e.g. an HTTP 400; every rank must hear, not hang
-                result = (False, f"{type(e).__name__}: {e}")
-        success, message = self._from_rank0(result)
-        if not success:
-            raise RuntimeError(f"weight update {update_id} failed: {message}")
+        flow = update_flow(named_tensors, self._ranks, self._group, self._weight_sync_mode, self._weight_sync_bucket_bytes)
+        report = drive(flow, self._ranks, self._group, self._serve)
+        if not report.success:
+            raise RuntimeError(f"weight update {report.update_id} failed: {report.message}")
+        return report
+
+    def _serve(self, request: ControlRequest) -> Tuple[bool, str]:
+        """One control request, on the first rank (the engine's or the HTTP adapter's reply)."""
+        self._engine.begin_weight_update()
+        try:
+            result = self._engine.update_weights_distributed(
+                request.update_id, request.channel, flush_cache=request.final
+            )
+        finally:
+            self._engine.end_weight_update()
+        return as_reply(result)
 
     def release_memory_occupation(self) -> None:
         if self._tp_rank == 0:

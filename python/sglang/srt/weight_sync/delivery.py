@@ -51,13 +51,20 @@ def _check_private(channel: str) -> None:
 
 @dataclass
 class Payload:
-    """What one engine rank received: the trainer shards beside it and their layouts."""
+    """What one engine rank received. ``kind`` "shards": the trainer shards beside it and
+    their layouts (engine-side resharding); "params": parameter-shaped buffers already in
+    this rank's layout (trainer-side), carrying the HF ``names`` they were filled from and
+    the manifest ``fingerprint`` they were planned against; "describe": a request to
+    publish the engine's manifest (``manifest.py``)."""
 
     update_id: str
     trainer_rank: int
     rank_map: Dict[int, int]
     tensors: Dict[str, torch.Tensor]
     specs: Dict[str, MeshSpec]
+    kind: str = "shards"
+    names: Tuple[str, ...] = ()
+    fingerprint: str = ""
 
 
 def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[torch.Tensor, MeshSpec]:
@@ -98,6 +105,23 @@ class ShardSender:
             "rank_map": {int(k): int(v) for k, v in rank_map.items()},
             "tensors": [(name, t.detach(), spec.to_wire()) for name, t, spec in shards],
         }
+        self._sock.send(MultiprocessingSerializer.serialize(message))
+
+    def send_params(
+        self, update_id: str, trainer_rank: int, params: Mapping[str, torch.Tensor], names: Sequence[str], fingerprint: str
+    ) -> None:
+        """Parameter-shaped buffers for the engine rank, filled from the HF tensors ``names``."""
+        self._alive = list(params.values())
+        message = {
+            "update_id": update_id, "kind": "params", "trainer_rank": int(trainer_rank), "rank_map": {},
+            "params": [(name, t.detach()) for name, t in params.items()],
+            "names": list(names), "fingerprint": fingerprint,
+        }
+        self._sock.send(MultiprocessingSerializer.serialize(message))
+
+    def describe(self, update_id: str, trainer_rank: int) -> None:
+        """Ask the engine rank to publish its manifest into the channel."""
+        message = {"update_id": update_id, "kind": "describe", "trainer_rank": int(trainer_rank), "rank_map": {}}
         self._sock.send(MultiprocessingSerializer.serialize(message))
 
     def close(self) -> None:
@@ -148,9 +172,16 @@ class ShardReceiver:
 
 
 def _payload(message: dict, engine_rank: int) -> Payload:
+    kind = message.get("kind", "shards")
     tensors, specs = {}, {}
-    for name, tensor, wire in message["tensors"]:
+    for item in message.get("tensors", ()) if kind == "shards" else message.get("params", ()):
+        name, tensor = item[0], item[1]
         if name in tensors:
             raise DeliveryError(f"engine rank {engine_rank}: tensor {name!r} delivered twice")
-        tensors[name], specs[name] = tensor, MeshSpec.from_wire(wire)
-    return Payload(message["update_id"], message["trainer_rank"], dict(message["rank_map"]), tensors, specs)
+        tensors[name] = tensor
+        if kind == "shards":
+            specs[name] = MeshSpec.from_wire(item[2])
+    if kind not in ("shards", "params", "describe"):
+        raise DeliveryError(f"engine rank {engine_rank}: unknown payload kind {kind!r}")
+    return Payload(message["update_id"], message["trainer_rank"], dict(message["rank_map"]), tensors, specs,
+                   kind, tuple(message.get("names", ())), message.get("fingerprint", ""))

@@ -15,16 +15,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.delivery import DeliveryError, Payload, ShardReceiver
 from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
+from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
 from sglang.srt.weight_sync.source_layout import LayoutError
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, model_targets_from_config
+from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, model_targets_from_config
+from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, restrict
 
 logger = logging.getLogger(__name__)
 
@@ -82,38 +84,82 @@ def as_distributed_request(recv_req, own_payload: dict):
 
 
 def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
-    """Validate, agree, plan and execute on this rank; every TP rank calls it together."""
+    """Validate, agree, plan and execute on this rank; every TP rank calls it together.
+
+    A "params" payload (trainer-side resharding) is only copied in place; a
+    "describe" payload publishes this engine's manifest into the channel.
+    """
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()
     rank, cpu_group, device_group = par.tp_rank, par.tp_group.cpu_group, par.tp_group.device_group
     problems: List[str] = []
-    the_plan, params, shards = None, {}, {}
+    the_plan, params, shards, local_step = None, {}, {}, None
     if received.error:
         problems.append(received.error)
     else:
         try:
             parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
             targets, params = engine_targets(model, model_config.hf_config, parallel, rank)
-            sources, shards = _sources(received.payload, targets, rank)
-            needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.tp_size)}
-            the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
-                                  aliases=targets.aliases)
-            problems += check_inputs(the_plan, rank, shards, params)
+            if received.payload.kind != "shards":
+                local_step = _published_layout_step(received.payload, targets, params, rank, recv_req.channel)
+                problems += local_step.problems
+            else:
+                sources, shards = _sources(received.payload, targets, rank)
+                needed = {r: restrict(targets.for_rank(r), sources, targets.aliases) for r in range(par.tp_size)}
+                the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                      aliases=targets.aliases)
+                problems += check_inputs(the_plan, rank, shards, params)
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             problems.append(f"engine rank {rank}: {e}")
     everyone = _share_problems(problems, rank, par.tp_size, cpu_group)
     if everyone:
         return False, "distributed weight update refused, no parameter changed: " + "; ".join(everyone)
+    if local_step is not None:
+        return True, local_step.run()
     try:
         agree_on_plan(the_plan, cpu_group)
     except ExecutionError as e:
         return False, f"distributed weight update refused, no parameter changed: {e}"
     stats = execute(the_plan, rank, shards, params, group=device_group)
     return True, (
-        f"Success: rank {rank} received {stats.bytes_received} bytes "
+        f"Success (engine-side resharding): rank {rank} received {stats.bytes_received} bytes "
         f"(lower bound {the_plan.lower_bound_bytes(rank)}), staged at most {stats.peak_staging_bytes}"
     )
+
+
+@dataclass
+class _LocalStep:
+    """A trainer-side update's local work on this rank, run once every rank agreed."""
+
+    problems: List[str]
+    run: Callable[[], str]
+
+
+def _published_layout_step(payload: Payload, targets: ModelTargets, params, rank: int, channel: str) -> _LocalStep:
+    """"describe": publish the manifest. "params": check the buffers the trainer
+    planned against this engine's manifest, then copy them in place."""
+    manifest = EngineManifest.of(targets)
+    if payload.kind == "describe":
+        def publish() -> str:
+            path = write_manifest(channel, rank, manifest)
+            return f"Success: published the engine layout ({manifest.fingerprint[:12]}) at {path}"
+
+        return _LocalStep([], publish)
+    if payload.fingerprint != manifest.fingerprint:
+        return _LocalStep([
+            f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
+            f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
+        ], lambda: "")
+    wanted = [t for t in restrict(targets.for_rank(rank), payload.names, targets.aliases) if t.name in payload.tensors]
+    unknown = sorted(set(payload.tensors) - {t.name for t in wanted})
+    problems = [f"engine rank {rank}: buffers {unknown[:3]} are not parameters this update fills"] if unknown else []
+
+    def copy() -> str:
+        copied = copy_buffers(params, wanted, payload.tensors)
+        return f"Success (trainer-side resharding): rank {rank} received 0 bytes, copied {copied} bytes locally"
+
+    return _LocalStep(problems + check_buffers(params, wanted, payload.tensors, rank), copy)
 
 
 def engine_targets(
@@ -165,17 +211,6 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         sources[name] = spec.describe(name, payload.rank_map)
         shards[name] = payload.tensors[name]
     return sources, shards
-
-
-def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List[ParamTarget]:
-    """Only the pieces this update delivers: a trainer may send its weights in batches."""
-    delivered = {targets.aliases.get(n, n) for n in sources}
-    out = []
-    for t in wanted:
-        pieces = tuple(p for p in t.pieces if p.tensor in delivered)
-        if pieces:
-            out.append(dataclasses.replace(t, pieces=pieces))
-    return out
 
 
 def _share_problems(problems: List[str], rank: int, world: int, group) -> List[str]:
