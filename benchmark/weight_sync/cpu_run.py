@@ -87,15 +87,16 @@ def _rank(rank, world, store, scenario, repeats, out_dir):
     baseline = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in mine}
     shards = prepare_shards(sorted(dtensors.items()))
     parts = chunks(manifest, [n for n, _, _ in shards], BUCKET_BYTES)
+    sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
 
     t0 = time.perf_counter()
-    plans = [plan_to_engines(shards, manifest, groups, BUCKET_BYTES, part)[0] for part in parts]
+    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part)[0] for part in parts]
     plan_s = time.perf_counter() - t0
 
     def distributed():
         received = peak = 0
         for part in parts:
-            result = reshard_to_engines(shards, manifest, groups, rank, BUCKET_BYTES, part)
+            result = reshard_to_engines(sources, local, manifest, groups, rank, BUCKET_BYTES, part)
             copy_buffers(params, [t for t in mine if t.name in result.buffers], result.buffers)
             received += result.stats.bytes_received
             peak = max(peak, result.stats.peak_staging_bytes + sum(b.nbytes for b in result.buffers.values()))

@@ -329,7 +329,7 @@ def describe_sources(spec: ModelSpec, targets: ModelTargets, train: TrainLayout)
 
 def _restrict(sources: SourceLayout, lo: int, hi: int) -> SourceLayout:
     return {
-        n: SourceTensor(s.name, s.shape, s.dtype, tuple((r, b) for r, b in s.holders if lo <= r < hi))
+        n: SourceTensor(s.name, s.shape, s.dtype, tuple(h for h in s.holders if lo <= h.rank < hi))
         for n, s in sources.items()
     }
 
@@ -338,7 +338,7 @@ def engine_covers(sources: SourceLayout, lo: int, hi: int) -> bool:
     """Whether ranks [lo, hi) hold every tensor in full (distinct boxes are disjoint in
     the layouts built here, so summing them measures the union)."""
     for s in sources.values():
-        boxes = {b for r, b in s.holders if lo <= r < hi}
+        boxes = {h.box for h in s.holders if lo <= h.rank < hi}
         if sum(b.numel for b in boxes) < prod(s.shape):
             return False
     return True
@@ -430,9 +430,9 @@ def baseline_metrics(
         isz = s.dtype.itemsize
         full += prod(s.shape) * isz
         nodes_of_box: Dict = defaultdict(set)
-        for r, b in s.holders:
-            held[r] += b.numel * isz
-            nodes_of_box[b].add(node_of[r])
+        for h in s.holders:
+            held[h.rank] += h.box.numel * isz
+            nodes_of_box[h.box].add(node_of[h.rank])
         for b, nodes in nodes_of_box.items():
             for n in nodes:
                 in_node[n] += b.numel * isz

@@ -49,7 +49,9 @@ def qwen3_moe(**overrides):
 @dataclass(frozen=True)
 class Scenario:
     """``train`` is "megatron" (explicit TP shards), "dtensor0"/"dtensor1" (DTensor Shard(0)/Shard(1)
-    over the TP mesh), "fsdp" (FSDP2 fully_shard over all ranks) or "hsdp" (FSDP2 on a 2-d mesh)."""
+    over the TP mesh), "fsdp" (FSDP2 fully_shard over all ranks), "hsdp" (FSDP2 on a 2-d mesh) or
+    "fsdp_tp" (FSDP2 over the "dp" dim of a (dp, tp) mesh whose "tp" dim holds Megatron-style
+    TP DTensors: column-parallel tensors end as ``(_StridedShard(0, sf=tp), Shard(0))``)."""
 
     config: dict
     train: str
@@ -115,6 +117,24 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
             p = placements if tensor.ndim > int(s.train[-1]) else (Replicate(), Replicate())
             dt = distribute_tensor(tensor, mesh, p, src_data_rank=None)
             layout[name], local[name] = describe_dtensor(name, dt), dt.to_local()
+        return layout, local
+    if s.train == "fsdp_tp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world // t, t), mesh_dim_names=("dp", "tp"))
+        names = sorted(full)
+        module = torch.nn.Module()
+        for i, name in enumerate(names):
+            dim = megatron_dim(name)
+            place = Replicate() if dim is None or dim >= full[name].ndim else Shard(dim)
+            tp_param = distribute_tensor(full[name].clone(), mesh["tp"], (place,), src_data_rank=None)
+            module.register_parameter(f"p{i}", torch.nn.Parameter(tp_param))
+        fully_shard(module, mesh=mesh["dp"])
+        for i, name in enumerate(names):
+            dt = getattr(module, f"p{i}")
+            layout[name], local[name] = describe_dtensor(name, dt), dt.to_local()
+        strided = [n for i, n in enumerate(names) if "_StridedShard" in type(getattr(module, f"p{i}").placements[0]).__name__]
+        assert strided, "FSDP2 over TP gave no _StridedShard placement: the case tests nothing new"
         return layout, local
     if s.train in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import fully_shard

@@ -55,6 +55,15 @@ def test_fsdp2_shard0_over_8_to_tp2_and_hsdp_2x4_to_tp4():
     check(scenarios, run_ranks(8, run_all, scenarios))
 
 
+def test_fsdp2_over_tp_strided_shards_without_a_gather():
+    """FSDP2 over a TP-parallel model on a (dp 2, tp 2) mesh: column-parallel tensors are
+    (_StridedShard(0, sf=2), Shard(0)) DTensors, described from their placements and moved
+    like any other; engines at TP 2 (covered by each dp row) and TP 4."""
+    scenarios = [Scenario(qwen2(), "fsdp_tp", 2, 2, world=4), Scenario(qwen2(), "fsdp_tp", 2, 4),
+                 Scenario(llama_tied(), "fsdp_tp", 2, 4, train_dtype=torch.float32, engine_dtype=torch.bfloat16)]
+    check(scenarios, run_ranks(4, run_all, scenarios))
+
+
 def test_gqa_two_kv_heads_vocab_padding_and_tied_embeddings():
     scenarios = [
         Scenario(llama_tied(), "megatron", 2, 4, world=8),

@@ -40,10 +40,11 @@ def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
     full = {n: torch.randn(s, generator=torch.Generator().manual_seed(i))
             for i, (n, s) in enumerate(sorted(targets.tensor_shapes().items()))}
     shards = prepare_shards([(n, distribute_tensor(t, mesh, (Shard(0),), src_data_rank=None)) for n, t in full.items()])
+    sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
     out = dict(received=0, lower_bound=0, peak_staging=0, peak_buffers=0, chunks=0)
     written = set()
     for part in chunks(manifest, list(full), bucket_bytes):
-        result = reshard_to_engines(shards, manifest, GROUPS, rank, bucket_bytes, part)
+        result = reshard_to_engines(sources, local, manifest, GROUPS, rank, bucket_bytes, part)
         for name, buf in result.buffers.items():
             want = next(t for t in manifest.ranks[rank % 2] if t.name == name)
             assert torch.equal(buf, reference_param(want, full)), f"rank {rank}: {name} differs from SGLang's slicing"

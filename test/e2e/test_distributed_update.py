@@ -94,6 +94,10 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
             assert record["checksums"] == last_good["checksums"], f"{arg}: a parameter changed"
         else:
             assert record.get("success", True), record.get("message")
+            if kind in ("utils", "engine"):  # upstream's reply text; the figures in their own fields
+                assert record["message"] == "Success", record["message"]
+            if kind == "engine":  # every engine rank received exactly the bytes it lacked
+                assert len(record["bytes_received"]) == tp and record["bytes_received"] == record["lower_bound_bytes"]
             check_update(record, model_dir, config, seed, tp, prompts)
             last_good = record
 

@@ -123,25 +123,31 @@ def _generate(verl, prompts) -> List[List[int]]:
 
 def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout_s=120.0, send=True):
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
-    ``Engine.update_weights_distributed``; returns (success, message) on every rank."""
+    ``Engine.update_weights_distributed``; returns its reply (success, message and the
+    figures per engine rank) on every rank."""
     from sglang.srt.weight_sync.trainer_update import open_channel
 
     chan = open_channel(ranks, group)
     update_id = update_id or chan.next_update_id()
     if send:
         chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    return _request(verl, ranks, group, chan, request_id or update_id, timeout_s)
+
+
+def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
+    """``Engine.update_weights_distributed`` for what every rank delivered; (success, message) on every rank."""
     dist.barrier(group=group)
     result = None
     if dist.get_rank() == ranks[0]:
         engine = verl._engine
         engine.begin_weight_update()
         try:
-            result = engine.update_weights_distributed(request_id or update_id, chan.channel, timeout_s=timeout_s)
+            result = engine.update_weights_distributed(update_id, chan.channel, timeout_s=timeout_s)
         finally:
             engine.end_weight_update()
     box = [result]
     dist.broadcast_object_list(box, src=ranks[0], group=group)
-    return tuple(box[0])
+    return box[0]
 
 
 def _bad_shards(kind: str, weights, mesh) -> list:
@@ -244,17 +250,17 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 from sglang.srt.weight_sync.trainer_update import prepare_shards
 
                 shards = prepare_shards(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
-                record["success"], record["message"] = _direct(verl, ranks, group, shards)
+                record.update(_direct(verl, ranks, group, shards))
             elif kind == "fail":
                 weights = new_weights(job["model_dir"], seed)
                 shards = _bad_shards(arg, weights, mesh)
                 if arg == "missing":
-                    record["success"], record["message"] = _direct(verl, ranks, group, shards, timeout_s=3, send=rank != 1)
+                    record.update(_direct(verl, ranks, group, shards, timeout_s=3, send=rank != 1))
                 elif arg == "stale":
-                    record["success"], record["message"] = _direct(
-                        verl, ranks, group, shards, update_id="stale-1", request_id="stale-2", timeout_s=3)
+                    record.update(_direct(
+                        verl, ranks, group, shards, update_id="stale-1", request_id="stale-2", timeout_s=3))
                 else:
-                    record["success"], record["message"] = _direct(verl, ranks, group, shards)
+                    record.update(_direct(verl, ranks, group, shards))
             else:
                 raise ValueError(kind)
             record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - calls_before

@@ -8,7 +8,13 @@ import torch
 from torch.distributed.tensor.placement_types import Shard
 
 from sglang.srt.weight_sync.delivery import DeliveryError, ShardReceiver, ShardSender, make_channel
-from sglang.srt.weight_sync.source_layout import MeshSpec
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.source_layout import Holder, HoldersSpec, MeshSpec
+
+# A fused local buffer (Megatron linear_qkv-like): rows 0:2 are q rows 2:4, rows 2:3 are k row 1.
+FUSED = {"q": HoldersSpec((4, 4), torch.float32, (Holder(5, Box((2, 0), (2, 4)), "chunk0/qkv", (0, 0), (3, 4)),)),
+         "k": HoldersSpec((2, 4), torch.float32, (Holder(5, Box((1, 0), (1, 4)), "chunk0/qkv", (2, 0), (3, 4)),
+                                                  Holder(9, Box((0, 0), (1, 4)), "chunk0/qkv", (2, 0), (3, 4))))}
 
 
 def _trainer(channel, ready, done):
@@ -16,7 +22,8 @@ def _trainer(channel, ready, done):
     stale = torch.zeros(2)
     sender.send("old", 5, {4: 0, 5: 1}, [("w", stale, MeshSpec.full((2,), torch.float32, [4, 5]))])
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100
-    sender.send("u1", 5, {4: 0, 5: 1}, [("w", w, MeshSpec.sharded((6, 4), torch.float32, 0, [4, 5]))])
+    sender.send("u1", 5, {4: 0, 5: 1}, [("w", w, MeshSpec.sharded((6, 4), torch.float32, 0, [4, 5])),
+                                        ("chunk0/qkv", torch.ones(3, 4), None)], FUSED)
     ready.set()
     done.wait(60)  # the shared memory stays valid while the trainer waits for the engine
     sender.close()
@@ -35,8 +42,12 @@ def test_shards_travel_between_processes_and_stale_updates_are_dropped():
         assert payload.trainer_rank == 5 and payload.rank_map == {4: 0, 5: 1}
         assert torch.equal(payload.tensors["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100)
         assert payload.specs["w"].placements == (Shard(0),)
-        assert [(r, b.offsets) for r, b in payload.specs["w"].describe("w", payload.rank_map).holders] == [
+        assert [(h.rank, h.box.offsets) for h in payload.specs["w"].describe("w", payload.rank_map).holders] == [
             (0, (0, 0)), (1, (3, 0))]
+        assert torch.equal(payload.tensors["chunk0/qkv"], torch.ones(3, 4)) and "chunk0/qkv" not in payload.specs
+        assert payload.specs["q"] == FUSED["q"] and payload.specs["k"] == FUSED["k"]
+        k = payload.specs["k"].describe("k", payload.rank_map)  # rank 9 is beside no engine rank here: dropped
+        assert [(h.rank, h.box, h.buffer, h.offsets) for h in k.holders] == [(1, Box((1, 0), (1, 4)), "chunk0/qkv", (2, 0))]
     finally:
         done.set()
         proc.join(30)
@@ -50,7 +61,9 @@ def test_missing_payload_times_out_naming_rank_and_update():
     receiver.close()
 
 
-def test_channel_must_be_private(tmp_path):
-    os.chmod(tmp_path, 0o755)
-    with pytest.raises(DeliveryError, match="mode 0700"):
-        ShardSender(str(tmp_path), 0)
+def test_channel_must_be_private():
+    channel = make_channel()
+    os.chmod(channel, 0o755)
+    with pytest.raises(DeliveryError, match="has mode 0755; it must be 0700"):
+        ShardSender(channel, 0)
+    os.rmdir(channel)

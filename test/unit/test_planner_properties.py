@@ -105,9 +105,9 @@ def covers(sources, targets):
         for t in ts:
             for piece in t.pieces:
                 mask = torch.zeros(sources[piece.tensor].shape, dtype=torch.bool)
-                for _, box in sources[piece.tensor].holders:
-                    if not box.is_empty():
-                        mask[box.slices()] = True
+                for h in sources[piece.tensor].holders:
+                    if not h.box.is_empty():
+                        mask[h.box.slices()] = True
                 if not mask[piece.box.slices()].all():
                     return False
     return True

@@ -12,8 +12,11 @@ wiring, not the update itself.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import json
+import os
+import tempfile
 from types import SimpleNamespace
 from typing import List
 
@@ -23,12 +26,16 @@ import torch
 
 import sglang.srt.managers.io_struct as io
 
-CHANNEL = "/tmp/weight-sync-channel"
+# a real (empty) channel directory: the tokenizer manager validates the channel before any scheduler sees it
+CHANNEL = tempfile.mkdtemp(prefix="sglang-weights-")
+atexit.register(os.rmdir, CHANNEL)
 SESSION_MESSAGE = "update_weights_distributed must run between begin_weight_update() and end_weight_update()"
+FIGURES = {"bytes_received": [4, 6], "lower_bound_bytes": [4, 6], "peak_staging_bytes": [2, 3]}
+NO_FIGURES = {"bytes_received": [], "lower_bound_bytes": [], "peak_staging_bytes": []}
 
 
 def _request(**kw) -> io.UpdateWeightsDistributedReqInput:
-    return io.UpdateWeightsDistributedReqInput(update_id="u", channel=CHANNEL, **kw)
+    return io.UpdateWeightsDistributedReqInput(**{"update_id": "u", "channel": CHANNEL, **kw})
 
 
 # ---------------------------------------------------------------- io_struct (patch 0001)
@@ -66,7 +73,7 @@ def test_request_round_trips_through_scheduler_ipc_msgpack():
 
 
 def test_output_constructs_and_round_trips():
-    for out in (io.UpdateWeightsDistributedReqOutput(success=True, message="Success"),
+    for out in (io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **FIGURES),
                 io.UpdateWeightsDistributedReqOutput(success=False, message="refused")):
         back = io.msgpack_decode(io.msgpack_encode(out))
         assert type(back) is io.UpdateWeightsDistributedReqOutput and back == out
@@ -92,7 +99,7 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
     class FakeTokenizerManager:
         async def update_weights_distributed(self, obj, request):
             seen.append((obj, request))
-            return True, "Success"
+            return {"success": True, "message": "Success", **FIGURES}
 
     engine = SimpleNamespace(loop=asyncio.new_event_loop(), tokenizer_manager=FakeTokenizerManager())
     try:
@@ -100,7 +107,7 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
                                                    flush_cache=False, weight_version="v2", selector="target")
     finally:
         engine.loop.close()
-    assert result == (True, "Success")
+    assert result == {"success": True, "message": "Success", **FIGURES}
     (obj, request), = seen
     assert request is None
     assert obj == io.UpdateWeightsDistributedReqInput(update_id="u1", channel=CHANNEL, timeout_s=9.0,
@@ -169,26 +176,43 @@ def single_dp(monkeypatch):
 
 
 def test_tokenizer_method_takes_writer_lock_and_applies_version(single_dp):
-    ok = [io.UpdateWeightsDistributedReqOutput(success=True, message="Success")]
+    ok = [io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **FIGURES)]
     tm = _FakeTokenizerManager(ok)
     req = _request(weight_version="v3", abort_all_requests=True)
-    success, message = tm.call(req)
-    assert success and message == "Success Weight version updated to v3."
+    # upstream's message and version note; the figures in their own fields
+    assert tm.call(req) == {"success": True, "message": "Success Weight version updated to v3.", **FIGURES}
     assert tm.events == [("abort", True), "writer_lock", ("send", req), "writer_unlock", "clear_mm", ("version", "v3")]
 
 
 def test_tokenizer_method_when_paused_skips_writer_lock(single_dp):
     tm = _FakeTokenizerManager([io.UpdateWeightsDistributedReqOutput(success=True, message="Success")], paused=True)
     req = _request(flush_cache=False)
-    assert tm.call(req) == (True, "Success")
+    assert tm.call(req) == {"success": True, "message": "Success", **NO_FIGURES}
     assert tm.events == [("send", req)]
 
 
 def test_tokenizer_method_failure_keeps_version(single_dp):
     bad = [io.UpdateWeightsDistributedReqOutput(success=False, message="refused")]
     tm = _FakeTokenizerManager(bad)
-    assert tm.call(_request(weight_version="v3")) == (False, "refused")
+    assert tm.call(_request(weight_version="v3")) == {"success": False, "message": "refused", **NO_FIGURES}
     assert not [e for e in tm.events if e == "clear_mm" or (isinstance(e, tuple) and e[0] == "version")]
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("timeout_s", -1, "timeout_s=-1: must be a number of seconds in (0, 3600]"),
+    ("timeout_s", 2_147_484, "timeout_s=2147484"),
+    ("timeout_s", "soon", "timeout_s='soon'"),
+    ("bucket_bytes", 1, "bucket_bytes=1: must be None"),
+    ("bucket_bytes", -1, "bucket_bytes=-1"),
+    ("update_id", "", "update_id='': must be a non-empty string"),
+    ("channel", "/nonexistent/sglang-weights-x", "channel '/nonexistent/sglang-weights-x' does not exist"),
+])
+def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(single_dp, field, value, text):
+    tm = _FakeTokenizerManager([])
+    reply = tm.call(_request(**{field: value}))
+    assert not reply["success"] and text in reply["message"], reply
+    assert {k: reply[k] for k in NO_FIGURES} == NO_FIGURES
+    assert tm.events == []  # nothing aborted, locked or sent
 
 
 def test_tokenizer_method_rejects_dp_replicas(monkeypatch):
@@ -220,6 +244,12 @@ class _Runner:
         self.log.append((self.role, received, recv_req))
         return self.result
 
+    def begin_weight_update(self):
+        self.log.append((self.role, "begin"))
+
+    def end_weight_update(self, *, run_post_load):
+        self.log.append((self.role, "end", run_post_load))
+
 
 @pytest.fixture
 def manager(monkeypatch):
@@ -230,8 +260,10 @@ def manager(monkeypatch):
     monkeypatch.setattr(swu, "get_parallel", lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group="tp_cpu")))
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: log.append(("barrier", group)))
 
+    from sglang.srt.weight_sync.engine_update import ReceivedShards
+
     class TpWorker:
-        received = object()
+        received = ReceivedShards(None, figures=dict(FIGURES))
 
         def weight_update_runners(self):
             return [("target", _Runner("target", log))]
@@ -274,6 +306,7 @@ def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
     req = _request(weight_version="v9", torch_empty_cache=True)
     out = m.update_weights_distributed(req)
     assert type(out) is io.UpdateWeightsDistributedReqOutput and (out.success, out.message) == (True, "Success")
+    assert (out.bytes_received, out.lower_bound_bytes, out.peak_staging_bytes) == tuple(FIGURES.values())
     received = m.tp_worker.received
     assert log == [("receive", req), ("target", received, req), ("draft", received, req), ("version", "v9"),
                    ("flush", True), ("barrier", "tp_cpu")]
@@ -304,6 +337,7 @@ def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(mana
                                              load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
                                              flush_cache=False, weight_version="v4", selector="target")
     out = m.update_weights_from_tensor(req)
+    # upstream's reply struct and text: the figures stay in the log
     assert type(out) is io.UpdateWeightsFromTensorReqOutput and (out.success, out.message) == (True, "Success")
     assert log[0] == ("deserialize", payloads)
     kind, converted = log[1]
@@ -371,6 +405,82 @@ def test_model_runner_hook_refuses_derived_weight_caches_and_weight_cache(monkey
     assert not success and "update_weights_distributed" in message and "--weight-cache-mode daemon" in message
 
 
+# ---------------------------------------------------------------- implicit sessions (patches 0006, 0007)
+
+
+def test_engine_base_no_longer_requires_session_methods():
+    """verl 0.9.1's AsyncHttpServerAdapter subclasses EngineBase without them: it must construct."""
+    from sglang.srt.entrypoints.EngineBase import EngineBase
+
+    assert not {"begin_weight_update", "end_weight_update"} & EngineBase.__abstractmethods__
+    assert {"generate", "update_weights_from_tensor", "flush_cache"} <= EngineBase.__abstractmethods__
+
+
+def test_scheduler_dispatcher_wraps_session_updates():
+    import sglang.srt.managers.scheduler as scheduler
+
+    source = "".join(inspect.getsource(scheduler.Scheduler.init_request_dispatcher).split())
+    assert source.endswith("self._request_dispatcher=with_implicit_sessions(self._request_dispatcher,self.weight_updater)")
+
+
+def _dispatcher(m, log):
+    from sglang.srt.weight_sync.sessions import with_implicit_sessions
+    from sglang.utils import TypeBasedDispatcher
+
+    inner = TypeBasedDispatcher([(io.UpdateWeightsDistributedReqInput, m.update_weights_distributed),
+                                 (io.UpdateWeightsFromTensorReqInput, m.update_weights_from_tensor),
+                                 (io.FlushCacheReqInput, lambda req: log.append("flush_handler") or "flushed")])
+    return with_implicit_sessions(inner, m)
+
+
+def test_update_without_session_runs_in_a_one_shot_session(manager):
+    m, log = manager
+    m._session = None
+    req = _request(selector="target", flush_cache=False)
+    out = _dispatcher(m, log)(req)
+    assert (out.success, out.message) == (True, "Success")
+    received = m.tp_worker.received
+    # SGLang's own begin, the update, SGLang's own end (post_load: nothing went through load_weights)
+    assert log == [("target", "begin"), ("barrier", "tp_cpu"), ("receive", req), ("target", received, req),
+                   ("version", None), ("barrier", "tp_cpu"), ("target", "end", True), ("barrier", "tp_cpu")]
+    assert m._session is None
+
+
+def test_tensor_path_without_session_runs_in_a_one_shot_session(manager):
+    from sglang.srt.weight_sync import engine_update
+
+    m, log = manager
+    m._session = None
+    out = _dispatcher(m, log)(io.UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[b"x"], load_format=engine_update.DISTRIBUTED_LOAD_FORMAT, flush_cache=False))
+    assert type(out) is io.UpdateWeightsFromTensorReqOutput and (out.success, out.message) == (True, "Success")
+    assert [e[1] for e in log if e[0] == "target"][:1] == ["begin"] and log[-2][1:] == ("end", True)
+    assert m._session is None
+
+
+def test_update_inside_an_explicit_session_leaves_it_open(manager):
+    m, log = manager
+    req = _request(flush_cache=False)
+    out = _dispatcher(m, log)(req)
+    assert out.success and not [e for e in log if e[-1] in ("begin",) or (len(e) == 3 and e[1] == "end")]
+    assert m._session is not None
+
+
+def test_one_shot_session_closes_after_a_refused_update(manager):
+    m, log = manager
+    m._session = None
+    m.tp_worker.weight_update_runners = lambda: [("target", _Runner("target", log, (False, "refused: rank 1")))]
+    out = _dispatcher(m, log)(_request())
+    assert (out.success, out.message) == (False, "refused: rank 1")
+    assert log[-3:] == [("target", "end", True), ("draft", "end", True), ("barrier", "tp_cpu")]
+    assert m._session is None
+
+
+def test_other_requests_pass_through(manager):
+    m, log = manager
+    assert _dispatcher(m, log)(io.FlushCacheReqInput()) == "flushed" and log == ["flush_handler"]
+
+
 # ---------------------------------------------------------------- HTTP (patch 0004)
 
 
@@ -394,7 +504,7 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
     class FakeTokenizerManager:
         async def update_weights_distributed(self, obj, request):
             seen.append(obj)
-            return success, "msg"
+            return {"success": success, "message": "msg", **FIGURES}
 
     monkeypatch.setattr(http_server, "_global_state",
                         SimpleNamespace(tokenizer_manager=FakeTokenizerManager(), template_manager=None,
@@ -402,7 +512,7 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
     body = {"update_id": "u2", "channel": CHANNEL, "timeout_s": 7.0, "bucket_bytes": 4096, "selector": "target"}
     response = TestClient(http_server.app).post("/update_weights_distributed", json=body)
     assert response.status_code == status, response.text
-    assert response.json() == {"success": success, "message": "msg"}
+    assert response.json() == {"success": success, "message": "msg", **FIGURES}
     assert seen == [io.UpdateWeightsDistributedReqInput(update_id="u2", channel=CHANNEL, timeout_s=7.0,
                                                         bucket_bytes=4096, selector="target")]
 

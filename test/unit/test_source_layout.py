@@ -1,8 +1,9 @@
-"""Source boxes from DTensor placements and explicit specs, checked against torch.chunk.
+"""Source holders from DTensor placements and explicit specs, checked against torch.chunk.
 
 The reference splits an index-encoded tensor with ``torch.chunk`` mesh dim by
-mesh dim, the way DTensor lays out shards, and compares what each coordinate
-holds with the box the layout reports.
+mesh dim, the way DTensor lays out shards (``_StridedShard(d, sf)``: cut dim d
+into sf pieces, each into n chunks, and keep chunk i of every piece), and
+compares each coordinate's local tensor with the one its holders rebuild.
 """
 
 import itertools
@@ -21,13 +22,31 @@ from sglang.srt.weight_sync.source_layout import (
 )
 
 
+def _chunk(t, n, dim, i):
+    chunks = list(torch.chunk(t, n, dim=dim))
+    return chunks[i] if i < len(chunks) else t.narrow(dim, 0, 0)
+
+
 def chunk_reference(full, mesh_shape, placements, coord):
     piece = full
     for size, place, i in zip(mesh_shape, placements, coord):
         if isinstance(place, Shard):
-            chunks = list(torch.chunk(piece, size, dim=place.dim))
-            piece = chunks[i] if i < len(chunks) else piece.narrow(place.dim, 0, 0)
+            piece = _chunk(piece, size, place.dim, i)
+        elif isinstance(place, _StridedShard):
+            parts = [_chunk(piece, place.split_factor, place.dim, j) for j in range(place.split_factor)]
+            piece = torch.cat([_chunk(p, size, place.dim, i) for p in parts], dim=place.dim)
     return piece
+
+
+def rebuild(layout, rank, local_shape):
+    """The local tensor of ``rank``, written from its holders only (NaN where none writes)."""
+    full = torch.arange(torch.Size(layout.shape).numel(), dtype=torch.float64).reshape(layout.shape)
+    out = torch.full(local_shape, float("nan"), dtype=torch.float64)
+    for h in layout.holders:
+        if h.rank == rank and not h.box.is_empty():
+            assert h.buffer == layout.name and h.buffer_shape == tuple(local_shape)
+            out[h.buffer_box(h.box).slices()] = full[h.box.slices()]
+    return out
 
 
 @settings(max_examples=200, deadline=None)
@@ -38,49 +57,60 @@ def chunk_reference(full, mesh_shape, placements, coord):
 )
 def test_mesh_boxes_match_torch_chunk(shape, mesh_shape, data):
     placements = tuple(
-        data.draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(len(shape))])) for _ in mesh_shape
+        data.draw(st.sampled_from(
+            [Replicate()] + [Shard(d) for d in range(len(shape))]
+            + [_StridedShard(d, split_factor=f) for d in range(len(shape)) for f in (2, 3)]
+        )) for _ in mesh_shape
     )
     n = 1
     for s in mesh_shape:
         n *= s
     ranks = torch.arange(n).reshape(mesh_shape).tolist()
     layout = describe_mesh("w", shape, torch.float32, ranks, placements)
-    full = torch.arange(torch.Size(shape).numel()).reshape(shape)
-    held = dict(layout.holders)
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
     for coord in itertools.product(*(range(s) for s in mesh_shape)):
         rank = torch.tensor(ranks)[coord].item()
         expected = chunk_reference(full, mesh_shape, placements, coord)
-        box = held[rank]
-        if expected.numel() == 0:
-            assert box.is_empty()
-        else:
-            assert torch.equal(full[box.slices()], expected), (coord, box)
+        assert torch.equal(rebuild(layout, rank, expected.shape), expected), (coord, placements)
+
+
+def test_fsdp2_over_tp_strided_rows_are_one_box_per_rank():
+    """FSDP2 over a TP-parallel module: placements (_StridedShard(0, sf=tp), Shard(0)) on a
+    (dp, tp) mesh; rank (i, j) holds rows of TP chunk j, FSDP chunk i, in one box."""
+    layout = describe_mesh("w", (16, 3), torch.float32, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)))
+    rows = {h.rank: (h.box.offsets[0], h.box.sizes[0]) for h in layout.holders}
+    assert rows == {0: (0, 4), 2: (4, 4), 1: (8, 4), 3: (12, 4)}
+
+
+def test_strided_shard_alone_holds_several_boxes_in_one_buffer():
+    layout = describe_mesh("w", (8,), torch.float32, [0, 1], (_StridedShard(0, split_factor=2),))
+    assert [(h.rank, h.box.offsets, h.offsets) for h in layout.holders] == [
+        (0, (0,), (0,)), (0, (4,), (2,)), (1, (2,), (0,)), (1, (6,), (2,))
+    ]
+    with pytest.raises(LayoutError, match="rank 0 holds 2 boxes"):
+        layout.box_of(0)
 
 
 def test_rank_map_translates_and_drops_ranks_outside_the_group():
     layout = describe_mesh("w", (8, 2), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0)), {2: 0, 3: 1})
-    assert [(r, b.offsets, b.sizes) for r, b in layout.holders] == [(0, (0, 0), (4, 2)), (1, (4, 0), (4, 2))]
+    assert [(h.rank, h.box.offsets, h.box.sizes) for h in layout.holders] == [(0, (0, 0), (4, 2)), (1, (4, 0), (4, 2))]
 
 
 def test_megatron_explicit_shards_with_dp_replicas():
     layout = describe_sharded("o_proj", (4, 6), torch.float32, 1, [[0, 1, 2], [3, 4, 5]])
-    boxes = {r: (b.offsets, b.sizes) for r, b in layout.holders}
+    boxes = {h.rank: (h.box.offsets, h.box.sizes) for h in layout.holders}
     assert boxes[1] == boxes[4] == ((0, 2), (4, 2))
     assert boxes[2] == ((0, 4), (4, 2))
 
 
 def test_full_copies():
     layout = describe_full("norm", (16,), torch.float32, [0, 3])
-    assert [(r, b.sizes) for r, b in layout.holders] == [(0, (16,)), (3, (16,))]
+    assert [(h.rank, h.box.sizes) for h in layout.holders] == [(0, (16,)), (3, (16,))]
 
 
-@pytest.mark.parametrize("placement,message", [
-    (_StridedShard(0, split_factor=2), "strided rows, not a box"),
-    (Partial(), "Partial sums need a reduction"),
-])
-def test_unsupported_placements_name_the_tensor(placement, message):
-    with pytest.raises(LayoutError, match=f"tensor 'model.x': .*{message}"):
-        describe_mesh("model.x", (8, 8), torch.float32, [[0, 1], [2, 3]], (Shard(0), placement))
+def test_unsupported_placements_name_the_tensor():
+    with pytest.raises(LayoutError, match="tensor 'model.x': .*Partial sums need a reduction"):
+        describe_mesh("model.x", (8, 8), torch.float32, [[0, 1], [2, 3]], (Shard(0), Partial()))
 
 
 def test_mismatched_mesh_and_placements():
@@ -94,11 +124,11 @@ def test_mesh_spec_round_trips_through_sglang_safe_unpickler():
 
     from sglang.srt.weight_sync.source_layout import MeshSpec
 
-    spec = MeshSpec((10, 4), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0)))
+    spec = MeshSpec((10, 4), torch.bfloat16, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)))
     wire = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(spec.to_wire()))
     assert MeshSpec.from_wire(wire) == spec
     assert MeshSpec.from_wire(wire).describe("w", {2: 0, 3: 1}) == describe_mesh(
-        "w", (10, 4), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0)), {2: 0, 3: 1}
+        "w", (10, 4), torch.bfloat16, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)), {2: 0, 3: 1}
     )
 
 

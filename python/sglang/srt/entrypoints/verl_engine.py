@@ -18,8 +18,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, check_timeout
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
-from sglang.srt.weight_sync.trainer_update import ControlRequest, Mode, UpdateReport, as_reply, drive, update_flow
+from sglang.srt.weight_sync.trainer_update import (
+    ControlRequest,
+    Mode,
+    UpdateReport,
+    as_reply,
+    close_channels,
+    delivered_flow,
+    drive,
+    update_flow,
+)
 
 
 class VerlEngine:
@@ -30,11 +40,14 @@ class VerlEngine:
         backend: Literal["engine", "server"] = "engine",
         weight_sync_mode: Mode = "auto",
         weight_sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs,
     ):
         """``kwargs`` are ``Engine`` (or ``HttpServerEngineAdapter``) arguments;
         ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer");
-        ``weight_sync_bucket_bytes`` caps the trainer side's staging and buffers."""
+        ``weight_sync_bucket_bytes`` caps the trainer side's staging and buffers;
+        ``weight_sync_timeout_s`` bounds every wait of an update (a dead peer is
+        reported, on every surviving rank, within about twice that)."""
         self._device_mesh_cpu = device_mesh_cpu
         self._group = device_mesh_cpu.get_group()
         self._ranks = [int(r) for r in device_mesh_cpu.mesh.tolist()]
@@ -42,6 +55,7 @@ class VerlEngine:
         self._tp_size = device_mesh_cpu.size()
         self._weight_sync_mode = weight_sync_mode
         self._weight_sync_bucket_bytes = weight_sync_bucket_bytes
+        self._timeout_s = check_timeout(weight_sync_timeout_s)
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
         first_rank_in_node = self._tp_rank % tp_size_per_node == 0
@@ -100,8 +114,27 @@ class VerlEngine:
                 f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
                 "only load_format=None is supported"
             )
-        flow = update_flow(named_tensors, self._ranks, self._group, self._weight_sync_mode, self._weight_sync_bucket_bytes)
-        report = drive(flow, self._ranks, self._group, self._serve)
+        flow = update_flow(named_tensors, self._ranks, self._group, self._weight_sync_mode,
+                           self._weight_sync_bucket_bytes, self._timeout_s)
+        return self._drive(flow)
+
+    def update_weights_from_megatron(self, model_chunks, hf_vocab: int, shared_expert_hf: str = "shared_experts") -> None:
+        """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
+        gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
+        from sglang.srt.weight_sync.megatron_update import send_megatron_weights
+
+        chan, update_id = send_megatron_weights(model_chunks, hf_vocab, self._ranks, self._group,
+                                                self._weight_sync_mode, shared_expert_hf=shared_expert_hf,
+                                                timeout_s=self._timeout_s)
+        self.apply_delivered(chan, update_id)
+
+    def apply_delivered(self, chan, update_id: str) -> UpdateReport:
+        """Have the engine apply what every rank of the mesh delivered under ``update_id``;
+        raises on every rank if it refused."""
+        return self._drive(delivered_flow(chan, update_id))
+
+    def _drive(self, flow) -> UpdateReport:
+        report = drive(flow, self._ranks, self._group, self._serve, timeout_s=self._timeout_s)
         if not report.success:
             raise RuntimeError(f"weight update {report.update_id} failed: {report.message}")
         return report
@@ -111,7 +144,7 @@ class VerlEngine:
         self._engine.begin_weight_update()
         try:
             result = self._engine.update_weights_distributed(
-                request.update_id, request.channel, flush_cache=request.final
+                request.update_id, request.channel, flush_cache=request.final, timeout_s=self._timeout_s
             )
         finally:
             self._engine.end_weight_update()
@@ -133,6 +166,7 @@ class VerlEngine:
         dist.barrier(group=self._group)
 
     def shutdown(self) -> None:
+        close_channels()
         if self._engine is not None:
             self._engine.shutdown()
 

@@ -8,11 +8,16 @@ then plan and execute, writing parameters in place. A problem on any rank
 (no payload, stale update, unknown name, wrong global shape, uncastable dtype,
 a tensor the delivered shards do not cover) fails the whole update on every
 rank before a single parameter changes, with messages naming tensor and rank.
+
+The engine never dies of an update: every exception in receive, validate, plan
+or apply becomes ``success=False`` with a message, and every wait is bounded by
+the request's ``timeout_s`` (``waits``), so the schedulers keep serving.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -20,13 +25,21 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.delivery import DeliveryError, Payload, ShardReceiver
+from sglang.srt.weight_sync.delivery import (
+    DEFAULT_TIMEOUT_S,
+    DeliveryError,
+    Payload,
+    ShardReceiver,
+    check_timeout,
+    resolve_channel,
+)
 from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
 from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, model_targets_from_config
 from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, restrict
+from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
 
 logger = logging.getLogger(__name__)
 
@@ -36,63 +49,132 @@ DISTRIBUTED_LOAD_FORMAT = "distributed_shards"
 # Checkpoint names SGLang's own loaders skip; trainers may send them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
+MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds (a 1-byte bucket took minutes)
+MAX_UPDATE_ID_CHARS = 256
+REFUSED = "distributed weight update refused, no parameter changed: "
 
 _receiver: Optional[ShardReceiver] = None
 _plans = PlanCache()
 
 
+# Our figures, one list entry per engine TP rank, in separate reply fields: the message keeps upstream's text.
+FIGURES = ("bytes_received", "lower_bound_bytes", "peak_staging_bytes")
+
+
 @dataclass
 class ReceivedShards:
-    """This rank's payload, or why there is none."""
+    """This rank's payload, or why there is none; after the update, every TP rank's figures
+    (``FIGURES``, summed over the runners the update wrote)."""
 
     payload: Optional[Payload]
     error: Optional[str] = None
+    figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+
+    def reply(self, output_cls, success: bool, message: str):
+        """The scheduler's reply: upstream's fields, plus the figures where ``output_cls`` has them
+        (``UpdateWeightsDistributedReqOutput``; the tensor path keeps upstream's struct)."""
+        extra = {k: v for k, v in self.figures.items() if k in getattr(output_cls, "__struct_fields__", ())}
+        return output_cls(success=success, message=message, **extra)
+
+
+def reply_body(success: bool, message: str, outputs) -> dict:
+    """What ``Engine.update_weights_distributed`` and the HTTP route return: upstream's
+    ``success``/``message`` and the figures of the (single data-parallel) scheduler's reply."""
+    first = outputs[0] if outputs else None
+    return {"success": success, "message": message, **{k: list(getattr(first, k, [])) for k in FIGURES}}
+
+
+def request_problems(req) -> List[str]:
+    """What is wrong with a request's own fields (empty when nothing): checked by the
+    tokenizer manager before any scheduler sees the request, and again by each rank."""
+    problems = []
+    update_id, bucket = getattr(req, "update_id", None), getattr(req, "bucket_bytes", None)
+    if not isinstance(update_id, str) or not 0 < len(update_id) <= MAX_UPDATE_ID_CHARS:
+        problems.append(f"update_id={update_id!r}: must be a non-empty string of at most {MAX_UPDATE_ID_CHARS} "
+                        "characters")
+    try:
+        check_timeout(getattr(req, "timeout_s", None))
+        resolve_channel(getattr(req, "channel", None))
+    except DeliveryError as e:
+        problems.append(str(e))
+    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < MIN_BUCKET_BYTES):
+        problems.append(f"bucket_bytes={bucket!r}: must be None (default {DEFAULT_BUCKET_BYTES}) or an integer "
+                        f">= {MIN_BUCKET_BYTES} (1 MiB)")
+    return problems
 
 
 def receive_shards(recv_req) -> ReceivedShards:
-    """Take this TP rank's payload for ``recv_req.update_id`` from its channel socket."""
+    """Take this TP rank's payload for ``recv_req.update_id`` from its channel socket.
+    Never raises: whatever goes wrong is this rank's refusal, shared in ``apply_shards``."""
     global _receiver
     from sglang.srt.runtime_context import get_parallel
 
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID (no effect on CPU tensors)
     rank = get_parallel().tp_rank
-    if _receiver is None:
-        _receiver = ShardReceiver(rank)
     try:
+        problems = [recv_req.problem] if isinstance(recv_req, _unreadable_request()) else request_problems(recv_req)
+        if problems:
+            return ReceivedShards(None, f"engine rank {rank}: " + "; ".join(problems))
+        monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID (no effect on CPU tensors)
+        if _receiver is None:
+            _receiver = ShardReceiver(rank)
         return ReceivedShards(_receiver.receive(recv_req.channel, recv_req.update_id, recv_req.timeout_s))
-    except (DeliveryError, OSError, KeyError, ValueError) as e:
-        return ReceivedShards(None, f"engine rank {rank}: {e}")
+    except DeliveryError as e:  # its message names the engine rank
+        return ReceivedShards(None, str(e))
+    except Exception as e:  # noqa: BLE001 - the engine never dies of an update
+        logger.exception("engine rank %d: receiving a distributed weight update failed", rank)
+        return ReceivedShards(None, f"engine rank {rank}: receiving the payload failed: {type(e).__name__}: {e}")
 
 
-def as_distributed_request(recv_req, own_payload: dict):
-    """The distributed request behind a tensor-path request with the reserved load_format."""
+@functools.lru_cache(maxsize=None)
+def _unreadable_request():
+    """The request type for a reserved-format payload that could not be read; carries why."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
-    return UpdateWeightsDistributedReqInput(
-        update_id=own_payload["update_id"],
-        channel=own_payload["channel"],
-        timeout_s=own_payload.get("timeout_s", 120.0),
-        bucket_bytes=own_payload.get("bucket_bytes"),
-        flush_cache=recv_req.flush_cache,
-        abort_all_requests=recv_req.abort_all_requests,
-        weight_version=recv_req.weight_version,
-        selector=recv_req.selector,
-        torch_empty_cache=recv_req.torch_empty_cache,
-    )
+    class UnreadableDistributedRequest(UpdateWeightsDistributedReqInput, kw_only=True):
+        problem: str = ""
+
+    return UnreadableDistributedRequest
+
+
+def as_distributed_request(recv_req, deserialize_own_rank):
+    """The distributed request behind a tensor-path request with the reserved load_format.
+    A payload that cannot be read gives a request that every rank refuses together."""
+    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
+
+    common = dict(flush_cache=recv_req.flush_cache, abort_all_requests=recv_req.abort_all_requests,
+                  weight_version=recv_req.weight_version, selector=recv_req.selector,
+                  torch_empty_cache=recv_req.torch_empty_cache)
+    try:
+        own = deserialize_own_rank(recv_req.serialized_named_tensors)
+        if not isinstance(own, dict):
+            raise TypeError(f"the control payload is a {type(own).__name__}, not a dict")
+        missing = [k for k in ("update_id", "channel") if k not in own]
+        if missing:
+            raise KeyError(f"the control payload lacks {missing}")
+        return UpdateWeightsDistributedReqInput(
+            update_id=own["update_id"], channel=own["channel"], timeout_s=own.get("timeout_s", DEFAULT_TIMEOUT_S),
+            bucket_bytes=own.get("bucket_bytes"), **common,
+        )
+    except Exception as e:  # noqa: BLE001 - garbage, a blocked pickle, missing fields: refuse, never die
+        problem = f"unreadable {DISTRIBUTED_LOAD_FORMAT!r} control payload: {type(e).__name__}: {e}"
+        logger.error(problem)
+        return _unreadable_request()(update_id="", channel="", problem=problem, **common)
 
 
 def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
     """Validate, agree, plan and execute on this rank; every TP rank calls it together.
 
-    A "params" payload (trainer-side resharding) is only copied in place; a
-    "describe" payload publishes this engine's manifest into the channel.
+    A "params" payload (trainer-side resharding) is only checked and copied in
+    place; a "describe" payload publishes this engine's manifest into the channel.
     """
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()
     rank, cpu_group, device_group = par.tp_rank, par.tp_group.cpu_group, par.tp_group.device_group
+    # every rank waited at most timeout_s for its payload before these collectives
+    bound = _timeout(recv_req) + GRACE_S
     problems: List[str] = []
     the_plan, params, shards, local_step = None, {}, {}, None
     if received.error:
@@ -112,52 +194,72 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
                 problems += check_inputs(the_plan, rank, shards, params)
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             problems.append(f"engine rank {rank}: {e}")
-    everyone = _share_problems(problems, rank, par.tp_size, cpu_group)
-    if everyone:
-        return False, "distributed weight update refused, no parameter changed: " + "; ".join(everyone)
-    if local_step is not None:
-        return True, local_step.run()
+        except Exception as e:  # noqa: BLE001 - any other fault refuses the update, never kills the scheduler
+            logger.exception("engine rank %d: validating a distributed weight update failed", rank)
+            problems.append(f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}")
     try:
-        agree_on_plan(the_plan, cpu_group)
+        everyone = _share_problems(problems, rank, par.tp_size, cpu_group, bound)
+        if everyone:
+            return False, REFUSED + "; ".join(everyone)
+        if local_step is None:
+            agree_on_plan(the_plan, cpu_group, bound, rank)
     except ExecutionError as e:
-        return False, f"distributed weight update refused, no parameter changed: {e}"
-    stats = execute(the_plan, rank, shards, params, group=device_group)
-    return True, (
-        f"Success (engine-side resharding): rank {rank} received {stats.bytes_received} bytes "
-        f"(lower bound {the_plan.lower_bound_bytes(rank)}), staged at most {stats.peak_staging_bytes}"
-    )
+        return False, f"{REFUSED}{e}"
+    except PeerLost as e:
+        return False, f"{REFUSED}engine rank {rank}: {e}"
+    try:
+        if local_step is not None:
+            mine = local_step.run()
+        else:
+            stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
+            mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
+            logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
+                        "staged at most %d", recv_req.update_id, rank, *mine)
+        shared = _share_figures(mine, rank, par.tp_size, cpu_group, bound)
+    except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
+        logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
+        return False, (
+            f"distributed weight update FAILED after writes began on engine rank {rank} "
+            f"({type(e).__name__}: {e}): the weights are now MIXED (some parameters new, some old); "
+            "only a complete successful update restores a consistent model"
+        )
+    for key, values in zip(FIGURES, shared):
+        previous = received.figures.get(key, [0] * par.tp_size)
+        received.figures[key] = [a + b for a, b in zip(previous, values)]
+    return True, "Success"  # upstream's text: callers test for it
 
 
 @dataclass
 class _LocalStep:
-    """A trainer-side update's local work on this rank, run once every rank agreed."""
+    """A trainer-side update's local work on this rank, run once every rank agreed;
+    ``run`` returns this rank's ``FIGURES`` (the engine itself receives nothing)."""
 
     problems: List[str]
-    run: Callable[[], str]
+    run: Callable[[], Tuple[int, int, int]]
 
 
 def _published_layout_step(payload: Payload, targets: ModelTargets, params, rank: int, channel: str) -> _LocalStep:
-    """"describe": publish the manifest. "params": check the buffers the trainer
-    planned against this engine's manifest, then copy them in place."""
+    """"describe": publish the manifest (nothing is written to the model). "params": check
+    the buffers the trainer planned against this engine's manifest, then copy them in place."""
     manifest = EngineManifest.of(targets)
     if payload.kind == "describe":
-        def publish() -> str:
-            path = write_manifest(channel, rank, manifest)
-            return f"Success: published the engine layout ({manifest.fingerprint[:12]}) at {path}"
-
-        return _LocalStep([], publish)
+        path = write_manifest(resolve_channel(channel, rank), rank, manifest)
+        logger.info("engine rank %d: published the engine layout %s at %s", rank, manifest.fingerprint[:12], path)
+        return _LocalStep([], lambda: (0, 0, 0))
     if payload.fingerprint != manifest.fingerprint:
         return _LocalStep([
             f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
             f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
-        ], lambda: "")
+        ], lambda: (0, 0, 0))
+    _check_finite(payload)
     wanted = [t for t in restrict(targets.for_rank(rank), payload.names, targets.aliases) if t.name in payload.tensors]
     unknown = sorted(set(payload.tensors) - {t.name for t in wanted})
     problems = [f"engine rank {rank}: buffers {unknown[:3]} are not parameters this update fills"] if unknown else []
 
-    def copy() -> str:
+    def copy() -> Tuple[int, int, int]:
         copied = copy_buffers(params, wanted, payload.tensors)
-        return f"Success (trainer-side resharding): rank {rank} received 0 bytes, copied {copied} bytes locally"
+        logger.info("engine rank %d: trainer-side update, copied %d bytes locally", rank, copied)
+        return 0, 0, 0
 
     return _LocalStep(problems + check_buffers(params, wanted, payload.tensors, rank), copy)
 
@@ -195,9 +297,10 @@ def engine_targets(
 
 
 def _sources(payload: Payload, targets: ModelTargets, rank: int):
-    """Source layout from the payload's specs; refuses names and shapes the model does not have."""
+    """Source layout from the payload's specs, and the local buffers it reads (by key);
+    refuses names and shapes the model does not have."""
     expected = targets.tensor_shapes()
-    sources, shards = {}, {}
+    sources = {}
     for name, spec in payload.specs.items():
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -209,11 +312,34 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         if not spec.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
         sources[name] = spec.describe(name, payload.rank_map)
-        shards[name] = payload.tensors[name]
-    return sources, shards
+    _check_finite(payload)
+    return sources, payload.tensors
 
 
-def _share_problems(problems: List[str], rank: int, world: int, group) -> List[str]:
+def _check_finite(payload: Payload) -> None:
+    for key, local in payload.tensors.items():
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise ValueError(f"tensor {key!r}: the local buffer from trainer rank {payload.trainer_rank} holds NaN "
+                             "or inf values (refused: see docs/usage.md)")
+
+
+def _timeout(recv_req) -> float:
+    try:
+        return check_timeout(recv_req.timeout_s)
+    except DeliveryError:  # already refused by request_problems; still bound the collectives
+        return DEFAULT_TIMEOUT_S
+
+
+def _share_figures(mine: Tuple[int, ...], rank: int, world: int, group, timeout_s: float) -> List[List[int]]:
+    """Each figure of every TP rank, on every rank (one small all-reduce): rank 0 replies for all."""
+    table = torch.zeros(len(mine), world, dtype=torch.int64)
+    table[:, rank] = torch.tensor(mine, dtype=torch.int64)
+    wait(dist.all_reduce(table, group=group, async_op=True), timeout_s,
+         f"sharing the update's figures with the other TP ranks ({world} ranks)")
+    return table.tolist()
+
+
+def _share_problems(problems: List[str], rank: int, world: int, group, timeout_s: float) -> List[str]:
     """Every rank's problems, on every rank, through one small all-reduce (no object gather)."""
     if problems:
         logger.error("distributed weight update, rank %d: %s", rank, "; ".join(problems))
@@ -221,5 +347,6 @@ def _share_problems(problems: List[str], rank: int, world: int, group) -> List[s
     table = torch.zeros(world, MESSAGE_BYTES, dtype=torch.uint8)
     if text:
         table[rank, : len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    dist.all_reduce(table, group=group)
+    wait(dist.all_reduce(table, group=group, async_op=True), timeout_s,
+         f"sharing problems with the other TP ranks (one is dead or stuck; {world} ranks)")
     return [bytes(row[row.nonzero().flatten()].tolist()).decode(errors="replace") for row in table if row.any()]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
+from sglang.srt.weight_sync.waits import wait
 
 
 class ExecutionError(RuntimeError):
@@ -113,18 +114,19 @@ def check_inputs(
     seen = set()
     moves = list(plan.local_for(rank)) + [m for rnd in plan.rounds for m in rnd if rank in m.group]
     for move in moves:
-        if move.src == rank and move.tensor not in seen:
-            seen.add(move.tensor)
-            shard = _shard(plan, shards, move.tensor)
+        h = move.holder
+        if move.src == rank and (move.tensor, h.buffer) not in seen:
+            seen.add((move.tensor, h.buffer))
+            shard = shards.get(h.buffer)
+            where = f"tensor {move.tensor!r} box {h.box} (local buffer {h.buffer!r})"
             if shard is None:
-                problems.append(f"rank {rank}: no local shard of tensor {move.tensor!r} (plan expects box {move.src_shard})")
-            elif tuple(shard.shape) != move.src_shard.sizes:
+                problems.append(f"rank {rank}: no local shard for {where}")
+            elif tuple(shard.shape) != h.buffer_shape:
                 problems.append(
-                    f"rank {rank}: tensor {move.tensor!r} local shard has shape {tuple(shard.shape)}, "
-                    f"expected {move.src_shard.sizes} (box {move.src_shard})"
+                    f"rank {rank}: {where} local shard has shape {tuple(shard.shape)}, expected {h.buffer_shape}"
                 )
             elif not _castable(shard.dtype, move.dtype):
-                problems.append(f"rank {rank}: tensor {move.tensor!r} dtype {shard.dtype} cannot be cast to {move.dtype}")
+                problems.append(f"rank {rank}: {where} dtype {shard.dtype} cannot be cast to {move.dtype}")
         for d in move.dests:
             if d.rank == rank:
                 problems.extend(_check_param(params, rank, d.param, d.index, d.shape))
@@ -134,18 +136,29 @@ def check_inputs(
     return sorted(set(problems))
 
 
-def agree_on_plan(plan: Plan, group: Optional[dist.ProcessGroup] = None) -> None:
+def agree_on_plan(
+    plan: Plan, group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None, rank: int = 0
+) -> None:
     """Check, with one tiny all-reduce, that every rank is about to run the same plan.
 
     Meant for a CPU (gloo) group, like SGLang's own control traffic (``tp_cpu_group``).
     """
     digest = int(plan.fingerprint[:15], 16)
     both = torch.tensor([digest, -digest], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
+          f"rank {rank}: plan agreement")
     if both[0].item() != digest or -both[1].item() != digest:
         raise ExecutionError(
-            f"ranks computed different plans (this rank {plan.fingerprint[:15]}): their layouts disagree"
+            f"rank {rank}: the TP ranks computed different plans (this rank's {plan.fingerprint[:15]}): "
+            "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
         )
+
+
+def _wait(work, timeout_s: Optional[float], phase: str) -> None:
+    if timeout_s is None:
+        work.wait()
+    else:
+        wait(work, timeout_s, phase)
 
 
 def execute(
@@ -155,9 +168,12 @@ def execute(
     params: Mapping[str, torch.Tensor],
     group: Optional[dist.ProcessGroup] = None,
     subgroups: Subgroups = DEFAULT_SUBGROUPS,
+    timeout_s: Optional[float] = None,
 ) -> ExecutionStats:
-    """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (HF name -> this
-    rank's local shard), write ``params`` (parameter name -> this rank's tensor) in place."""
+    """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
+    rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
+    -> this rank's tensor) in place. Each round waits at most ``timeout_s`` for its peers
+    (``waits.PeerLost``)."""
     problems = check_inputs(plan, rank, shards, params)
     if problems:
         raise ExecutionError("; ".join(problems))
@@ -173,7 +189,7 @@ def execute(
         if z.rank == rank:
             params[z.param][z.box.slices()].zero_()
     for move in plan.local_for(rank):
-        _dest_view(params, move.dests[0], move).copy_(_src_view(plan, shards, move))
+        _dest_view(params, move.dests[0], move).copy_(_src_view(shards, move))
         stats.bytes_copied_locally += move.nbytes
 
     for moves in plan.rounds:
@@ -184,20 +200,23 @@ def execute(
         stats.largest_round_bytes = max(
             stats.largest_round_bytes, sum(m.nbytes for m in mine if m.src == rank or _my_dests(m, rank))
         )
-        _run_p2p(plan, rank, [m for m in mine if len(_receivers(m)) == 1], shards, params, group, staging, to_global)
+        phase = f"rank {rank}: executor round {stats.rounds}"
+        _run_p2p(plan, rank, [m for m in mine if len(_receivers(m)) == 1], shards, params, group, staging, to_global,
+                 lambda work: _wait(work, timeout_s, phase))
         for move in mine:
             if len(_receivers(move)) > 1:
-                _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global)
+                _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global,
+                               lambda work: _wait(work, timeout_s, f"{phase} (broadcast of {move.tensor!r})"))
         staging.release_all()
     return stats
 
 
-def _run_p2p(plan, rank, moves, shards, params, group, staging, to_global) -> None:
+def _run_p2p(plan, rank, moves, shards, params, group, staging, to_global, wait_for) -> None:
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
     for move in moves:
         if move.src == rank:
-            buf = staging.contiguous_cast(_src_view(plan, shards, move), move.dtype)
+            buf = staging.contiguous_cast(_src_view(shards, move), move.dtype)
             ops.append(dist.P2POp(dist.isend, buf, to_global(move.dests[0].rank), group))
             staging.stats.bytes_sent += move.nbytes
             staging.stats.p2p_ops += 1
@@ -210,21 +229,21 @@ def _run_p2p(plan, rank, moves, shards, params, group, staging, to_global) -> No
             staging.stats.p2p_ops += 1
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            wait_for(work)
     for buf, move, mine in landings:
         _finish_landing(params, buf, move, mine)
 
 
-def _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global) -> None:
+def _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global, wait_for) -> None:
     group = subgroups.get([to_global(r) for r in _receivers(move) + [move.src]])
     if move.src == rank:
-        buf = staging.contiguous_cast(_src_view(plan, shards, move), move.dtype)
+        buf = staging.contiguous_cast(_src_view(shards, move), move.dtype)
         staging.stats.bytes_sent += move.nbytes
-        dist.broadcast(buf, src=to_global(move.src), group=group)
+        wait_for(dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True))
     else:
         mine = _my_dests(move, rank)
         buf = _landing(params, mine[0], move, staging)
-        dist.broadcast(buf, src=to_global(move.src), group=group)
+        wait_for(dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True))
         staging.stats.bytes_received += move.nbytes
         _finish_landing(params, buf, move, mine)
     staging.stats.broadcasts += 1
@@ -253,15 +272,8 @@ def _finish_landing(params, buf: torch.Tensor, move: Move, dests: List[Dest]) ->
             view.copy_(buf)
 
 
-def _shard(plan: Plan, shards: Mapping[str, torch.Tensor], tensor: str) -> Optional[torch.Tensor]:
-    if tensor in shards:
-        return shards[tensor]
-    alias = plan.source_names.get(tensor)
-    return shards.get(alias) if alias else None
-
-
-def _src_view(plan: Plan, shards, move: Move) -> torch.Tensor:
-    return _shard(plan, shards, move.tensor)[move.src_box().slices()]
+def _src_view(shards, move: Move) -> torch.Tensor:
+    return shards[move.holder.buffer][move.src_box().slices()]
 
 
 def _dest_view(params, dest: Dest, move: Move) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box, is_contiguous_region
-from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
+from sglang.srt.weight_sync.source_layout import Holder, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -86,10 +86,10 @@ class Dest:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """One region of one HF tensor, read from ``src``'s shard, written to ``dests``.
+    """One region of one HF tensor, read from a holder's buffer, written to ``dests``.
 
-    ``region`` is in global (HF) coordinates; ``src_shard`` is the box the
-    source rank holds. With one dest equal to ``src`` it is a local copy; one
+    ``region`` is in global (HF) coordinates, inside the box ``holder`` holds
+    (``src_shard``) on rank ``src``. With one dest equal to ``src`` it is a local copy; one
     other dest, a point-to-point send; several, a broadcast over
     ``(src,) + dest ranks``. Bytes are counted in the destination dtype, which
     is what travels: the sender casts.
@@ -97,11 +97,18 @@ class Move:
 
     tensor: str
     region: Box
-    src: int
-    src_shard: Box
+    holder: Holder
     src_dtype: torch.dtype
     dtype: torch.dtype
     dests: Tuple[Dest, ...]
+
+    @property
+    def src(self) -> int:
+        return self.holder.rank
+
+    @property
+    def src_shard(self) -> Box:
+        return self.holder.box
 
     @property
     def nbytes(self) -> int:
@@ -112,11 +119,11 @@ class Move:
         return (self.src,) + tuple(d.rank for d in self.dests)
 
     def src_box(self) -> Box:
-        """The region in the coordinates of the source rank's local shard."""
-        return self.region.relative_to(self.src_shard)
+        """The region in the coordinates of the source rank's local buffer."""
+        return self.holder.buffer_box(self.region)
 
     def needs_send_staging(self) -> bool:
-        return self.src_dtype != self.dtype or not is_contiguous_region(self.src_shard.sizes, self.src_box())
+        return self.src_dtype != self.dtype or not is_contiguous_region(self.holder.buffer_shape, self.src_box())
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +146,6 @@ class Plan:
     held_bytes: Mapping[int, int]
     bucket_bytes: int
     fingerprint: str
-    source_names: Mapping[str, str] = field(default_factory=dict)
 
     def lower_bound_bytes(self, rank: int) -> int:
         """Bytes ``rank`` must receive at the least: needed minus already held."""
@@ -158,13 +164,15 @@ class Plan:
 class _HolderIndex:
     """Distinct boxes of one tensor with their holders, indexed by start on one dim."""
 
-    __slots__ = ("dim", "boxes", "starts", "max_len", "groups")
+    __slots__ = ("dim", "boxes", "starts", "max_len", "groups", "holder")
 
     def __init__(self, source: SourceTensor, topology: "Topology"):
         by_box: Dict[Box, List[int]] = defaultdict(list)
-        for rank, box in source.holders:
-            if not box.is_empty():
-                by_box[box].append(rank)
+        self.holder: Dict[Tuple[Box, int], Holder] = {}
+        for h in source.holders:
+            if not h.box.is_empty():
+                by_box[h.box].append(h.rank)
+                self.holder[(h.box, h.rank)] = h
         ndim = len(source.shape)
         # Index the dim along which boxes differ most: shards split it, so few boxes overlap a query.
         self.dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in by_box})) if ndim else 0
@@ -234,7 +242,7 @@ def plan(
 
 def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
     topology = topology or Topology()
-    sources, source_names = _resolve_aliases(sources, aliases or {})
+    sources = _resolve_aliases(sources, aliases or {})
     index: Dict[str, _HolderIndex] = {}
     sent: Dict[int, int] = defaultdict(int)
     needed: Dict[int, int] = defaultdict(int)
@@ -280,7 +288,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                         # Among the closest holders the least loaded sends, so DP replicas share the work.
                         src = near[0] if len(near) == 1 else min(near, key=lambda r: (sent.get(r, 0), r))
                         dest = Dest(rank, target.name, piece.index, delta, param_shape)
-                        move_key = (piece.tensor, region, src, box, target.dtype)
+                        move_key = (piece.tensor, region, holders.holder[(box, src)], target.dtype)
                         if src == rank:
                             held[rank] += region.numel * itemsize
                             local.append(_move(source, move_key, (dest,)))
@@ -294,7 +302,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                     raise CoverageError(
                         f"tensor {piece.tensor!r} box {remaining[0]} (for {target.name} on rank {rank}) "
                         f"is held by no rank; holders: "
-                        + ", ".join(f"rank {r} {b}" for r, b in source.holders[:8])
+                        + ", ".join(f"rank {h.rank} {h.box}" for h in source.holders[:8])
                     )
 
     moves = [_move(sources[key[0]], key, tuple(dests)) for key, dests in remote.items()]
@@ -302,8 +310,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
     groups = sorted({tuple(sorted(set(m.group))) for rnd in rounds for m in rnd if len({d.rank for d in m.dests}) > 1})
     fingerprint = _fingerprint(local, rounds, zero_fills)
     return Plan(
-        tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes,
-        fingerprint, source_names,
+        tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes, fingerprint,
     )
 
 
@@ -317,7 +324,8 @@ def inputs_fingerprint(
     """A digest of everything a plan depends on; equal digests give equal plans."""
     h = hashlib.sha256()
     h.update(repr([
-        (n, s.shape, str(s.dtype), [(r, b.offsets, b.sizes) for r, b in s.holders])
+        (n, s.shape, str(s.dtype), [(h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape)
+                                    for h in s.holders])
         for n, s in sorted(sources.items())
     ]).encode())
     for rank in sorted(targets):
@@ -355,24 +363,21 @@ class PlanCache:
         return self._plans[key]
 
 
-def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> Tuple[SourceLayout, Dict[str, str]]:
-    """Rename sources sent under an alias (tied ``lm_head.weight``) to the name targets use.
-
-    Returns the renamed layout and, for each renamed tensor, the name the shard
-    arrives under. An alias sent alongside its target name is redundant and dropped.
-    """
-    out, renamed = dict(sources), {}
+def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
+    """Rename sources sent under an alias (tied ``lm_head.weight``) to the name targets use;
+    their holders keep the buffer the shard arrives under. An alias sent alongside its
+    target name is redundant and dropped."""
+    out = dict(sources)
     for alias, name in aliases.items():
         src = out.pop(alias, None)
         if src is not None and name not in out:
             out[name] = SourceTensor(name, src.shape, src.dtype, src.holders)
-            renamed[name] = alias
-    return out, renamed
+    return out
 
 
 def _move(source: SourceTensor, key: Tuple, dests: Tuple[Dest, ...]) -> Move:
-    tensor, region, src, box, dtype = key
-    return Move(tensor, region, src, box, source.dtype, dtype, dests)
+    tensor, region, holder, dtype = key
+    return Move(tensor, region, holder, source.dtype, dtype, dests)
 
 
 def _split(move: Move, max_bytes: int) -> List[Move]:
@@ -380,7 +385,7 @@ def _split(move: Move, max_bytes: int) -> List[Move]:
     parts = move.region.split_rows(max(1, max_bytes // move.dtype.itemsize))
     if len(parts) == 1:
         return [move]
-    return [Move(move.tensor, part, move.src, move.src_shard, move.src_dtype, move.dtype, move.dests) for part in parts]
+    return [Move(move.tensor, part, move.holder, move.src_dtype, move.dtype, move.dests) for part in parts]
 
 
 def _bucket(moves: List[Move], bucket_bytes: int) -> Tuple[Tuple[Move, ...], ...]:
@@ -404,8 +409,9 @@ def _bucket(moves: List[Move], bucket_bytes: int) -> Tuple[Tuple[Move, ...], ...
 
 def _move_key(m: Move) -> tuple:
     """A move as plain tuples: its repr is ~4x cheaper than the dataclass repr."""
-    return (m.tensor, m.region.offsets, m.region.sizes, m.src, m.src_shard.offsets, m.src_shard.sizes,
-            str(m.src_dtype), str(m.dtype),
+    h = m.holder
+    return (m.tensor, m.region.offsets, m.region.sizes, h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets,
+            h.buffer_shape, str(m.src_dtype), str(m.dtype),
             tuple((d.rank, d.param, d.index, d.delta, d.shape) for d in m.dests))
 
 

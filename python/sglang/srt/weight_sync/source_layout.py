@@ -1,9 +1,18 @@
-"""Describe: which box of each (HF-named) tensor each rank holds.
+"""Describe: which boxes of each (HF-named) tensor each rank holds, and where.
+
+A source is the mirror of a target piece: a ``Holder`` is a box of an HF tensor
+held by a rank at an offset inside one of its local buffers. A DTensor shard is
+one box at offset 0 of a buffer named after the tensor; a ``_StridedShard``
+holds several boxes of one tensor in one buffer; a Megatron-core ``linear_qkv``
+holds boxes of q, k and v (``megatron_layout``). The planner and executor only
+read holders.
 
 A source layout is computed identically on every rank from small, shared facts
 (global shape, a mesh of ranks, placements), never by exchanging data, so that
-the planner can run everywhere without communication. Boxes come from torch's
-own DTensor shard arithmetic; nothing here materialises a tensor.
+the planner can run everywhere without communication. Which rows a mesh
+coordinate holds comes from the placements' own split functions (torch's
+DTensor semantics, ``_StridedShard`` included), applied to an index per tensor
+dim; nothing here materialises a tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +23,6 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import (
     Placement,
     Replicate,
@@ -32,19 +40,36 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """``box`` of an HF tensor, held by ``rank`` at ``buffer[offsets : offsets + box.sizes]``;
+    ``buffer`` is the key the rank delivers its local tensor (of ``buffer_shape``) under."""
+
+    rank: int
+    box: Box
+    buffer: str
+    offsets: Tuple[int, ...]
+    buffer_shape: Tuple[int, ...]
+
+    def buffer_box(self, region: Box) -> Box:
+        """``region`` (HF coordinates, inside ``box``) in the buffer's coordinates."""
+        return region.relative_to(self.box).translate(self.offsets)
+
+
+@dataclass(frozen=True, slots=True)
 class SourceTensor:
-    """A global tensor and the ranks holding each of its boxes (DP replicas repeat boxes)."""
+    """A global tensor and its holders (DP replicas repeat boxes)."""
 
     name: str
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    holders: Tuple[Tuple[int, Box], ...]
+    holders: Tuple[Holder, ...]
 
     def box_of(self, rank: int) -> Optional[Box]:
-        for r, box in self.holders:
-            if r == rank:
-                return box
-        return None
+        """The one box ``rank`` holds (None when it holds none)."""
+        boxes = [h.box for h in self.holders if h.rank == rank]
+        if len(boxes) > 1:
+            raise LayoutError(f"tensor {self.name!r}: rank {rank} holds {len(boxes)} boxes, not one")
+        return boxes[0] if boxes else None
 
 
 SourceLayout = Dict[str, SourceTensor]
@@ -61,21 +86,53 @@ def _flatten(ranks: NestedRanks) -> Tuple[Tuple[int, ...], Tuple[Optional[int], 
     return (len(items),) + inner, tuple(r for _, flat in items for r in flat)
 
 
+Runs = Tuple[Tuple[int, int, int], ...]  # (global start, local start, length) along one dim
+
+
+def _runs(index: torch.Tensor) -> Runs:
+    """Maximal runs of consecutive global indices in a local-to-global index map."""
+    if index.numel() == 0:
+        return ()
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+    starts = [0] + breaks
+    ends = breaks + [index.numel()]
+    return tuple((int(index[a]), a, b - a) for a, b in zip(starts, ends))
+
+
 @functools.lru_cache(maxsize=65536)
-def _mesh_boxes(
+def _mesh_pieces(
     shape: Tuple[int, ...], mesh_shape: Tuple[int, ...], placements: Tuple[Placement, ...]
-) -> Tuple[Box, ...]:
-    """Box held at every mesh coordinate (row-major), by torch's DTensor shard arithmetic."""
-    boxes = []
+) -> Tuple[Tuple[Tuple[int, ...], Tuple[Tuple[Box, Tuple[int, ...]], ...]], ...]:
+    """At every mesh coordinate (row-major): local shape and (box, local offsets) pieces.
+
+    Each tensor dim gets an index ``arange(size)`` shaped to that dim, split by
+    every placement on it in mesh order with the placement's own ``_split_tensor``
+    (what ``distribute_tensor`` does); the runs of consecutive indices left on a
+    coordinate are its boxes along that dim, and boxes are their products.
+    """
     coords = [()]
     for size in mesh_shape:
         coords = [c + (i,) for c in coords for i in range(size)]
+    out = []
     for coord in coords:
-        local, offset = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, list(coord), placements
-        )
-        boxes.append(Box(tuple(int(o) for o in offset), tuple(int(s) for s in local)))
-    return tuple(boxes)
+        per_dim = []
+        for d, size in enumerate(shape):
+            index = torch.arange(size).view((1,) * d + (size,) + (1,) * (len(shape) - d - 1))
+            for m, place in enumerate(placements):
+                if isinstance(place, (Shard, _StridedShard)) and place.dim == d:
+                    chunks, _ = place._split_tensor(index, mesh_shape[m], with_padding=False, contiguous=False)
+                    index = chunks[coord[m]] if coord[m] < len(chunks) else index.narrow(d, 0, 0)
+            per_dim.append(_runs(index.flatten()))
+        local_shape = tuple(sum(n for _, _, n in runs) for runs in per_dim)
+        pieces = [((), ())]
+        for runs in per_dim:
+            pieces = [(g + (g0,), l + ((l0, n),)) for g, l in pieces for g0, l0, n in runs]
+        out.append((local_shape, tuple(
+            (Box(g, tuple(n for _, n in l)), tuple(l0 for l0, _ in l)) for g, l in pieces
+        )))
+        if any(s == 0 for s in local_shape):  # an empty shard holds an empty box, as DTensor reports it
+            out[-1] = (local_shape, ((Box((0,) * len(shape), local_shape), (0,) * len(shape)),))
+    return tuple(out)
 
 
 def describe_mesh(
@@ -86,7 +143,7 @@ def describe_mesh(
     placements: Sequence[Placement],
     rank_map: Optional[Mapping[int, int]] = None,
 ) -> SourceTensor:
-    """Boxes of a tensor placed on a mesh of ranks.
+    """Holders of a tensor placed on a mesh of ranks, each in a buffer named ``name``.
 
     ``mesh`` holds the global ranks in mesh order (``DeviceMesh.mesh.tolist()``);
     ``rank_map`` translates them into the ranks of the group the plan runs over
@@ -100,24 +157,19 @@ def describe_mesh(
             f"tensor {name!r}: {len(placements)} placements for a {len(mesh_shape)}-d mesh"
         )
     for p in placements:
-        if isinstance(p, _StridedShard):
-            raise LayoutError(
-                f"tensor {name!r}: placement {p} holds strided rows, not a box; "
-                "reshard it to Shard/Replicate on the trainer first"
-            )
-        if not isinstance(p, (Shard, Replicate)):
+        if not isinstance(p, (Shard, _StridedShard, Replicate)):
             raise LayoutError(f"tensor {name!r}: placement {p} is not supported (Partial sums need a reduction)")
-        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+        if isinstance(p, (Shard, _StridedShard)) and not 0 <= p.dim < len(shape):
             raise LayoutError(f"tensor {name!r}: {p} on a {len(shape)}-d tensor")
     holders = []
-    for rank, box in zip(flat, _mesh_boxes(shape, mesh_shape, placements)):
+    for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, placements)):
         if rank is None:
             continue
         if rank_map is not None:
             if rank not in rank_map:
                 continue
             rank = rank_map[rank]
-        holders.append((int(rank), box))
+        holders.extend(Holder(int(rank), box, name, offsets, local_shape) for box, offsets in pieces)
     return SourceTensor(name, shape, dtype, tuple(holders))
 
 
@@ -153,20 +205,21 @@ class MeshSpec:
         return describe_mesh(name, self.shape, self.dtype, self.mesh, self.placements, rank_map)
 
     def to_wire(self) -> tuple:
-        places = tuple(("S", p.dim) if isinstance(p, Shard) and not isinstance(p, _StridedShard) else ("R",)
-                       if isinstance(p, Replicate) else (type(p).__name__,) for p in self.placements)
+        places = tuple(("S", p.dim) if isinstance(p, Shard) else ("SS", p.dim, p._split_factor_int())
+                       if isinstance(p, _StridedShard) else ("R",) if isinstance(p, Replicate)
+                       else (type(p).__name__,) for p in self.placements)
         return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.mesh, places)
 
     @staticmethod
     def from_wire(wire: tuple) -> "MeshSpec":
         shape, dtype, mesh, places = wire
-        dt = getattr(torch, dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise LayoutError(f"unknown dtype {dtype!r}")
+        dt = _dtype_from_wire(dtype)
         decoded = []
         for p in places:
             if p[0] == "S":
                 decoded.append(Shard(int(p[1])))
+            elif p[0] == "SS":
+                decoded.append(_StridedShard(int(p[1]), split_factor=int(p[2])))
             elif p[0] == "R":
                 decoded.append(Replicate())
             else:
@@ -191,3 +244,40 @@ def describe_sharded(
 def describe_full(name: str, shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> SourceTensor:
     """Every listed rank holds the whole tensor."""
     return MeshSpec.full(shape, dtype, ranks).describe(name)
+
+
+def _dtype_from_wire(dtype: str) -> torch.dtype:
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise LayoutError(f"unknown dtype {dtype!r}")
+    return dt
+
+
+@dataclass(frozen=True)
+class HoldersSpec:
+    """An HF tensor's holders listed one by one (trainer ranks), for sources no mesh
+    describes (Megatron-core fused parameters, ``megatron_layout``). Builtins on the
+    wire, like ``MeshSpec``, so it travels with a payload."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    holders: Tuple[Holder, ...]
+
+    def describe(self, name: str, rank_map: Optional[Mapping[int, int]] = None) -> SourceTensor:
+        holders = self.holders
+        if rank_map is not None:
+            holders = tuple(Holder(rank_map[h.rank], h.box, h.buffer, h.offsets, h.buffer_shape)
+                            for h in holders if h.rank in rank_map)
+        return SourceTensor(name, self.shape, self.dtype, holders)
+
+    def to_wire(self) -> tuple:
+        return ("holders", tuple(self.shape), str(self.dtype).removeprefix("torch."), tuple(
+            (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in self.holders))
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "HoldersSpec":
+        _, shape, dtype, holders = wire
+        dt = _dtype_from_wire(dtype)
+        return HoldersSpec(tuple(int(s) for s in shape), dt, tuple(
+            Holder(int(r), Box(tuple(o), tuple(s)), str(b), tuple(lo), tuple(bs)) for r, o, s, b, lo, bs in holders))
+

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -22,27 +22,28 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
 from sglang.srt.weight_sync.planner import Plan, PlanCache
-from sglang.srt.weight_sync.source_layout import MeshSpec, SourceTensor
+from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
 _plans = PlanCache(capacity=512)  # one plan per chunk of a streamed update
 
 
-def uncovered(source: SourceTensor) -> Optional[Box]:
-    """A region of the tensor that none of the holders has, or None when they cover it."""
+def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optional[Box]:
+    """A region of the tensor that none of its holders (among ``ranks``, default all)
+    has, or None when they cover it."""
     remaining = [Box.full(source.shape)]
-    for _, box in source.holders:
-        if not box.is_empty():
-            remaining = [piece for rem in remaining for piece in rem.subtract(box)]
+    for h in source.holders:
+        if not h.box.is_empty() and (ranks is None or h.rank in ranks):
+            remaining = [piece for rem in remaining for piece in rem.subtract(h.box)]
     return remaining[0] if remaining else None
 
 
-def first_uncovered(specs: Iterable[Tuple[str, MeshSpec]], engine_groups: Sequence[Sequence[int]]) -> Optional[str]:
+def first_uncovered(sources: SourceLayout, engine_groups: Sequence[Sequence[int]]) -> Optional[str]:
     """The first tensor that the trainer ranks beside some engine do not hold in full
     (then the engine alone cannot reshard it); None when every engine is covered."""
-    maps = [{r: i for i, r in enumerate(g)} for g in engine_groups]
-    for name, spec in specs:
-        if any(uncovered(spec.describe(name, m)) for m in maps):
+    groups = [set(g) for g in engine_groups]
+    for name in sorted(sources):
+        if any(uncovered(sources[name], g) for g in groups):
             return name
     return None
 
@@ -100,8 +101,20 @@ class TrainerSideResult:
         return self.plan.lower_bound_bytes(rank)
 
 
+def check_sources(sources: SourceLayout, manifest: EngineManifest) -> None:
+    """Raises ``ValueError`` naming a tensor the engine does not have, or of another shape."""
+    expected = manifest.tensor_shapes
+    for name, src in sources.items():
+        canonical = manifest.aliases.get(name, name)
+        if canonical not in expected:
+            raise ValueError(f"unknown tensor {name!r}: the engine's manifest has no such weight")
+        if tuple(src.shape) != tuple(expected[canonical]):
+            raise ValueError(f"tensor {name!r}: global shape {tuple(src.shape)}, "
+                             f"the engine expects {tuple(expected[canonical])}")
+
+
 def plan_to_engines(
-    shards: Sequence[Tuple[str, torch.Tensor, MeshSpec]],
+    sources: SourceLayout,
     manifest: EngineManifest,
     engine_groups: Sequence[Sequence[int]],
     bucket_bytes: int,
@@ -110,19 +123,11 @@ def plan_to_engines(
     """The plan over the trainer's (default) group to every engine rank's targets among
     ``params`` (one chunk), and those targets by trainer rank; cached.
 
-    Sources are described in global trainer ranks; rank k's targets are those of
-    the engine rank beside it. Raises ``ValueError`` naming a tensor the engine
-    does not have. Every trainer rank computes the same plan.
+    ``sources`` (any layout: DTensor meshes, Megatron-core holders) are in global
+    trainer ranks; rank k's targets are those of the engine rank beside it. Every
+    trainer rank computes the same plan.
     """
-    expected = manifest.tensor_shapes
-    sources = {}
-    for name, _, spec in shards:
-        canonical = manifest.aliases.get(name, name)
-        if canonical not in expected:
-            raise ValueError(f"unknown tensor {name!r}: the engine's manifest has no such weight")
-        if spec.shape != tuple(expected[canonical]):
-            raise ValueError(f"tensor {name!r}: global shape {spec.shape}, the engine expects {tuple(expected[canonical])}")
-        sources[name] = spec.describe(name)
+    check_sources(sources, manifest)
     names, wanted = list(sources), set(params)
     targets = {k: [t for t in restrict(ts, names, manifest.aliases) if t.name in wanted]
                for k, ts in targets_by_trainer_rank(manifest, engine_groups).items()}
@@ -130,19 +135,22 @@ def plan_to_engines(
 
 
 def reshard_to_engines(
-    shards: Sequence[Tuple[str, torch.Tensor, MeshSpec]],
+    sources: SourceLayout,
+    local: Mapping[str, torch.Tensor],
     manifest: EngineManifest,
     engine_groups: Sequence[Sequence[int]],
     rank: int,
     bucket_bytes: int,
     params: Iterable[str],
+    timeout_s: Optional[float] = None,
 ) -> TrainerSideResult:
-    """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled.
-    Every trainer rank calls this with the same names and chunk."""
-    plan, targets = plan_to_engines(shards, manifest, engine_groups, bucket_bytes, params)
-    device = shards[0][1].device if shards else torch.device("cpu")
+    """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
+    ``local`` (this rank's tensors by holder key). Every trainer rank calls this with
+    the same names and chunk; each round waits at most ``timeout_s`` for its peers."""
+    plan, targets = plan_to_engines(sources, manifest, engine_groups, bucket_bytes, params)
+    device = next(iter(local.values())).device if local else torch.device("cpu")
     buffers = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.get(rank, ())}
-    stats = execute(plan, rank, {name: tensor for name, tensor, _ in shards}, buffers)
+    stats = execute(plan, rank, local, buffers, timeout_s=timeout_s)
     return TrainerSideResult(buffers, stats, plan)
 
 

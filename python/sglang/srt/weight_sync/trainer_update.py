@@ -12,30 +12,37 @@ runs on the trainer side instead (``mode="trainer"``, chosen automatically,
 (``manifest.py``), after which the engine only copies. An update is a short
 sequence of control requests (``update_flow``) that the caller serves with
 ``drive``/``adrive``: the engine's layout is asked for once per channel.
+(Megatron-core sources still use the two-hop ``reshard_to_engine_groups``.)
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, Generator, Iterable, List, Literal, Optional, Sequence, Tuple
+from typing import Callable, Dict, Generator, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.delivery import ShardSender, local_shard
+from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, ShardSender, check_timeout, local_shard
+from sglang.srt.weight_sync.executor import execute
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
-from sglang.srt.weight_sync.source_layout import MeshSpec
-from sglang.srt.weight_sync.trainer_side import chunks, first_uncovered, reshard_to_engines
+from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, PlanCache
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
+from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+from sglang.srt.weight_sync.trainer_side import chunks, first_uncovered, reshard_to_engines, uncovered  # noqa: F401
+from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result, wait
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "engine", "trainer"]
 Shards = List[Tuple[str, torch.Tensor, MeshSpec]]
+_plans = PlanCache()
 
 
 @dataclass
@@ -76,14 +83,25 @@ def open_channel(group_ranks: Sequence[int], group: Optional[dist.ProcessGroup])
     if key not in _channels:
         token = [uuid.uuid4().hex if dist.get_rank() == key[0] else None]
         dist.broadcast_object_list(token, src=key[0], group=group)
-        channel = os.path.join(tempfile.gettempdir(), f"sglang-weights-{token[0]}")
+        channel = os.path.join(tempfile.gettempdir(), f"{CHANNEL_PREFIX}{token[0]}")
         os.makedirs(channel, mode=0o700, exist_ok=True)
         os.chmod(channel, 0o700)
         engine_rank = key.index(dist.get_rank())
+        if not _channels:
+            atexit.register(close_channels)
         _channels[key] = TrainerChannel(
             channel, key, _engine_groups(key[0], engine_rank), engine_rank, ShardSender(channel, engine_rank), token[0]
         )
     return _channels[key]
+
+
+def close_channels() -> None:
+    """Close this process's senders and remove their channel directories (with the engine
+    sockets in them): the trainer made them, so the trainer takes them away."""
+    while _channels:
+        _, chan = _channels.popitem()
+        chan.sender.close()
+        shutil.rmtree(chan.channel, ignore_errors=True)
 
 
 def _engine_groups(first_rank: int, engine_rank: int) -> Tuple[Tuple[int, ...], ...]:
@@ -110,13 +128,13 @@ def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
     return out
 
 
-def choose_side(shards: Shards, engine_groups: Sequence[Sequence[int]], mode: Mode = "auto") -> str:
+def choose_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], mode: Mode = "auto") -> str:
     """Where resharding runs: "engine" when the trainer ranks beside every engine hold all
     of every tensor (the engine reshards within its TP group), else "trainer" (one hop
     over the trainer's world). ``mode`` overrides. The same answer on every rank."""
     if mode != "auto":
         return mode
-    name = first_uncovered(((n, spec) for n, _, spec in shards), engine_groups)
+    name = first_uncovered(sources, engine_groups)
     if name is None:
         return "engine"
     logger.info("weight update: tensor %s is not covered by the trainer ranks beside an engine; "
@@ -124,11 +142,36 @@ def choose_side(shards: Shards, engine_groups: Sequence[Sequence[int]], mode: Mo
     return "trainer"
 
 
-def deliver(chan: TrainerChannel, shards: Shards) -> str:
-    """Send this rank's shards to the engine rank beside it; returns the update id."""
+def reshard_to_engine_groups(
+    sources: SourceLayout, buffers: Dict[str, torch.Tensor], engine_groups: Sequence[Sequence[int]], bucket_bytes: int,
+    timeout_s: Optional[float] = None,
+) -> Shards:
+    """Two hops (Megatron-core sources, until they use ``trainer_side``): over the default
+    (trainer) group, each rank receives the rows of each tensor that ``Shard(0)`` within
+    its engine group gives it, reading this rank's local ``buffers`` by holder key; the
+    engine then reshards again."""
+    groups = [list(g) for g in engine_groups]
+    targets, neutral = {}, {}
+    device = next(iter(buffers.values())).device if buffers else None
+    for name, src in sorted(sources.items()):
+        neutral[name] = MeshSpec.sharded(src.shape, src.dtype, 0, groups)
+        for h in neutral[name].describe(name).holders:
+            piece = Piece(name, h.box, (), (0,) * h.box.ndim)
+            targets.setdefault(h.rank, []).append(
+                ParamTarget(name, h.box.sizes, src.dtype, (piece,) if h.box.numel else ()))
+    me = dist.get_rank()
+    plan = _plans.get(sources, targets, bucket_bytes=bucket_bytes)
+    mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.get(me, ())}
+    execute(plan, me, buffers, mine, timeout_s=timeout_s)
+    return [(name, mine[name], neutral[name]) for name in sorted(sources)]
+
+
+def deliver(chan: TrainerChannel, shards: Shards, pieces: Optional[Mapping[str, HoldersSpec]] = None) -> str:
+    """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
+    engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
     _cuda_ipc_ready([t for _, t, _ in shards])
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards, pieces)
     return update_id
 
 
@@ -137,6 +180,12 @@ def _cuda_ipc_ready(tensors) -> None:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA IPC names GPUs by UUID (breaks CPU tensors, so GPU only)
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 @dataclass(frozen=True)
@@ -180,6 +229,7 @@ def update_flow(
     group: Optional[dist.ProcessGroup],
     mode: Mode = "auto",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Flow:
     """One update on one trainer rank, as the control requests the engine must serve.
 
@@ -187,22 +237,23 @@ def update_flow(
     over the whole trainer world); ``drive``/``adrive`` serve the requests. The
     first trainer-side update, and the one after a refused trainer-side update,
     first asks every engine to publish its layout and reads it from the channel.
+    Trainer-side rounds wait at most ``timeout_s`` for their peers.
     """
     chan = open_channel(group_ranks, group)
     shards = prepare_shards(named_tensors)
-    side = choose_side(shards, chan.engine_groups, mode)
+    sources = {name: spec.describe(name) for name, _, spec in shards}
+    side = choose_side(sources, chan.engine_groups, mode)
     report = UpdateReport(side)
     if side == "engine":
-        report.update_id = deliver(chan, shards)
-        report.success, report.message = yield ControlRequest(report.update_id, chan.channel)
-        return report
-    if _anyone(chan.manifest is None):
+        return (yield from delivered_flow(chan, deliver(chan, shards)))
+    if _anyone(chan.manifest is None, timeout_s):
         report.described = True
-        chan.manifest = yield from _describe(chan)
-    rank, names = dist.get_rank(), [n for n, _, _ in shards]
+        chan.manifest = yield from _describe(chan, timeout_s)
+    rank, names, local = dist.get_rank(), [n for n, _, _ in shards], {n: t for n, t, _ in shards}
     parts = chunks(chan.manifest, names, bucket_bytes)
     for i, part in enumerate(parts):
-        result = reshard_to_engines(shards, chan.manifest, chan.engine_groups, rank, bucket_bytes, part)
+        result = reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
+                                    timeout_s)
         report.chunks += 1
         report.bytes_received += result.stats.bytes_received
         report.lower_bound_bytes += result.lower_bound_bytes(rank)
@@ -210,7 +261,8 @@ def update_flow(
         report.peak_buffer_bytes = max(report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values()))
         report.update_id = chan.next_update_id()
         _cuda_ipc_ready(result.buffers.values())
-        chan.sender.send_params(report.update_id, rank, result.buffers, names, chan.manifest.fingerprint)
+        chan.sender.send(report.update_id, rank, chan.rank_map, [(n, t, None) for n, t in result.buffers.items()],
+                         kind="params", names=names, fingerprint=chan.manifest.fingerprint)
         del result  # the sender keeps the buffers alive until the next chunk replaces them
         report.success, report.message = yield ControlRequest(report.update_id, chan.channel, final=i == len(parts) - 1)
         if not report.success:
@@ -222,21 +274,29 @@ def update_flow(
     return report
 
 
-def _describe(chan: TrainerChannel) -> Generator[ControlRequest, Reply, EngineManifest]:
+def delivered_flow(chan: TrainerChannel, update_id: str) -> Flow:
+    """The engine-side flow once every rank has delivered under ``update_id``: one request."""
+    report = UpdateReport("engine", update_id)
+    report.success, report.message = yield ControlRequest(update_id, chan.channel)
+    return report
+
+
+def _describe(chan: TrainerChannel, timeout_s: float) -> Generator[ControlRequest, Reply, EngineManifest]:
     """Ask the engine to publish its layout; every trainer rank reads its engine rank's
     copy, and all must agree (one tiny all-reduce): engines are replicas of one layout."""
     update_id = chan.next_update_id()
-    chan.sender.describe(update_id, dist.get_rank())
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, [], kind="describe")
     success, message = yield ControlRequest(update_id, chan.channel, describe=True)
     manifest, problem = None, message
     if success:
         try:
-            manifest = read_manifest(chan.channel, chan.engine_rank)
+            manifest = read_manifest(chan.sender.channel, chan.engine_rank)
         except ManifestError as e:
             problem = str(e)
     digest = fingerprint_int(manifest.fingerprint) if manifest else 0
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
+         f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
     if manifest is None or both[0].item() != digest or -both[1].item() != digest:
         raise ManifestError(
             f"trainer rank {dist.get_rank()}: engines did not publish one common layout "
@@ -245,27 +305,16 @@ def _describe(chan: TrainerChannel) -> Generator[ControlRequest, Reply, EngineMa
     return manifest
 
 
-def _anyone(flag: bool) -> bool:
+def _anyone(flag: bool, timeout_s: float) -> bool:
     """Whether any trainer rank says so (one tiny all-reduce): keeps every rank on one path."""
     t = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
+         f"trainer rank {dist.get_rank()}: agreeing whether the engines' layout must be read")
     return bool(t.item())
-
-
-def _is_dtensor(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 def _collective_device() -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-
-
-def _share(reply: Optional[Reply], group_ranks: Sequence[int], group) -> Reply:
-    box = [reply]
-    dist.broadcast_object_list(box, src=group_ranks[0], group=group)
-    return tuple(box[0])
 
 
 def as_reply(result) -> Reply:
@@ -275,21 +324,29 @@ def as_reply(result) -> Reply:
 
 class _Driver:
     """Walks a flow: before each request every payload is on its way (barrier); the
-    group's first rank serves it and every rank of the group hears the reply."""
+    group's first rank serves it and every rank of the group hears the reply, which
+    also keeps every rank's buffers alive until the engine has read them. Waits are
+    bounded by ``timeout_s`` (the engine waits at most that for payloads, and
+    ``timeout_s + GRACE_S`` for its own ranks)."""
 
-    def __init__(self, flow: Flow, group_ranks: Sequence[int], group, request: Optional[ControlRequest]) -> None:
-        self.flow, self.group_ranks, self.group = flow, group_ranks, group
+    def __init__(self, flow: Flow, group_ranks: Sequence[int], group, request: Optional[ControlRequest],
+                 timeout_s: float) -> None:
+        self.flow, self.group_ranks, self.group, self.timeout_s = flow, group_ranks, group, timeout_s
         self.request, self.report = request or next(flow), None
-        self.leader = dist.get_rank() == group_ranks[0]
+        self.me = dist.get_rank()
+        self.leader = self.me == group_ranks[0]
 
     def ready(self) -> bool:
-        dist.barrier(group=self.group)
+        barrier(self.group, self.timeout_s, f"trainer rank {self.me}: before the engine reads the payloads")
         return self.leader
 
     def advance(self, reply: Optional[Reply]) -> bool:
         """Hand the reply to the flow; False once the update is over."""
+        shared = broadcast_result(reply, self.group_ranks[0], self.group, 2 * self.timeout_s + GRACE_S,
+                                  f"trainer rank {self.me}: waiting for the engine's answer from rank "
+                                  f"{self.group_ranks[0]}")
         try:
-            self.request = self.flow.send(_share(reply, self.group_ranks, self.group))
+            self.request = self.flow.send(shared)
             return True
         except StopIteration as done:
             self.report = done.value
@@ -302,11 +359,11 @@ def _failed(e: Exception) -> Reply:
 
 def drive(
     flow: Flow, group_ranks: Sequence[int], group, call: Callable[[ControlRequest], Reply],
-    request: Optional[ControlRequest] = None,
+    request: Optional[ControlRequest] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> UpdateReport:
     """Serve a flow's control requests with ``call`` on the group's first rank (from
     ``request`` when the flow has already been started)."""
-    d = _Driver(flow, group_ranks, group, request)
+    d = _Driver(flow, group_ranks, group, request, timeout_s)
     while True:
         reply = None
         if d.ready():
@@ -318,9 +375,10 @@ def drive(
             return d.report
 
 
-async def adrive(flow: Flow, group_ranks: Sequence[int], group, call, request=None) -> UpdateReport:
+async def adrive(flow: Flow, group_ranks: Sequence[int], group, call, request=None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> UpdateReport:
     """``drive`` with an async ``call``."""
-    d = _Driver(flow, group_ranks, group, request)
+    d = _Driver(flow, group_ranks, group, request, timeout_s)
     while True:
         reply = None
         if d.ready():
@@ -341,7 +399,7 @@ async def update_weights_distributed(
     flush_cache: Optional[bool] = None,
     *,
     fallback,
-    timeout_s: float = 120.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ):
     """``weight_sync.utils.update_weights`` without full_tensor() or gather_object.
 
@@ -352,18 +410,20 @@ async def update_weights_distributed(
     request whose reserved ``load_format`` makes the engine take the payloads
     from the channel. ``fallback`` (upstream's gathered path) runs only for what
     this path cannot serve: another ``load_format``, or a layout that is not
-    boxes (e.g. ``_StridedShard``).
+    boxes (``Partial`` placements). Every wait is bounded by ``timeout_s``: when a
+    peer dies the survivors raise ``waits.PeerLost`` naming the phase.
     """
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.engine_update import DISTRIBUTED_LOAD_FORMAT
     from sglang.srt.weight_sync.source_layout import LayoutError
 
+    timeout_s = check_timeout(timeout_s)
     mesh = device_mesh[device_mesh_key]
     ranks, group = [int(r) for r in mesh.mesh.tolist()], mesh.get_group()
     reason = f"load_format={load_format!r}" if load_format is not None else None
     if reason is None:
-        flow = update_flow(params_batch, ranks, group)
+        flow = update_flow(params_batch, ranks, group, timeout_s=timeout_s)
         try:
             first = next(flow)
         except LayoutError as e:
@@ -383,5 +443,5 @@ async def update_weights_distributed(
         raw[:] = [await engine.update_weights_from_tensor(req)]
         return as_reply(raw[0])
 
-    await adrive(flow, ranks, group, call, first)
+    await adrive(flow, ranks, group, call, first, timeout_s)
     return raw[0] if raw else None

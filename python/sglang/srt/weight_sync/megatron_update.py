@@ -1,0 +1,100 @@
+"""The trainer side of a distributed weight update from Megatron-core, on every rank
+(``VerlEngine.update_weights_from_megatron`` calls ``send_megatron_weights``).
+
+Each rank describes its own local parameters as pieces of HF tensors
+(``megatron_layout``: from the model chunks, the config and its parallel
+coordinates; no data touched) and learns every other rank's coordinates with one
+small integer all-gather (made once). Tensors the trainer ranks beside an engine
+hold between them (TP, DP replicas) go as they are: the fused local buffers plus
+``HoldersSpec``s, resharded by the engine into its own layout. Tensors they do not
+hold (other PP stages, other EP ranks) are first moved over the trainer's world by
+the same planner and executor, each rank receiving exactly the rows its engine rank
+takes (``trainer_update.reshard_to_engine_groups``). Nothing is gathered; delivery,
+validation and refusals are those of ``trainer_update`` and ``engine_update``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from sglang.srt.weight_sync.megatron_layout import MegatronRank, describe_model_chunks, megatron_sources
+from sglang.srt.weight_sync.source_layout import HoldersSpec, SourceLayout
+from sglang.srt.weight_sync.trainer_update import (
+    Mode,
+    TrainerChannel,
+    deliver,
+    open_channel,
+    reshard_to_engine_groups,
+    uncovered,
+)
+
+logger = logging.getLogger(__name__)
+
+_coords: Dict[MegatronRank, Dict[int, MegatronRank]] = {}
+
+
+def this_rank() -> MegatronRank:
+    """This rank's coordinates, from megatron-core's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return MegatronRank(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                        ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+
+
+def all_coords(me: MegatronRank) -> Dict[int, MegatronRank]:
+    """Every trainer rank's coordinates: four integers per rank, all-gathered once."""
+    if me not in _coords:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        mine = torch.tensor([me.tp, me.pp, me.ep, me.etp], dtype=torch.int64, device=device)
+        every = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine)
+        _coords[me] = {r: MegatronRank(*row) for r, row in enumerate(every.view(-1, 4).tolist())}
+    return _coords[me]
+
+
+def trainer_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], mode: Mode) -> List[str]:
+    """HF tensors to move on the trainer side first (same answer on every rank)."""
+    if mode == "engine":
+        return []
+    if mode == "trainer":
+        return sorted(sources)
+    maps = [{r: i for i, r in enumerate(g)} for g in engine_groups]
+    names = sorted(n for n, src in sources.items()
+                   if any(uncovered(HoldersSpec(src.shape, src.dtype, src.holders).describe(n, m)) for m in maps))
+    if names:
+        logger.info("Megatron weight update: %d of %d tensors (e.g. %s) are not held beside an engine; "
+                    "moving them on the trainer side first", len(names), len(sources), names[0])
+    return names
+
+
+def send_megatron_weights(
+    model_chunks: Sequence[torch.nn.Module],
+    hf_vocab: int,
+    group_ranks: Sequence[int],
+    group: Optional[dist.ProcessGroup],
+    mode: Mode = "auto",
+    bucket_bytes: int = 512 << 20,
+    shared_expert_hf: str = "shared_experts",
+    timeout_s: Optional[float] = None,
+) -> Tuple[TrainerChannel, str]:
+    """Deliver this rank's part of every HF tensor to the engine rank beside it; every
+    trainer rank calls this together. Returns the channel and the update id."""
+    chan = open_channel(group_ranks, group)
+    me = this_rank()
+    model, buffers = describe_model_chunks(model_chunks, hf_vocab, me, shared_expert_hf)
+    buffers = {k: t.detach() for k, t in buffers.items()}
+    sources = megatron_sources(model, all_coords(me))
+    moved = set(trainer_side(sources, chan.engine_groups, mode))
+    shards = reshard_to_engine_groups({n: sources[n] for n in moved}, buffers, chan.engine_groups, bucket_bytes,
+                                      timeout_s) \
+        if moved else []
+    mine = set(chan.group_ranks)
+    pieces = {n: HoldersSpec(s.shape, s.dtype, tuple(h for h in s.holders if h.rank in mine))
+              for n, s in sources.items() if n not in moved}
+    used = sorted({h.buffer for spec in pieces.values() for h in spec.holders if h.rank == dist.get_rank()})
+    return chan, deliver(chan, shards + [(key, buffers[key], None) for key in used], pieces)
+

@@ -1,0 +1,58 @@
+"""Implicit one-shot weight-update sessions, for callers written before SGLang 0.5.23.
+
+0.5.23 refuses ``update_weights_from_tensor`` / ``update_weights_from_distributed``
+(and our ``update_weights_distributed``) outside ``begin_weight_update()`` ...
+``end_weight_update()``. Callers written against earlier releases (verl 0.9.x's HTTP
+adapter, AReaL 1.0.x) never open a session, so their update was refused and the
+trainer ranks waiting for it hung. Here an update that arrives with no session open
+runs inside a session of its own: begin (with the request's selector), the update,
+end -- SGLang's own handlers, so end runs ``post_load_weights`` exactly when the
+update loaded no weights through ``model.load_weights``, as an explicit session would.
+An update sent inside an explicit session runs in it, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger(__name__)
+
+# request type name -> the scheduler weight-updater method that needs a session
+SESSION_UPDATES = {
+    "UpdateWeightsFromTensorReqInput": "update_weights_from_tensor",
+    "UpdateWeightsFromDistributedReqInput": "update_weights_from_distributed",
+    "UpdateWeightsDistributedReqInput": "update_weights_distributed",
+}
+
+
+def run_in_session(manager, update, recv_req):
+    """``update(recv_req)`` inside the open session, or inside a one-shot one.
+
+    ``begin_weight_update`` refuses only when a session is already open (the state is
+    replicated on every TP rank, so every rank takes the same branch); then the
+    update runs in that session and leaves it open.
+    """
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+    begun = manager.begin_weight_update(BeginWeightUpdateReqInput(selector=recv_req.selector))
+    if not begun.success:
+        return update(recv_req)
+    logger.debug("%s without an open session: running it in a one-shot session", type(recv_req).__name__)
+    try:
+        return update(recv_req)
+    finally:
+        manager.end_weight_update(EndWeightUpdateReqInput())
+
+
+def with_implicit_sessions(dispatcher, manager):
+    """The scheduler's dispatcher with each update in ``SESSION_UPDATES`` run through ``run_in_session``."""
+    from sglang.srt.managers import io_struct
+    from sglang.utils import TypeBasedDispatcher
+
+    wrapped = TypeBasedDispatcher([
+        (getattr(io_struct, req), functools.partial(run_in_session, manager, getattr(manager, method)))
+        for req, method in SESSION_UPDATES.items()
+    ])
+    wrapped += dispatcher  # every other request type, handled as before
+    return wrapped
