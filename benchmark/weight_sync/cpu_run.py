@@ -5,8 +5,13 @@ rank holds DTensor shards of a Qwen2-shaped model (the trainer) and the
 SGLang-layout parameters of its engine TP rank (the engine), then updates the
 parameters with both designs, alternating, several times:
 
-* ``distributed``: plan once (timed separately), then execute: each rank
-  receives only the bytes it lacks.
+* ``distributed``: the shipped trainer-side path (``trainer_side``): the
+  engines' manifest, chunks under the cap, one plan per chunk over the trainer
+  ranks straight to the engine ranks' layouts (first call timed separately, it
+  plans), the executor filling parameter-shaped buffers in the engine's dtype,
+  and the engine's local copy into its parameters. Each rank receives only the
+  bytes it lacks. (With one engine spanning every rank, as in TP 2 -> TP 4, that
+  plan is the engine-side plan.)
 * ``full_tensor``: what ``weight_sync.utils.update_weights`` does upstream:
   ``DTensor.full_tensor()`` on every rank for every tensor (an all-gather),
   then the engine slices its own part out of the full tensor (SGLang's
@@ -31,6 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+BUCKET_BYTES = 64 << 20
 
 SCENARIOS = {
     # name: (model config, trainer layout, train TP, infer TP, ranks)
@@ -62,31 +69,38 @@ def _dtensors(cfg, layout, train_tp, world, targets):
 
 
 def _rank(rank, world, store, scenario, repeats, out_dir):
-    from sglang.srt.weight_sync.executor import execute
-    from sglang.srt.weight_sync.planner import plan
-    from sglang.srt.weight_sync.source_layout import describe_dtensor
+    from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+    from sglang.srt.weight_sync.trainer_side import chunks, copy_buffers, plan_to_engines, reshard_to_engines
+    from sglang.srt.weight_sync.trainer_update import prepare_shards
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     cfg, layout, train_tp, infer_tp, _ = SCENARIOS[scenario]
     model = model_targets_from_config(dict(cfg, model_type="qwen2"), EngineParallel(infer_tp), torch.bfloat16)
+    manifest = EngineManifest.of(model)
+    groups = [list(range(e, e + infer_tp)) for e in range(0, world, infer_tp)]
     dtensors = _dtensors(cfg, layout, train_tp, world, model)
     mine = model.for_rank(rank % infer_tp)
-    targets = {k: model.for_rank(k % infer_tp) for k in range(world)}
     params = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in mine}
     baseline = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in mine}
+    shards = prepare_shards(sorted(dtensors.items()))
+    parts = chunks(manifest, [n for n, _, _ in shards], BUCKET_BYTES)
+    sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
 
     t0 = time.perf_counter()
-    sources = {n: describe_dtensor(n, d) for n, d in dtensors.items()}
-    the_plan = plan(sources, targets, bucket_bytes=64 << 20)
+    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part)[0] for part in parts]
     plan_s = time.perf_counter() - t0
-    shards = {n: d.to_local() for n, d in dtensors.items()}
 
     def distributed():
-        stats = execute(the_plan, rank, shards, params)
-        return stats.bytes_received, stats.peak_staging_bytes
+        received = peak = 0
+        for part in parts:
+            result = reshard_to_engines(sources, local, manifest, groups, rank, BUCKET_BYTES, part)
+            copy_buffers(params, [t for t in mine if t.name in result.buffers], result.buffers)
+            received += result.stats.bytes_received
+            peak = max(peak, result.stats.peak_staging_bytes + sum(b.nbytes for b in result.buffers.values()))
+        return received, peak
 
     uses = {}
     for t in mine:
@@ -118,7 +132,7 @@ def _rank(rank, world, store, scenario, repeats, out_dir):
         assert torch.equal(params[t.name], baseline[t.name]), f"rank {rank}: {t.name} differs between designs"
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(dict(times=times, info=info, plan_s=plan_s,
-                       lower_bound=the_plan.lower_bound_bytes(rank)), f)
+                       lower_bound=sum(p.lower_bound_bytes(rank) for p in plans)), f)
     dist.destroy_process_group()
 
 

@@ -13,7 +13,12 @@ Where resharding runs (DESIGN.md section 3), chosen per scenario ("auto"):
   ignored). All engines are planned; reported numbers are the max over engines,
   ``plan_seconds`` the slowest engine's plan (engines plan concurrently).
 * ``trainer``: otherwise; one plan over all trainer ranks in which GPU ``g``
-  needs the targets of engine rank ``g % tp_size``.
+  needs the targets of engine rank ``g % tp_size``: the plan the runtime's
+  one-hop trainer-side path computes (``trainer_side.plan_to_engines``; a test
+  pins that the bytes agree with what the runtime moves).
+
+``plan_seconds_per_rank`` (JSON): what one rank spends planning. Every rank
+computes the whole plan of its group today, so it equals ``plan_seconds``.
 
 Designs compared per scenario:
 * ``distributed``: our planner (``sglang.srt.weight_sync.planner.plan``).
@@ -536,10 +541,12 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -
         "lower_bound_bytes_max": dist["lower_bound_bytes_max"],
         "describe_seconds": describe_seconds,
     }
-    rows = [dict(common, design="distributed", plan_seconds=plan_seconds, plan_cpu_seconds=plan_cpu_seconds, **dist)]
+    rows = [dict(common, design="distributed", plan_seconds=plan_seconds, plan_seconds_per_rank=plan_seconds,
+                 plan_cpu_seconds=plan_cpu_seconds, **dist)]
     for design in ("full_tensor", "rank0_funnel"):
         rows.append(
-            dict(common, design=design, plan_seconds=None, plan_cpu_seconds=None, staging_bytes_max=None,
+            dict(common, design=design, plan_seconds=None, plan_seconds_per_rank=None, plan_cpu_seconds=None,
+                 staging_bytes_max=None,
                  rounds=None, moves=None,
                  **base[design])
         )

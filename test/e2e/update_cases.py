@@ -38,23 +38,39 @@ def _row_parallel(name: str) -> bool:
     return "o_proj.weight" in name or "down_proj.weight" in name
 
 
+def placements(name: str, layout: str) -> tuple:
+    """Placements of one tensor on the trainer's mesh (see ``as_layout``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if layout in ("fsdp", "fsdp32"):
+        return (Shard(0),)
+    if layout == "hsdp":
+        return (Replicate(), Shard(0))
+    if "norm" in name or name.endswith("mlp.gate.weight"):
+        return (Replicate(),)
+    return (Shard(1) if _row_parallel(name) else Shard(0),)
+
+
+def hsdp_ranks(world: int) -> List[List[int]]:
+    """HSDP mesh (replica, shard) whose replicas interleave: [[0, 2], [1, 3]] for 4 ranks, so
+    ranks 0 and 1 (one engine of TP 2) hold the same shard and no engine is covered."""
+    return [list(range(r, world, world // 2)) for r in range(world // 2)]
+
+
 def as_layout(weights: Dict[str, torch.Tensor], layout: str, mesh) -> List[Tuple[str, torch.Tensor]]:
-    """How a trainer holds them: "fsdp" (FSDP2-style Shard(0) DTensors), "tp" (Megatron-style
-    DTensors: Shard(0) column, Shard(1) row, norms replicated) or "full" (plain tensors)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    """How a trainer holds them: "fsdp" (FSDP2-style Shard(0) DTensors; "fsdp32" the same in
+    fp32, as FSDP2 keeps its sharded parameters), "hsdp" (Shard(0) within each of 2 replicas),
+    "tp" (Megatron-style DTensors: Shard(0) column, Shard(1) row, norms replicated) or "full"
+    (plain tensors). ``mesh`` is 1-d over the world, ``hsdp_ranks`` for "hsdp"."""
+    from torch.distributed.tensor import distribute_tensor
 
     out = []
     for name, t in sorted(weights.items()):
         if layout == "full":
             out.append((name, t))
             continue
-        if layout == "fsdp":
-            place = Shard(0)
-        elif "norm" in name or name.endswith("mlp.gate.weight"):
-            place = Replicate()
-        else:
-            place = Shard(1) if _row_parallel(name) else Shard(0)
-        out.append((name, distribute_tensor(t, mesh, (place,), src_data_rank=None)))
+        t = t.float() if layout == "fsdp32" else t
+        out.append((name, distribute_tensor(t, mesh, placements(name, layout), src_data_rank=None)))
     return out
 
 
@@ -187,8 +203,21 @@ def _bad_shards(kind: str, weights, mesh) -> list:
     return shards
 
 
+def _write_report(job: dict, rank: int, step, report) -> None:
+    """This rank's runtime counters of one update, for the test to check against the lower bound."""
+    import json
+
+    if job.get("reports_dir"):
+        with open(os.path.join(job["reports_dir"], f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(dict(step=list(step), mode=report.mode, bytes_received=report.bytes_received,
+                                    lower_bound_bytes=report.lower_bound_bytes,
+                                    peak_staging_bytes=report.peak_staging_bytes,
+                                    peak_buffer_bytes=report.peak_buffer_bytes, chunks=report.chunks,
+                                    described=report.described)) + "\n")
+
+
 def engine_job(rank: int, world: int, job: dict) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from engine import omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
@@ -200,6 +229,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     if tp > 1:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    meshes = {"hsdp": DeviceMesh("cpu", hsdp_ranks(world), mesh_dim_names=("replicate", "shard"))} if world >= 4 else {}
     engines = init_device_mesh("cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     engine_mesh = engines["infer_tp"]
     group, ranks = engine_mesh.get_group(), [int(r) for r in engine_mesh.mesh.tolist()]
@@ -218,8 +248,10 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             record = dict(step=step)
             calls_before = _forbidden_calls(job["forbidden_log"])
             if kind == "verl":
-                verl.update_weights_from_tensor(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
+                report = verl.update_weights_from_tensor(
+                    as_layout(new_weights(job["model_dir"], seed), arg, meshes.get(arg, mesh)))
                 record["success"] = True
+                _write_report(job, rank, step, report)
             elif kind == "memory":  # VerlEngine's other duties: the same model must come back
                 verl.release_memory_occupation()
                 verl.resume_memory_occupation()
@@ -267,6 +299,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             record["generation"] = generate()
             if leader:
                 record["checksums"] = _checksums(verl._engine)
+            dist.barrier()  # every engine's weight checker (it gathers) is done before the next step counts
             records.append(record)
     finally:
         dist.barrier()

@@ -19,9 +19,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, check_timeout
+from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
+from sglang.srt.weight_sync.trainer_update import (
+    ControlRequest,
+    Mode,
+    UpdateReport,
+    as_reply,
+    close_channels,
+    delivered_flow,
+    drive,
+    update_flow,
+)
 from sglang.srt.weight_sync.sglang_compat import weight_update_session
-from sglang.srt.weight_sync.trainer_update import Mode, close_channels, send_weights
-from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result
 
 
 class VerlEngine:
@@ -31,11 +40,13 @@ class VerlEngine:
         nnodes: int = 1,
         backend: Literal["engine", "server"] = "engine",
         weight_sync_mode: Mode = "auto",
+        weight_sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs,
     ):
         """``kwargs`` are ``Engine`` (or ``HttpServerEngineAdapter``) arguments;
         ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer");
+        ``weight_sync_bucket_bytes`` caps the trainer side's staging and buffers;
         ``weight_sync_timeout_s`` bounds every wait of an update (a dead peer is
         reported, on every surviving rank, within about twice that)."""
         self._device_mesh_cpu = device_mesh_cpu
@@ -44,6 +55,7 @@ class VerlEngine:
         self._tp_rank = device_mesh_cpu.get_local_rank()
         self._tp_size = device_mesh_cpu.size()
         self._weight_sync_mode = weight_sync_mode
+        self._weight_sync_bucket_bytes = weight_sync_bucket_bytes
         self._timeout_s = check_timeout(weight_sync_timeout_s)
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
@@ -90,23 +102,25 @@ class VerlEngine:
         self,
         named_tensors: List[Tuple[str, torch.Tensor]],
         load_format: Optional[str] = None,
-    ) -> None:
+    ) -> UpdateReport:
         """Update the engine's weights; call on every rank of the mesh with the same names.
 
         DTensors are delivered as their local shards; plain tensors are taken to
-        be full on every rank. Raises on every rank if the engine refused the
-        update (its old weights are then still serving).
+        be full on every rank. Returns this rank's report (where resharding ran,
+        bytes received and their lower bound). Raises on every rank if the engine
+        refused the update (its old weights are then still serving).
         """
         if load_format is not None:
             raise ValueError(
                 f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
                 "only load_format=None is supported"
             )
-        chan, update_id = send_weights(named_tensors, self._ranks, self._group, self._weight_sync_mode,
-                                       timeout_s=self._timeout_s)
-        self.apply_delivered(chan, update_id)
+        flow = update_flow(named_tensors, self._ranks, self._group, self._weight_sync_mode,
+                           self._weight_sync_bucket_bytes, self._timeout_s)
+        return self._drive(flow)
 
-    def update_weights_from_megatron(self, model_chunks, hf_vocab: int, shared_expert_hf: str = "shared_experts") -> None:
+    def update_weights_from_megatron(self, model_chunks, hf_vocab: int,
+                                     shared_expert_hf: str = "shared_experts") -> UpdateReport:
         """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
         gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
         from sglang.srt.weight_sync.megatron_update import send_megatron_weights
@@ -114,29 +128,26 @@ class VerlEngine:
         chan, update_id = send_megatron_weights(model_chunks, hf_vocab, self._ranks, self._group,
                                                 self._weight_sync_mode, shared_expert_hf=shared_expert_hf,
                                                 timeout_s=self._timeout_s)
-        self.apply_delivered(chan, update_id)
+        return self.apply_delivered(chan, update_id)
 
-    def apply_delivered(self, chan, update_id: str) -> None:
+    def apply_delivered(self, chan, update_id: str) -> UpdateReport:
         """Have the engine apply what every rank of the mesh delivered under ``update_id``;
         raises on every rank if it refused."""
-        me = dist.get_rank()  # every payload is on its way before the engine looks
-        barrier(self._group, self._timeout_s, f"trainer rank {me}: before the engine reads the payloads")
-        result = None
-        if self._tp_rank == 0:
-            try:
-                with weight_update_session(self._engine):
-                    result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True,
-                                                                     timeout_s=self._timeout_s)
-                # Engine returns (success, message); the HTTP adapter returns the JSON body
-                result = (result["success"], result["message"]) if isinstance(result, dict) else tuple(result)
-            except Exception as e:  # noqa: BLE001 - e.g. an HTTP 400; every rank must hear, not hang
-                result = (False, f"{type(e).__name__}: {e}")
-        # the host waits for the engine: at most timeout_s for payloads, timeout_s + GRACE_S for its ranks
-        success, message = broadcast_result(result, self._ranks[0], self._group, 2 * self._timeout_s + GRACE_S,
-                                            f"trainer rank {me}: waiting for the engine's answer from rank "
-                                            f"{self._ranks[0]}")
-        if not success:
-            raise RuntimeError(f"weight update {update_id} failed: {message}")
+        return self._drive(delivered_flow(chan, update_id))
+
+    def _drive(self, flow) -> UpdateReport:
+        report = drive(flow, self._ranks, self._group, self._serve, timeout_s=self._timeout_s)
+        if not report.success:
+            raise RuntimeError(f"weight update {report.update_id} failed: {report.message}")
+        return report
+
+    def _serve(self, request: ControlRequest) -> Tuple[bool, str]:
+        """One control request, on the first rank (the engine's or the HTTP adapter's reply)."""
+        with weight_update_session(self._engine):
+            result = self._engine.update_weights_distributed(
+                request.update_id, request.channel, flush_cache=request.final, timeout_s=self._timeout_s
+            )
+        return as_reply(result)
 
     def release_memory_occupation(self) -> None:
         if self._tp_rank == 0:

@@ -44,6 +44,7 @@ IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 MAX_CHANNELS = 8  # bound sockets per engine rank; the least recently used one is retired
 CONSUMED_IDS = 4096  # update ids remembered per engine rank, to refuse replays
 HEADER_BYTES = 1 << 20
+PAYLOAD_KINDS = ("shards", "params", "describe")
 
 
 class DeliveryError(RuntimeError):
@@ -104,13 +105,20 @@ def resolve_channel(channel, engine_rank: int = 0) -> str:
 @dataclass
 class Payload:
     """What one engine rank received: the trainer's local tensors beside it (by buffer key)
-    and the layouts of the HF tensors they hold (by HF name)."""
+    and the layouts of the HF tensors they hold (by HF name). ``kind`` "shards": for
+    engine-side resharding; "params": parameter-shaped buffers already in this rank's
+    layout (trainer-side, one hop), filled from the HF tensors ``names`` and planned
+    against the engine manifest ``fingerprint``; "describe": a request to publish the
+    engine's manifest (``manifest.py``)."""
 
     update_id: str
     trainer_rank: int
     rank_map: Dict[int, int]
     tensors: Dict[str, torch.Tensor]
     specs: Dict[str, Union[MeshSpec, HoldersSpec]]
+    kind: str = "shards"
+    names: Tuple[str, ...] = ()
+    fingerprint: str = ""
 
 
 def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[torch.Tensor, MeshSpec]:
@@ -160,9 +168,13 @@ class ShardSender:
         rank_map: Mapping[int, int],
         shards: Sequence[Tuple[str, torch.Tensor, Optional[MeshSpec]]],
         pieces: Optional[Mapping[str, HoldersSpec]] = None,
+        kind: str = "shards",
+        names: Sequence[str] = (),
+        fingerprint: str = "",
     ) -> None:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
-        ``pieces`` (HF name -> HoldersSpec) describe)."""
+        ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
+        "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
         # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
         self._alive = [t.detach() if t.is_contiguous() else t.detach().contiguous() for _, t, _ in shards]
         header = {
@@ -171,6 +183,7 @@ class ShardSender:
             "rank_map": [[int(k), int(v)] for k, v in rank_map.items()],
             "tensors": [[name, None if spec is None else spec.to_wire()] for name, _, spec in shards],
             "pieces": [[name, spec.to_wire()] for name, spec in (pieces or {}).items()],
+            "kind": kind, "names": [str(n) for n in names], "fingerprint": str(fingerprint),
         }
         with _file_system_sharing(any(not t.is_cuda for t in self._alive)):
             blob = MultiprocessingSerializer.serialize(self._alive)
@@ -291,7 +304,8 @@ class ShardReceiver:
                 specs[name] = decode(wire)
             except Exception as e:  # noqa: BLE001 - names the tensor whatever the wire got wrong
                 raise self._error(f"tensor {name!r} from trainer rank {trainer}: bad layout {wire!r}: {e}") from None
-        return Payload(header["update_id"], trainer, header["rank_map"], dict(zip(names, tensors)), specs)
+        return Payload(header["update_id"], trainer, header["rank_map"], dict(zip(names, tensors)), specs,
+                       header["kind"], tuple(header["names"]), header["fingerprint"])
 
     def close(self) -> None:
         for sock in self._socks.values():
@@ -309,13 +323,17 @@ def _header(frames: List[bytes]) -> dict:
         update_id, trainer, pairs, tensors, pieces = (header["update_id"], header["trainer_rank"],
                                                       header["rank_map"], header["tensors"], header["pieces"])
         rank_map = {int(k): int(v) for k, v in pairs}
-    except (ValueError, TypeError, KeyError) as e:
+        kind, names, fingerprint = header.get("kind", "shards"), header.get("names", []), header.get("fingerprint", "")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise DeliveryError(f"unreadable header: {type(e).__name__}: {e}") from None
     if not isinstance(update_id, str) or not isinstance(trainer, int) or not _named_pairs(tensors) \
-            or not _named_pairs(pieces):
+            or not _named_pairs(pieces) or not isinstance(names, list) or not all(isinstance(n, str) for n in names) \
+            or not isinstance(fingerprint, str):
         raise DeliveryError("header fields have the wrong types")
+    if kind not in PAYLOAD_KINDS:
+        raise DeliveryError(f"unknown payload kind {kind!r}; expected one of {PAYLOAD_KINDS}")
     return {"update_id": update_id, "trainer_rank": trainer, "rank_map": rank_map, "tensors": tensors,
-            "pieces": pieces}
+            "pieces": pieces, "kind": kind, "names": names, "fingerprint": fingerprint}
 
 
 def _named_pairs(value) -> bool:

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,14 @@ from sglang.srt.weight_sync.delivery import (
     resolve_channel,
 )
 from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
+from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
 from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
 from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.target_layout import ParamTarget
+from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, restrict
 from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
 
 logger = logging.getLogger(__name__)
@@ -195,23 +197,31 @@ def _control_request(read_control, common: dict):
 
 
 def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
-    """Validate, agree, plan and execute on this rank; every TP rank calls it together."""
+    """Validate, agree, plan and execute on this rank; every TP rank calls it together.
+
+    A "params" payload (trainer-side resharding) is only checked and copied in
+    place; a "describe" payload publishes this engine's manifest into the channel.
+    """
     par = tp_state()
     rank, cpu_group, device_group = par.rank, par.cpu_group, par.device_group
     # every rank waited at most timeout_s for its payload before these collectives
     bound = _timeout(recv_req) + GRACE_S
     problems: List[str] = []
-    the_plan, params, shards = None, {}, {}
+    the_plan, params, shards, local_step = None, {}, {}, None
     if received.error:
         problems.append(received.error)
     else:
         try:
             targets, params = engine_targets(model, model_config, rank)
-            sources, shards = _sources(received.payload, targets, rank)
-            needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.size)}
-            the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
-                                  aliases=targets.aliases)
-            problems += check_inputs(the_plan, rank, shards, params)
+            if received.payload.kind != "shards":
+                local_step = _published_layout_step(received.payload, targets, params, rank, recv_req.channel)
+                problems += local_step.problems
+            else:
+                sources, shards = _sources(received.payload, targets, rank)
+                needed = {r: restrict(targets.for_rank(r), sources, targets.aliases) for r in range(par.size)}
+                the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                      aliases=targets.aliases)
+                problems += check_inputs(the_plan, rank, shards, params)
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             problems.append(f"engine rank {rank}: {e}")
         except Exception as e:  # noqa: BLE001 - any other fault refuses the update, never kills the scheduler
@@ -221,19 +231,24 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         everyone = _share_problems(problems, rank, par.size, cpu_group, bound)
         if everyone:
             return False, REFUSED + "; ".join(everyone)
-        agree_on_plan(the_plan, cpu_group, bound, rank)
+        if local_step is None:
+            agree_on_plan(the_plan, cpu_group, bound, rank)
     except ExecutionError as e:
         return False, f"{REFUSED}{e}"
     except PeerLost as e:
         return False, f"{REFUSED}engine rank {rank}: {e}"
     try:
-        stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
-        # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
-        # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
-        refresh_after_update(model)
-        mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
-        logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
-                    "staged at most %d", recv_req.update_id, rank, *mine)
+        if local_step is not None:
+            mine = local_step.run()
+        else:
+            stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
+            mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
+            logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
+                        "staged at most %d", recv_req.update_id, rank, *mine)
+        if received.payload.kind != "describe":
+            # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
+            # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
+            refresh_after_update(model)
         shared = _share_figures(mine, rank, par.size, cpu_group, bound)
     except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
         logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
@@ -246,6 +261,46 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         previous = received.figures.get(key, [0] * par.size)
         received.figures[key] = [a + b for a, b in zip(previous, values)]
     return True, "Success"  # upstream's text: callers test for it
+
+
+@dataclass
+class _LocalStep:
+    """A trainer-side update's local work on this rank, run once every rank agreed;
+    ``run`` returns this rank's ``FIGURES`` (the engine itself receives nothing)."""
+
+    problems: List[str]
+    run: Callable[[], Tuple[int, int, int]]
+
+
+def _published_layout_step(payload: Payload, targets: DerivedTargets, params, rank: int, channel: str) -> _LocalStep:
+    """"describe": publish the manifest (nothing is written to the model). "params": check
+    the buffers the trainer planned against this engine's manifest, then copy them in place."""
+    manifest = EngineManifest.of(targets)
+    if payload.kind == "describe":
+        path = write_manifest(resolve_channel(channel, rank), rank, manifest)
+        logger.info("engine rank %d: published the engine layout %s at %s", rank, manifest.fingerprint[:12], path)
+        return _LocalStep([], lambda: (0, 0, 0))
+    if payload.fingerprint != manifest.fingerprint:
+        return _LocalStep([
+            f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
+            f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
+        ], lambda: (0, 0, 0))
+    _check_finite(payload)
+    not_copied = sorted(n for n in payload.names if targets.aliases.get(n, n) in targets.not_copied)
+    if not_copied:
+        name = not_copied[0]
+        return _LocalStep([f"engine rank {rank}: tensor {name!r} is not a copy in SGLang's loader: "
+                           f"{targets.not_copied[targets.aliases.get(name, name)]}"], lambda: (0, 0, 0))
+    wanted = [t for t in restrict(targets.for_rank(rank), payload.names, targets.aliases) if t.name in payload.tensors]
+    unknown = sorted(set(payload.tensors) - {t.name for t in wanted})
+    problems = [f"engine rank {rank}: buffers {unknown[:3]} are not parameters this update fills"] if unknown else []
+
+    def copy() -> Tuple[int, int, int]:
+        copied = copy_buffers(params, wanted, payload.tensors)
+        logger.info("engine rank %d: trainer-side update, copied %d bytes locally", rank, copied)
+        return 0, 0, 0
+
+    return _LocalStep(problems + check_buffers(params, wanted, payload.tensors, rank), copy)
 
 
 def engine_targets(model: torch.nn.Module, model_config, rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor]]:
@@ -292,22 +347,15 @@ def _sources(payload: Payload, targets: DerivedTargets, rank: int):
         if not spec.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
         sources[name] = spec.describe(name, payload.rank_map)
+    _check_finite(payload)
+    return sources, payload.tensors
+
+
+def _check_finite(payload: Payload) -> None:
     for key, local in payload.tensors.items():
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
             raise ValueError(f"tensor {key!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
                              "values (refused: see docs/usage.md)")
-    return sources, payload.tensors
-
-
-def _restrict(wanted: List[ParamTarget], sources, targets: DerivedTargets) -> List[ParamTarget]:
-    """Only the pieces this update delivers: a trainer may send its weights in batches."""
-    delivered = {targets.aliases.get(n, n) for n in sources}
-    out = []
-    for t in wanted:
-        pieces = tuple(p for p in t.pieces if p.tensor in delivered)
-        if pieces:
-            out.append(dataclasses.replace(t, pieces=pieces))
-    return out
 
 
 def _timeout(recv_req) -> float:

@@ -15,6 +15,7 @@ validation and refusals are those of ``trainer_update`` and ``engine_update``.
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -28,8 +29,10 @@ from sglang.srt.weight_sync.trainer_update import (
     deliver,
     open_channel,
     reshard_to_engine_groups,
-    trainer_side_names,
 )
+from sglang.srt.weight_sync.trainer_side import uncovered
+
+logger = logging.getLogger(__name__)
 
 _coords: Dict[MegatronRank, Dict[int, MegatronRank]] = {}
 
@@ -53,6 +56,19 @@ def all_coords(me: MegatronRank) -> Dict[int, MegatronRank]:
     return _coords[me]
 
 
+def _moved_first(sources, engine_groups: Sequence[Sequence[int]], mode: Mode) -> set:
+    """HF tensors to move on the trainer side first: in "auto" mode, those the trainer ranks
+    beside some engine do not hold in full (other PP stages, EP ranks). Same on every rank."""
+    if mode != "auto":
+        return set(sources) if mode == "trainer" else set()
+    groups = [set(g) for g in engine_groups]
+    moved = {n for n, src in sources.items() if any(uncovered(src, g) for g in groups)}
+    if moved:
+        logger.info("Megatron weight update: %d of %d tensors (e.g. %s) are not held beside an engine; "
+                    "moving them on the trainer side first", len(moved), len(sources), min(moved))
+    return moved
+
+
 def send_megatron_weights(
     model_chunks: Sequence[torch.nn.Module],
     hf_vocab: int,
@@ -70,8 +86,7 @@ def send_megatron_weights(
     model, buffers = describe_model_chunks(model_chunks, hf_vocab, me, shared_expert_hf)
     buffers = {k: t.detach() for k, t in buffers.items()}
     sources = megatron_sources(model, all_coords(me))
-    specs = {n: HoldersSpec(s.shape, s.dtype, s.holders) for n, s in sources.items()}
-    moved = set(trainer_side_names([(n, None, spec) for n, spec in specs.items()], chan.engine_groups, mode))
+    moved = _moved_first(sources, chan.engine_groups, mode)
     shards = reshard_to_engine_groups({n: sources[n] for n in moved}, buffers, chan.engine_groups, bucket_bytes,
                                       timeout_s) \
         if moved else []

@@ -7,10 +7,12 @@ engine rank beside it over the group's private channel. Nothing is gathered.
 
 When the shards beside an engine do not cover a tensor (FSDP over more GPUs
 than one engine has, train TP > infer TP across several engines), resharding
-runs on the trainer side first (``mode="trainer"``, chosen automatically): the
-same planner and executor move, over the trainer's world, exactly the rows each
-rank lacks so that every engine group holds its tensor split evenly on dim 0
-(``Shard(0)`` within the group); the engine then reshards that to its own layout.
+runs on the trainer side instead (``mode="trainer"``, chosen automatically,
+``trainer_side.py``): in one hop straight to the layout the engine publishes
+(``manifest.py``), after which the engine only copies. An update is a short
+sequence of control requests (``update_flow``) that the caller serves with
+``drive``/``adrive``: the engine's layout is asked for once per channel.
+(Megatron-core sources still use the two-hop ``reshard_to_engine_groups``.)
 """
 
 from __future__ import annotations
@@ -22,18 +24,19 @@ import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Generator, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, ShardSender, check_timeout, local_shard
 from sglang.srt.weight_sync.executor import execute
-from sglang.srt.weight_sync.planner import PlanCache
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout, SourceTensor
+from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
+from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, PlanCache
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
-from sglang.srt.weight_sync.waits import GRACE_S, barrier
+from sglang.srt.weight_sync.trainer_side import chunks, first_uncovered, reshard_to_engines, uncovered  # noqa: F401
+from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result, wait
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class TrainerChannel:
     sender: ShardSender
     token: str
     updates: int = 0
+    manifest: Optional[EngineManifest] = None  # the engine's published layout, read once
 
     @property
     def rank_map(self) -> Dict[int, int]:
@@ -102,7 +106,7 @@ def close_channels() -> None:
 
 def _engine_groups(first_rank: int, engine_rank: int) -> Tuple[Tuple[int, ...], ...]:
     """All engine groups, from each trainer rank's (group's first rank, engine rank)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = _collective_device()
     mine = torch.tensor([first_rank, engine_rank], dtype=torch.int64, device=device)
     every = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine)
@@ -124,47 +128,28 @@ def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
     return out
 
 
-def uncovered(source: SourceTensor) -> Optional[Box]:
-    """A region of the tensor that none of the holders has, or None when they cover it."""
-    remaining = [Box.full(source.shape)]
-    for h in source.holders:
-        if not h.box.is_empty():
-            remaining = [piece for rem in remaining for piece in rem.subtract(h.box)]
-    return remaining[0] if remaining else None
-
-
-def trainer_side_names(shards: Shards, engine_groups: Sequence[Sequence[int]], mode: Mode = "auto") -> List[str]:
-    """Tensors to reshard on the trainer side first: in "auto" mode, those some engine
-    group's trainer ranks do not cover. The same answer on every rank."""
-    if mode == "engine":
-        return []
-    if mode == "trainer":
-        return [name for name, _, _ in shards]
-    maps = [{r: i for i, r in enumerate(g)} for g in engine_groups]
-    names = [name for name, _, spec in shards if any(uncovered(spec.describe(name, m)) for m in maps)]
-    if names:
-        logger.info("weight update: %d of %d tensors (e.g. %s) are not covered beside an engine; "
-                    "resharding them on the trainer side first", len(names), len(shards), names[0])
-    return names
-
-
-def reshard_for_engines(
-    shards: Shards, engine_groups: Sequence[Sequence[int]], bucket_bytes: int, timeout_s: Optional[float] = None
-) -> Shards:
-    """Trainer-side mode: over the default (trainer) group, each rank receives the rows
-    of each tensor that ``Shard(0)`` within its engine group gives it, and no more.
-    Every trainer rank must call this with the same tensors."""
-    sources = {name: spec.describe(name) for name, _, spec in shards}
-    return reshard_to_engine_groups(sources, {name: t for name, t, _ in shards}, engine_groups, bucket_bytes,
-                                    timeout_s)
+def choose_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], mode: Mode = "auto") -> str:
+    """Where resharding runs: "engine" when the trainer ranks beside every engine hold all
+    of every tensor (the engine reshards within its TP group), else "trainer" (one hop
+    over the trainer's world). ``mode`` overrides. The same answer on every rank."""
+    if mode != "auto":
+        return mode
+    name = first_uncovered(sources, engine_groups)
+    if name is None:
+        return "engine"
+    logger.info("weight update: tensor %s is not covered by the trainer ranks beside an engine; "
+                "resharding on the trainer side, straight to the engine's layout", name)
+    return "trainer"
 
 
 def reshard_to_engine_groups(
     sources: SourceLayout, buffers: Dict[str, torch.Tensor], engine_groups: Sequence[Sequence[int]], bucket_bytes: int,
     timeout_s: Optional[float] = None,
 ) -> Shards:
-    """``reshard_for_engines`` for any source layout (trainer ranks), reading this rank's
-    local ``buffers`` by holder key."""
+    """Two hops (Megatron-core sources, until they use ``trainer_side``): over the default
+    (trainer) group, each rank receives the rows of each tensor that ``Shard(0)`` within
+    its engine group gives it, reading this rank's local ``buffers`` by holder key; the
+    engine then reshards again."""
     groups = [list(g) for g in engine_groups]
     targets, neutral = {}, {}
     device = next(iter(buffers.values())).device if buffers else None
@@ -185,12 +170,16 @@ def deliver(chan: TrainerChannel, shards: Shards, pieces: Optional[Mapping[str, 
     """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
     engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
-    if any(t.is_cuda for _, t, _ in shards):
+    _cuda_ipc_ready([t for _, t, _ in shards])
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards, pieces)
+    return update_id
+
+
+def _cuda_ipc_ready(tensors) -> None:
+    if any(t.is_cuda for t in tensors):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA IPC names GPUs by UUID (breaks CPU tensors, so GPU only)
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards, pieces)
-    return update_id
 
 
 def _is_dtensor(tensor) -> bool:
@@ -199,28 +188,206 @@ def _is_dtensor(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def send_weights(
+@dataclass(frozen=True)
+class ControlRequest:
+    """What the group's first rank asks the engine to do: take update ``update_id`` from
+    ``channel`` (``describe``: publish its layout there instead). ``final``: the last
+    request of this update, after which the engine may flush its cache."""
+
+    update_id: str
+    channel: str
+    describe: bool = False
+    final: bool = True
+
+
+@dataclass
+class UpdateReport:
+    """One update as this trainer rank saw it. Bytes are payload bytes this rank received
+    from other trainer ranks (trainer-side mode; in the engine's dtype) and the lower
+    bound for it (needed - held); engine-side moves are counted by the engine (message).
+    ``peak_buffer_bytes``: the largest chunk of parameter buffers held for the engine."""
+
+    mode: str
+    update_id: str = ""
+    success: bool = False
+    message: str = ""
+    bytes_received: int = 0
+    lower_bound_bytes: int = 0
+    peak_staging_bytes: int = 0
+    peak_buffer_bytes: int = 0
+    chunks: int = 0
+    described: bool = False
+
+
+Reply = Tuple[bool, str]
+Flow = Generator[ControlRequest, Reply, UpdateReport]
+
+
+def update_flow(
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     group_ranks: Sequence[int],
     group: Optional[dist.ProcessGroup],
     mode: Mode = "auto",
-    bucket_bytes: int = 512 << 20,
-    timeout_s: Optional[float] = None,
-) -> Tuple[TrainerChannel, str]:
-    """Deliver this rank's shards of ``named_tensors`` to the engine rank beside it.
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Flow:
+    """One update on one trainer rank, as the control requests the engine must serve.
 
-    Every trainer rank calls this with the same names. Returns the channel and
-    the update id for the engine's control request. Trainer-side resharding waits
-    at most ``timeout_s`` per round for its peers.
+    Every trainer rank of every engine runs it together (trainer-side mode plans
+    over the whole trainer world); ``drive``/``adrive`` serve the requests. The
+    first trainer-side update, and the one after a refused trainer-side update,
+    first asks every engine to publish its layout and reads it from the channel.
+    Trainer-side rounds wait at most ``timeout_s`` for their peers.
     """
     chan = open_channel(group_ranks, group)
     shards = prepare_shards(named_tensors)
-    names = set(trainer_side_names(shards, chan.engine_groups, mode))
-    if names:
-        moved = {n: (t, s) for n, t, s in reshard_for_engines([x for x in shards if x[0] in names],
-                                                               chan.engine_groups, bucket_bytes, timeout_s)}
-        shards = [(n, *moved[n]) if n in names else (n, t, s) for n, t, s in shards]
-    return chan, deliver(chan, shards)
+    sources = {name: spec.describe(name) for name, _, spec in shards}
+    side = choose_side(sources, chan.engine_groups, mode)
+    report = UpdateReport(side)
+    if side == "engine":
+        return (yield from delivered_flow(chan, deliver(chan, shards)))
+    if _anyone(chan.manifest is None, timeout_s):
+        report.described = True
+        chan.manifest = yield from _describe(chan, timeout_s)
+    rank, names, local = dist.get_rank(), [n for n, _, _ in shards], {n: t for n, t, _ in shards}
+    parts = chunks(chan.manifest, names, bucket_bytes)
+    for i, part in enumerate(parts):
+        result = reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
+                                    timeout_s)
+        report.chunks += 1
+        report.bytes_received += result.stats.bytes_received
+        report.lower_bound_bytes += result.lower_bound_bytes(rank)
+        report.peak_staging_bytes = max(report.peak_staging_bytes, result.stats.peak_staging_bytes)
+        report.peak_buffer_bytes = max(report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values()))
+        report.update_id = chan.next_update_id()
+        _cuda_ipc_ready(result.buffers.values())
+        chan.sender.send(report.update_id, rank, chan.rank_map, [(n, t, None) for n, t in result.buffers.items()],
+                         kind="params", names=names, fingerprint=chan.manifest.fingerprint)
+        del result  # the sender keeps the buffers alive until the next chunk replaces them
+        report.success, report.message = yield ControlRequest(report.update_id, chan.channel, final=i == len(parts) - 1)
+        if not report.success:
+            chan.manifest = None  # the engine may have changed its layout: read it again next time
+            break
+    logger.info("weight update %s: trainer-side in %d chunk(s), rank %d received %d bytes (lower bound %d), "
+                "staged at most %d, buffers at most %d", report.update_id, report.chunks, rank,
+                report.bytes_received, report.lower_bound_bytes, report.peak_staging_bytes, report.peak_buffer_bytes)
+    return report
+
+
+def delivered_flow(chan: TrainerChannel, update_id: str) -> Flow:
+    """The engine-side flow once every rank has delivered under ``update_id``: one request."""
+    report = UpdateReport("engine", update_id)
+    report.success, report.message = yield ControlRequest(update_id, chan.channel)
+    return report
+
+
+def _describe(chan: TrainerChannel, timeout_s: float) -> Generator[ControlRequest, Reply, EngineManifest]:
+    """Ask the engine to publish its layout; every trainer rank reads its engine rank's
+    copy, and all must agree (one tiny all-reduce): engines are replicas of one layout."""
+    update_id = chan.next_update_id()
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, [], kind="describe")
+    success, message = yield ControlRequest(update_id, chan.channel, describe=True)
+    manifest, problem = None, message
+    if success:
+        try:
+            manifest = read_manifest(chan.sender.channel, chan.engine_rank)
+        except ManifestError as e:
+            problem = str(e)
+    digest = fingerprint_int(manifest.fingerprint) if manifest else 0
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device())
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
+         f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
+    if manifest is None or both[0].item() != digest or -both[1].item() != digest:
+        raise ManifestError(
+            f"trainer rank {dist.get_rank()}: engines did not publish one common layout "
+            f"(this rank's engine: {problem if manifest is None else manifest.fingerprint[:12]})"
+        )
+    return manifest
+
+
+def _anyone(flag: bool, timeout_s: float) -> bool:
+    """Whether any trainer rank says so (one tiny all-reduce): keeps every rank on one path."""
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
+    wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
+         f"trainer rank {dist.get_rank()}: agreeing whether the engines' layout must be read")
+    return bool(t.item())
+
+
+def _collective_device() -> Optional[torch.device]:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+
+
+def as_reply(result) -> Reply:
+    """(success, message) from an Engine tuple or an HTTP adapter's JSON body."""
+    return (result["success"], result["message"]) if isinstance(result, dict) else (bool(result[0]), str(result[1]))
+
+
+class _Driver:
+    """Walks a flow: before each request every payload is on its way (barrier); the
+    group's first rank serves it and every rank of the group hears the reply, which
+    also keeps every rank's buffers alive until the engine has read them. Waits are
+    bounded by ``timeout_s`` (the engine waits at most that for payloads, and
+    ``timeout_s + GRACE_S`` for its own ranks)."""
+
+    def __init__(self, flow: Flow, group_ranks: Sequence[int], group, request: Optional[ControlRequest],
+                 timeout_s: float) -> None:
+        self.flow, self.group_ranks, self.group, self.timeout_s = flow, group_ranks, group, timeout_s
+        self.request, self.report = request or next(flow), None
+        self.me = dist.get_rank()
+        self.leader = self.me == group_ranks[0]
+
+    def ready(self) -> bool:
+        barrier(self.group, self.timeout_s, f"trainer rank {self.me}: before the engine reads the payloads")
+        return self.leader
+
+    def advance(self, reply: Optional[Reply]) -> bool:
+        """Hand the reply to the flow; False once the update is over."""
+        shared = broadcast_result(reply, self.group_ranks[0], self.group, 2 * self.timeout_s + GRACE_S,
+                                  f"trainer rank {self.me}: waiting for the engine's answer from rank "
+                                  f"{self.group_ranks[0]}")
+        try:
+            self.request = self.flow.send(shared)
+            return True
+        except StopIteration as done:
+            self.report = done.value
+            return False
+
+
+def _failed(e: Exception) -> Reply:
+    return False, f"{type(e).__name__}: {e}"  # e.g. an HTTP 400: every rank must hear it, not hang
+
+
+def drive(
+    flow: Flow, group_ranks: Sequence[int], group, call: Callable[[ControlRequest], Reply],
+    request: Optional[ControlRequest] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> UpdateReport:
+    """Serve a flow's control requests with ``call`` on the group's first rank (from
+    ``request`` when the flow has already been started)."""
+    d = _Driver(flow, group_ranks, group, request, timeout_s)
+    while True:
+        reply = None
+        if d.ready():
+            try:
+                reply = call(d.request)
+            except Exception as e:  # noqa: BLE001
+                reply = _failed(e)
+        if not d.advance(reply):
+            return d.report
+
+
+async def adrive(flow: Flow, group_ranks: Sequence[int], group, call, request=None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> UpdateReport:
+    """``drive`` with an async ``call``."""
+    d = _Driver(flow, group_ranks, group, request, timeout_s)
+    while True:
+        reply = None
+        if d.ready():
+            try:
+                reply = await call(d.request)
+            except Exception as e:  # noqa: BLE001
+                reply = _failed(e)
+        if not d.advance(reply):
+            return d.report
 
 
 async def update_weights_distributed(
@@ -255,22 +422,22 @@ async def update_weights_distributed(
     ranks, group = [int(r) for r in mesh.mesh.tolist()], mesh.get_group()
     reason = f"load_format={load_format!r}" if load_format is not None else None
     if reason is None:
+        flow = update_flow(params_batch, ranks, group, timeout_s=timeout_s)
         try:
-            chan, update_id = send_weights(params_batch, ranks, group, timeout_s=timeout_s)
+            first = next(flow)
         except LayoutError as e:
             reason = str(e)
     if reason is not None:
         logger.warning("update_weights: using the gathered (full_tensor) path: %s", reason)
         return await fallback(engine, params_batch, device_mesh_key, device_mesh, load_format)
-    me = dist.get_rank()
-    barrier(group, timeout_s, f"trainer rank {me}: before the engine reads the payloads")
-    result = None
-    if mesh.get_local_rank() == 0:
-        obj = UpdateWeightsDistributedReqInput(update_id=update_id, channel=chan.channel, timeout_s=timeout_s,
-                                               flush_cache=True if flush_cache is None else flush_cache)
-        req = as_tensor_request(obj, len(ranks))
-        result = await engine.update_weights_from_tensor(req)
-    # the engine has read every shard before the trainer may change them; it waits at most
-    # timeout_s for payloads and timeout_s + GRACE_S for its own ranks
-    barrier(group, 2 * timeout_s + GRACE_S, f"trainer rank {me}: while the engine applies the update")
-    return result
+    raw = []
+
+    async def call(request: ControlRequest) -> Reply:
+        final_flush = (True if flush_cache is None else flush_cache) if request.final else False
+        obj = UpdateWeightsDistributedReqInput(update_id=request.update_id, channel=request.channel,
+                                               timeout_s=timeout_s, flush_cache=final_flush)
+        raw[:] = [await engine.update_weights_from_tensor(as_tensor_request(obj, len(ranks)))]
+        return as_reply(raw[0])
+
+    await adrive(flow, ranks, group, call, first, timeout_s)
+    return raw[0] if raw else None

@@ -1,0 +1,154 @@
+"""The engine's published layout: what every TP rank of one engine needs, for the trainer.
+
+Trainer-side resharding plans straight to the engine's own parameters, so the
+trainer must know, per engine TP rank, the ``ParamTarget`` pieces, dtypes and
+the parallel layout, without ever reading the model config. The engine writes
+them once per channel (on a "describe" request) as a small JSON file,
+builtins only (no pickle), versioned, written atomically, with a fingerprint of
+its content. Every later trainer-side update carries that fingerprint and the
+engine refuses it if its own layout no longer matches, so a stale manifest can
+never write the wrong bytes.
+
+Encoding is generic over the allow-listed dataclasses (``ParamTarget``,
+``Piece``, ``Box``), so new fields on them travel without a format change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, Piece
+
+MANIFEST_VERSION = 1
+_TYPES = {cls.__name__: cls for cls in (ParamTarget, Piece, Box)}
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, of another version, or does not match its fingerprint."""
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    """One engine's whole target description: ``ranks[r]`` is what TP rank r needs."""
+
+    parallel: EngineParallel
+    ranks: Tuple[Tuple[ParamTarget, ...], ...]
+    aliases: Mapping[str, str]
+    tensor_shapes: Mapping[str, Tuple[int, ...]]
+    fingerprint: str = ""
+
+    @staticmethod
+    def of(targets: ModelTargets) -> "EngineManifest":
+        ranks = tuple(tuple(targets.for_rank(r)) for r in range(targets.parallel.tp_size))
+        m = EngineManifest(targets.parallel, ranks, dict(targets.aliases), targets.tensor_shapes())
+        return dataclasses.replace(m, fingerprint=_digest(m._body()))
+
+    def _body(self) -> dict:
+        p = self.parallel
+        return {
+            "parallel": [p.tp_size, p.attn_tp_size, p.moe_ep_size],
+            "ranks": [[_encode(t) for t in rank] for rank in self.ranks],
+            "aliases": dict(sorted(self.aliases.items())),
+            "tensor_shapes": {n: list(s) for n, s in sorted(self.tensor_shapes.items())},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({"version": MANIFEST_VERSION, "fingerprint": self.fingerprint, **self._body()})
+
+    @staticmethod
+    def from_json(text: str) -> "EngineManifest":
+        data = json.loads(text)
+        if data.get("version") != MANIFEST_VERSION:
+            raise ManifestError(f"manifest version {data.get('version')!r}, this trainer reads {MANIFEST_VERSION}")
+        body = {k: data[k] for k in ("parallel", "ranks", "aliases", "tensor_shapes")}
+        if _digest(body) != data["fingerprint"]:
+            raise ManifestError("manifest content does not match its fingerprint (partial or corrupted file)")
+        tp, attn, ep = body["parallel"]
+        return EngineManifest(
+            EngineParallel(tp, attn, ep),
+            tuple(tuple(_decode(t) for t in rank) for rank in body["ranks"]),
+            dict(body["aliases"]),
+            {n: tuple(s) for n, s in body["tensor_shapes"].items()},
+            data["fingerprint"],
+        )
+
+
+def manifest_path(channel: str, engine_rank: int) -> str:
+    return os.path.join(channel, f"tp{engine_rank}.manifest.json")
+
+
+def write_manifest(channel: str, engine_rank: int, manifest: EngineManifest) -> str:
+    """Write atomically (temporary file, then rename): a reader sees all of it or nothing."""
+    path = manifest_path(channel, engine_rank)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(channel: str, engine_rank: int) -> EngineManifest:
+    path = manifest_path(channel, engine_rank)
+    try:
+        with open(path) as f:
+            return EngineManifest.from_json(f.read())
+    except FileNotFoundError:
+        raise ManifestError(f"engine rank {engine_rank} published no manifest at {path}") from None
+
+
+def fingerprint_int(fingerprint: str) -> int:
+    """The fingerprint as a positive int64, for a tiny all-reduce that checks agreement."""
+    return int(fingerprint[:15], 16) if fingerprint else 0
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _encode(value):
+    if isinstance(value, torch.dtype):
+        return {"torch_dtype": str(value).removeprefix("torch.")}
+    if dataclasses.is_dataclass(value):
+        return {"type": type(value).__name__, **{f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    if value is None or isinstance(value, (int, str, float, bool)):
+        return value
+    raise TypeError(f"cannot put {type(value).__name__} in a manifest")
+
+
+def _decode(value):
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    if isinstance(value, dict):
+        if "torch_dtype" in value:
+            dt = getattr(torch, value["torch_dtype"], None)
+            if not isinstance(dt, torch.dtype):
+                raise ManifestError(f"unknown dtype {value['torch_dtype']!r} in manifest")
+            return dt
+        cls = _TYPES.get(value.get("type"))
+        if cls is None:
+            raise ManifestError(f"unknown type {value.get('type')!r} in manifest")
+        return cls(**{k: _decode(v) for k, v in value.items() if k != "type"})
+    return value
+
+
+def targets_by_trainer_rank(manifest: EngineManifest, engine_groups) -> Dict[int, List[ParamTarget]]:
+    """Trainer rank -> the targets of the engine rank beside it (every engine has this layout)."""
+    out: Dict[int, List[ParamTarget]] = {}
+    for group in engine_groups:
+        if len(group) != manifest.parallel.tp_size:
+            raise ManifestError(
+                f"an engine group of {len(group)} trainer ranks, but the engine publishes TP {manifest.parallel.tp_size}"
+            )
+        for engine_rank, trainer_rank in enumerate(group):
+            out[trainer_rank] = list(manifest.ranks[engine_rank])
+    return out

@@ -1,0 +1,66 @@
+"""The engine's published layout: round trip, integrity, version, and the trainer-side view."""
+
+import json
+
+import pytest
+import torch
+
+from sglang.srt.weight_sync.manifest import (
+    EngineManifest,
+    ManifestError,
+    read_manifest,
+    targets_by_trainer_rank,
+    write_manifest,
+)
+from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+
+CONFIG = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+              intermediate_size=96, vocab_size=1000, tie_word_embeddings=True)
+
+
+def _manifest(tp=2):
+    targets = model_targets_from_config(CONFIG, EngineParallel(tp), torch.bfloat16)
+    return targets, EngineManifest.of(targets)
+
+
+def test_round_trip_keeps_every_target_and_fingerprint(tmp_path):
+    targets, manifest = _manifest()
+    write_manifest(str(tmp_path), 1, manifest)
+    back = read_manifest(str(tmp_path), 1)
+    assert back == manifest
+    assert [list(r) for r in back.ranks] == [targets.for_rank(r) for r in range(2)]
+    assert back.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert not list(tmp_path.glob("*.tmp*")), "the temporary file of the atomic write is left behind"
+
+
+def test_fingerprint_follows_layout_and_dtype():
+    _, bf16 = _manifest()
+    _, tp4 = _manifest(4)
+    fp32 = EngineManifest.of(model_targets_from_config(CONFIG, EngineParallel(2), torch.float32))
+    assert len({bf16.fingerprint, tp4.fingerprint, fp32.fingerprint}) == 3
+    assert _manifest()[1].fingerprint == bf16.fingerprint
+
+
+def test_tampered_partial_or_other_version_is_refused(tmp_path):
+    _, manifest = _manifest()
+    path = write_manifest(str(tmp_path), 0, manifest)
+    data = json.loads(open(path).read())
+    data["ranks"][0][0]["shape"][0] += 1
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(ManifestError, match="does not match its fingerprint"):
+        read_manifest(str(tmp_path), 0)
+    data["version"] = 99
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(ManifestError, match="version 99"):
+        read_manifest(str(tmp_path), 0)
+    with pytest.raises(ManifestError, match="engine rank 3 published no manifest"):
+        read_manifest(str(tmp_path), 3)
+
+
+def test_trainer_ranks_get_the_targets_of_the_engine_rank_beside_them():
+    _, manifest = _manifest()
+    by_rank = targets_by_trainer_rank(manifest, [(0, 1), (2, 3)])
+    assert by_rank[0] == by_rank[2] == list(manifest.ranks[0])
+    assert by_rank[1] == by_rank[3] == list(manifest.ranks[1])
+    with pytest.raises(ManifestError, match="engine group of 3"):
+        targets_by_trainer_rank(manifest, [(0, 1, 2)])
