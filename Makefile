@@ -1,13 +1,17 @@
-# Build the drop-in sglang wheel and test it installed, as users get it (DESIGN.md section 1).
-PY    := .venv/bin/python
-WHEEL := dist/sglang-0.5.23+dwu1-*.whl
+# Build the drop-in sglang wheels and test them installed, as users get them (DESIGN.md section 1).
+# BASE picks the SGLang release for venv/install/test/smoke: 0.5.23 (primary, .venv), 0.5.12 or 0.5.10.post1
+# (.venv-<BASE>); `make wheel` always builds all three.
+BASE  ?= 0.5.23
+VENV  := $(if $(filter 0.5.23,$(BASE)),.venv,.venv-$(BASE))
+PY    := $(VENV)/bin/python
+WHEEL := dist/sglang-$(BASE)+dwu1-*.whl
 SITE   = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 PLANNER = $(SITE)/sglang/srt/weight_sync/planner.py
 
-.PHONY: venv wheel install test bench demo clean
+.PHONY: venv wheel install test smoke bench demo clean
 
 venv:
-	bash scripts/setup_env.sh
+	BASE=$(BASE) VENV=$(VENV) bash scripts/setup_env.sh
 
 # python3 is the interpreter setup_env.sh builds .venv from, so the upstream wheel's cpXY tag matches it.
 wheel:
@@ -22,6 +26,10 @@ install: venv wheel
 # Run from the repo root: python/sglang has no __init__.py, so `import sglang` resolves to the installed wheel.
 test: install
 	$(PY) -m pytest test -q -x --timeout=600 -p no:cacheprovider
+
+# The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it).
+smoke: install
+	$(PY) -m pytest test/e2e/test_distributed_update.py -k smoke -q -x --timeout=600 -p no:cacheprovider
 
 bench: install
 	$(PY) -m benchmark.weight_sync.simulate

@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
-"""Build the drop-in sglang wheel: upstream 0.5.23 + patches/series + python/sglang/ + local version label.
+"""Build the drop-in sglang wheels: for each SGLang base release, upstream <base> + patches/<base>/series +
+python/sglang/ + local version label, e.g. sglang-0.5.12+dwu1 (pip's ``sglang==0.5.12`` pin selects it).
 
-Stdlib only; never imports sglang. The upstream wheel is platform specific (cpXY-cpXY-manylinux_2_34_<arch>),
-so it is fetched for the interpreter running this script: run it with the Python of the target environment.
+Stdlib only; never imports sglang. Upstream wheels may be platform specific (cpXY-cpXY-manylinux_2_34_<arch>),
+so they are fetched for the interpreter running this script: run it with the Python of the target environment.
 
-Steps (see DESIGN.md section 1):
-  1. fetch sglang==0.5.23 into build/upstream/ (reused when a wheel for this interpreter is already there);
-  2. unpack it into build/wheel/ (wiped first);
-  3. apply patches/series in order with `patch -p2 --forward --batch --fuzz=0` (paths a/python/sglang/...);
+Steps per base (see DESIGN.md section 1):
+  1. fetch sglang==<base> into build/upstream/ (reused when a wheel for this interpreter is already there);
+  2. unpack it into build/wheel-<base>/ (wiped first);
+  3. apply patches/<base>/series in order with `patch -p2 --forward --batch --fuzz=0` (paths a/python/sglang/...);
   4. copy python/sglang/** to sglang/** -- new files only, an upstream file changes only through a patch;
-  5. set the version to 0.5.23+<label> (sglang/_version.py, dist-info dir name, METADATA);
-  6. regenerate RECORD and write dist/sglang-0.5.23+<label>-<upstream tags>.whl deterministically.
+  5. set the version to <base>+<label> (sglang/_version.py, dist-info dir name, METADATA);
+  6. regenerate RECORD and write dist/sglang-<base>+<label>-<upstream tags>.whl deterministically.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import csv
 import io
@@ -29,7 +31,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-UPSTREAM_VERSION = "0.5.23"
+# The primary base (the upstream PR's) first; the others are the releases RL frameworks pin.
+BASES = ("0.5.23", "0.5.12", "0.5.10.post1")
 ROOT = Path(__file__).resolve().parent.parent
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed timestamp for a reproducible zip
 
@@ -42,10 +45,10 @@ def log(msg: str) -> None:
     print(f"build_wheel: {msg}", file=sys.stderr, flush=True)
 
 
-def upstream_wheel(cache: Path) -> Path:
-    """Return the cached upstream wheel for this interpreter, downloading it if needed."""
+def upstream_wheel(cache: Path, base: str) -> Path:
+    """Return the cached upstream wheel of ``base`` for this interpreter, downloading it if needed."""
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    pattern = str(cache / f"sglang-{UPSTREAM_VERSION}-*.whl")
+    pattern = str(cache / f"sglang-{base}-*.whl")
 
     def find() -> list[Path]:
         found = []
@@ -58,9 +61,9 @@ def upstream_wheel(cache: Path) -> Path:
 
     if not find():
         cache.mkdir(parents=True, exist_ok=True)
-        log(f"downloading sglang=={UPSTREAM_VERSION} into {cache}")
+        log(f"downloading sglang=={base} into {cache}")
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-               f"sglang=={UPSTREAM_VERSION}", "-d", str(cache)]
+               f"sglang=={base}", "-d", str(cache)]
         if subprocess.run(cmd).returncode != 0:
             die("pip download of the upstream wheel failed: " + " ".join(cmd))
     found = find()
@@ -82,12 +85,12 @@ def read_series(patches: Path) -> list[Path]:
     for name in names:
         p = patches / name
         if not p.is_file():
-            die(f"patches/series lists {name!r} but {p} does not exist")
+            die(f"{series.relative_to(ROOT)} lists {name!r} but {p} does not exist")
         out.append(p)
     return out
 
 
-def apply_patches(tree: Path, series: list[Path]) -> None:
+def apply_patches(tree: Path, series: list[Path], base: str) -> None:
     if series and shutil.which("patch") is None:
         die("GNU patch is required to apply patches/series")
     for p in series:
@@ -97,7 +100,7 @@ def apply_patches(tree: Path, series: list[Path]) -> None:
         for extra in (["--dry-run"], []):
             r = subprocess.run(base + extra, cwd=tree, capture_output=True, text=True)
             if r.returncode != 0:
-                die(f"patch {p.relative_to(ROOT)} does not apply cleanly to sglang {UPSTREAM_VERSION}:\n"
+                die(f"patch {p.relative_to(ROOT)} does not apply cleanly to sglang {base}:\n"
                     f"{r.stdout}{r.stderr}")
         log(f"applied {p.relative_to(ROOT)}")
 
@@ -126,10 +129,13 @@ def set_version(tree: Path, old_info: str, version: str, label: str) -> str:
     # sglang/version.py re-exports sglang/_version.py (setuptools-scm output); only the latter holds the string.
     vfile = tree / "sglang/_version.py"
     text = vfile.read_text()
-    major, minor, micro = (int(x) for x in UPSTREAM_VERSION.split("."))
+    old_tuple = re.search(r"^__version_tuple__ = version_tuple = (.*)$", text, flags=re.M)
+    if old_tuple is None:
+        die(f"no version tuple in {vfile.relative_to(tree)}")
+    new_tuple = (*ast.literal_eval(old_tuple.group(1)), label)  # e.g. (0, 5, 10, 'post1', 'dwu1')
     new, n1 = re.subn(r"^__version__ = version = .*$", f"__version__ = version = {version!r}", text, flags=re.M)
     new, n2 = re.subn(r"^__version_tuple__ = version_tuple = .*$",
-                      f"__version_tuple__ = version_tuple = {(major, minor, micro, label)!r}", new, flags=re.M)
+                      f"__version_tuple__ = version_tuple = {new_tuple!r}", new, flags=re.M)
     if (n1, n2) != (1, 1):
         die(f"unexpected layout of {vfile.relative_to(tree)}; cannot set the version")
     vfile.write_text(new)
@@ -183,42 +189,52 @@ def write_wheel(tree: Path, info: str, out: Path, modes: dict[str, int]) -> None
     tmp.replace(out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--label", default="dwu1", help="local version label (default: dwu1)")
-    ap.add_argument("--build-dir", type=Path, default=ROOT / "build")
-    ap.add_argument("--dist-dir", type=Path, default=ROOT / "dist")
-    args = ap.parse_args()
-    if not re.fullmatch(r"[a-z0-9]+(\.[a-z0-9]+)*", args.label):
-        die(f"invalid local version label {args.label!r} (lower-case alphanumerics and dots)")
-    version = f"{UPSTREAM_VERSION}+{args.label}"
-
-    series = read_series(ROOT / "patches")
-    src_whl = upstream_wheel(args.build_dir / "upstream")
-    tree = args.build_dir / "wheel"
+def build(base: str, label: str, build_dir: Path, dist_dir: Path) -> Path:
+    """Build dist/sglang-<base>+<label>-<tags>.whl; returns its path."""
+    version = f"{base}+{label}"
+    series = read_series(ROOT / "patches" / base)
+    if not series:
+        die(f"patches/{base}/series lists no patches")
+    src_whl = upstream_wheel(build_dir / "upstream", base)
+    tree = build_dir / f"wheel-{base}"
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
     with zipfile.ZipFile(src_whl) as z:
         z.extractall(tree)
         modes = {i.filename: (i.external_attr >> 16) & 0o777 for i in z.infolist() if not i.is_dir()}
-    old_info = f"sglang-{UPSTREAM_VERSION}.dist-info"
+    old_info = f"sglang-{base}.dist-info"
     if not (tree / old_info).is_dir():
         die(f"{src_whl.name} has no {old_info}")
     log(f"unpacked {src_whl.name}")
 
-    apply_patches(tree, series)
+    apply_patches(tree, series, base)
     added = copy_sources(ROOT / "python" / "sglang", tree)
     log(f"added {len(added)} files from python/sglang/")
-    info = set_version(tree, old_info, version, args.label)
+    info = set_version(tree, old_info, version, label)
     modes = {(info + k[len(old_info):] if k.startswith(old_info + "/") else k): v for k, v in modes.items()}
 
-    args.dist_dir.mkdir(parents=True, exist_ok=True)
-    for old in args.dist_dir.glob("sglang-*.whl"):  # one wheel in dist/, so `pip install dist/sglang-*.whl` is unambiguous
+    dist_dir.mkdir(parents=True, exist_ok=True)
+    # one wheel per base in dist/, so `pip install dist/sglang-<base>+*.whl` is unambiguous
+    for old in dist_dir.glob(f"sglang-{base}+*.whl"):
         old.unlink()
-    out = args.dist_dir / f"sglang-{version}-{wheel_tags(tree, info)}.whl"
+    out = dist_dir / f"sglang-{version}-{wheel_tags(tree, info)}.whl"
     write_wheel(tree, info, out, modes)
-    print(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--label", default="dwu1", help="local version label (default: dwu1)")
+    ap.add_argument("--base", action="append", choices=BASES,
+                    help="SGLang release to build on (repeatable; default: all of " + ", ".join(BASES) + ")")
+    ap.add_argument("--build-dir", type=Path, default=ROOT / "build")
+    ap.add_argument("--dist-dir", type=Path, default=ROOT / "dist")
+    args = ap.parse_args()
+    if not re.fullmatch(r"[a-z0-9]+(\.[a-z0-9]+)*", args.label):
+        die(f"invalid local version label {args.label!r} (lower-case alphanumerics and dots)")
+    for base in args.base or BASES:
+        print(build(base, args.label, args.build_dir, args.dist_dir))
 
 
 if __name__ == "__main__":

@@ -3,16 +3,19 @@
 Every rank of a gloo world builds a real megatron-core ``GPTModel`` (local,
 non-TE spec, CPU) at TP x PP, loads a tiny HF Qwen2 checkpoint's "trained"
 weights into its local parameters from the pieces ``megatron_layout`` gives it
-(padded vocab rows zero), checks (PP 1) that its forward gives HF's logits, then
-updates a real SGLang CPU engine beside it with
-``VerlEngine.update_weights_from_megatron``: no gather of any kind (the
-forbidden-call recorder is live), the engine's parameters and generation are
-checked by the test.
+(padded vocab rows zero), checks that its forward gives HF's logits, then
+updates a real SGLang CPU engine beside it with ``send_megatron_weights`` (what
+``VerlEngine.update_weights_from_megatron`` calls) and the engine's
+``update_weights_distributed``: no gather of any kind (the
+forbidden-call recorder is live), the engine's parameters, generation and the
+bytes each hop moved are checked by the test.
 
-megatron-core's forward on CPU needs three shims, all about device placement or
-RNG, none about the math: RoPE moves ``inv_freq`` to ``torch.cuda.current_device()``
-(answered "cpu"), the default causal mask is built on CUDA (an explicit mask is
-passed), and attention dropout forks the CUDA RNG tracker (a no-op fork; dropout is 0).
+megatron-core's forward on CPU needs four shims, all about device placement, RNG
+or a missing library, none about the math: RoPE moves ``inv_freq`` to
+``torch.cuda.current_device()`` (answered "cpu"), the default causal mask is built on
+CUDA (an explicit mask is passed), attention dropout forks the CUDA RNG tracker (a
+no-op fork; dropout is 0), and 0.16.1's MoE router reads ``te_general_gemm``, which is
+left undefined without TransformerEngine (set to None: its own ``torch.mm`` path).
 """
 
 from __future__ import annotations
@@ -27,26 +30,36 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 
-def build_gpt(hf_config, tp: int, pp: int, padded_vocab: int):
+def build_gpt(hf_config, tp: int, pp: int, padded_vocab: int, ep: int = 1):
+    """A megatron-core GPTModel (local spec) shaped like the tiny HF Qwen2 or Qwen3-MoE."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    ps.initialize_model_parallel(tp, pp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     c = hf_config
+    moe = getattr(c, "num_experts", None)
+    extra = dict(add_qkv_bias=True) if not moe else dict(
+        qk_layernorm=True, num_moe_experts=moe, moe_ffn_hidden_size=c.moe_intermediate_size,
+        moe_router_topk=c.num_experts_per_tok, expert_model_parallel_size=ep, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+    )
     config = TransformerConfig(
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads, kv_channels=c.hidden_size // c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads, kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         ffn_hidden_size=c.intermediate_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, add_bias_linear=False, add_qkv_bias=True,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        **extra,
     )
+    spec = get_gpt_layer_local_spec(num_experts=moe, moe_grouped_gemm=False, qk_layernorm=bool(moe),
+                                    normalization="RMSNorm")
     return GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded_vocab,
+        config, spec, vocab_size=padded_vocab,
         max_sequence_length=c.max_position_embeddings, position_embedding_type="rope",
         rotary_base=c.rope_parameters["rope_theta"], share_embeddings_and_output_weights=c.tie_word_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -68,23 +81,66 @@ def load_hf_weights(model, weights, hf_vocab: int) -> None:
                 local[piece.box.translate(delta).slices()] = weights[piece.tensor][piece.box.slices()].to(local.dtype)
 
 
-def forward_matches_hf(model, model_dir, weights, tp_rank: int, hf_vocab: int) -> float:
-    """Max |mcore logits - HF logits| over this rank's real vocab columns (fp32, PP 1)."""
+def forward_matches_hf(model, model_dir, weights, hf_vocab: int):
+    """Max |mcore logits - HF logits| over this rank's real vocab columns (fp32), on the last
+    stage; None elsewhere. Stages pass hidden states by plain point-to-point (the test's
+    stand-in for a pipeline schedule; the layers, TP collectives and logits are megatron-core's)."""
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from engine import load_hf_model
 
+    from megatron.core.transformer.moe import moe_utils
+
     torch.cuda.current_device = lambda: "cpu"  # RoPE's inv_freq placement (see module docstring)
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    moe_utils.__dict__.setdefault("te_general_gemm", None)  # the router's torch.mm path (see module docstring)
     ids = torch.tensor([[3, 17, 101, 7, 250, 42]])
     s = ids.shape[1]
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s)
     with torch.no_grad():
-        logits = model(ids, torch.arange(s).view(1, -1), attention_mask=mask)  # [b, s, Vpad/T]
-        hf = load_hf_model(model_dir, weights).float()
-        ref = hf(ids).logits
-    per = logits.shape[-1]
-    lo, hi = tp_rank * per, min((tp_rank + 1) * per, hf_vocab)
-    return float((logits[..., : hi - lo] - ref[..., lo:hi]).abs().max())
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(s, 1, model.config.hidden_size)  # [s, b, h]
+            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(ids, torch.arange(s).view(1, -1), attention_mask=mask)  # hidden [s, b, h] or logits [b, s, V/T]
+        if not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            return None
+        ref = load_hf_model(model_dir, weights).float()(ids).logits
+    per, t = out.shape[-1], ps.get_tensor_model_parallel_rank()
+    lo, hi = t * per, min((t + 1) * per, hf_vocab)
+    return float((out[..., : hi - lo] - ref[..., lo:hi]).abs().max())
+
+
+def one_hop_bound(model, hf_config, groups) -> int:
+    """Bytes this rank's engine rank lacks from the trainer ranks' own parameters: the
+    planner's lower bound from megatron-core's pieces straight to the engine's targets."""
+    from sglang.srt.weight_sync.megatron_layout import describe_model_chunks, megatron_sources
+    from sglang.srt.weight_sync.megatron_update import all_coords, this_rank
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+
+    desc, _ = describe_model_chunks([model], hf_config.vocab_size, this_rank())
+    sources = megatron_sources(desc, all_coords(this_rank()))
+    targets = model_targets_from_config(hf_config, EngineParallel(len(groups[0])), torch.bfloat16)
+    needed = {g[r]: targets.for_rank(r) for g in groups for r in range(len(g))}
+    return plan(sources, needed, aliases=targets.aliases).lower_bound_bytes(dist.get_rank())
+
+
+def record_trainer_hop(record: dict) -> None:
+    """Count what the trainer-side hop (``reshard_to_engine_groups``) moves to this rank."""
+    from sglang.srt.weight_sync import trainer_update
+
+    execute = trainer_update.execute
+    record["trainer_hop_received"] = record["trainer_hop_bound"] = 0
+
+    def counted(plan, rank, *args, **kwargs):
+        stats = execute(plan, rank, *args, **kwargs)
+        record["trainer_hop_received"] += stats.bytes_received
+        record["trainer_hop_bound"] += plan.lower_bound_bytes(rank)
+        return stats
+
+    trainer_update.execute = counted
 
 
 def megatron_job(rank: int, world: int, job: dict) -> dict:
@@ -96,21 +152,16 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     from sglang.srt.weight_sync.megatron_update import send_megatron_weights
     from update_cases import _checksums, _forbidden_calls, _generate, _request, new_weights
 
-    tp, pp, engine_tp = job["tp"], job["pp"], job["engine_tp"]
+    tp, pp, ep, engine_tp = job["tp"], job["pp"], job.get("ep", 1), job["engine_tp"]
     os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]
     if engine_tp > 1:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(engine_tp)
-    hf_config = tiny_models.tiny_config("qwen2")
+    hf_config = tiny_models.tiny_config(job.get("kind", "qwen2"))
     vocab = hf_config.vocab_size
-    model = build_gpt(hf_config, tp, pp, job["padded_vocab"])
+    model = build_gpt(hf_config, tp, pp, job["padded_vocab"], ep)
     weights = new_weights(job["model_dir"], job["seed"])
     load_hf_weights(model, weights, vocab)
-    record = {}
-    if pp == 1:
-        from megatron.core import parallel_state as ps
-
-        record["forward_max_diff"] = forward_matches_hf(model, job["model_dir"], weights,
-                                                        ps.get_tensor_model_parallel_rank(), vocab)
+    record = {"forward_max_diff": forward_matches_hf(model, job["model_dir"], weights, vocab)}
     engines = init_device_mesh("cpu", (world // engine_tp, engine_tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     mesh = engines["infer_tp"]
     group, ranks = mesh.get_group(), [int(r) for r in mesh.mesh.tolist()]
@@ -120,9 +171,12 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
         random_seed=0, log_level="error",
     )
     try:
+        groups = engines.mesh.reshape(-1, engine_tp).tolist()
+        record["one_hop_bound"] = one_hop_bound(model, hf_config, groups)
+        record_trainer_hop(record)
         before = _forbidden_calls(job["forbidden_log"])
         chan, update_id = send_megatron_weights([model], vocab, ranks, group)
-        record["success"], record["message"] = _request(verl, ranks, group, chan, update_id)
+        record.update(_request(verl, ranks, group, chan, update_id))
         record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - before
         record["generation"] = _generate(verl, job["prompts"])
         if rank == ranks[0]:

@@ -13,12 +13,13 @@ message naming tensor and rank, leaving the old weights serving.
 from __future__ import annotations
 
 import pytest
+import sglang
 import torch
 
 import tiny_models
 from engine import hf_greedy, stable_prompts
 from ranks import run_ranks
-from update_cases import BAD_NAME, MAX_NEW, engine_job, new_weights
+from update_cases import BAD_NAME, GATHERING_CHECKER, MAX_NEW, engine_job, new_weights
 
 UPDATES = [("verl", "fsdp", 1), ("verl", "tp", 2), ("verl", "full", 3), ("utils", "fsdp", 4), ("engine", "tp", 5)]
 FAILURES = {
@@ -71,7 +72,9 @@ def run(kind, tp, world, steps, tmp_path, generate=True, **engine_kwargs):
     for records in results:
         for record in records[1:]:
             assert record["forbidden_calls"] == 0, f"{record['step']}: full_tensor/gather_object called during the update"
-    if tp > 1:  # the recorder is live in the engine's processes: it saw the weight checker's gathers
+    # the recorder is live in the engine's processes: it saw the weight checker's gathers (only
+    # 0.5.23's checker gathers objects; older releases read the parameters without any)
+    if tp > 1 and sglang.__version__.split("+")[0] in GATHERING_CHECKER:
         assert any(f.read_text() for f in forbidden_log.iterdir()), "forbidden-call recorder is not active"
     return model_dir, config, prompts, results
 
@@ -99,6 +102,17 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                 assert len(record["bytes_received"]) == tp and record["bytes_received"] == record["lower_bound_bytes"]
             check_update(record, model_dir, config, seed, tp, prompts)
             last_good = record
+
+
+def test_smoke_fsdp_trainer_updates_engine(tmp_path):
+    """The end-to-end smoke CI runs on every SGLang base wheel (``make smoke BASE=...``): FSDP
+    Shard(0) trainer ranks update a TP-2 engine through VerlEngine, weight_sync.utils.update_weights
+    and Engine.update_weights_distributed; after each, parameters bit-exact and generation equal to HF."""
+    steps = [("verl", "fsdp", 1), ("utils", "fsdp", 2), ("engine", "fsdp", 3)]
+    model_dir, config, prompts, (records,) = run("qwen2", 2, 2, steps, tmp_path)
+    for record in records[1:]:
+        assert record.get("success", True), record.get("message")
+        check_update(record, model_dir, config, record["step"][2], 2, prompts)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])

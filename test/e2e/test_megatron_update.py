@@ -1,19 +1,24 @@
 """A real megatron-core GPTModel (CPU, gloo) updates a real SGLang CPU engine, no gather.
 
 Trainer ranks hold a Qwen2-shaped ``GPTModel`` (local spec, padded vocab) at
-Megatron TP x PP, loaded with "trained" weights from the tiny HF checkpoint. At
-PP 1 its forward must equal HF's logits. Then ``send_megatron_weights`` hands
-each engine rank the local parameters beside it (fused ``linear_qkv`` and
-``linear_fc1`` as they are; other stages' layers moved on the trainer side
-first): the engine's parameters must equal SGLang's slicing of the weights bit
-for bit, its greedy generation must equal HF's, no ``full_tensor`` /
-``gather_object`` / ``all_gather_object`` may run, and engine rank 0 must
-receive exactly its lower bound.
+Megatron TP x PP, loaded with "trained" weights from the tiny HF checkpoint; its
+forward must equal HF's logits. Then ``send_megatron_weights`` hands each engine
+rank the local parameters beside it (fused ``linear_qkv`` and ``linear_fc1`` as
+they are; other stages' layers moved on the trainer side first): the engine's
+parameters must equal SGLang's slicing of the weights bit for bit, its greedy
+generation must equal HF's, and no ``full_tensor`` / ``gather_object`` /
+``all_gather_object`` may run.
+
+Bytes: every engine rank receives exactly its plan's lower bound, and the
+trainer-side hop (``reshard_to_engine_groups``; PP 2, or an engine narrower than
+Megatron's TP) moves to each rank exactly its own plan's bound. Where nothing
+moves on the trainer side the engine's bound is the one-hop bound (what the
+engine rank lacks from the trainer ranks' own parameters); with two hops the
+total is at least that, and the test prints both (the gap is for the
+trainer-side one-hop path to close).
 """
 
 from __future__ import annotations
-
-import re
 
 import pytest
 
@@ -27,26 +32,50 @@ from update_cases import MAX_NEW, new_weights
 SEED = 7
 
 
-@pytest.mark.parametrize("tp,pp,engine_tp,padded_vocab", [(2, 1, 2, 520), (2, 1, 1, 512), (2, 2, 2, 520)])
+@pytest.mark.parametrize("tp,pp,engine_tp,padded_vocab", [(2, 1, 2, 520), (2, 1, 1, 512), (2, 2, 2, 520), (2, 2, 1, 512)])
 def test_megatron_gpt_updates_engine(tp, pp, engine_tp, padded_vocab, tmp_path):
-    model_dir, config = tiny_models.make_tiny_model("qwen2", tmp_path / "qwen2")
+    check_megatron_update("qwen2", tp, pp, 1, engine_tp, padded_vocab, tmp_path)
+
+
+@pytest.mark.parametrize("engine_tp", [2, 1])
+def test_megatron_moe_ep2_updates_engine(engine_tp, tmp_path):
+    """Qwen3-MoE-shaped GPTModel (SequentialMLP experts) at EP 2: each rank holds half the
+    experts; an engine at TP 1 lacks the other half (moved on the trainer side first)."""
+    check_megatron_update("qwen3_moe", 1, 1, 2, engine_tp, 512, tmp_path)
+
+
+def check_megatron_update(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
+    world = tp * pp * max(ep // tp, 1)
+    model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
     weights = new_weights(model_dir, SEED)
     prompts = stable_prompts([(model_dir, weights)], 3, MAX_NEW)
     forbidden_log = tmp_path / "forbidden-calls"
     forbidden_log.mkdir()
-    job = dict(model_dir=model_dir, tp=tp, pp=pp, engine_tp=engine_tp, padded_vocab=padded_vocab, seed=SEED,
-               prompts=prompts, forbidden_log=str(forbidden_log))
-    records = run_ranks(tp * pp, megatron_job, job, timeout=900, start_method="spawn")
+    job = dict(kind=kind, model_dir=model_dir, tp=tp, pp=pp, ep=ep, engine_tp=engine_tp, padded_vocab=padded_vocab,
+               seed=SEED, prompts=prompts, forbidden_log=str(forbidden_log))
+    records = run_ranks(world, megatron_job, job, timeout=900, start_method="spawn")
     reference = hf_greedy(model_dir, prompts, MAX_NEW, weights=weights)
     expected = expected_checksums(config, weights, engine_tp, 1)
     for rank, record in enumerate(records):
-        if pp == 1:
+        if record["forward_max_diff"] is not None:
             assert record["forward_max_diff"] < 1e-4, f"rank {rank}: megatron-core logits differ from HF's"
         assert record["success"], f"rank {rank}: {record['message']}"
+        assert record["message"] == "Success", record["message"]
         assert record["forbidden_calls"] == 0, f"rank {rank}: full_tensor/gather_object called during the update"
         assert record["generation"] == reference, f"rank {rank}: generation differs from HF transformers"
         if record["leader"]:
             wrong = sorted(n for r in expected for n in expected[r] if record["checksums"][r][n] != expected[r][n])
             assert not wrong, f"engine of rank {rank}: parameters differ from SGLang's slicing: {wrong[:5]}"
-            received, bound = map(int, re.search(r"received (\d+) bytes \(lower bound (\d+)\)", record["message"]).groups())
-            assert received == bound, record["message"]
+            assert record["bytes_received"] == record["lower_bound_bytes"], record
+            assert len(record["bytes_received"]) == engine_tp
+    assert sum(r["forward_max_diff"] is not None for r in records) == world // pp, "no last stage checked its logits"
+    moved = []
+    for rank, record in enumerate(records):
+        engine_hop = records[rank - rank % engine_tp]["bytes_received"][rank % engine_tp]
+        assert record["trainer_hop_received"] == record["trainer_hop_bound"], f"rank {rank}: {record}"
+        moved.append((record["trainer_hop_received"] + engine_hop, record["one_hop_bound"]))
+    print(f"{kind} TP {tp} x PP {pp} x EP {ep} -> engine TP {engine_tp}: (bytes moved to each rank, one-hop bound) {moved}")
+    if not any(r["trainer_hop_received"] for r in records):
+        assert all(m == bound for m, bound in moved), moved
+    else:  # two hops: never less than the one-hop bound; the gap is the one-hop path's to close
+        assert all(m >= bound for m, bound in moved), moved

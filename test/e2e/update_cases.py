@@ -72,17 +72,47 @@ class VerlLikeClient:
         return await self._engine.tokenizer_manager.flush_cache()
 
 
+# SGLang releases whose weight checker has no "checksum" action (0.5.10.post1's compares on CUDA only).
+NO_CHECKSUMS = ("0.5.10.post1",)
+# Releases whose weight checker calls all_gather_object in the engine: what shows the recorder is live.
+GATHERING_CHECKER = ("0.5.23",)
+
+
+def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:
+    """Per-rank parameter checksums of what SGLang's own ShardedStateLoader saves of the live
+    model (``Engine.save_sharded_model``), for the releases in ``NO_CHECKSUMS``."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    out: Dict[int, Dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        engine.save_sharded_model(params={"path": directory, "pattern": None, "max_size": None})
+        for f in sorted(os.listdir(directory)):  # model-rank-{rank}-part-{part}.safetensors
+            rank = int(f.split("-")[2])
+            out.setdefault(rank, {}).update(
+                {n: f"{tensor_hash(t):016x}" for n, t in load_file(os.path.join(directory, f)).items()})
+    return out
+
+
 def _checksums(engine) -> Dict[int, Dict[str, str]]:
-    """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP."""
+    """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP
+    (0.5.23 replies (ok, message, ranks, extra), 0.5.12 (ok, message, ranks))."""
     import msgspec
     import requests
+    import sglang
 
-    from sglang.srt.managers.io_struct import CheckWeightsReqInput, ChecksumInfo
+    if sglang.__version__.split("+")[0] in NO_CHECKSUMS:
+        return _saved_checksums(engine)
+
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
 
     if hasattr(engine, "tokenizer_manager"):
-        ok, message, ranks, _ = engine.loop.run_until_complete(
+        ok, message, ranks = engine.loop.run_until_complete(
             engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
-        )
+        )[:3]
     else:  # HttpServerEngineAdapter: the server's /weights_checker route
         body = requests.post(f"{engine.server_args.url()}/weights_checker", json={"action": "checksum"}).json()
         ok, message, ranks = body["success"], body["message"], body.get("ranks")
@@ -91,8 +121,10 @@ def _checksums(engine) -> Dict[int, Dict[str, str]]:
     while ranks:  # one entry per rank (and runner role), possibly nested in lists
         item = ranks.pop()
         ranks.extend(item) if isinstance(item, list) else infos.append(item)
-    infos = [msgspec.convert(r, ChecksumInfo) for r in infos]
-    return {i.parallelism_info[0].tp_rank: i.checksums for i in infos}  # one target runner per rank
+    infos = [msgspec.to_builtins(r) for r in infos]  # 0.5.23: msgspec ChecksumInfo; 0.5.12: plain dicts
+    # one target runner per rank; parallelism_info is one entry per runner role on 0.5.23, a single one on 0.5.12
+    par = [i["parallelism_info"] for i in infos]
+    return {(p[0] if isinstance(p, list) else p)["tp_rank"]: i["checksums"] for p, i in zip(par, infos)}
 
 
 def _forbidden_calls(log_dir: str) -> int:
@@ -120,15 +152,13 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
 
 def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
     """``Engine.update_weights_distributed`` for what every rank delivered; (success, message) on every rank."""
+    from sglang.srt.weight_sync.sglang_compat import weight_update_session
+
     dist.barrier(group=group)
     result = None
     if dist.get_rank() == ranks[0]:
-        engine = verl._engine
-        engine.begin_weight_update()
-        try:
-            result = engine.update_weights_distributed(update_id, chan.channel, timeout_s=timeout_s)
-        finally:
-            engine.end_weight_update()
+        with weight_update_session(verl._engine):
+            result = verl._engine.update_weights_distributed(update_id, chan.channel, timeout_s=timeout_s)
     box = [result]
     dist.broadcast_object_list(box, src=ranks[0], group=group)
     return box[0]
@@ -163,6 +193,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     from engine import omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync import utils as weight_sync_utils
+    from sglang.srt.weight_sync.sglang_compat import weight_update_session
 
     tp = job["tp"]  # engines of `tp` ranks side by side; the trainer's mesh spans the whole world
     os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]  # read by the engine's processes (sitecustomize)
@@ -207,9 +238,8 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 params = as_layout(new_weights(job["model_dir"], seed), arg, mesh)  # DTensors on the trainer's mesh
                 call = weight_sync_utils.update_weights(client, params, "infer_tp", engines, flush_cache=False)
                 if leader:
-                    verl._engine.begin_weight_update()
-                    out = verl._engine.loop.run_until_complete(call)
-                    verl._engine.end_weight_update()
+                    with weight_update_session(verl._engine):
+                        out = verl._engine.loop.run_until_complete(call)
                     verl._engine.flush_cache()
                     record["success"], record["message"] = out
                 else:

@@ -87,6 +87,11 @@ def configure_cpu_env() -> None:
     _prepend_path_var("PYTHONPATH", str(SUPPORT_DIR))
     if str(SUPPORT_DIR) not in sys.path:
         sys.path.insert(0, str(SUPPORT_DIR))
+    if torch.version.cuda is not None:
+        # A CUDA torch build on a machine without GPU (the pinned torch of SGLang 0.5.10/0.5.12):
+        # NCCL loads from the nvidia wheels, and SGLang's TP groups would then build a pynccl
+        # communicator for a CPU device and fail; a library name that cannot load disables it.
+        os.environ.setdefault("SGLANG_NCCL_SO_PATH", "libnccl-disabled-on-cpu.so")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

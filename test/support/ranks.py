@@ -7,6 +7,7 @@ fails loudly if any code path funnels or materialises payloads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -23,11 +24,41 @@ class ForbiddenCall(AssertionError):
     pass
 
 
+_ORIGINALS: dict = {}
+
+
+@contextlib.contextmanager
+def gathers_allowed():
+    """The real functions back for a block: for a test that runs a framework's own gathering
+    code on purpose (e.g. stock verl's ``full_tensor()`` producer) to compare with ours."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.tensor import DTensor
+
+    refusing = {name: getattr(dist, name) for name in ("gather_object", "all_gather_object")}
+    refusing["full_tensor"] = DTensor.full_tensor
+    DTensor.full_tensor = _ORIGINALS["full_tensor"]
+    for name in ("gather_object", "all_gather_object"):
+        setattr(dist, name, _ORIGINALS[name])
+        setattr(c10d, name, _ORIGINALS[name])
+    try:
+        yield
+    finally:
+        DTensor.full_tensor = refusing.pop("full_tensor")
+        for name, fn in refusing.items():
+            setattr(dist, name, fn)
+            setattr(c10d, name, fn)
+
+
 def forbid_gathers() -> None:
     """Replace the forbidden functions in this process with ones that raise."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from torch.distributed.tensor import DTensor
+
+    _ORIGINALS.setdefault("full_tensor", DTensor.full_tensor)
+    for name in ("gather_object", "all_gather_object"):
+        _ORIGINALS.setdefault(name, getattr(c10d, name))
 
     def refuse(name):
         def call(*args, **kwargs):

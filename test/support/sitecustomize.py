@@ -6,6 +6,11 @@ Active only when ``SGLANG_TEST_FORBIDDEN_LOG`` names a directory: each call of
 ``<dir>/<pid>.log``. The end-to-end tests read those files around every update.
 (Outside updates SGLang's own weight checker uses ``all_gather_object``, so the calls
 are recorded rather than refused.)
+
+When ``SGLANG_TEST_FIGURES_LOG`` names a directory, the numbers of each engine rank's
+"received ... bytes (lower bound ...)" log record of ``weight_sync.engine_update`` are
+appended to ``<dir>/<pid>.jsonl`` as [update_id, rank, received, lower_bound, staged]:
+the tensor path's reply keeps upstream's shape, so its figures are only in that log.
 """
 
 import os
@@ -30,3 +35,27 @@ if _LOG_DIR:
         _wrapped = _recording(_name, getattr(_c10d, _name))
         setattr(_dist, _name, _wrapped)
         setattr(_c10d, _name, _wrapped)
+
+_FIGURES_DIR = os.environ.get("SGLANG_TEST_FIGURES_LOG")
+
+if _FIGURES_DIR:
+    import json as _json
+    import logging as _logging
+
+    class _FigureRecorder(_logging.Handler):
+        def emit(self, record):
+            if "received %d bytes (lower bound %d)" in str(record.msg):
+                with open(os.path.join(_FIGURES_DIR, f"{os.getpid()}.jsonl"), "a") as log:
+                    log.write(_json.dumps(list(record.args)) + "\n")
+
+    _figures_logger = _logging.getLogger("sglang.srt.weight_sync.engine_update")
+    _figures_logger.setLevel(_logging.INFO)
+    _figures_logger.addHandler(_FigureRecorder())
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+    import torch as _torch
+
+    if _torch.version.cuda is not None and not _torch.cuda.is_available():
+        # The CUDA torch build that SGLang 0.5.10/0.5.12 pin, on a machine without GPU: SGLang 0.5.12's
+        # weight checker calls torch.cuda.synchronize(), which has nothing to wait for here.
+        _torch.cuda.synchronize = lambda device=None: None

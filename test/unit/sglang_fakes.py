@@ -1,12 +1,13 @@
 """Build real SGLang 0.5.23 models on one CPU process as if they were engine TP rank r of T.
 
-Nothing here runs a forward pass or touches torch.distributed. The model classes
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-``Qwen3MoeForCausalLM``) are constructed from a tiny HF config and fed full HF
-checkpoint tensors through their own ``load_weights`` (then the loader's post-load
+Nothing here runs a forward pass or touches torch.distributed. A model is
+constructed from a tiny HF checkpoint and fed its full HF tensors through their own ``load_weights`` (then the loader's post-load
 processing, as ``DefaultModelLoader`` runs it), so every parameter ends up sliced by
 SGLang's own weight loaders. The result is SGLang's ground truth for the per-rank
-layout, which ``test_targets_vs_sglang_loaders.py`` compares with our target rules.
+layout, which ``test_targets_vs_sglang_loaders.py`` compares with our target rules and
+``test_derived_targets.py`` with the derived targets. Any architecture SGLang's registry
+knows is built the way ``DefaultModelLoader`` builds it (``_initialize_model``). With ``"derive": true`` in a job, the worker also derives the
+rank's targets on meta (``weight_sync.derived_targets``) in the same faked rank.
 
 How TP is faked (the same way SGLang's own tests do it, see
 ``sglang/test/parallel_groups.py``):
@@ -17,8 +18,8 @@ How TP is faked (the same way SGLang's own tests do it, see
 * ``get_parallel().override(...)`` sets every rank (tp, attn_tp, moe_ep, moe_tp,
   pp, ...) with the launcher's formulas (``derive_spawn_ranks``:
   moe_tp_rank = r % (T/EP), moe_ep_rank = r // (T/EP)) and installs fake group
-  objects carrying ``rank_in_group``/``world_size``, which is all that layers
-  read (``get_group_rank_size``). A fake group raises on anything else, so a
+  objects (``derived_targets.PlacementGroup``) carrying ``rank_in_group``/``world_size``,
+  which is all that layers read (``get_group_rank_size``). Such a group raises on anything else, so a
   construction path that would need a real collective is reported, not hidden.
 
 Two platform modes, each run in its own subprocess because SGLang reads
@@ -58,12 +59,6 @@ SENTINEL = -1.0  # written into every parameter before loading: "SGLang never wr
 # Config keys whose CPU-engine adjustment we report.
 ADJUSTED_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim")
 
-MODEL_CLASSES = {
-    "llama": ("sglang.srt.models.llama", "LlamaForCausalLM"),
-    "qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,55 +173,22 @@ def describe_layout(param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs
 # Faked TP rank (SGLang imports are deferred: the env var must be set before the first one).
 
 
-class FakeGroup:
-    """Stands in for a GroupCoordinator: placement metadata only."""
-
-    def __init__(self, rank_in_group: int, world_size: int):
-        self.rank_in_group = rank_in_group
-        self.world_size = world_size
-        self.ranks = list(range(world_size))
-        self.cpu_group = None  # LogitsProcessor keeps a handle for chunked logprobs; unused here
-        self.device_group = None
-
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank_in_group == 0
-
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
-
-    def __getattr__(self, name):
-        raise AttributeError(f"FakeGroup({self.rank_in_group}/{self.world_size}) has no {name!r}: "
-                             "model construction needed a real process group")
-
-
 @contextmanager
-def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1):
-    """Publish a dummy SGLang config for TP ``tp_size`` / EP ``moe_ep_size`` and act as ``rank``."""
-    from sglang.srt.runtime_context import derive_spawn_ranks, get_context, get_parallel
+def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1, **server_args):
+    """Publish a dummy SGLang config for TP ``tp_size`` / EP ``moe_ep_size`` (plus any other
+    ``server_args`` fields) and act as ``rank`` with placement-only groups (the same
+    ``as_engine_rank`` the engine uses to derive its targets)."""
+    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.weight_sync.derived_targets import as_engine_rank
 
-    installed = get_context().override_server_args(tp_size=tp_size, ep_size=moe_ep_size)
+    installed = get_context().override_server_args(tp_size=tp_size, ep_size=moe_ep_size, **server_args)
     installed.install()
     try:
         parallel = get_parallel()
         assert (parallel.attn_tp_size, parallel.moe_ep_size, parallel.moe_tp_size) == (
             tp_size, moe_ep_size, tp_size // moe_ep_size)
-        ranks = derive_spawn_ranks(world_rank=rank, tp_size=tp_size, ep_join_rank_offset=0, attn_cp_size=1,
-                                   attn_tp_size=tp_size, moe_dp_size=1, moe_ep_size=moe_ep_size)
-        assert ranks["tp_rank"] == rank and ranks["pp_rank"] == 0
-        moe_tp = tp_size // moe_ep_size
-        values = dict(
-            ranks, attn_tp_rank=rank, attn_dp_rank=0,
-            tp_group=FakeGroup(rank, tp_size),
-            attn_tp_group=FakeGroup(rank, tp_size),
-            moe_ep_group=FakeGroup(ranks["moe_ep_rank"], moe_ep_size),
-            moe_tp_group=FakeGroup(ranks["moe_tp_rank"], moe_tp),
-            moe_dp_group=FakeGroup(0, 1),
-            attn_cp_group=FakeGroup(0, 1),
-            pp_group=FakeGroup(0, 1),
-        )
-        with parallel.override(**values):
+        with as_engine_rank(rank):
+            assert parallel.tp_rank == rank and parallel.pp_rank == 0
             yield
     finally:
         installed.restore()
@@ -267,7 +229,10 @@ def _save_checkpoint(spec: dict, directory: Path) -> dict:
     kwargs = dict(spec)
     config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    auto = transformers.AutoModelForCausalLM
+    if type(config) not in auto._model_mapping:  # vision-language models (Qwen2.5-VL)
+        auto = transformers.AutoModelForImageTextToText
+    model = auto.from_config(config)
     model.save_pretrained(directory)
     shapes = []
     for path in sorted(directory.glob("*.safetensors")):
@@ -277,8 +242,9 @@ def _save_checkpoint(spec: dict, directory: Path) -> dict:
             "tensors": sorted(shapes)}
 
 
-def _model_config(directory: Path, mode: str, tp_size: int):
-    """SGLang's own ModelConfig for the checkpoint, adjusted as ModelRunner does on CPU."""
+def sglang_model_config(directory: Path, mode: str, tp_size: int):
+    """SGLang's own ModelConfig for the checkpoint, adjusted as ModelRunner does on CPU; and the
+    config keys that adjustment changed."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
 
@@ -291,40 +257,98 @@ def _model_config(directory: Path, mode: str, tp_size: int):
         model_config = adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(), tp_size)
         after = {k: getattr(model_config.hf_config, k, None) for k in ADJUSTED_KEYS}
         changes = {k: (before[k], after[k]) for k in ADJUSTED_KEYS if before[k] != after[k]}
-    return model_config.hf_config, changes
+    return model_config, changes
 
 
-def load_rank(model_type: str, hf_config, full: Dict[str, torch.Tensor], tp_size: int, rank: int,
-              moe_ep_size: int = 1) -> Dict[str, torch.Tensor]:
-    """SGLang's parameters on engine rank ``rank`` after ``load_weights`` of the full tensors."""
-    import importlib
+def _build(model_config, dtype: torch.dtype = torch.float32):
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    module, cls = MODEL_CLASSES[model_type]
-    with fake_engine_rank(tp_size, rank, moe_ep_size):
-        model = getattr(importlib.import_module(module), cls)(hf_config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(SENTINEL)
-        model.load_weights(iter(full.items()))
-        # What DefaultModelLoader.load_model does next: each quant method's post-load processing
-        # (repacking would change the in-memory layout that weight updates write into).
-        from sglang.srt.model_loader.loader import DefaultModelLoader
+    with set_default_torch_dtype(dtype):
+        return _initialize_model(model_config, LoadConfig(), None)  # as DefaultModelLoader builds it
 
+
+def _computed(model) -> Dict[str, torch.Tensor]:
+    """Buffers and plain tensor attributes with a storage of their own (a view of a parameter
+    follows it)."""
+    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out = {}
+    for mname, module in model.named_modules():
+        tensors = list(module.named_buffers(recurse=False))
+        tensors += [(a, v) for a, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        for attr, val in tensors:
+            if val.numel() and val.untyped_storage().data_ptr() not in owned:
+                out[f"{mname}.{attr}" if mname else attr] = val
+    return out
+
+
+def _load(model, full) -> None:
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    model.load_weights(iter(full.items()))
+    # What DefaultModelLoader.load_model does next: each quant method's post-load processing
+    # (repacking would change the in-memory layout that weight updates write into).
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+
+
+def load_rank(model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    """SGLang's parameters on the current (faked) engine rank after ``load_weights`` of the full
+    tensors, and the tensors loading computes from them (MLA's w_kc/w_vc, Gemma's weight + 1)."""
+    model = _build(model_config, dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(SENTINEL)
+    before = {n: t.clone() for n, t in _computed(model).items()}
+    _load(model, full)
+    computed = {n: t.detach().clone() for n, t in _computed(model).items()
+                if n not in before or not torch.equal(before[n], t)}
+    return model, {name: p.detach().clone() for name, p in model.named_parameters()}, computed
+
+
+def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """Write the parameters SGLang loads from other weights (``2 * full``) in place, as an update
+    does, then run SGLang's refresh (``derived_targets.refresh_after_update``, then
+    ``end_weight_update``'s post-load): each computed tensor must equal a fresh load's and keep
+    its storage. Returns the problems by tensor name."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+    from sglang.srt.weight_sync.derived_targets import refresh_after_update
+
+    fresh = _build(model_config)
+    _load(fresh, {n: 2 * t for n, t in full.items()})
+    storages = {n: t.untyped_storage().data_ptr() for n, t in _computed(model).items()}
+    with torch.no_grad():
+        new = dict(fresh.named_parameters())
+        for name, p in model.named_parameters():
+            p.data.copy_(new[name])
+        refresh_after_update(model)
+        post_load_weights(model)
         DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    expected, problems = _computed(fresh), {}
+    for name, t in _computed(model).items():
+        if name in storages and t.untyped_storage().data_ptr() != storages[name]:
+            problems[name] = "storage replaced by the refresh"
+        elif name in expected and not torch.equal(t, expected[name]):
+            problems[name] = "stale after the refresh"
+    return problems
 
 
 def run_job(job: dict, out_path: str) -> None:
-    """``job``: {"mode", "workdir", "configs": {id: hf kwargs}, "cases": [[case_id, cfg_id, T, r, ep]]}.
+    """``job``: {"mode", "workdir", "configs": {id: hf kwargs or None (saved already)}, "cases":
+    [[case_id, cfg_id, T, r, ep, {server args}?]], "derive": bool, "checksums": bool}.
+
+    With "checksums", each case is SGLang's own load of the saved checkpoint in its dtype, as
+    ``{"checksums": {param: tensor_hash}}`` (what SGLang's weight checker reports).
 
     Writes ``torch.save({"checkpoints": {cfg_id: {"dir", "config": <config.json>, "tensors":
-    [(name, shape)]}}, "results": {case_id: {"params": {...}, "config_changes": {...}} | {"error": str}},
-    "platform": {...}})``.
+    [(name, shape)]}}, "results": {case_id: {"params": {...}, "config_changes": {...}, "derived":
+    RankTargets, "layout", "refresh_problems" (when job["derive"])} | {"error": str}}, "platform": {...}})``.
     """
     mode = job["mode"]
     if mode == "default":
         _provide_vllm_rotary_import()
     import sglang.srt.utils as sgl_utils
+    from sglang.srt.weight_sync.derived_targets import build_meta_model, checkpoint_layout, derive_rank
 
     platform = {"is_cpu": bool(sgl_utils.is_cpu()), "is_cuda": bool(sgl_utils.is_cuda())}
     if platform["is_cpu"] != (mode == "cpu"):
@@ -333,14 +357,31 @@ def run_job(job: dict, out_path: str) -> None:
     checkpoints, results = {}, {}
     workdir = Path(job["workdir"])
     for cfg_id, spec in job["configs"].items():
-        checkpoints[cfg_id] = _save_checkpoint(spec, workdir / cfg_id)
-    for case_id, cfg_id, tp_size, rank, ep in job["cases"]:
+        if spec is not None:  # None: a checkpoint already saved in workdir / cfg_id
+            checkpoints[cfg_id] = _save_checkpoint(spec, workdir / cfg_id)
+    for case_id, cfg_id, tp_size, rank, ep, *extra in job["cases"]:
         try:
-            with fake_engine_rank(tp_size, rank, ep):  # ModelConfig may read the published config
-                hf_config, changes = _model_config(workdir / cfg_id, mode, tp_size)
-            full = index_encoded(checkpoints[cfg_id]["tensors"])
-            params = load_rank(job["configs"][cfg_id]["model_type"], hf_config, full, tp_size, rank, ep)
-            results[case_id] = {"params": params, "config_changes": changes}
+            with fake_engine_rank(tp_size, rank, ep, **(extra[0] if extra else {})):
+                model_config, changes = sglang_model_config(workdir / cfg_id, mode, tp_size)
+                if job.get("checksums"):  # SGLang's own load of the saved checkpoint, in its dtype
+                    from safetensors.torch import load_file
+                    from sglang.srt.managers.mm_utils import tensor_hash
+
+                    full = load_file(str(workdir / cfg_id / "model.safetensors"))
+                    _, params, _ = load_rank(model_config, full, model_config.dtype)
+                    results[case_id] = {"checksums": {n: f"{tensor_hash(p):016x}" for n, p in params.items()}}
+                    continue
+                full = index_encoded(checkpoints[cfg_id]["tensors"])
+                model, params, computed = load_rank(model_config, full)
+                results[case_id] = {"params": params, "computed": computed, "config_changes": changes}
+                if job.get("derive"):
+                    import transformers
+
+                    layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(workdir / cfg_id))
+                    results[case_id]["layout"] = layout
+                    results[case_id]["derived"] = derive_rank(build_meta_model(model_config), layout)
+                    if computed:
+                        results[case_id]["refresh_problems"] = refresh_check(model, model_config, full)
         except Exception:  # reported per case by the test
             results[case_id] = {"error": traceback.format_exc()}
     torch.save({"checkpoints": checkpoints, "results": results, "platform": platform}, out_path)

@@ -186,7 +186,12 @@ def expert_indices(config, ep_rank, ep, monkeypatch):
 
 
 def glu_master(hf, prefix):
-    return torch.cat([hf[f"{prefix}gate_proj.weight"], hf[f"{prefix}up_proj.weight"]])
+    """The TP-1 fc1 [gate; up]; megatron-core's own swiglu must read it as silu(gate) * up."""
+    master = torch.cat([hf[f"{prefix}gate_proj.weight"], hf[f"{prefix}up_proj.weight"]])
+    x = torch.linspace(-1, 1, master.shape[1], dtype=torch.float64).view(1, -1) / master.abs().max()
+    gate, up = x @ hf[f"{prefix}gate_proj.weight"].T, x @ hf[f"{prefix}up_proj.weight"].T
+    assert torch.allclose(swiglu(x @ master.T), torch.nn.functional.silu(gate) * up), prefix
+    return master
 
 
 def expected_locals(model, rank, hf, built, monkeypatch):
@@ -403,3 +408,15 @@ def test_vocab_verify_layouts_cases(hf_vocab, divisible_by, tp):
         assert real == ([(lo, min(hi, hf_vocab) - lo, 0)] if lo < hf_vocab else [])
         rows += sum(n for _, n, _ in real)
     assert rows == hf_vocab
+
+
+@pytest.mark.parametrize("ffn,tp", [(12, 1), (12, 2), (12, 3), (16, 4)])
+def test_fc1_verify_layouts_cases(ffn, tp):
+    """GLU fc1 at every TP (3 included): each rank's [gate_t; up_t] is megatron-core's stride-2 split."""
+    model = MegatronModel(dense(tp, nq=12 if tp == 3 else 8, ng=12 if tp == 3 else 8, ffn=ffn, layers=1),
+                          50, 64 * tp, False)
+    hf = hf_tensors(model)
+    name = "chunk0/decoder.layers.0.mlp.linear_fc1.weight"
+    for t in range(tp):
+        local = rebuild(model, MegatronRank(t), hf)[name]
+        assert torch.equal(local, split(glu_master(hf, "model.layers.0.mlp."), t, tp, 0, stride=2)), (ffn, tp, t)

@@ -1,7 +1,7 @@
 """Property tests of the planner on random shapes and layouts (pure, no processes).
 
-A plan is replayed symbolically on index-encoded tensors: every destination
-element must be written exactly once, with the right source element, from a
+A plan is replayed symbolically on index-encoded tensors (pieces landing plain or
+permuted): every destination element must be written exactly once, with the right source element, from a
 rank that really holds it; each rank must receive exactly (needed - held)
 bytes, with ``held`` computed here independently; the same inputs in any
 order must give the same plan.
@@ -55,10 +55,11 @@ def scenarios(draw):
                 lo = [draw(st.integers(0, s - 1)) for s in src.shape]
                 sz = [draw(st.integers(1, s - o)) for s, o in zip(src.shape, lo)]
                 box = Box(tuple(lo), tuple(sz))
-                width = tuple(max(s for s in src.shape) for _ in src.shape[1:])
-                pieces.append(Piece(name, box, (), (row,) + (0,) * (len(sz) - 1)))
-                row += sz[0]
-            shape = (row,) + tuple(max(p.box.sizes[d] for p in pieces) for d in range(1, len(src.shape)))
+                perm = tuple(draw(st.permutations(range(len(sz))))) if draw(st.booleans()) else None
+                piece = Piece(name, box, (), (row,) + (0,) * (len(sz) - 1), perm)  # perm: lands transposed
+                pieces.append(piece)
+                row += piece.dest_box().sizes[0]
+            shape = (row,) + tuple(max(p.dest_box().sizes[d] for p in pieces) for d in range(1, len(src.shape)))
             params.append(ParamTarget(f"{name}@{rank}", shape, torch.float32, tuple(pieces)))
         targets[rank] = params
     bucket = draw(st.sampled_from([16, 64, 1 << 20]))
@@ -75,7 +76,8 @@ def replay(p, sources, fulls, targets):
         assert held == m.src_shard and held.contains(m.region), f"rank {m.src} does not hold {m.region} of {m.tensor}"
         for d in m.dests:
             key = (d.rank, d.param)
-            out[key][d.index][d.box(m.region).slices()] = fulls[m.tensor][m.region.slices()]
+            data = fulls[m.tensor][m.region.slices()]
+            out[key][d.index][d.box(m.region).slices()] = data if d.perm is None else data.permute(d.perm)
             writes[key][d.index][d.box(m.region).slices()] += 1
     return out, writes
 
@@ -89,7 +91,7 @@ def check_plan(p, sources, fulls, targets):
             expect = torch.zeros(t.shape, dtype=torch.float64)
             for piece in t.pieces:
                 covered[piece.dest_box().slices()] += 1
-                expect[piece.dest_box().slices()] = fulls[piece.tensor][piece.box.slices()]
+                expect[piece.dest_box().slices()] = piece.region(fulls[piece.tensor])
                 needed += piece.box.numel * 4
                 mine = sources[piece.tensor].box_of(rank)
                 overlap = mine.intersect(piece.box) if mine is not None and not mine.is_empty() else None
@@ -182,3 +184,18 @@ def test_plan_cache_reuses_plans_for_unchanged_layouts():
     assert cache.get(dict(src), {r: list(t) for r, t in need.items()}) is first
     moved = {"w": describe_mesh("w", (4, 4), torch.float32, [1, 0], (Shard(0),))}
     assert cache.get(moved, need) is not first
+
+
+def test_executor_lands_permuted_pieces_transposed():
+    """gpt-oss experts: checkpoint [E, H, 2I] lands as [E, 2I, H]; the executor permutes on the receiving side."""
+    from sglang.srt.weight_sync.executor import execute
+    from sglang.srt.weight_sync.target_layout import reference_param
+
+    full = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    src = {"w": describe_mesh("w", (2, 3, 4), torch.float32, [0], (Replicate(),))}
+    target = ParamTarget("p", (2, 2, 3), torch.float32, (Piece("w", Box((0, 0, 2), (2, 3, 2)), (), (0, 0, 0), (0, 2, 1)),))
+    p = plan(src, {0: [target]})
+    params = {"p": torch.zeros(2, 2, 3)}
+    execute(p, 0, {"w": full}, params)
+    assert torch.equal(params["p"], full[:, :, 2:].transpose(1, 2))
+    assert torch.equal(params["p"], reference_param(target, {"w": full}))

@@ -6,7 +6,10 @@ SiLU-and-mul, rotary embedding, the KV store, linear/logits and the all-reduce, 
 only one kernel really runs in a tiny-model Engine: ``assign_req_to_token_pool_cpu``
 (decode-time KV slot bookkeeping), implemented here in plain torch. Every other name
 resolves to a function that raises ``NotImplementedError`` when called, so imports
-succeed and an unexpected use fails loudly.
+succeed and an unexpected use fails loudly. The same holds for the submodules that SGLang
+imports unconditionally (``SUBMODULES``: ``mamba`` on 0.5.23, also ``kvcacheio`` on 0.5.10 and
+0.5.12), which a finder at the end of ``sys.meta_path`` creates on import; the others stay
+absent, because SGLang catches their ImportError (e.g. ``scalar_type``) and falls back.
 
 No ``torch.ops.sgl_kernel`` ops are registered: SGLang's AMX check
 (``cpu_has_amx_support``) needs ``torch.ops.sgl_kernel.convert_weight_packed``, so the
@@ -18,9 +21,15 @@ are spawned and inherit the environment. With a full sglang install (real CUDA
 ``sglang-kernel``) it must come first, to shadow the real package.
 """
 
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
 import torch
 
 __version__ = "0.0.0+torch-stand-in"
+SUBMODULES = ("mamba", "kvcacheio")
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
@@ -58,3 +67,24 @@ def missing(module: str, name: str):
 
 def __getattr__(name):
     return missing("sgl_kernel", name)
+
+
+class _StandInSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``sgl_kernel.<one of SUBMODULES>`` as a module whose every attribute is ``missing(...)``."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in {f"{__name__}.{name}" for name in SUBMODULES}:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__getattr__ = lambda name: missing(spec.name, name)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _StandInSubmodules) for f in sys.meta_path):
+    sys.meta_path.append(_StandInSubmodules())

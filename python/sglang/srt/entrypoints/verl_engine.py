@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, check_timeout
+from sglang.srt.weight_sync.sglang_compat import weight_update_session
 from sglang.srt.weight_sync.trainer_update import Mode, close_channels, send_weights
 from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result
 
@@ -123,12 +124,9 @@ class VerlEngine:
         result = None
         if self._tp_rank == 0:
             try:
-                self._engine.begin_weight_update()
-                try:
+                with weight_update_session(self._engine):
                     result = self._engine.update_weights_distributed(update_id, chan.channel, flush_cache=True,
                                                                      timeout_s=self._timeout_s)
-                finally:
-                    self._engine.end_weight_update()
                 # Engine returns (success, message); the HTTP adapter returns the JSON body
                 result = (result["success"], result["message"]) if isinstance(result, dict) else tuple(result)
             except Exception as e:  # noqa: BLE001 - e.g. an HTTP 400; every rank must hear, not hang

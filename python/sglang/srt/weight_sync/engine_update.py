@@ -35,8 +35,11 @@ from sglang.srt.weight_sync.delivery import (
 )
 from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
+from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
 from sglang.srt.weight_sync.source_layout import LayoutError
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, model_targets_from_config
+from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
+from sglang.srt.weight_sync.target_cache import engine_derived_targets
+from sglang.srt.weight_sync.target_layout import ParamTarget
 from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
 MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds (a 1-byte bucket took minutes)
 MAX_UPDATE_ID_CHARS = 256
 REFUSED = "distributed weight update refused, no parameter changed: "
+# Flags a tensor-path request and a distributed request share, where the release has them.
+CARRIED_FIELDS = ("flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache")
 
 _receiver: Optional[ShardReceiver] = None
 _plans = PlanCache()
@@ -105,11 +110,9 @@ def receive_shards(recv_req) -> ReceivedShards:
     """Take this TP rank's payload for ``recv_req.update_id`` from its channel socket.
     Never raises: whatever goes wrong is this rank's refusal, shared in ``apply_shards``."""
     global _receiver
-    from sglang.srt.runtime_context import get_parallel
-
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    rank = get_parallel().tp_rank
+    rank = tp_state().rank
     try:
         problems = [recv_req.problem] if isinstance(recv_req, _unreadable_request()) else request_problems(recv_req)
         if problems:
@@ -130,22 +133,52 @@ def _unreadable_request():
     """The request type for a reserved-format payload that could not be read; carries why."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
-    class UnreadableDistributedRequest(UpdateWeightsDistributedReqInput, kw_only=True):
-        problem: str = ""
+    return subclass_with_field(UpdateWeightsDistributedReqInput, "UnreadableDistributedRequest", "problem", str, "")
 
-    return UnreadableDistributedRequest
+
+def _carried(src, dst_cls) -> dict:
+    """The flags of request ``src`` that request type ``dst_cls`` also has on this release."""
+    accepted = field_names(dst_cls)
+    return {f: getattr(src, f) for f in CARRIED_FIELDS if f in accepted and hasattr(src, f)}
 
 
 def as_distributed_request(recv_req, deserialize_own_rank):
-    """The distributed request behind a tensor-path request with the reserved load_format.
+    """The distributed request behind a tensor-path request with the reserved load_format."""
+    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
+
+    common = _carried(recv_req, UpdateWeightsDistributedReqInput)
+    return _control_request(lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common)
+
+
+def as_tensor_request(obj, tp_size: int):
+    """The tensor-path request carrying distributed update ``obj`` to ``tp_size`` engine ranks:
+    each rank's payload is the update's control dict, marked by the reserved load_format."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    control = {"update_id": obj.update_id, "channel": obj.channel, "timeout_s": obj.timeout_s,
+               "bucket_bytes": obj.bucket_bytes}
+    return UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(control) for _ in range(tp_size)],
+        load_format=DISTRIBUTED_LOAD_FORMAT,
+        **_carried(obj, UpdateWeightsFromTensorReqInput),
+    )
+
+
+def update_from_payload(model: torch.nn.Module, model_config, own_payload) -> Tuple[bool, str]:
+    """The whole engine side on releases whose model runner is the only hook (0.5.10, 0.5.12):
+    it hands over this rank's control payload; the scheduler flushes the cache as for any update."""
+    recv_req = _control_request(lambda: own_payload, {})
+    return apply_shards(model, model_config, receive_shards(recv_req), recv_req)
+
+
+def _control_request(read_control, common: dict):
+    """The distributed request from a control payload (``read_control()``) and the flags ``common``.
     A payload that cannot be read gives a request that every rank refuses together."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
-    common = dict(flush_cache=recv_req.flush_cache, abort_all_requests=recv_req.abort_all_requests,
-                  weight_version=recv_req.weight_version, selector=recv_req.selector,
-                  torch_empty_cache=recv_req.torch_empty_cache)
     try:
-        own = deserialize_own_rank(recv_req.serialized_named_tensors)
+        own = read_control()
         if not isinstance(own, dict):
             raise TypeError(f"the control payload is a {type(own).__name__}, not a dict")
         missing = [k for k in ("update_id", "channel") if k not in own]
@@ -163,10 +196,8 @@ def as_distributed_request(recv_req, deserialize_own_rank):
 
 def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
     """Validate, agree, plan and execute on this rank; every TP rank calls it together."""
-    from sglang.srt.runtime_context import get_parallel
-
-    par = get_parallel()
-    rank, cpu_group, device_group = par.tp_rank, par.tp_group.cpu_group, par.tp_group.device_group
+    par = tp_state()
+    rank, cpu_group, device_group = par.rank, par.cpu_group, par.device_group
     # every rank waited at most timeout_s for its payload before these collectives
     bound = _timeout(recv_req) + GRACE_S
     problems: List[str] = []
@@ -175,10 +206,9 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         problems.append(received.error)
     else:
         try:
-            parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
-            targets, params = engine_targets(model, model_config.hf_config, parallel, rank)
+            targets, params = engine_targets(model, model_config, rank)
             sources, shards = _sources(received.payload, targets, rank)
-            needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.tp_size)}
+            needed = {r: _restrict(targets.for_rank(r), sources, targets) for r in range(par.size)}
             the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
                                   aliases=targets.aliases)
             problems += check_inputs(the_plan, rank, shards, params)
@@ -188,7 +218,7 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
             logger.exception("engine rank %d: validating a distributed weight update failed", rank)
             problems.append(f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}")
     try:
-        everyone = _share_problems(problems, rank, par.tp_size, cpu_group, bound)
+        everyone = _share_problems(problems, rank, par.size, cpu_group, bound)
         if everyone:
             return False, REFUSED + "; ".join(everyone)
         agree_on_plan(the_plan, cpu_group, bound, rank)
@@ -198,10 +228,13 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         return False, f"{REFUSED}engine rank {rank}: {e}"
     try:
         stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
+        # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
+        # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
+        refresh_after_update(model)
         mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
         logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
                     "staged at most %d", recv_req.update_id, rank, *mine)
-        shared = _share_figures(mine, rank, par.tp_size, cpu_group, bound)
+        shared = _share_figures(mine, rank, par.size, cpu_group, bound)
     except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
         logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
         return False, (
@@ -210,46 +243,40 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
             "only a complete successful update restores a consistent model"
         )
     for key, values in zip(FIGURES, shared):
-        previous = received.figures.get(key, [0] * par.tp_size)
+        previous = received.figures.get(key, [0] * par.size)
         received.figures[key] = [a + b for a, b in zip(previous, values)]
     return True, "Success"  # upstream's text: callers test for it
 
 
-def engine_targets(
-    model: torch.nn.Module, hf_config, parallel: EngineParallel, rank: int
-) -> Tuple[ModelTargets, Dict[str, torch.Tensor]]:
-    """Target rules for this engine, checked against the live parameters of ``rank``.
+def engine_targets(model: torch.nn.Module, model_config, rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor]]:
+    """This engine's targets, derived from SGLang's own loaders (``target_cache``), checked
+    against the live tensors of ``rank``.
 
-    Returns the rules (with each parameter's live dtype) and this rank's
-    parameters by name. A live parameter that differs from what the rules
-    describe means the layout is not one this package knows: refuse.
+    Returns the targets (with each parameter's live dtype) and this rank's tensors by
+    name. A live tensor that differs from its derived shape means the engine was not
+    built the way the derivation rebuilt it: refuse.
     """
-    heads = getattr(hf_config, "num_attention_heads", None)
-    original = getattr(hf_config, "original_num_attention_heads", heads)
-    if original != heads:
-        raise ValueError(
-            f"SGLang padded this model's heads for TP {parallel.tp_size} ({original} -> {heads}; its CPU engine "
-            "does this when heads do not divide TP); distributed updates need an unpadded layout"
-        )
-    targets = model_targets_from_config(hf_config, parallel, next(model.parameters()).dtype)
+    targets = engine_derived_targets(model_config)
     live = dict(model.named_parameters())
+    live.update((n, b) for n, b in model.named_buffers() if n not in live)
     params: Dict[str, torch.Tensor] = {}
     for target in targets.for_rank(rank):
         param = live.get(target.name)
         if param is None:
-            raise ValueError(f"the model has no parameter {target.name!r} that the layout rules describe")
+            raise ValueError(f"the model has no parameter {target.name!r} that SGLang's loader writes on rank {rank}")
         if tuple(param.shape) != target.shape:
             raise ValueError(
                 f"parameter {target.name!r} has shape {tuple(param.shape)} on rank {rank}, "
-                f"the layout rules expect {target.shape}"
+                f"SGLang's loader (derived on meta) writes {target.shape}"
             )
         params[target.name] = param.data  # written in place: CUDA graphs hold this storage
     return dataclasses.replace(targets, dtype_of={n: p.dtype for n, p in params.items()}), params
 
 
-def _sources(payload: Payload, targets: ModelTargets, rank: int):
+def _sources(payload: Payload, targets: DerivedTargets, rank: int):
     """Source layout from the payload's specs, and the local buffers it reads (by key);
-    refuses names and shapes the model does not have."""
+    refuses names and shapes the model does not have, and tensors SGLang's loader does not
+    copy (quantised, computed: an update cannot write them)."""
     expected = targets.tensor_shapes()
     sources = {}
     for name, spec in payload.specs.items():
@@ -258,6 +285,8 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         canonical = targets.aliases.get(name, name)
         if canonical not in expected:
             raise KeyError(f"unknown tensor {name!r}: not a weight of this model")
+        if canonical in targets.not_copied:
+            raise ValueError(f"tensor {name!r} is not a copy in SGLang's loader: {targets.not_copied[canonical]}")
         if spec.shape != expected[canonical]:
             raise ValueError(f"tensor {name!r}: global shape {spec.shape}, the model expects {expected[canonical]}")
         if not spec.dtype.is_floating_point:
@@ -265,12 +294,12 @@ def _sources(payload: Payload, targets: ModelTargets, rank: int):
         sources[name] = spec.describe(name, payload.rank_map)
     for key, local in payload.tensors.items():
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            raise ValueError(f"tensor {key!r}: the local buffer from trainer rank {payload.trainer_rank} holds NaN "
-                             "or inf values (refused: see docs/usage.md)")
+            raise ValueError(f"tensor {key!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
+                             "values (refused: see docs/usage.md)")
     return sources, payload.tensors
 
 
-def _restrict(wanted: List[ParamTarget], sources, targets: ModelTargets) -> List[ParamTarget]:
+def _restrict(wanted: List[ParamTarget], sources, targets: DerivedTargets) -> List[ParamTarget]:
     """Only the pieces this update delivers: a trainer may send its weights in batches."""
     delivered = {targets.aliases.get(n, n) for n in sources}
     out = []

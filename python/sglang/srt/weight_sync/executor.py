@@ -278,7 +278,11 @@ def _src_view(shards, move: Move) -> torch.Tensor:
 
 
 def _dest_view(params, dest: Dest, move: Move) -> torch.Tensor:
-    return params[dest.param][dest.index][dest.box(move.region).slices()]
+    """The parameter region a move lands in, with its dims in the moved region's (HF) order."""
+    view = params[dest.param][dest.index][dest.box(move.region).slices()]
+    if dest.perm is None:
+        return view
+    return view.permute(sorted(range(len(dest.perm)), key=dest.perm.__getitem__))
 
 
 def _check_param(params, rank: int, name: str, index: Tuple[int, ...], shape: Tuple[int, ...]) -> List[str]:

@@ -15,24 +15,21 @@ validation and refusals are those of ``trainer_update`` and ``engine_update``.
 
 from __future__ import annotations
 
-import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.megatron_layout import MegatronRank, describe_model_chunks, megatron_sources
-from sglang.srt.weight_sync.source_layout import HoldersSpec, SourceLayout
+from sglang.srt.weight_sync.source_layout import HoldersSpec
 from sglang.srt.weight_sync.trainer_update import (
     Mode,
     TrainerChannel,
     deliver,
     open_channel,
     reshard_to_engine_groups,
-    uncovered,
+    trainer_side_names,
 )
-
-logger = logging.getLogger(__name__)
 
 _coords: Dict[MegatronRank, Dict[int, MegatronRank]] = {}
 
@@ -56,21 +53,6 @@ def all_coords(me: MegatronRank) -> Dict[int, MegatronRank]:
     return _coords[me]
 
 
-def trainer_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], mode: Mode) -> List[str]:
-    """HF tensors to move on the trainer side first (same answer on every rank)."""
-    if mode == "engine":
-        return []
-    if mode == "trainer":
-        return sorted(sources)
-    maps = [{r: i for i, r in enumerate(g)} for g in engine_groups]
-    names = sorted(n for n, src in sources.items()
-                   if any(uncovered(HoldersSpec(src.shape, src.dtype, src.holders).describe(n, m)) for m in maps))
-    if names:
-        logger.info("Megatron weight update: %d of %d tensors (e.g. %s) are not held beside an engine; "
-                    "moving them on the trainer side first", len(names), len(sources), names[0])
-    return names
-
-
 def send_megatron_weights(
     model_chunks: Sequence[torch.nn.Module],
     hf_vocab: int,
@@ -88,7 +70,8 @@ def send_megatron_weights(
     model, buffers = describe_model_chunks(model_chunks, hf_vocab, me, shared_expert_hf)
     buffers = {k: t.detach() for k, t in buffers.items()}
     sources = megatron_sources(model, all_coords(me))
-    moved = set(trainer_side(sources, chan.engine_groups, mode))
+    specs = {n: HoldersSpec(s.shape, s.dtype, s.holders) for n, s in sources.items()}
+    moved = set(trainer_side_names([(n, None, spec) for n, spec in specs.items()], chan.engine_groups, mode))
     shards = reshard_to_engine_groups({n: sources[n] for n in moved}, buffers, chan.engine_groups, bucket_bytes,
                                       timeout_s) \
         if moved else []

@@ -68,20 +68,25 @@ class Topology:
 @dataclass(frozen=True, slots=True)
 class Dest:
     """Where a moved region lands: ``param[index][region.translate(delta)]`` on ``rank``;
-    ``shape`` is the shape of ``param[index]``."""
+    ``shape`` is the shape of ``param[index]``. With ``perm`` (``Piece.perm``), parameter dim
+    ``e`` takes region dim ``perm[e]``, offset by ``delta[e]``."""
 
     rank: int
     param: str
     index: Tuple[int, ...]
     delta: Tuple[int, ...]
     shape: Tuple[int, ...]
+    perm: Optional[Tuple[int, ...]] = None
 
     def box(self, region: Box) -> Box:
-        return region.translate(self.delta)
+        if self.perm is None:
+            return region.translate(self.delta)
+        return Box(tuple(region.offsets[q] + d for q, d in zip(self.perm, self.delta)),
+                   tuple(region.sizes[q] for q in self.perm))
 
     def contiguous(self, region: Box) -> bool:
         """Whether the region can be received straight into the parameter."""
-        return is_contiguous_region(self.shape, self.box(region))
+        return self.perm is None and is_contiguous_region(self.shape, self.box(region))
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +273,8 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                     holders = index[piece.tensor] = _HolderIndex(source, topology)
                 itemsize = target.dtype.itemsize
                 needed[rank] += piece.box.numel * itemsize
-                delta = tuple(p - b for p, b in zip(piece.offsets, piece.box.offsets))
+                perm = piece.perm or range(piece.box.ndim)
+                delta = tuple(p - piece.box.offsets[q] for p, q in zip(piece.offsets, perm))
                 param_shape = tuple(target.shape[len(piece.index):])
                 remaining = [piece.box]
                 # Boxes held on this rank first, then by their closest holder, then by position.
@@ -287,7 +293,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                             next_remaining.extend(rem.subtract(box))
                         # Among the closest holders the least loaded sends, so DP replicas share the work.
                         src = near[0] if len(near) == 1 else min(near, key=lambda r: (sent.get(r, 0), r))
-                        dest = Dest(rank, target.name, piece.index, delta, param_shape)
+                        dest = Dest(rank, target.name, piece.index, delta, param_shape, piece.perm)
                         move_key = (piece.tensor, region, holders.holder[(box, src)], target.dtype)
                         if src == rank:
                             held[rank] += region.numel * itemsize
@@ -330,7 +336,7 @@ def inputs_fingerprint(
     ]).encode())
     for rank in sorted(targets):
         h.update(repr((rank, [
-            (t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets) for p in t.pieces],
+            (t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm) for p in t.pieces],
              [(z.offsets, z.sizes) for z in t.zeros])
             for t in targets[rank]
         ])).encode())
@@ -412,7 +418,7 @@ def _move_key(m: Move) -> tuple:
     h = m.holder
     return (m.tensor, m.region.offsets, m.region.sizes, h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets,
             h.buffer_shape, str(m.src_dtype), str(m.dtype),
-            tuple((d.rank, d.param, d.index, d.delta, d.shape) for d in m.dests))
+            tuple((d.rank, d.param, d.index, d.delta, d.shape, d.perm) for d in m.dests))
 
 
 def _fingerprint(local: Iterable[Move], rounds, zero_fills) -> str:

@@ -24,15 +24,27 @@ DEFAULT_VOCAB_PADDING = 64
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """An HF tensor region landing at ``param[index][offsets : offsets + box.sizes]``."""
+    """An HF tensor region landing at ``param[index][offsets : offsets + sizes]``.
+
+    ``perm`` (None: identity) says which dim of the region feeds each dim of the
+    destination, ``dest = region.permute(perm)``: gpt-oss experts land transposed.
+    """
 
     tensor: str
     box: Box
     index: Tuple[int, ...]
     offsets: Tuple[int, ...]
+    perm: Optional[Tuple[int, ...]] = None
 
     def dest_box(self) -> Box:
-        return Box(self.offsets, self.box.sizes)
+        if self.perm is None:
+            return Box(self.offsets, self.box.sizes)
+        return Box(self.offsets, tuple(self.box.sizes[q] for q in self.perm))
+
+    def region(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece's data, laid out as it lands, from the full HF tensor."""
+        data = full[self.box.slices()]
+        return data if self.perm is None else data.permute(self.perm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,8 +414,9 @@ def model_targets_from_config(
 
 
 def reference_param(target: ParamTarget, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The parameter a rank should end with, built by slicing full HF tensors (tests, checks)."""
+    """The parameter a rank should end with, built by slicing full HF tensors (tests, checks);
+    zero boxes and regions no piece covers are zero."""
     out = torch.zeros(target.shape, dtype=target.dtype)
     for piece in target.pieces:
-        out[piece.index][piece.dest_box().slices()] = full[piece.tensor][piece.box.slices()]
+        out[piece.index][piece.dest_box().slices()] = piece.region(full[piece.tensor])
     return out

@@ -246,9 +246,8 @@ async def update_weights_distributed(
     boxes (``Partial`` placements). Every wait is bounded by ``timeout_s``: when a
     peer dies the survivors raise ``waits.PeerLost`` naming the phase.
     """
-    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.engine_update import DISTRIBUTED_LOAD_FORMAT
+    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
+    from sglang.srt.weight_sync.engine_update import as_tensor_request
     from sglang.srt.weight_sync.source_layout import LayoutError
 
     timeout_s = check_timeout(timeout_s)
@@ -267,12 +266,9 @@ async def update_weights_distributed(
     barrier(group, timeout_s, f"trainer rank {me}: before the engine reads the payloads")
     result = None
     if mesh.get_local_rank() == 0:
-        control = {"update_id": update_id, "channel": chan.channel, "timeout_s": timeout_s}
-        req = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(control) for _ in ranks],
-            load_format=DISTRIBUTED_LOAD_FORMAT,
-            flush_cache=True if flush_cache is None else flush_cache,
-        )
+        obj = UpdateWeightsDistributedReqInput(update_id=update_id, channel=chan.channel, timeout_s=timeout_s,
+                                               flush_cache=True if flush_cache is None else flush_cache)
+        req = as_tensor_request(obj, len(ranks))
         result = await engine.update_weights_from_tensor(req)
     # the engine has read every shard before the trainer may change them; it waits at most
     # timeout_s for payloads and timeout_s + GRACE_S for its own ranks

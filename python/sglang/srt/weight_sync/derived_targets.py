@@ -1,0 +1,377 @@
+"""Describe: targets derived from SGLang's own loaders, for any model SGLang can load.
+
+For each engine TP rank, the engine's model is built on the meta device as that
+rank (the engine's published server args and parallel layout, placement-only
+process groups, the platform's own loader branches), then SGLang's own
+``load_weights`` and post-load processing run on meta checkpoint tensors under
+``LoadRecorder``. What landed where becomes ``ParamTarget``s: pieces of HF
+tensors (possibly permuted) and zero-filled boxes. Nothing is allocated at full
+size, so a 671B model is described on a laptop.
+
+What is not a copy (quantisation, computed values, replaced storage) is kept
+per checkpoint tensor in ``not_copied`` so an update sending it is refused,
+naming tensor and op. Tensors the loader's post-processing computes from
+checkpoint tensors (DeepSeek MLA's ``w_kc``/``w_vc``) are listed in
+``post_load``: SGLang's own post-load processing refreshes them after an update.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque
+from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece
+from sglang.srt.weight_sync.view_geometry import unit_dim
+
+# (name, shape, dtype) of every tensor of the checkpoint, as save_pretrained writes it.
+CheckpointSpec = Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The checkpoint's tensors (names, shapes, dtypes) and tied names a trainer may also send."""
+
+    tensors: CheckpointSpec
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {n: s for n, s, _ in self.tensors}
+
+
+def checkpoint_layout(hf_config, dtype: Optional[torch.dtype] = None) -> CheckpointLayout:
+    """What ``save_pretrained`` would write for this config, without data: the HF model on
+    meta, then transformers' own reverse weight conversion (per-expert tensors, ...); tied
+    copies are dropped and become aliases, as on disk."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    with torch.device("meta"):
+        model = cls._from_config(hf_config) if cls is not None else (
+            transformers.AutoModelForCausalLM.from_config(hf_config))
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    state = revert_weight_conversion(model, model.state_dict())
+    tensors = tuple(sorted((n, tuple(t.shape), dtype or t.dtype) for n, t in state.items() if n not in tied))
+    names = {n for n, _, _ in tensors}
+    return CheckpointLayout(tensors, {a: b for a, b in tied.items() if b in names})
+
+
+class PlacementGroup:
+    """A process group stand-in carrying placement only: what layer construction reads."""
+
+    def __init__(self, rank_in_group: int, world_size: int):
+        self.rank_in_group = rank_in_group
+        self.world_size = world_size
+        self.ranks = list(range(world_size))
+        self.cpu_group = None
+        self.device_group = None
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def __getattr__(self, name):
+        raise AttributeError(f"PlacementGroup({self.rank_in_group}/{self.world_size}) has no {name!r}: "
+                             "building the model on meta needed a real process group")
+
+
+@contextmanager
+def as_engine_rank(rank: int) -> Iterator[None]:
+    """Act as TP ``rank`` of the published engine layout, with SGLang's own rank formulas."""
+    from sglang.srt.runtime_context import derive_attention_ranks, derive_spawn_ranks, get_parallel
+
+    par = get_parallel()
+    if par.pp_size != 1 or par.attn_cp_size != 1 or par.moe_dp_size != 1:
+        raise ValueError(f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
+                         f"{par.pp_size}, {par.attn_cp_size}, {par.moe_dp_size}")
+    tp, attn_tp, ep = par.tp_size, par.attn_tp_size, par.moe_ep_size
+    ranks = derive_spawn_ranks(world_rank=rank, tp_size=tp, ep_join_rank_offset=0, attn_cp_size=1,
+                               attn_tp_size=attn_tp, moe_dp_size=1, moe_ep_size=ep)
+    attn_tp_rank, attn_dp_rank = derive_attention_ranks(tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1)
+    groups = dict(
+        tp_group=PlacementGroup(rank, tp), attn_tp_group=PlacementGroup(attn_tp_rank, attn_tp),
+        moe_ep_group=PlacementGroup(ranks["moe_ep_rank"], ep),
+        moe_tp_group=PlacementGroup(ranks["moe_tp_rank"], tp // ep), moe_dp_group=PlacementGroup(0, 1),
+        attn_cp_group=PlacementGroup(0, 1), pp_group=PlacementGroup(0, 1),
+    )
+    with par.override(**ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups):
+        yield
+
+
+def build_meta_model(model_config, load_config=None) -> torch.nn.Module:
+    """The model exactly as ``DefaultModelLoader`` builds it (architecture, quantisation,
+    shared-expert fusion, default dtype), on the meta device."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    load_config = load_config or LoadConfig()
+    quant_config = _get_quantization_config(model_config, load_config)
+    with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+        return _initialize_model(model_config, load_config, quant_config)
+
+
+@dataclass(frozen=True)
+class RankTargets:
+    """One engine rank's derivation.
+
+    ``targets``: every parameter (and buffer) the loader fills from the checkpoint.
+    ``not_copied``: checkpoint tensor -> why an update cannot copy it (param, box, op).
+    ``post_load``: derived tensor attribute -> the checkpoint tensors it is computed from.
+    ``read``: checkpoint tensors this rank's loader read.
+    """
+
+    targets: Tuple[ParamTarget, ...]
+    not_copied: Mapping[str, str]
+    post_load: Mapping[str, Tuple[str, ...]]
+    read: frozenset
+
+
+def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTargets:
+    """Run ``model.load_weights`` and the loader's post-load processing on meta checkpoint
+    tensors under the recorder and describe what every tensor of the model now holds; then
+    run what follows an update (``refresh_after_update`` and ``end_weight_update``'s
+    post-load) to see which computed tensors SGLang refreshes in place."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # many small acyclic records: collector passes only cost time
+    try:
+        rec = LoadRecorder()
+        rec.register_module_tensors(model)
+        before = {n: rec.key(t) for n, t in _named_tensors(model)}
+        leaves = []
+        for name, shape, dtype in checkpoint.tensors:
+            leaf = torch.empty(shape, dtype=dtype, device="meta")
+            rec.add_leaf(name, leaf)
+            leaves.append((name, leaf))
+        with torch.no_grad(), rec:
+            model.load_weights(iter(leaves))
+            DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+            computed = _computed_tensors(model, rec)
+            writes = {n: len(rec.prov(t).entries) for n, (t, _) in computed.items()}
+            refresh_after_update(model)
+            post_load_weights(model)
+            DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+        refreshed = {n for n, (t, _) in computed.items()
+                     if _lookup(model, n) is t and len(rec.prov(t).entries) > writes[n]}
+        return _describe(model, rec, before, computed, refreshed)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def refresh_after_update(model: torch.nn.Module) -> None:
+    """What SGLang runs after writing parameters directly, bypassing their weight loaders
+    (its presharded loader): Gemma norms' ``weight + 1`` and parameter aliases refreshed."""
+    from sglang.srt.model_loader.loader import PreshardedModelLoader
+
+    PreshardedModelLoader._rebind_parameter_aliases(model)
+
+
+def _named_tensors(model: torch.nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _lookup(model: torch.nn.Module, name: str):
+    module_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), attr, None)
+
+
+def _computed_tensors(model, rec: LoadRecorder) -> Dict[str, Tuple[torch.Tensor, frozenset]]:
+    """Buffers and plain tensor attributes computed from checkpoint tensors while loading
+    (Gemma's ``gemma_weight``, MLA's ``w_kc``/``w_vc``), with the tensors they read."""
+    params = {rec.key(p) for p in model.parameters()}
+    out = {}
+    for mname, module in model.named_modules():
+        candidates = list(module.named_buffers(recurse=False))
+        candidates += [(a, v) for a, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        for attr, val in candidates:
+            if rec.key(val) in params:
+                continue  # a view of a parameter follows it
+            prov = rec.storages.get(rec.key(val))
+            if prov is None or not any(isinstance(e.src, Opaque) or prov.kind == "derived" for e in prov.entries):
+                continue
+            deps = rec.deps(val)
+            if deps:
+                out[f"{mname}.{attr}" if mname else attr] = (val, deps)
+    return out
+
+
+def _describe(model, rec: LoadRecorder, before: Mapping[str, int], computed, refreshed) -> RankTargets:
+    targets: List[ParamTarget] = []
+    not_copied: Dict[str, str] = {}
+    read = set()
+    seen = {rec.key(t) for t, _ in computed.values()}
+    for name, t in _named_tensors(model):
+        key = rec.key(t)
+        if key in seen:  # tied (the first name owns the storage) or computed
+            continue
+        seen.add(key)
+        target, deps, reasons = entries_to_target(name, t, rec.describe(t))
+        read |= deps
+        if before.get(name) != key:
+            reasons = {d: f"{name}: its storage is replaced while loading" for d in deps} | reasons
+        for dep, why in reasons.items():
+            not_copied.setdefault(dep, why)
+        if target.pieces and not reasons:
+            targets.append(target)
+    post_load = {}
+    for name, (t, deps) in computed.items():
+        read |= deps
+        if name in refreshed:
+            post_load[name] = tuple(sorted(deps))
+        else:
+            for dep in deps:
+                not_copied.setdefault(dep, f"{name} is computed from it while loading and SGLang's post-load "
+                                           "processing does not recompute it in place")
+    return RankTargets(tuple(targets), not_copied, post_load, frozenset(read))
+
+
+def entries_to_target(name: str, t: torch.Tensor, entries: Sequence[Entry]):
+    """(ParamTarget, checkpoint tensors read, {tensor: why it is not a copy}) for one tensor."""
+    pieces: List[Piece] = []
+    zeros: List[Box] = []
+    deps, reasons = set(), {}
+    for e in entries:
+        box = e.box if t.dim() else Box((), ())
+        if isinstance(e.src, Leaf):
+            deps.add(e.src.name)
+            src = e.src if t.dim() else Leaf(e.src.name, e.src.l0, tuple(() for _ in e.src.L))
+            if not _leaf_pieces(box, src, pieces):
+                reasons[e.src.name] = f"{name}{box}: reshaped from {e.src.name} (not a box of it)"
+        elif isinstance(e.src, Const):
+            if e.src.value == 0.0:
+                zeros.append(box)
+        elif isinstance(e.src, Opaque):
+            deps |= e.src.deps
+            for dep in e.src.deps:
+                reasons.setdefault(dep, f"{name}{box} is computed from it by {e.src.op}")
+    return ParamTarget(name, tuple(t.shape), t.dtype, tuple(pieces), tuple(zeros)), deps, reasons
+
+
+def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
+    """Append the pieces that write ``box`` of a parameter from ``src``; False when it is no
+    (permuted) box of the leaf (a reshape across dims)."""
+    P, Q = box.ndim, len(src.l0)
+    cols = [tuple(src.L[r][e] for r in range(Q)) for e in range(P)]
+    leaf_dim = {}
+    for e in range(P):
+        if box.sizes[e] <= 1:
+            continue
+        q = unit_dim(cols[e])
+        if q is None or q in leaf_dim.values() or e < P - Q:
+            # a strided or merged map, or an index dim with extent: one piece per index
+            ok = True
+            for v in range(box.sizes[e]):
+                o, s = list(box.offsets), list(box.sizes)
+                o[e], s[e] = o[e] + v, 1
+                l0 = tuple(a + cols[e][r] * v for r, a in enumerate(src.l0))
+                ok &= _leaf_pieces(Box(tuple(o), tuple(s)), Leaf(src.name, l0, src.L), out)
+            return ok
+        leaf_dim[e] = q
+    n_index = P - Q
+    if n_index < 0:
+        return False
+    leaf_sizes = [1] * Q
+    for e, q in leaf_dim.items():
+        leaf_sizes[q] = box.sizes[e]
+    free = iter(q for q in range(Q) if q not in leaf_dim.values())
+    perm = tuple(leaf_dim[e] if e in leaf_dim else next(free) for e in range(n_index, P))
+    out.append(Piece(src.name, Box(tuple(src.l0), tuple(leaf_sizes)), tuple(box.offsets[:n_index]),
+                     tuple(box.offsets[n_index:]), None if perm == tuple(range(Q)) else perm))
+    return True
+
+
+@dataclass(frozen=True)
+class DerivedTargets:
+    """Every rank's derived targets: stands in for ``ModelTargets`` (for_rank, by_rank,
+    tensor_shapes, aliases, dtype_of), plus what an update must refuse or refresh."""
+
+    parallel: EngineParallel
+    per_rank: Tuple[Tuple[ParamTarget, ...], ...]
+    shapes: Mapping[str, Tuple[int, ...]]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    not_copied: Mapping[str, str] = field(default_factory=dict)
+    post_load: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    dtype_of: Mapping[str, torch.dtype] = field(default_factory=dict)
+
+    def tensor_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return dict(self.shapes)
+
+    def for_rank(self, rank: int) -> List[ParamTarget]:
+        if not self.dtype_of:
+            return list(self.per_rank[rank])
+        return [ParamTarget(t.name, t.shape, self.dtype_of.get(t.name, t.dtype), t.pieces, t.zeros)
+                for t in self.per_rank[rank]]
+
+    def by_rank(self) -> Dict[int, List[ParamTarget]]:
+        return {r: self.for_rank(r) for r in range(self.parallel.tp_size)}
+
+    def to_builtins(self) -> dict:
+        """Plain lists, dicts, strings and ints (JSON, pickle, a trainer-side publication)."""
+        return {
+            "parallel": [self.parallel.tp_size, self.parallel.attn_tp_size, self.parallel.moe_ep_size],
+            "shapes": {n: list(s) for n, s in self.shapes.items()},
+            "aliases": dict(self.aliases),
+            "not_copied": dict(self.not_copied),
+            "post_load": {n: list(d) for n, d in self.post_load.items()},
+            "per_rank": [[_target_to_builtins(t) for t in ts] for ts in self.per_rank],
+        }
+
+    @classmethod
+    def from_builtins(cls, d: dict) -> "DerivedTargets":
+        return cls(
+            EngineParallel(*d["parallel"]),
+            tuple(tuple(_target_from_builtins(t) for t in ts) for ts in d["per_rank"]),
+            {n: tuple(s) for n, s in d["shapes"].items()},
+            dict(d["aliases"]), dict(d["not_copied"]), {n: tuple(v) for n, v in d["post_load"].items()},
+        )
+
+
+def _target_to_builtins(t: ParamTarget) -> list:
+    pieces = [[p.tensor, list(p.box.offsets), list(p.box.sizes), list(p.index), list(p.offsets),
+               list(p.perm) if p.perm else None] for p in t.pieces]
+    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), pieces,
+            [[list(z.offsets), list(z.sizes)] for z in t.zeros]]
+
+
+def _target_from_builtins(d: list) -> ParamTarget:
+    name, shape, dtype, pieces, zeros = d
+    return ParamTarget(
+        name, tuple(shape), getattr(torch, dtype),
+        tuple(Piece(n, Box(tuple(o), tuple(s)), tuple(i), tuple(off), tuple(p) if p else None)
+              for n, o, s, i, off, p in pieces),
+        tuple(Box(tuple(o), tuple(s)) for o, s in zeros),
+    )
+
+
+def derive_targets(model_config, checkpoint: CheckpointLayout, load_config=None) -> DerivedTargets:
+    """Derive every rank of the published engine layout (``get_parallel()``): the model is
+    built on meta as each rank in turn and loaded from ``checkpoint`` by SGLang's loaders."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
+    per_rank, not_copied, post_load = [], {}, {}
+    for r in range(par.tp_size):
+        with as_engine_rank(r):
+            derived = derive_rank(build_meta_model(model_config, load_config), checkpoint)
+        per_rank.append(derived.targets)
+        for n, why in derived.not_copied.items():
+            not_copied.setdefault(n, f"engine rank {r}: {why}")
+        post_load.update(derived.post_load)
+    return DerivedTargets(parallel, tuple(per_rank), checkpoint.shapes(), dict(checkpoint.aliases),
+                          not_copied, post_load)
