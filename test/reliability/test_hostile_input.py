@@ -213,8 +213,8 @@ def test_tensor_policy_nonfinite_duplicates_zero_dim_buffers(engine, baseline):
     without_norm = [s for s in full if s[0] != "model.norm.weight"]
     buffer = ("model.layers.0.self_attn.k_cache_scale", torch.ones(1), MeshSpec.full((1,), torch.float32, [0, 1]))
     cases = {
-        f"tensor {name!r}: the local buffer from trainer rank 0 holds NaN or inf": [full_shards(nan)] * TP,
-        f"tensor {name!r}: the local buffer from trainer rank 1 holds NaN or inf": [full, full_shards(inf)],
+        f"tensor {name!r}: the shard from trainer rank 0 holds NaN or inf": [full_shards(nan)] * TP,
+        f"tensor {name!r}: the shard from trainer rank 1 holds NaN or inf": [full, full_shards(inf)],
         "delivered twice by trainer rank 0": [full + full[:1], full],
         "tensor 'model.norm.weight': global shape ()": [without_norm + [zero_d]] * TP,
         "unknown tensor 'model.layers.0.self_attn.k_cache_scale'": [full + [buffer]] * TP,
