@@ -88,8 +88,9 @@ class VerlLikeClient:
         return await self._engine.tokenizer_manager.flush_cache()
 
 
-# SGLang releases whose weight checker has no "checksum" action (0.5.10.post1's compares on CUDA only).
-NO_CHECKSUMS = ("0.5.10.post1",)
+# SGLang releases whose weight checker cannot give every TP rank's checksums: 0.5.10.post1 has no
+# "checksum" action (and compares on CUDA only); 0.5.12 replies with TP rank 0's only.
+NO_CHECKSUMS = ("0.5.10.post1", "0.5.12")
 # Releases whose weight checker calls all_gather_object in the engine: what shows the recorder is live.
 GATHERING_CHECKER = ("0.5.23",)
 
