@@ -4,11 +4,11 @@ Every rank of a gloo world builds a real megatron-core ``GPTModel`` (local,
 non-TE spec, CPU) at TP x PP, loads a tiny HF Qwen2 checkpoint's "trained"
 weights into its local parameters from the pieces ``megatron_layout`` gives it
 (padded vocab rows zero), checks that its forward gives HF's logits, then
-updates a real SGLang CPU engine beside it with ``send_megatron_weights`` (what
-``VerlEngine.update_weights_from_megatron`` calls) and the engine's
-``update_weights_distributed``: no gather of any kind (the
-forbidden-call recorder is live), the engine's parameters, generation and the
-bytes each hop moved are checked by the test.
+updates a real SGLang CPU engine beside it with ``megatron_flow`` (what
+``VerlEngine.update_weights_from_megatron`` drives), each control request served by
+the engine's ``update_weights_distributed`` so that its reply's figures are kept: no
+gather of any kind (the forbidden-call recorder is live), the engine's parameters,
+generation and the bytes each rank received are checked by the test.
 
 megatron-core's forward on CPU needs four shims, all about device placement, RNG
 or a missing library, none about the math: RoPE moves ``inv_freq`` to
@@ -127,30 +127,16 @@ def one_hop_bound(model, hf_config, groups) -> int:
     return plan(sources, needed, aliases=targets.aliases).lower_bound_bytes(dist.get_rank())
 
 
-def record_trainer_hop(record: dict) -> None:
-    """Count what the trainer-side hop (``reshard_to_engine_groups``) moves to this rank."""
-    from sglang.srt.weight_sync import trainer_update
-
-    execute = trainer_update.execute
-    record["trainer_hop_received"] = record["trainer_hop_bound"] = 0
-
-    def counted(plan, rank, *args, **kwargs):
-        stats = execute(plan, rank, *args, **kwargs)
-        record["trainer_hop_received"] += stats.bytes_received
-        record["trainer_hop_bound"] += plan.lower_bound_bytes(rank)
-        return stats
-
-    trainer_update.execute = counted
-
-
 def megatron_job(rank: int, world: int, job: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import tiny_models
     from engine import omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
-    from sglang.srt.weight_sync.megatron_update import send_megatron_weights
-    from update_cases import _checksums, _forbidden_calls, _generate, _request, new_weights
+    from sglang.srt.weight_sync.megatron_update import megatron_flow
+    from sglang.srt.weight_sync.sglang_compat import weight_update_session
+    from sglang.srt.weight_sync.trainer_update import as_reply, drive
+    from update_cases import _checksums, _forbidden_calls, _generate, new_weights
 
     tp, pp, ep, engine_tp = job["tp"], job["pp"], job.get("ep", 1), job["engine_tp"]
     os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]
@@ -173,10 +159,19 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     try:
         groups = engines.mesh.reshape(-1, engine_tp).tolist()
         record["one_hop_bound"] = one_hop_bound(model, hf_config, groups)
-        record_trainer_hop(record)
+        replies = []
+
+        def serve(request):
+            with weight_update_session(verl._engine):
+                replies.append(verl._engine.update_weights_distributed(
+                    request.update_id, request.channel, flush_cache=request.final, timeout_s=120))
+            return as_reply(replies[-1])
+
         before = _forbidden_calls(job["forbidden_log"])
-        chan, update_id = send_megatron_weights([model], vocab, ranks, group)
-        record.update(_request(verl, ranks, group, chan, update_id))
+        report = drive(megatron_flow([model], vocab, ranks, group), ranks, group, serve, timeout_s=120)
+        record.update(success=report.success, message=report.message, mode=report.mode,
+                      trainer_received=report.bytes_received, trainer_bound=report.lower_bound_bytes,
+                      engine_replies=replies)
         record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - before
         record["generation"] = _generate(verl, job["prompts"])
         if rank == ranks[0]:

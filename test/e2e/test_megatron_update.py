@@ -2,20 +2,19 @@
 
 Trainer ranks hold a Qwen2-shaped ``GPTModel`` (local spec, padded vocab) at
 Megatron TP x PP, loaded with "trained" weights from the tiny HF checkpoint; its
-forward must equal HF's logits. Then ``send_megatron_weights`` hands each engine
-rank the local parameters beside it (fused ``linear_qkv`` and ``linear_fc1`` as
-they are; other stages' layers moved on the trainer side first): the engine's
+forward must equal HF's logits. Then ``megatron_flow`` updates the engines: where
+the ranks beside an engine hold everything it needs, each engine rank gets the local
+parameters beside it (fused ``linear_qkv`` and ``linear_fc1`` as they are); else
+(PP 2, EP 2, an engine narrower than Megatron's TP) the trainer ranks move the
+bytes in one hop straight to the engine's published layout. The engine's
 parameters must equal SGLang's slicing of the weights bit for bit, its greedy
 generation must equal HF's, and no ``full_tensor`` / ``gather_object`` /
 ``all_gather_object`` may run.
 
-Bytes: every engine rank receives exactly its plan's lower bound, and the
-trainer-side hop (``reshard_to_engine_groups``; PP 2, or an engine narrower than
-Megatron's TP) moves to each rank exactly its own plan's bound. Where nothing
-moves on the trainer side the engine's bound is the one-hop bound (what the
-engine rank lacks from the trainer ranks' own parameters); with two hops the
-total is at least that, and the test prints both (the gap is for the
-trainer-side one-hop path to close).
+Bytes: every rank receives exactly the one-hop bound, computed by the test from
+megatron-core's own pieces straight to SGLang's layout (what the engine rank lacks
+from the trainer ranks' own parameters, in the engine's dtype): engine-side, the
+engine ranks' reply figures; trainer-side, each trainer rank's report.
 """
 
 from __future__ import annotations
@@ -66,16 +65,19 @@ def check_megatron_update(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
         if record["leader"]:
             wrong = sorted(n for r in expected for n in expected[r] if record["checksums"][r][n] != expected[r][n])
             assert not wrong, f"engine of rank {rank}: parameters differ from SGLang's slicing: {wrong[:5]}"
-            assert record["bytes_received"] == record["lower_bound_bytes"], record
-            assert len(record["bytes_received"]) == engine_tp
     assert sum(r["forward_max_diff"] is not None for r in records) == world // pp, "no last stage checked its logits"
+    modes = {r["mode"] for r in records}
+    assert len(modes) == 1, modes
     moved = []
     for rank, record in enumerate(records):
-        engine_hop = records[rank - rank % engine_tp]["bytes_received"][rank % engine_tp]
-        assert record["trainer_hop_received"] == record["trainer_hop_bound"], f"rank {rank}: {record}"
-        moved.append((record["trainer_hop_received"] + engine_hop, record["one_hop_bound"]))
-    print(f"{kind} TP {tp} x PP {pp} x EP {ep} -> engine TP {engine_tp}: (bytes moved to each rank, one-hop bound) {moved}")
-    if not any(r["trainer_hop_received"] for r in records):
-        assert all(m == bound for m, bound in moved), moved
-    else:  # two hops: never less than the one-hop bound; the gap is the one-hop path's to close
-        assert all(m >= bound for m, bound in moved), moved
+        if record["mode"] == "engine":
+            (reply,) = records[rank - rank % engine_tp]["engine_replies"]
+            received = reply["bytes_received"][rank % engine_tp]
+            assert received == reply["lower_bound_bytes"][rank % engine_tp], reply
+        else:
+            received = record["trainer_received"]
+            assert received == record["trainer_bound"], f"rank {rank}: {record}"
+        moved.append((received, record["one_hop_bound"]))
+    print(f"{kind} TP {tp} x PP {pp} x EP {ep} -> engine TP {engine_tp}, {modes.pop()}-side: "
+          f"(bytes received by each rank, one-hop bound) {moved}")
+    assert all(m == bound for m, bound in moved), moved

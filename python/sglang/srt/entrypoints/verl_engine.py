@@ -26,7 +26,6 @@ from sglang.srt.weight_sync.trainer_update import (
     UpdateReport,
     as_reply,
     close_channels,
-    delivered_flow,
     drive,
     update_flow,
 )
@@ -123,17 +122,10 @@ class VerlEngine:
                                      shared_expert_hf: str = "shared_experts") -> UpdateReport:
         """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
         gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
-        from sglang.srt.weight_sync.megatron_update import send_megatron_weights
+        from sglang.srt.weight_sync.megatron_update import megatron_flow
 
-        chan, update_id = send_megatron_weights(model_chunks, hf_vocab, self._ranks, self._group,
-                                                self._weight_sync_mode, shared_expert_hf=shared_expert_hf,
-                                                timeout_s=self._timeout_s)
-        return self.apply_delivered(chan, update_id)
-
-    def apply_delivered(self, chan, update_id: str) -> UpdateReport:
-        """Have the engine apply what every rank of the mesh delivered under ``update_id``;
-        raises on every rank if it refused."""
-        return self._drive(delivered_flow(chan, update_id))
+        return self._drive(megatron_flow(model_chunks, hf_vocab, self._ranks, self._group, self._weight_sync_mode,
+                                         self._weight_sync_bucket_bytes, shared_expert_hf, self._timeout_s))
 
     def _drive(self, flow) -> UpdateReport:
         report = drive(flow, self._ranks, self._group, self._serve, timeout_s=self._timeout_s)

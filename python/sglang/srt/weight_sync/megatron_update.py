@@ -1,38 +1,31 @@
 """The trainer side of a distributed weight update from Megatron-core, on every rank
-(``VerlEngine.update_weights_from_megatron`` calls ``send_megatron_weights``).
+(``VerlEngine.update_weights_from_megatron`` drives ``megatron_flow``).
 
 Each rank describes its own local parameters as pieces of HF tensors
 (``megatron_layout``: from the model chunks, the config and its parallel
 coordinates; no data touched) and learns every other rank's coordinates with one
 small integer all-gather (made once). Tensors the trainer ranks beside an engine
 hold between them (TP, DP replicas) go as they are: the fused local buffers plus
-``HoldersSpec``s, resharded by the engine into its own layout. Tensors they do not
-hold (other PP stages, other EP ranks) are first moved over the trainer's world by
-the same planner and executor, each rank receiving exactly the rows its engine rank
-takes (``trainer_update.reshard_to_engine_groups``). Nothing is gathered; delivery,
-validation and refusals are those of ``trainer_update`` and ``engine_update``.
+``HoldersSpec``s, resharded by the engine into its own layout. When they do not hold
+everything (other PP stages, other EP ranks), the update runs on the trainer side in
+one hop straight to the engine's published layout (``trainer_update.sources_flow``,
+the same path as DTensor sources), each rank receiving exactly the bytes its engine
+rank lacks, in the engine's dtype. Nothing is gathered; delivery, validation and
+refusals are those of ``trainer_update`` and ``engine_update``.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.megatron_layout import MegatronRank, describe_model_chunks, megatron_sources
+from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.source_layout import HoldersSpec
-from sglang.srt.weight_sync.trainer_update import (
-    Mode,
-    TrainerChannel,
-    deliver,
-    open_channel,
-    reshard_to_engine_groups,
-)
-from sglang.srt.weight_sync.trainer_side import uncovered
-
-logger = logging.getLogger(__name__)
+from sglang.srt.weight_sync.trainer_update import Flow, Mode, deliver, open_channel, sources_flow
 
 _coords: Dict[MegatronRank, Dict[int, MegatronRank]] = {}
 
@@ -56,43 +49,32 @@ def all_coords(me: MegatronRank) -> Dict[int, MegatronRank]:
     return _coords[me]
 
 
-def _moved_first(sources, engine_groups: Sequence[Sequence[int]], mode: Mode) -> set:
-    """HF tensors to move on the trainer side first: in "auto" mode, those the trainer ranks
-    beside some engine do not hold in full (other PP stages, EP ranks). Same on every rank."""
-    if mode != "auto":
-        return set(sources) if mode == "trainer" else set()
-    groups = [set(g) for g in engine_groups]
-    moved = {n for n, src in sources.items() if any(uncovered(src, g) for g in groups)}
-    if moved:
-        logger.info("Megatron weight update: %d of %d tensors (e.g. %s) are not held beside an engine; "
-                    "moving them on the trainer side first", len(moved), len(sources), min(moved))
-    return moved
-
-
-def send_megatron_weights(
+def megatron_flow(
     model_chunks: Sequence[torch.nn.Module],
     hf_vocab: int,
     group_ranks: Sequence[int],
     group: Optional[dist.ProcessGroup],
     mode: Mode = "auto",
-    bucket_bytes: int = 512 << 20,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     shared_expert_hf: str = "shared_experts",
-    timeout_s: Optional[float] = None,
-) -> Tuple[TrainerChannel, str]:
-    """Deliver this rank's part of every HF tensor to the engine rank beside it; every
-    trainer rank calls this together. Returns the channel and the update id."""
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Flow:
+    """One update from this rank's Megatron-core ``model_chunks``, as the control requests
+    the engine must serve (``trainer_update.drive``); every trainer rank runs it together.
+    Engine-side, this rank's fused buffers go as they are with ``HoldersSpec``s for the
+    ranks beside its engine; trainer-side (PP, EP, an engine wider than the ranks beside
+    it), one hop straight to the engine's published layout."""
     chan = open_channel(group_ranks, group)
     me = this_rank()
     model, buffers = describe_model_chunks(model_chunks, hf_vocab, me, shared_expert_hf)
     buffers = {k: t.detach() for k, t in buffers.items()}
     sources = megatron_sources(model, all_coords(me))
-    moved = _moved_first(sources, chan.engine_groups, mode)
-    shards = reshard_to_engine_groups({n: sources[n] for n in moved}, buffers, chan.engine_groups, bucket_bytes,
-                                      timeout_s) \
-        if moved else []
-    mine = set(chan.group_ranks)
-    pieces = {n: HoldersSpec(s.shape, s.dtype, tuple(h for h in s.holders if h.rank in mine))
-              for n, s in sources.items() if n not in moved}
-    used = sorted({h.buffer for spec in pieces.values() for h in spec.holders if h.rank == dist.get_rank()})
-    return chan, deliver(chan, shards + [(key, buffers[key], None) for key in used], pieces)
 
+    def deliver_beside() -> str:
+        mine = set(chan.group_ranks)
+        pieces = {n: HoldersSpec(s.shape, s.dtype, tuple(h for h in s.holders if h.rank in mine))
+                  for n, s in sources.items()}
+        used = sorted({h.buffer for spec in pieces.values() for h in spec.holders if h.rank == dist.get_rank()})
+        return deliver(chan, [(key, buffers[key], None) for key in used], pieces)
+
+    return (yield from sources_flow(chan, sources, buffers, deliver_beside, mode, bucket_bytes, timeout_s))

@@ -12,7 +12,7 @@ runs on the trainer side instead (``mode="trainer"``, chosen automatically,
 (``manifest.py``), after which the engine only copies. An update is a short
 sequence of control requests (``update_flow``) that the caller serves with
 ``drive``/``adrive``: the engine's layout is asked for once per channel.
-(Megatron-core sources still use the two-hop ``reshard_to_engine_groups``.)
+``sources_flow`` is the same for any source layout (Megatron-core buffers too).
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, ShardSender, check_timeout, local_shard
-from sglang.srt.weight_sync.executor import execute
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, PlanCache
+from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
-from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 from sglang.srt.weight_sync.trainer_side import chunks, first_uncovered, reshard_to_engines, uncovered  # noqa: F401
 from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result, wait
 
@@ -42,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "engine", "trainer"]
 Shards = List[Tuple[str, torch.Tensor, MeshSpec]]
-_plans = PlanCache()
 
 
 @dataclass
@@ -142,30 +139,6 @@ def choose_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], m
     return "trainer"
 
 
-def reshard_to_engine_groups(
-    sources: SourceLayout, buffers: Dict[str, torch.Tensor], engine_groups: Sequence[Sequence[int]], bucket_bytes: int,
-    timeout_s: Optional[float] = None,
-) -> Shards:
-    """Two hops (Megatron-core sources, until they use ``trainer_side``): over the default
-    (trainer) group, each rank receives the rows of each tensor that ``Shard(0)`` within
-    its engine group gives it, reading this rank's local ``buffers`` by holder key; the
-    engine then reshards again."""
-    groups = [list(g) for g in engine_groups]
-    targets, neutral = {}, {}
-    device = next(iter(buffers.values())).device if buffers else None
-    for name, src in sorted(sources.items()):
-        neutral[name] = MeshSpec.sharded(src.shape, src.dtype, 0, groups)
-        for h in neutral[name].describe(name).holders:
-            piece = Piece(name, h.box, (), (0,) * h.box.ndim)
-            targets.setdefault(h.rank, []).append(
-                ParamTarget(name, h.box.sizes, src.dtype, (piece,) if h.box.numel else ()))
-    me = dist.get_rank()
-    plan = _plans.get(sources, targets, bucket_bytes=bucket_bytes)
-    mine = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.get(me, ())}
-    execute(plan, me, buffers, mine, timeout_s=timeout_s)
-    return [(name, mine[name], neutral[name]) for name in sorted(sources)]
-
-
 def deliver(chan: TrainerChannel, shards: Shards, pieces: Optional[Mapping[str, HoldersSpec]] = None) -> str:
     """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
     engine rank beside it; returns the update id."""
@@ -242,14 +215,31 @@ def update_flow(
     chan = open_channel(group_ranks, group)
     shards = prepare_shards(named_tensors)
     sources = {name: spec.describe(name) for name, _, spec in shards}
+    return (yield from sources_flow(chan, sources, {n: t for n, t, _ in shards}, lambda: deliver(chan, shards),
+                                    mode, bucket_bytes, timeout_s))
+
+
+def sources_flow(
+    chan: TrainerChannel,
+    sources: SourceLayout,
+    local: Mapping[str, torch.Tensor],
+    deliver_beside: Callable[[], str],
+    mode: Mode = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Flow:
+    """``update_flow`` for any source layout: ``sources`` (HF tensors as holders of this
+    rank's ``local`` tensors, by holder key; DTensor shards or Megatron-core buffers).
+    Engine-side, ``deliver_beside()`` hands this rank's part to the engine rank beside it
+    and returns the update id; trainer-side, one hop straight to the engine's layout."""
     side = choose_side(sources, chan.engine_groups, mode)
     report = UpdateReport(side)
     if side == "engine":
-        return (yield from delivered_flow(chan, deliver(chan, shards)))
+        return (yield from delivered_flow(chan, deliver_beside()))
     if _anyone(chan.manifest is None, timeout_s):
         report.described = True
         chan.manifest = yield from _describe(chan, timeout_s)
-    rank, names, local = dist.get_rank(), [n for n, _, _ in shards], {n: t for n, t, _ in shards}
+    rank, names = dist.get_rank(), sorted(sources)
     parts = chunks(chan.manifest, names, bucket_bytes)
     for i, part in enumerate(parts):
         result = reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
