@@ -25,7 +25,7 @@ install: venv wheel
 
 # Run from the repo root: python/sglang has no __init__.py, so `import sglang` resolves to the installed wheel.
 test: install
-	$(PY) -m pytest test -q -x --timeout=600 -p no:cacheprovider
+	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider
 
 # The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it).
 smoke: install

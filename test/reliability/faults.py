@@ -112,10 +112,12 @@ def _arrange_death(when: str) -> None:
 
         trainer_update.barrier = barrier_then_die
     if when == "mid_update":  # entering trainer-side resharding: its peers wait for this rank's rows
+        from sglang.srt.weight_sync import trainer_side
+
         def execute_then_die(*args, **kwargs):
             os._exit(1)
 
-        trainer_update.execute = execute_then_die
+        trainer_side.execute = execute_then_die
 
 
 def trainer_job(rank: int, world: int, job: dict) -> dict:
@@ -134,7 +136,7 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     layout = "fsdp"
     if job["when"] == "mid_update":  # Megatron-like shards, every tensor resharded on the trainer side first
         layout = "tp"
-        trainer_update.send_weights = functools.partial(trainer_update.send_weights, mode="trainer")
+        trainer_update.update_flow = functools.partial(trainer_update.update_flow, mode="trainer")
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 
     def update(seed):

@@ -331,9 +331,12 @@ class _Driver:
         return self.leader
 
     def advance(self, reply: Optional[Reply]) -> bool:
-        """Hand the reply to the flow; False once the update is over."""
-        shared = broadcast_result(reply, self.group_ranks[0], self.group, 2 * self.timeout_s + GRACE_S,
-                                  f"trainer rank {self.me}: waiting for the engine's answer from rank "
+        """Hand the reply to the flow; False once the update is over. The barrier comes first
+        so that a rank lost meanwhile is named (gloo's monitored barrier); the engine waits at
+        most timeout_s for payloads and timeout_s + GRACE_S for its own ranks."""
+        barrier(self.group, 2 * self.timeout_s + GRACE_S, f"trainer rank {self.me}: while the engine applies the update")
+        shared = broadcast_result(reply, self.group_ranks[0], self.group, self.timeout_s,
+                                  f"trainer rank {self.me}: hearing the engine's answer from rank "
                                   f"{self.group_ranks[0]}")
         try:
             self.request = self.flow.send(shared)
