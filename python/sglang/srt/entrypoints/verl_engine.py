@@ -29,7 +29,6 @@ from sglang.srt.weight_sync.trainer_update import (
     drive,
     update_flow,
 )
-from sglang.srt.weight_sync.sglang_compat import weight_update_session
 
 
 class VerlEngine:
@@ -134,11 +133,13 @@ class VerlEngine:
         return report
 
     def _serve(self, request: ControlRequest) -> Tuple[bool, str]:
-        """One control request, on the first rank (the engine's or the HTTP adapter's reply)."""
-        with weight_update_session(self._engine):
-            result = self._engine.update_weights_distributed(
-                request.update_id, request.channel, flush_cache=request.final, timeout_s=self._timeout_s
-            )
+        """One control request, on the first rank (the engine's or the HTTP adapter's reply).
+        No explicit begin/end session: the scheduler runs the update in a one-shot session
+        (``weight_sync.sessions``), so this rank waits on one request, which the engine
+        answers within ``waits.answer_bound_s`` (``bounded_answers``) even if a scheduler hangs."""
+        result = self._engine.update_weights_distributed(
+            request.update_id, request.channel, flush_cache=request.final, timeout_s=self._timeout_s
+        )
         return as_reply(result)
 
     def release_memory_occupation(self) -> None:

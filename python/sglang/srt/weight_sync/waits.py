@@ -20,6 +20,14 @@ import torch.distributed as dist
 GRACE_S = 30.0
 
 
+def answer_bound_s(timeout_s: float) -> float:
+    """How long the engine's tokenizer manager waits for the answer to an update bounded by
+    ``timeout_s``: the schedulers apply payloads the trainer delivered before it asked (its
+    ready barrier), each of their collectives waits at most ``timeout_s + GRACE_S``, and the
+    trainer ranks beside the engine wait ``2 * timeout_s + GRACE_S`` for the answer."""
+    return timeout_s + GRACE_S
+
+
 class PeerLost(RuntimeError):
     """A peer of a collective did not answer within the bound (dead, hung or far behind)."""
 

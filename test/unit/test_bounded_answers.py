@@ -1,0 +1,156 @@
+"""The tokenizer manager's bounded wait for a distributed update's answer (``weight_sync.bounded_answers``).
+
+Against the installed wheel, without an engine: upstream's ``init_communicators`` wraps the
+update and session communicators; a scheduler that never answers gets ``success=False``
+within the bound (the bound shortened here; ``test/reliability/test_scheduler_death.py``
+measures the real one against a hung scheduler), later calls are refused at once until
+the late answer comes, and every other request keeps upstream's unbounded wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import pytest
+
+import sglang.srt.managers.io_struct as io
+from sglang.srt.weight_sync import bounded_answers
+from sglang.srt.weight_sync.bounded_answers import bound_answers, distributed_update
+from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
+from sglang.srt.weight_sync.engine_update import as_tensor_request
+from sglang.srt.weight_sync.waits import GRACE_S, answer_bound_s
+
+BOUND_S = 0.3
+
+
+class FakeCommunicator:
+    """Upstream's communicator as the wrapper sees it: answers when ``answer`` is set."""
+
+    def __init__(self):
+        self.calls, self.answer = [], None
+
+    async def __call__(self, obj):
+        self.calls.append(obj)
+        self.answer = asyncio.get_running_loop().create_future()
+        return await self.answer
+
+    def handle_recv(self, obj):
+        return ("handled", obj)
+
+
+class FakeManager:
+    def __init__(self):
+        for name in (*bounded_answers.UPDATES, *bounded_answers.SESSIONS):
+            setattr(self, f"{name}_communicator", FakeCommunicator())
+        self.inner = {name: getattr(self, f"{name}_communicator") for name in
+                      (*bounded_answers.UPDATES, *bounded_answers.SESSIONS)}
+
+
+@pytest.fixture
+def manager(monkeypatch):
+    monkeypatch.setattr(bounded_answers, "answer_bound_s", lambda timeout_s: BOUND_S)
+    m = FakeManager()
+    bound_answers(m)
+    return m
+
+
+def distributed(update_id="u1", timeout_s=5.0):
+    return io.UpdateWeightsDistributedReqInput(update_id=update_id, channel="/tmp/x", timeout_s=timeout_s)
+
+
+def test_bound_is_timeout_plus_grace():
+    assert answer_bound_s(7.0) == 7.0 + GRACE_S
+
+
+def test_upstream_hooks_install_it():
+    from sglang.srt.managers import tokenizer_control_mixin as tcm
+    import inspect
+
+    assert "bound_answers(self)" in inspect.getsource(tcm.TokenizerControlMixin.init_communicators)
+
+
+def test_wrapper_delegates_what_it_does_not_bound(manager):
+    assert manager.update_weights_distributed_communicator.handle_recv(1) == ("handled", 1)
+
+
+def test_an_answer_within_the_bound_passes_through(manager):
+    async def go():
+        call = asyncio.ensure_future(manager.update_weights_distributed_communicator(distributed()))
+        await asyncio.sleep(0.05)
+        manager.inner["update_weights_distributed"].answer.set_result(["ok"])
+        return await call
+
+    assert asyncio.run(go()) == ["ok"]
+
+
+def test_no_answer_fails_within_the_bound_then_refuses_until_the_late_answer(manager):
+    async def go():
+        start = time.monotonic()
+        reply = await manager.update_weights_distributed_communicator(distributed("u7"))
+        elapsed = time.monotonic() - start
+        # while u7 is unanswered: updates (either form) and session calls are refused at once
+        later = await manager.update_weights_from_tensor_communicator(as_tensor_request(distributed("u8"), 2))
+        end = await manager.end_weight_update_communicator(io.EndWeightUpdateReqInput())
+        sent = {k: len(c.calls) for k, c in manager.inner.items()}
+        manager.inner["update_weights_distributed"].answer.set_result(["late"])  # the scheduler answers late
+        await asyncio.sleep(0)
+        after = asyncio.ensure_future(manager.end_weight_update_communicator(io.EndWeightUpdateReqInput()))
+        await asyncio.sleep(0.05)
+        manager.inner["end_weight_update"].answer.set_result(["ended"])
+        return reply, elapsed, later, end, sent, await after
+
+    reply, elapsed, later, end, sent, after = asyncio.run(go())
+    assert BOUND_S <= elapsed < BOUND_S + 0.5
+    [r] = reply
+    assert isinstance(r, io.UpdateWeightsDistributedReqOutput) and r.success is False
+    assert "'u7' FAILED: no answer from the engine within 0.3s" in r.message
+    assert "waiting for its schedulers to receive and apply the update" in r.message
+    assert "an engine rank did not answer" in r.message
+    [l] = later
+    assert isinstance(l, io.UpdateWeightsFromTensorReqOutput) and not l.success
+    assert "'u8' refused" in l.message and "has not answered distributed weight update 'u7'" in l.message
+    [e] = end
+    assert isinstance(e, io.EndWeightUpdateReqOutput) and not e.success and "'u7'" in e.message
+    assert sent == {"update_weights_distributed": 1, "update_weights_from_tensor": 0,
+                    "begin_weight_update": 0, "end_weight_update": 0}, "a refused call reached a scheduler"
+    assert after == ["ended"], "calls go through again once the late answer came"
+
+
+def test_other_tensor_updates_keep_upstreams_wait(manager):
+    async def go():
+        req = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"], load_format=None)
+        call = asyncio.ensure_future(manager.update_weights_from_tensor_communicator(req))
+        await asyncio.sleep(BOUND_S + 0.2)
+        assert not call.done(), "a non-distributed update was bounded"
+        manager.inner["update_weights_from_tensor"].answer.set_result(["fine"])
+        return await call
+
+    assert asyncio.run(go()) == ["fine"]
+
+
+def test_reserved_format_request_is_read_for_its_id_and_timeout():
+    req = as_tensor_request(distributed("u3", timeout_s=9.5), 2)
+    assert distributed_update(req) == ("u3", 9.5)
+    assert distributed_update(distributed("u4", 3.0)) == ("u4", 3.0)
+    assert distributed_update(io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"])) is None
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("loaded",))
+
+
+@pytest.mark.parametrize("payload", [b"garbage", pickle.dumps({"update_id": "u", "timeout_s": Evil()}),
+                                     pickle.dumps(["not", "a", "dict"]), "not base64!"])
+def test_unreadable_control_bounds_by_the_default(payload, capsys):
+    req = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload], load_format="distributed_shards")
+    assert distributed_update(req) == ("", DEFAULT_TIMEOUT_S)
+    assert "loaded" not in capsys.readouterr().out, "a pickled global was called"
+
+
+def test_invalid_timeout_bounds_by_the_default():
+    req = io.UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[pickle.dumps({"update_id": "u", "timeout_s": -1})], load_format="distributed_shards")
+    assert distributed_update(req) == ("u", DEFAULT_TIMEOUT_S)
