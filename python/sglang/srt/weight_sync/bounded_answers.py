@@ -88,9 +88,9 @@ class BoundedCommunicator:
         self._guard.unanswered = _Unanswered(update_id, bound, answer)
         answer.add_done_callback(_late_answer(update_id, time.monotonic()))
         message = (
-            f"distributed weight update {update_id!r} FAILED: no answer from the engine within {bound:g}s "
-            f"(timeout_s={timeout_s:g} plus {GRACE_S:g}s grace) waiting for its schedulers to receive and apply "
-            f"the update: {NO_ANSWER}. Its weights are unknown, possibly mixed: restart the engine"
+            f"no answer from the engine within {bound:g}s to distributed weight update {update_id!r} "
+            f"(timeout_s={timeout_s:g} plus {GRACE_S:g}s grace), waiting for its schedulers to receive and apply "
+            f"it: {NO_ANSWER}. Its weights are unknown, possibly mixed: restart the engine"
         )
         logger.error(message)
         return [self._answer(message)]
