@@ -125,6 +125,8 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     the survivors report how long they took to fail and why."""
     import asyncio
     import functools
+    import os
+    import tempfile
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -132,10 +134,14 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     from sglang.srt.weight_sync import trainer_update
     from update_cases import as_layout, new_weights
 
+    os.environ["TMPDIR"] = job["tmp"]  # the channel directories go there (forked ranks share the server's env)
+    tempfile.tempdir = None
     mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     layout = "fsdp"
-    if job["when"] == "mid_update":  # Megatron-like shards, every tensor resharded on the trainer side first
-        layout = "tp"
+    if job["when"] == "mid_update":
+        # FSDP rows resharded on the trainer side, one hop to the engine's layout: rank 0 needs
+        # row-parallel columns from rank 1 (with Megatron-like "tp" shards it needs nothing since
+        # the one-hop flow, and would not wait in an executor round for its dead peer)
         trainer_update.update_flow = functools.partial(trainer_update.update_flow, mode="trainer")
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 
@@ -160,33 +166,25 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
 
 
 def run_trainers(eng, world: int, job: dict, deadline_s: float = 300) -> Tuple[Dict[int, dict], List[str]]:
-    """Run ``trainer_job`` on ``world`` spawned gloo ranks while this process serves rank 0's
-    engine requests; returns the results of the ranks that lived (dead ranks give none) and
-    the channel directories left behind (the ranks make them in a private ``TMPDIR``)."""
-    import multiprocessing as mp
+    """Run ``trainer_job`` on ``world`` gloo ranks (forked from the preloaded fork server: no
+    engine starts in them) while this process serves rank 0's engine requests; returns the
+    results of the ranks that lived (dead ranks give none) and the channel directories left
+    behind (the ranks make them in a private ``TMPDIR``)."""
     import os
     import queue
     import tempfile
 
-    from ranks import _worker
+    from ranks import _context, _worker
 
-    ctx = mp.get_context("spawn")
+    ctx = _context("forkserver")
     results, requests, answers = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    job = dict(job, requests=requests, answers=answers)
     with tempfile.TemporaryDirectory() as tmp:
+        job = dict(job, requests=requests, answers=answers, tmp=tmp)
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, args=(r, world, store, trainer_job, (job,), results))
                  for r in range(world)]
-        old_tmp = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = tmp
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            if old_tmp is None:
-                del os.environ["TMPDIR"]
-            else:
-                os.environ["TMPDIR"] = old_tmp
+        for p in procs:
+            p.start()
         out, end = {}, time.monotonic() + deadline_s
         try:
             while time.monotonic() < end and (any(p.is_alive() for p in procs) or not results.empty()):
