@@ -138,10 +138,7 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     tempfile.tempdir = None
     mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     layout = "fsdp"
-    if job["when"] == "mid_update":
-        # FSDP rows resharded on the trainer side, one hop to the engine's layout: rank 0 needs
-        # row-parallel columns from rank 1 (with Megatron-like "tp" shards it needs nothing since
-        # the one-hop flow, and would not wait in an executor round for its dead peer)
+    if job["when"] == "mid_update":  # FSDP shards resharded on the trainer side: rank 0 needs rows of rank 1
         trainer_update.update_flow = functools.partial(trainer_update.update_flow, mode="trainer")
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 
