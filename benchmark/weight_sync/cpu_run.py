@@ -90,7 +90,7 @@ def _rank(rank, world, store, scenario, repeats, out_dir):
     sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
 
     t0 = time.perf_counter()
-    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part)[0] for part in parts]
+    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part, rank)[0] for part in parts]
     plan_s = time.perf_counter() - t0
 
     def distributed():

@@ -89,6 +89,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from benchmark.weight_sync.models import ModelSpec, get_model
+from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, Plan, Topology, plan
 from sglang.srt.weight_sync.source_layout import (
     SourceLayout,
@@ -109,6 +110,7 @@ from sglang.srt.weight_sync.target_layout import (
     Stacked,
     Vocab,
 )
+from sglang.srt.weight_sync.trainer_side import chunks, forget_plans, plan_to_engines
 
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4, per GPU per direction (H100/H200)
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s NDR NIC, one per GPU, per direction
@@ -485,8 +487,54 @@ def _needed_bytes(targets: Sequence[ParamTarget]) -> int:
     return sum(p.box.numel * t.dtype.itemsize for t in targets for p in t.pieces)
 
 
-def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> List[Dict]:
-    """Simulate one scenario; one result dict per design."""
+def rank_metrics(plans: Mapping[int, Sequence[Plan]], topology: Topology) -> Dict:
+    """``distributed_metrics`` for rank-local plans (trainer-side): ``plans[r]`` are rank
+    r's plans (one per chunk), which hold every move r sends or receives; the maxima are
+    over the ranks in ``plans``."""
+    out = defaultdict(int)
+    for r, rank_plans in plans.items():
+        recv, send, local = [0, 0, 0, 0], [0, 0, 0, 0], 0
+        lower = rounds = moves = 0
+        for p in rank_plans:
+            local += sum(m.nbytes for m in p.local)
+            lower += p.lower_bound_bytes(r)
+            rounds += len(p.rounds)
+            for rnd in p.rounds:
+                load = stage = 0
+                staged = set()
+                for m in rnd:
+                    moves += 1
+                    c = topology.distance(m.src, m.dests[0].rank)
+                    if m.src == r:
+                        send[c] += m.nbytes
+                        load += m.nbytes
+                        if m.needs_send_staging() and (m.holder.buffer, m.region) not in staged:
+                            staged.add((m.holder.buffer, m.region))  # the executor casts it once per round
+                            stage += m.nbytes
+                    for d in m.dests:
+                        if d.rank == r:
+                            recv[c] += m.nbytes
+                            load += m.nbytes
+                            stage += 0 if d.contiguous(m.region) else m.nbytes
+                out["peak_bytes_max"] = max(out["peak_bytes_max"], load)
+                out["staging_bytes_max"] = max(out["staging_bytes_max"], stage)
+        t = _time(local + recv[SAME_DEVICE], recv[SAME_NODE], send[SAME_NODE], recv[OTHER_NODE], send[OTHER_NODE])
+        for key, value in (("bytes_received_max", sum(recv)), ("bytes_sent_max", sum(send)),
+                           ("network_bytes_received_max", recv[OTHER_NODE]), ("lower_bound_bytes_max", lower),
+                           ("rounds", rounds), ("moves", moves), ("modelled_seconds", t)):
+            out[key] = max(out[key], value)
+    return dict(out)
+
+
+def sample_ranks(world: int, limit: int = 32) -> List[int]:
+    """Every rank of a small world; else the first, middle and last rank."""
+    return list(range(world)) if world <= limit else [0, world // 2, world - 1]
+
+
+def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 ranks: Optional[Sequence[int]] = None) -> List[Dict]:
+    """Simulate one scenario; one result dict per design. Trainer-side scenarios plan
+    with the runtime's entry point, rank by rank, for ``ranks`` (default ``sample_ranks``)."""
     t0 = time.perf_counter()
     spec = get_model(scenario.model)
     size, engines = scenario.infer.size, scenario.infer.engines
@@ -501,30 +549,46 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -
     mode = scenario.mode
     if mode == "auto":
         mode = "engine" if all(engine_covers(sources, e * size, (e + 1) * size) for e in range(engines)) else "trainer"
+    if mode == "trainer":
+        manifest = EngineManifest.of_ranks(scenario.infer.parallel, per_engine_rank, model_targets.aliases,
+                                           model_targets.tensor_shapes())
     describe_seconds = time.perf_counter() - t0
 
-    plans, plan_seconds, plan_cpu_seconds = [], 0.0, 0.0
-
-    def timed_plan(srcs, targets):
-        nonlocal plan_seconds, plan_cpu_seconds
-        wall, cpu = time.perf_counter(), time.process_time()
-        plans.append(plan(srcs, targets, topology=topology, bucket_bytes=bucket_bytes, aliases=model_targets.aliases))
-        plan_seconds = max(plan_seconds, time.perf_counter() - wall)
-        plan_cpu_seconds = max(plan_cpu_seconds, time.process_time() - cpu)
-
+    # Planned as the runtime plans: without a topology (the runtime is not told which
+    # ranks share a node); the topology only sorts the moved bytes into link classes.
+    timed: Dict[int, Tuple[float, float]] = {}
     if mode == "engine":
+        plans = []
         for e in range(engines):
             lo = e * size
             srcs = sources if engines == 1 else _restrict(sources, lo, lo + size)
-            timed_plan(srcs, {lo + i: per_engine_rank[i] for i in range(size)})
+            wall, cpu = time.perf_counter(), time.process_time()
+            plans.append(plan(srcs, {lo + i: per_engine_rank[i] for i in range(size)}, bucket_bytes=bucket_bytes,
+                              aliases=model_targets.aliases))
+            timed[lo] = (time.perf_counter() - wall, time.process_time() - cpu)
+        dist = distributed_metrics(plans, topology)
+        measured: object = "all"
+        timed_how = "each engine rank plans its whole engine; the slowest engine's plan"
     elif mode == "trainer":
-        timed_plan(sources, {g: per_engine_rank[g % size] for g in range(world)})
+        groups = [tuple(range(e * size, (e + 1) * size)) for e in range(engines)]
+        parts = chunks(manifest, list(sources), bucket_bytes)
+        measured = list(ranks) if ranks is not None else sample_ranks(world)
+        by_rank = {}
+        for r in measured:
+            forget_plans()  # each rank from a cold start, as the first update pays
+            wall, cpu = time.perf_counter(), time.process_time()
+            by_rank[r] = [plan_to_engines(sources, manifest, groups, bucket_bytes, part, r)[0] for part in parts]
+            timed[r] = (time.perf_counter() - wall, time.process_time() - cpu)
+        forget_plans()
+        dist = rank_metrics(by_rank, topology)
+        if measured == list(range(world)):
+            measured = "all"
+        timed_how = "trainer_side.plan_to_engines, every chunk, each timed rank from a cold start"
     else:
         raise ValueError(f"unknown mode {mode!r}")
 
     needed_rank = [_needed_bytes(t) for t in per_engine_rank]
     needed = {g: needed_rank[g % size] for g in range(world)}
-    dist = distributed_metrics(plans, topology)
     base = baseline_metrics(sources, needed, node_of, bucket_bytes)
     common = {
         "scenario": scenario.name,
@@ -541,8 +605,11 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -
         "lower_bound_bytes_max": dist["lower_bound_bytes_max"],
         "describe_seconds": describe_seconds,
     }
-    rows = [dict(common, design="distributed", plan_seconds=plan_seconds, plan_seconds_per_rank=plan_seconds,
-                 plan_cpu_seconds=plan_cpu_seconds, **dist)]
+    slowest = max(timed.values())
+    rows = [dict(common, design="distributed", plan_seconds=slowest[0], plan_seconds_per_rank=slowest[0],
+                 plan_cpu_seconds=max(c for _, c in timed.values()),
+                 plan_seconds_by_rank={str(r): w for r, (w, _) in timed.items()}, plan_timing=timed_how,
+                 metrics_ranks=measured, **dist)]
     for design in ("full_tensor", "rank0_funnel"):
         rows.append(
             dict(common, design=design, plan_seconds=None, plan_seconds_per_rank=None, plan_cpu_seconds=None,
