@@ -134,8 +134,7 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
 
     mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     layout = "fsdp"
-    if job["when"] == "mid_update":  # Megatron-like shards, every tensor resharded on the trainer side first
-        layout = "tp"
+    if job["when"] == "mid_update":  # FSDP shards resharded on the trainer side: rank 0 needs rows of rank 1
         trainer_update.update_flow = functools.partial(trainer_update.update_flow, mode="trainer")
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 

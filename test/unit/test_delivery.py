@@ -25,7 +25,7 @@ def _trainer(channel, ready, done):
     sender.send("u1", 5, {4: 0, 5: 1}, [("w", w, MeshSpec.sharded((6, 4), torch.float32, 0, [4, 5])),
                                         ("chunk0/qkv", torch.ones(3, 4), None)], FUSED)
     ready.set()
-    done.wait(60)  # the shared memory stays valid while the trainer waits for the engine
+    done.wait(60)
     sender.close()
 
 
@@ -67,3 +67,50 @@ def test_channel_must_be_private():
     with pytest.raises(DeliveryError, match="has mode 0755; it must be 0700"):
         ShardSender(channel, 0)
     os.rmdir(channel)
+
+
+def test_cpu_tensors_travel_inline_in_every_dtype_and_shape():
+    """CPU payloads need no shared-memory manager or authkey: bytes inline, exact, nothing pickled."""
+    channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
+    sent = [("bf16", torch.randn(3, 5).to(torch.bfloat16)), ("scalar", torch.tensor(2.5)),
+            ("empty", torch.empty(0, 4)), ("ints", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+            ("strided", torch.arange(12.0).reshape(3, 4).t())]
+    sender = ShardSender(channel, engine_rank=0)
+    try:
+        receiver._socket(channel)  # bind first: the PUSH socket connects to an existing path
+        sender.send("u", 0, {0: 0}, [(n, t, MeshSpec.full(tuple(t.shape), t.dtype, [0])) for n, t in sent])
+        got = receiver.receive(channel, "u", timeout_s=30).tensors
+        for name, t in sent:
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+        got["bf16"].add_(1)  # the engine owns its copy
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("inline,frame,problem", [
+    ([["torch.float32", [4]]], b"\x00" * 15, "15 bytes for a torch.float32 tensor of shape [4] (16 bytes)"),
+    ([["torch.complex64", [1]]], b"\x00" * 8, "dtype 'torch.complex64' is not one of"),
+    ([["torch.float32", [-1]]], b"", "shape [-1] is not a list of sizes"),
+])
+def test_inline_frames_that_disagree_with_their_description_are_refused(inline, frame, problem):
+    import json
+
+    import zmq
+
+    channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
+    receiver._socket(channel)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(f"ipc://{os.path.join(channel, 'tp0.sock')}")
+    header = {"update_id": "u", "trainer_rank": 0, "rank_map": [[0, 0]], "pieces": [], "inline": inline,
+              "tensors": [["w", MeshSpec.full((4,), torch.float32, [0]).to_wire()]]}
+    sock.send_multipart([json.dumps(header).encode(), frame])
+    try:
+        with pytest.raises(DeliveryError, match="cannot read the shards of trainer rank 0") as e:
+            receiver.receive(channel, "u", timeout_s=30)
+        assert problem in str(e.value)
+    finally:
+        sock.close(0)
+        ctx.term()
+        receiver.close()

@@ -8,17 +8,20 @@ channel. A trainer rank PUSHes one two-part message: a JSON header (the update
 id, which trainer rank it is, the map from trainer ranks to engine ranks, each
 tensor's name and ``MeshSpec``; fused local buffers (Megatron-core) travel
 without a spec, and the HF tensors they hold pieces of come with
-``HoldersSpec``s) and its local tensors. Tensors go through SGLang's
-``MultiprocessingSerializer``: CUDA IPC handles on GPU, shared memory on CPU,
-so no payload bytes are copied or gathered anywhere. The engine reads and
-checks the header before it unpickles anything, refuses update ids it has
-already consumed, and never dies of a malformed message.
+``HoldersSpec``s) and its local tensors. CUDA tensors go as CUDA IPC handles
+(SGLang's ``MultiprocessingSerializer``), so no payload bytes are copied or
+gathered; CPU tensors (tests, CPU engines) travel inline, one frame each after
+the header, described by dtype and shape: no shared-memory manager (torch's
+answers within 1 s or fails, which a loaded 2-core machine misses), no
+multiprocessing authkey (an engine launched separately has another), nothing
+left in /dev/shm, and nothing unpickled. The engine reads and checks the header
+before it unpickles or decodes anything, refuses update ids it has already
+consumed, and never dies of a malformed message.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import math
@@ -27,7 +30,7 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import zmq
@@ -133,20 +136,28 @@ def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[
     return tensor, spec
 
 
-@contextlib.contextmanager
-def _file_system_sharing(active: bool) -> Iterator[None]:
-    """CPU tensors shared by file name, not by fd: fetching an fd from the sender needs
-    the sender's multiprocessing authkey, which an engine launched separately (e.g. an
-    HTTP server) does not have. Scoped to our payloads."""
-    import torch.multiprocessing as tmp
+# dtypes a CPU payload may carry inline, by the name the header gives them
+INLINE_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                                     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
-    old = tmp.get_sharing_strategy()
-    if active:
-        tmp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        tmp.set_sharing_strategy(old)
+
+def _inline_frame(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy (ZeroMQ copies them into the socket)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _from_frame(frame: bytes, dtype_name: str, shape: Sequence[int]) -> torch.Tensor:
+    """The tensor an inline frame carries, or ValueError when frame and description disagree."""
+    dtype = INLINE_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ValueError(f"dtype {dtype_name!r} is not one of {sorted(INLINE_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"shape {shape!r} is not a list of sizes")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(frame) != expected:
+        raise ValueError(f"{len(frame)} bytes for a {dtype_name} tensor of shape {shape} ({expected} bytes)")
+    return torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).reshape(shape) if expected else \
+        torch.empty(shape, dtype=dtype)
 
 
 class ShardSender:
@@ -185,9 +196,12 @@ class ShardSender:
             "pieces": [[name, spec.to_wire()] for name, spec in (pieces or {}).items()],
             "kind": kind, "names": [str(n) for n in names], "fingerprint": str(fingerprint),
         }
-        with _file_system_sharing(any(not t.is_cuda for t in self._alive)):
-            blob = MultiprocessingSerializer.serialize(self._alive)
-        self._sock.send_multipart([json.dumps(header).encode(), blob])
+        if any(t.is_cuda for t in self._alive):
+            frames = [MultiprocessingSerializer.serialize(self._alive)]
+        else:
+            header["inline"] = [[str(t.dtype), list(t.shape)] for t in self._alive]
+            frames, self._alive = [_inline_frame(t) for t in self._alive], []
+        self._sock.send_multipart([json.dumps(header).encode(), *frames])
 
     def close(self) -> None:
         self._alive = []
@@ -270,7 +284,7 @@ class ShardReceiver:
                 dropped.append(f"payload of update {header['update_id']!r}")
                 continue
             self._consume(update_id)
-            return self._payload(header, frames[1])
+            return self._payload(header, frames[1:])
 
     def _consume(self, update_id: str) -> None:
         self._consumed.add(update_id)
@@ -278,8 +292,8 @@ class ShardReceiver:
         if len(self._consumed_order) > CONSUMED_IDS:
             self._consumed.discard(self._consumed_order.popleft())
 
-    def _payload(self, header: dict, blob: bytes) -> Payload:
-        """The payload of the awaited update: checked, then (only then) unpickled."""
+    def _payload(self, header: dict, frames: List[bytes]) -> Payload:
+        """The payload of the awaited update: checked, then (only then) decoded or unpickled."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
         if header["rank_map"].get(trainer) != self.engine_rank:
             raise self._error(f"the payload of trainer rank {trainer} is for engine rank "
@@ -288,7 +302,10 @@ class ShardReceiver:
         if twice:
             raise self._error(f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}")
         try:
-            tensors = MultiprocessingSerializer.deserialize(blob)
+            if header["inline"] is None:
+                tensors = MultiprocessingSerializer.deserialize(frames[0])
+            else:
+                tensors = [_from_frame(f, *desc) for f, desc in zip(frames, header["inline"])]
         except Exception as e:  # noqa: BLE001 - a dead sender, a blocked pickle, garbage: refuse, never die
             raise self._error(f"cannot read the shards of trainer rank {trainer} (is it alive?): "
                               f"{type(e).__name__}: {e}") from None
@@ -316,10 +333,11 @@ class ShardReceiver:
 
 def _header(frames: List[bytes]) -> dict:
     """The checked JSON header of a two-part message (nothing is unpickled here)."""
-    if len(frames) != 2 or len(frames[0]) > HEADER_BYTES:
+    if not frames or len(frames[0]) > HEADER_BYTES:
         raise DeliveryError(f"{len(frames)} frame(s); expected a header and the shards")
     try:
         header = json.loads(frames[0])
+        inline = header.get("inline")
         update_id, trainer, pairs, tensors, pieces = (header["update_id"], header["trainer_rank"],
                                                       header["rank_map"], header["tensors"], header["pieces"])
         rank_map = {int(k): int(v) for k, v in pairs}
@@ -330,10 +348,15 @@ def _header(frames: List[bytes]) -> dict:
             or not _named_pairs(pieces) or not isinstance(names, list) or not all(isinstance(n, str) for n in names) \
             or not isinstance(fingerprint, str):
         raise DeliveryError("header fields have the wrong types")
+    if inline is not None and not (_named_pairs(inline) and len(inline) == len(tensors)):
+        raise DeliveryError("header field 'inline' must describe each tensor as [dtype, shape]")
+    expected = 1 if inline is None else len(inline)
+    if len(frames) - 1 != expected:
+        raise DeliveryError(f"{len(frames)} frame(s); expected a header and {expected} more")
     if kind not in PAYLOAD_KINDS:
         raise DeliveryError(f"unknown payload kind {kind!r}; expected one of {PAYLOAD_KINDS}")
     return {"update_id": update_id, "trainer_rank": trainer, "rank_map": rank_map, "tensors": tensors,
-            "pieces": pieces, "kind": kind, "names": names, "fingerprint": fingerprint}
+            "pieces": pieces, "kind": kind, "names": names, "fingerprint": fingerprint, "inline": inline}
 
 
 def _named_pairs(value) -> bool:

@@ -2,15 +2,16 @@
 
 Every collective of an update is started asynchronously and waited for with a
 bound derived from the update's ``timeout_s``. A peer that died or never came
-makes the wait raise ``PeerLost`` naming the phase (gloo's monitored barrier
-also names the ranks that did not arrive), instead of blocking for the process
+makes the wait raise ``PeerLost`` naming the phase (and, at barriers, the ranks
+that never arrived), instead of blocking for the process
 group's default timeout (30 minutes) or for ever.
 """
 
 from __future__ import annotations
 
+import collections
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,41 @@ def wait(work, timeout_s: float, phase: str) -> None:
         raise PeerLost(f"{phase}: a peer did not answer within {timeout_s:g}s ({e})") from None
 
 
+# Barriers entered so far per group (by its ranks): every rank of a group enters them in one
+# order, so (group, count) names one barrier on every rank.
+_entered: Dict[Tuple[int, ...], int] = collections.defaultdict(int)
+
+
 def barrier(group: Optional[dist.ProcessGroup], timeout_s: float, phase: str) -> None:
-    """A barrier bounded by ``timeout_s``; on gloo, the error names the missing ranks."""
-    if dist.get_backend(group) == "gloo":
-        try:
+    """A barrier bounded by ``timeout_s``. On failure the error names the ranks that never
+    reached it: each rank marks its arrival in the process group's store first (a dead
+    peer's closed connection makes gloo say only "Connection closed by peer")."""
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    me, tag = dist.get_rank(), ",".join(map(str, ranks))
+    _entered[ranks] += 1
+    keys = {r: f"weight_sync/barrier/{tag}/{_entered[ranks]}/{r}" for r in ranks}
+    store = _store()
+    if store is not None:
+        store.set(keys[me], "1")
+        if _entered[ranks] > 1:  # every rank passed the previous one: its mark is no longer needed
+            store.delete_key(f"weight_sync/barrier/{tag}/{_entered[ranks] - 1}/{me}")
+    try:
+        if dist.get_backend(group) == "gloo":
             dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-        except RuntimeError as e:
-            raise PeerLost(f"{phase}: {e} (within {timeout_s:g}s)") from None
-    else:
-        wait(dist.barrier(group=group, async_op=True), timeout_s, phase)
+        else:
+            dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        absent = [r for r, k in keys.items() if store is not None and not store.check([k])]
+        named = f"ranks {absent} never reached it; " if absent else ""
+        raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
+
+
+def _store() -> Optional[dist.Store]:
+    """The default process group's store (every rank reaches it), if there is one."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
 
 
 RESULT_BYTES = 4096
