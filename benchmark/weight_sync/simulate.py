@@ -522,8 +522,8 @@ def rank_metrics(plans: Mapping[int, Sequence[Plan]], topology: Topology) -> Dic
                     if m.src == r:
                         send[c] += m.nbytes
                         load += m.nbytes
-                        if m.needs_send_staging() and (m.holder.buffer, m.region) not in staged:
-                            staged.add((m.holder.buffer, m.region))  # the executor casts it once per round
+                        if m.needs_send_staging() and (m.tensor, m.holder.buffer, m.region) not in staged:
+                            staged.add((m.tensor, m.holder.buffer, m.region))  # the executor casts it once per round
                             stage += m.nbytes
                     for d in m.dests:
                         if d.rank == r:

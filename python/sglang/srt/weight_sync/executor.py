@@ -96,7 +96,7 @@ class _Staging:
     def send_buffer(self, shards, move: Move) -> torch.Tensor:
         """The region ``move`` sends, cast and made contiguous once per round however many
         ranks it goes to (a rank-local plan sends one region to each receiver separately)."""
-        key = (move.holder.buffer, move.region, move.dtype)
+        key = (move.tensor, move.holder.buffer, move.region, move.dtype)
         buf = self.sent.get(key)
         if buf is None:
             buf = self.sent[key] = self.contiguous_cast(_src_view(shards, move), move.dtype)
