@@ -1,27 +1,33 @@
 """Deriving DeepSeek-V3-671B's targets from SGLang's own loaders, metadata only.
 
 ``python -m benchmark.weight_sync.derive_dsv3 [--tp 8] [--ep 1] [--json]`` publishes an
-engine layout (TP, MoE EP) the way SGLang's test helpers do, then calls the engine's
-own entry point, ``target_cache.engine_derived_targets``, three times:
+engine layout (TP, MoE EP) the way SGLang's test helpers do, then runs the engine's own
+code (``target_cache``) in this process, phase by phase:
 
-* ``first``: empty disk cache: checkpoint names/shapes from the HF model on meta, then
-  every TP rank's model built on meta and loaded by SGLang's loaders under the recorder;
-* ``restart``: a new process would find the disk entry (memory cache dropped);
-* ``cached``: what every later update pays (memory cache, then the live-shape check is
-  the caller's).
+* ``first, rank r``: what engine rank r pays on the first update with an empty disk cache:
+  ``own_rank_record`` (checkpoint names/shapes from the HF model on meta, the rank's model
+  built on meta and loaded by SGLang's loaders under the recorder, its disk entry written).
+  In an engine every TP rank does this at the same time for its own rank; here the ranks
+  run one after another, each measured alone (time, peak RSS of the process, growth of RSS);
+* ``first, assemble``: every rank's record decoded into the engine's targets (what follows
+  the ranks' exchange; the gloo transfer of the records is not in this figure);
+* ``restart``: ``engine_derived_targets`` in a process that finds the disk entries (memory
+  cache dropped): the cache key, this rank's entry read, the other ranks' records (what the
+  exchange brings: read from their entries here) assembled; ``key`` is the key alone;
+* ``cached``: ``engine_derived_targets`` again: what every later update pays.
 
-Reported: seconds, peak RSS of the process, targets and pieces. The full config is used
-except its yarn rope scaling (SGLang's yarn rotary asks for an accelerator at
-construction; rotary embeddings hold no checkpoint weights). Runs on SGLang's default
-platform (the loaders' CUDA branches) with the test helpers' ``vllm._custom_ops`` stand-in.
+The full config is used except its yarn rope scaling (SGLang's yarn rotary asks for an
+accelerator at construction; rotary embeddings hold no checkpoint weights). Runs on
+SGLang's default platform (the loaders' CUDA branches) with the test helpers'
+``vllm._custom_ops`` stand-in.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -38,8 +44,27 @@ FULL = dict(
 )
 
 
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def _status_gib(field: str) -> float:
+    """VmHWM (peak RSS) or VmRSS of this process, GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    """Start a new peak-RSS window (Linux: 5 > /proc/self/clear_refs resets VmHWM)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _measured(fn):
+    _reset_peak()
+    before = _status_gib("VmRSS")
+    start = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - start
+    return out, seconds, _status_gib("VmHWM"), _status_gib("VmHWM") - before
 
 
 def main() -> None:
@@ -57,8 +82,10 @@ def main() -> None:
     import transformers
 
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.runtime_context import get_context
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
     work = Path(tempfile.mkdtemp(prefix="derive_dsv3-"))
     kwargs = dict(FULL)
@@ -68,29 +95,66 @@ def main() -> None:
     installed = get_context().override_server_args(tp_size=args.tp, ep_size=args.ep)
     installed.install()
     rows = []
+
+    def row(phase, seconds, peak, growth, targets=None):
+        counts = {}
+        if targets is not None:
+            counts = dict(targets=sum(map(len, targets.per_rank)),
+                          pieces=sum(len(t.pieces) for ts in targets.per_rank for t in ts),
+                          post_load=len(targets.post_load), not_copied=len(targets.not_copied))
+        rows.append(dict(phase=phase, tp=args.tp, ep=args.ep, seconds=round(seconds, 4), peak_rss_gib=round(peak, 2),
+                         rss_growth_gib=round(growth, 2), **counts))
+
     try:
         model_config = ModelConfig(model_path=str(work / "model"))
-        for phase in ("first", "restart", "cached"):
-            if phase == "restart":
-                target_cache._memory.clear()
-            start = time.perf_counter()
-            targets = target_cache.engine_derived_targets(model_config)
-            seconds = time.perf_counter() - start
-            rows.append(dict(phase=phase, tp=args.tp, ep=args.ep, seconds=round(seconds, 4),
-                             peak_rss_gib=round(peak_rss_gib(), 2), targets=sum(map(len, targets.per_rank)),
-                             pieces=sum(len(t.pieces) for ts in targets.per_rank for t in ts),
-                             post_load=len(targets.post_load), not_copied=len(targets.not_copied)))
+        get_model_architecture(model_config)  # SGLang's model registry, imported when the engine built its model
+        par = get_parallel()
+        parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
+        records = []
+        for r in range(args.tp):
+            record, seconds, peak, growth = _measured(lambda: target_cache.own_rank_record(model_config, r))
+            records.append(record)
+            row(f"first, rank {r}", seconds, peak, growth)
+        blobs = [json.dumps(rec).encode() for rec in records]  # what each rank sends
+        del records
+        targets, seconds, peak, growth = _measured(
+            lambda: target_cache.assemble(parallel, [json.loads(b) for b in blobs]))
+        row("first, assemble", seconds, peak, growth, targets)
+        del targets
+        _, seconds, peak, growth = _measured(lambda: target_cache.cache_key(model_config))
+        row("restart, key", seconds, peak, growth)
+        target_cache._versions.cache_clear()
+        target_cache._memory.clear()
+        targets, seconds, peak, growth = _measured(
+            lambda: target_cache.engine_derived_targets(model_config, 0, lambda own: [own] + blobs[1:]))
+        row("restart", seconds, peak, growth, targets)
+        targets, seconds, peak, growth = _measured(
+            lambda: target_cache.engine_derived_targets(model_config, 0, lambda own: [own] + blobs[1:]))
+        row("cached", seconds, peak, growth, targets)
     finally:
         installed.restore()
 
-    print(f"DeepSeek-V3-671B, TP {args.tp}, MoE EP {args.ep}: every rank's targets from SGLang's loaders on meta")
-    print("| phase | s | peak RSS GiB | targets (all ranks) | pieces | post-load tensors | not copies |")
-    print("|---|---|---|---|---|---|---|")
+    firsts = [r for r in rows if r["phase"].startswith("first, rank")]
+    assemble = next(r for r in rows if r["phase"] == "first, assemble")
+    summary = dict(
+        first_one_rank_max_s=max(r["seconds"] for r in firsts),
+        first_engine_wall_s=round(max(r["seconds"] for r in firsts) + assemble["seconds"], 4),
+        first_all_ranks_one_process_s=round(sum(r["seconds"] for r in firsts) + assemble["seconds"], 4),
+        first_one_rank_peak_rss_gib=max(r["peak_rss_gib"] for r in firsts),
+        first_one_rank_rss_growth_gib=max(r["rss_growth_gib"] for r in firsts),
+    )
+    print(f"DeepSeek-V3-671B, TP {args.tp}, MoE EP {args.ep}: targets from SGLang's loaders on meta, "
+          "each rank deriving its own")
+    print("| phase | s | peak RSS GiB | RSS growth GiB | targets (all ranks) | pieces | post-load tensors | not copies |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['phase']} | {r['seconds']} | {r['peak_rss_gib']} | {r['targets']} | {r['pieces']} | "
-              f"{r['post_load']} | {r['not_copied']} |")
+        print(f"| {r['phase']} | {r['seconds']} | {r['peak_rss_gib']} | {r['rss_growth_gib']} | {r.get('targets', '')} | "
+              f"{r.get('pieces', '')} | {r.get('post_load', '')} | {r.get('not_copied', '')} |")
+    print(f"first update, every rank deriving its own in parallel: {summary['first_engine_wall_s']} s "
+          f"(slowest rank {summary['first_one_rank_max_s']} s + assemble); all {args.tp} ranks one after another "
+          f"in one process: {summary['first_all_ranks_one_process_s']} s")
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"rows": rows, "summary": summary}))
 
 
 if __name__ == "__main__":

@@ -137,6 +137,62 @@ class RankTargets:
     post_load: Mapping[str, Tuple[str, ...]]
     read: frozenset
 
+    def to_builtins(self) -> dict:
+        """Plain lists, dicts, strings and ints: what the disk cache holds and TP ranks exchange.
+
+        Compact, because a 671B model's rank has ~45k pieces: boxes and index tuples (the
+        same for every expert) are stored once and referenced by number, and a target's
+        pieces are one flat list of ``PIECE_FIELDS`` entries each."""
+        boxes: Dict[Box, int] = {}
+        tuples: Dict[Tuple[int, ...], int] = {}
+        targets = []
+        for t in self.targets:
+            flat = []
+            for p in t.pieces:
+                flat += [p.tensor, boxes.setdefault(p.box, len(boxes)), tuples.setdefault(p.index, len(tuples)),
+                         tuples.setdefault(p.offsets, len(tuples)),
+                         -1 if p.perm is None else tuples.setdefault(p.perm, len(tuples))]
+            targets.append([t.name, list(t.shape), str(t.dtype).removeprefix("torch."), flat,
+                            [boxes.setdefault(z, len(boxes)) for z in t.zeros]])
+        return {
+            "boxes": [[list(b.offsets), list(b.sizes)] for b in boxes],
+            "tuples": [list(t) for t in tuples],
+            "targets": targets,
+            "not_copied": dict(self.not_copied),
+            "post_load": {n: list(d) for n, d in self.post_load.items()},
+            "read": sorted(self.read),
+        }
+
+    @classmethod
+    def from_builtins(cls, d: dict) -> "RankTargets":
+        boxes = [Box(tuple(o), tuple(s)) for o, s in d["boxes"]]
+        tuples = [tuple(t) for t in d["tuples"]]
+        targets = []
+        with paused_gc():
+            for name, shape, dtype, flat, zeros in d["targets"]:
+                pieces = tuple(Piece(flat[k], boxes[flat[k + 1]], tuples[flat[k + 2]], tuples[flat[k + 3]],
+                                     None if flat[k + 4] < 0 else tuples[flat[k + 4]])
+                               for k in range(0, len(flat), PIECE_FIELDS))
+                targets.append(ParamTarget(name, tuple(shape), getattr(torch, dtype), pieces,
+                                           tuple(boxes[z] for z in zeros)))
+        return cls(tuple(targets), dict(d["not_copied"]), {n: tuple(v) for n, v in d["post_load"].items()},
+                   frozenset(d["read"]))
+
+
+PIECE_FIELDS = 5  # tensor, box, index, offsets, perm (-1: identity)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Build many small acyclic objects without the cyclic collector's passes (they only cost time)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTargets:
     """Run ``model.load_weights`` and the loader's post-load processing on meta checkpoint
@@ -145,9 +201,7 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
     post-load) to see which computed tensors SGLang refreshes in place."""
     from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
 
-    was_enabled = gc.isenabled()
-    gc.disable()  # many small acyclic records: collector passes only cost time
-    try:
+    with paused_gc():
         rec = LoadRecorder()
         rec.register_module_tensors(model)
         before = {n: rec.key(t) for n, t in _named_tensors(model)}
@@ -167,9 +221,6 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
         refreshed = {n for n, (t, _) in computed.items()
                      if _lookup(model, n) is t and len(rec.prov(t).entries) > writes[n]}
         return _describe(model, rec, before, computed, refreshed)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def refresh_after_update(model: torch.nn.Module) -> None:
@@ -324,58 +375,20 @@ class DerivedTargets:
     def by_rank(self) -> Dict[int, List[ParamTarget]]:
         return {r: self.for_rank(r) for r in range(self.parallel.tp_size)}
 
-    def to_builtins(self) -> dict:
-        """Plain lists, dicts, strings and ints (JSON, pickle, a trainer-side publication)."""
-        return {
-            "parallel": [self.parallel.tp_size, self.parallel.attn_tp_size, self.parallel.moe_ep_size],
-            "shapes": {n: list(s) for n, s in self.shapes.items()},
-            "aliases": dict(self.aliases),
-            "not_copied": dict(self.not_copied),
-            "post_load": {n: list(d) for n, d in self.post_load.items()},
-            "per_rank": [[_target_to_builtins(t) for t in ts] for ts in self.per_rank],
-        }
-
     @classmethod
-    def from_builtins(cls, d: dict) -> "DerivedTargets":
-        return cls(
-            EngineParallel(*d["parallel"]),
-            tuple(tuple(_target_from_builtins(t) for t in ts) for ts in d["per_rank"]),
-            {n: tuple(s) for n, s in d["shapes"].items()},
-            dict(d["aliases"]), dict(d["not_copied"]), {n: tuple(v) for n, v in d["post_load"].items()},
-        )
+    def of_ranks(cls, parallel: EngineParallel, ranks: Sequence[RankTargets], shapes: Mapping[str, Tuple[int, ...]],
+                 aliases: Mapping[str, str]) -> "DerivedTargets":
+        """Every rank's derivation, in rank order, as one engine's targets."""
+        not_copied, post_load = {}, {}
+        for r, derived in enumerate(ranks):
+            for n, why in derived.not_copied.items():
+                not_copied.setdefault(n, f"engine rank {r}: {why}")
+            post_load.update(derived.post_load)
+        return cls(parallel, tuple(d.targets for d in ranks), dict(shapes), dict(aliases), not_copied, post_load)
 
 
-def _target_to_builtins(t: ParamTarget) -> list:
-    pieces = [[p.tensor, list(p.box.offsets), list(p.box.sizes), list(p.index), list(p.offsets),
-               list(p.perm) if p.perm else None] for p in t.pieces]
-    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), pieces,
-            [[list(z.offsets), list(z.sizes)] for z in t.zeros]]
-
-
-def _target_from_builtins(d: list) -> ParamTarget:
-    name, shape, dtype, pieces, zeros = d
-    return ParamTarget(
-        name, tuple(shape), getattr(torch, dtype),
-        tuple(Piece(n, Box(tuple(o), tuple(s)), tuple(i), tuple(off), tuple(p) if p else None)
-              for n, o, s, i, off, p in pieces),
-        tuple(Box(tuple(o), tuple(s)) for o, s in zeros),
-    )
-
-
-def derive_targets(model_config, checkpoint: CheckpointLayout, load_config=None) -> DerivedTargets:
-    """Derive every rank of the published engine layout (``get_parallel()``): the model is
-    built on meta as each rank in turn and loaded from ``checkpoint`` by SGLang's loaders."""
-    from sglang.srt.runtime_context import get_parallel
-
-    par = get_parallel()
-    parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
-    per_rank, not_copied, post_load = [], {}, {}
-    for r in range(par.tp_size):
-        with as_engine_rank(r):
-            derived = derive_rank(build_meta_model(model_config, load_config), checkpoint)
-        per_rank.append(derived.targets)
-        for n, why in derived.not_copied.items():
-            not_copied.setdefault(n, f"engine rank {r}: {why}")
-        post_load.update(derived.post_load)
-    return DerivedTargets(parallel, tuple(per_rank), checkpoint.shapes(), dict(checkpoint.aliases),
-                          not_copied, post_load)
+def derive_engine_rank(model_config, checkpoint: CheckpointLayout, rank: int, load_config=None) -> RankTargets:
+    """TP ``rank`` of the published engine layout: its model built on meta as that rank and
+    loaded from ``checkpoint`` by SGLang's loaders."""
+    with as_engine_rank(rank):
+        return derive_rank(build_meta_model(model_config, load_config), checkpoint)

@@ -208,11 +208,21 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
     bound = _timeout(recv_req) + GRACE_S
     problems: List[str] = []
     the_plan, params, shards, local_step = None, {}, {}, None
+    try:  # on every rank, even one without a payload: the first call is collective (target_cache)
+        derived = engine_derived_targets(model_config, rank, functools.partial(
+            _share_bytes, rank=rank, world=par.size, group=cpu_group, timeout_s=bound))
+    except (ValueError, PeerLost) as e:
+        derived = None
+        problems.append(f"engine rank {rank}: {e}")
+    except Exception as e:  # noqa: BLE001 - refuses the update, never kills the scheduler
+        derived = None
+        logger.exception("engine rank %d: the derived targets could not be assembled", rank)
+        problems.append(f"engine rank {rank}: the derived targets could not be assembled: {type(e).__name__}: {e}")
     if received.error:
         problems.append(received.error)
-    else:
+    elif derived is not None:
         try:
-            targets, params = engine_targets(model, model_config, rank)
+            targets, params = engine_targets(model, derived, rank)
             if received.payload.kind != "shards":
                 local_step = _published_layout_step(received.payload, targets, params, rank, recv_req.channel)
                 problems += local_step.problems
@@ -303,7 +313,7 @@ def _published_layout_step(payload: Payload, targets: DerivedTargets, params, ra
     return _LocalStep(problems + check_buffers(params, wanted, payload.tensors, rank), copy)
 
 
-def engine_targets(model: torch.nn.Module, model_config, rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor]]:
+def engine_targets(model: torch.nn.Module, targets: DerivedTargets, rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor]]:
     """This engine's targets, derived from SGLang's own loaders (``target_cache``), checked
     against the live tensors of ``rank``.
 
@@ -311,7 +321,6 @@ def engine_targets(model: torch.nn.Module, model_config, rank: int) -> Tuple[Der
     name. A live tensor that differs from its derived shape means the engine was not
     built the way the derivation rebuilt it: refuse.
     """
-    targets = engine_derived_targets(model_config)
     live = dict(model.named_parameters())
     live.update((n, b) for n, b in model.named_buffers() if n not in live)
     params: Dict[str, torch.Tensor] = {}
@@ -372,6 +381,23 @@ def _share_figures(mine: Tuple[int, ...], rank: int, world: int, group, timeout_
     wait(dist.all_reduce(table, group=group, async_op=True), timeout_s,
          f"sharing the update's figures with the other TP ranks ({world} ranks)")
     return table.tolist()
+
+
+def _share_bytes(mine: bytes, rank: int, world: int, group, timeout_s: float) -> List[bytes]:
+    """Every TP rank's bytes, in rank order, on every rank: lengths through one all-reduce, then
+    one all-gather of byte tensors (no object gather, no pickle)."""
+    if world == 1:
+        return [mine]
+    lengths = torch.zeros(world, dtype=torch.int64)
+    lengths[rank] = len(mine)
+    phase = f"exchanging derived targets with the other TP ranks ({world} ranks)"
+    wait(dist.all_reduce(lengths, group=group, async_op=True), timeout_s, phase)
+    width = int(lengths.max())
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    gathered = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout_s, phase)
+    return [t[:n].numpy().tobytes() for t, n in zip(gathered, lengths.tolist())]
 
 
 def _share_problems(problems: List[str], rank: int, world: int, group, timeout_s: float) -> List[str]:

@@ -174,23 +174,38 @@ def _physical_canon(t: torch.Tensor) -> Tuple[int, ...]:
     return (max(n_storage, 1),)
 
 
-def _tensors(x):
+def _tensors(x) -> List[torch.Tensor]:
+    """The tensors in (nested lists, tuples, dicts of) ``x``, in order."""
+    out: List[torch.Tensor] = []
+    _collect(x, out)
+    return out
+
+
+def _collect(x, out: List[torch.Tensor]) -> None:
     if isinstance(x, torch.Tensor):
-        yield x
+        out.append(x)
     elif isinstance(x, (list, tuple)):
         for y in x:
-            yield from _tensors(y)
+            _collect(y, out)
     elif isinstance(x, dict):
         for y in x.values():
-            yield from _tensors(y)
+            _collect(y, out)
 
 
-def _mixes_meta(args, kwargs) -> bool:
-    devices = {t.device.type for t in _tensors((args, kwargs)) if t.is_floating_point()}
-    return "meta" in devices and len(devices) > 1
+def _mixes_meta(tensors: Sequence[torch.Tensor]) -> bool:
+    """Floating-point meta and non-meta tensors in one op."""
+    meta = other = False
+    for t in tensors:
+        if t.is_floating_point():
+            if t.is_meta:
+                meta = True
+            else:
+                other = True
+    return meta and other
 
 
 _MUT_CACHE: Dict[object, Tuple[Tuple[int, str], ...]] = {}
+_PURE_VIEW: Dict[object, bool] = {}
 
 
 def _mutated_args(func) -> Tuple[Tuple[int, str], ...]:
@@ -203,12 +218,12 @@ def _mutated_args(func) -> Tuple[Tuple[int, str], ...]:
     return r
 
 
-class _Mutating:
-    def __contains__(self, func):
-        return bool(_mutated_args(func))
-
-
-_MUTATING = _Mutating()
+def _pure_view(func) -> bool:
+    """A view op that writes nothing: its output's offset and strides say everything (cached)."""
+    r = _PURE_VIEW.get(func)
+    if r is None:
+        r = _PURE_VIEW[func] = bool(func.is_view) and not _mutated_args(func)
+    return r
 
 _VIEW_FREE_CREATE = {
     aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
@@ -224,7 +239,6 @@ class LoadRecorder(TorchDispatchMode):
         self.storages: Dict[int, StorageProv] = {}
         self.leaves: Dict[str, torch.Tensor] = {}
         self.sentinels: Dict[float, Source] = {}
-        self.ops = Counter()
         self.opaque_ops = Counter()
         self.not_affine: List[str] = []
         self.max_enumeration = max_enumeration
@@ -491,14 +505,13 @@ class LoadRecorder(TorchDispatchMode):
     # ------------------------------------------------------------------ the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.ops[func.__name__] += 1
+        if _pure_view(func):
+            return func(*args, **kwargs)  # one input, so no device mix; offset and strides say everything
         if func is aten._local_scalar_dense.default:
             return self._item(args[0])
-        if func is not aten.copy_.default and _mixes_meta(args, kwargs):
+        if func is not aten.copy_.default and _mixes_meta(_tensors((args, kwargs))):
             args, kwargs = self._on_meta(args), {k: self._on_meta(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        if func.is_view and func not in _MUTATING:
-            return out  # a view: its offset and strides already say everything
         try:
             self._track(func, args, kwargs, out)
         except NotAffine as e:

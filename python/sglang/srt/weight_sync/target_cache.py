@@ -1,10 +1,16 @@
-"""Derived targets once per engine layout: in memory for the engine's life, on disk across restarts.
+"""Derived targets once per engine layout: each TP rank derives its own, in memory for the engine's life, on disk across restarts.
 
-Deriving runs SGLang's loaders on meta for every TP rank (seconds for a 671B model);
-an RL run updates thousands of times with the same layout. The disk entry is keyed
-by everything the derivation depends on: SGLang's version, the model config as the
-engine adjusted it, the server args that shape loading, the parallel layout, the
-platform and the checkpoint's names, shapes and dtypes.
+Deriving runs SGLang's loaders on meta (seconds per rank for a 671B model); an RL
+run updates thousands of times with the same layout. Every TP rank derives only
+its own rank, in parallel with the others, then the ranks exchange what they
+derived (plain data, through the engine's CPU group): the first update costs one
+rank's derivation, not T of them. Each rank's entry on disk is keyed by everything
+the derivation depends on, all read from what the engine already holds (nothing is
+built to compute it): SGLang's and transformers' versions, the model config as on
+disk and as the engine adjusted it, the server args that shape loading, the
+parallel layout and the platform. The checkpoint's names, shapes and dtypes are a
+function of the config and transformers' version (``checkpoint_layout``), so they
+are keyed through those.
 """
 
 from __future__ import annotations
@@ -15,18 +21,29 @@ import logging
 import os
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from sglang.srt.weight_sync.derived_targets import CheckpointLayout, DerivedTargets, checkpoint_layout, derive_targets
+from sglang.srt.weight_sync.derived_targets import (
+    DerivedTargets,
+    RankTargets,
+    checkpoint_layout,
+    derive_engine_rank,
+    paused_gc,
+)
 from sglang.srt.weight_sync.sglang_compat import loader_derivation_available, tp_state
 from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "SGLANG_WEIGHT_SYNC_CACHE_DIR"
+FORMAT = 2  # the on-disk record's layout: one file per rank
 # Server-args fields that say where or how the engine talks, never how it loads weights.
 _VOLATILE = ("port", "host", "addr", "seed", "log", "timeout", "api_key", "url", "file_storage", "socket")
+
+# Every TP rank's bytes, in rank order, on every rank: a collective over the engine's TP group.
+Exchange = Callable[[bytes], Sequence[bytes]]
 
 _memory: Dict[Tuple, DerivedTargets] = {}
 
@@ -35,8 +52,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sglang" / "weight_sync")
 
 
-def engine_derived_targets(model_config) -> DerivedTargets:
-    """This engine's targets for every TP rank (the published layout), derived at most once."""
+def engine_derived_targets(model_config, rank: int, exchange: Exchange) -> DerivedTargets:
+    """This engine's targets for every TP rank (the published layout), derived at most once.
+
+    Every TP rank calls it together: on the first call each derives (or reads from disk)
+    its own rank and all join ``exchange``, even a rank whose derivation failed (its
+    error travels instead, and every rank raises it), so no rank is left waiting.
+    """
     if not loader_derivation_available():
         return _rule_targets(model_config)
     from sglang.srt.runtime_context import get_parallel
@@ -46,21 +68,55 @@ def engine_derived_targets(model_config) -> DerivedTargets:
     cached = _memory.get(memory_key)
     if cached is not None:
         return cached
-    checkpoint = checkpoint_layout(_original_hf_config(model_config))
-    key = cache_key(model_config, checkpoint)
-    path = cache_dir() / f"{key}.json"
-    targets = _read(path)
-    if targets is None:
-        logger.info("weight sync: deriving the targets of %s for TP %d (attention TP %d, MoE EP %d) from SGLang's "
-                    "loaders on meta tensors; cached as %s", model_config.model_path, par.tp_size,
-                    par.attn_tp_size, par.moe_ep_size, path)
-        start = time.perf_counter()
-        targets = derive_targets(model_config, checkpoint)
-        logger.info("weight sync: derived %d targets over %d ranks in %.1f s", sum(map(len, targets.per_rank)),
-                    par.tp_size, time.perf_counter() - start)
-        _write(path, targets)
+    try:
+        own = own_rank_record(model_config, rank)
+    except Exception as e:  # noqa: BLE001 - this rank must still join the exchange, carrying its error
+        logger.exception("engine rank %d: deriving its weight-sync targets failed", rank)
+        own = {"error": f"engine rank {rank}: deriving its targets failed: {type(e).__name__}: {e}"}
+    blobs = exchange(json.dumps(own, separators=(",", ":")).encode())
+    with paused_gc():
+        records = [own if r == rank else json.loads(b) for r, b in enumerate(blobs)]
+    errors = [r["error"] for r in records if "error" in r]
+    if errors:
+        raise ValueError("; ".join(errors))
+    targets = assemble(EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size), records)
     _memory[memory_key] = targets
     return targets
+
+
+def own_rank_record(model_config, rank: int) -> dict:
+    """This TP rank's derivation as plain data: from the disk cache, or derived now and cached."""
+    path = cache_dir() / cache_key(model_config) / f"tp{rank}.json"
+    record = _read(path)
+    if record is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        logger.info("weight sync: engine rank %d derives its targets of %s (TP %d, attention TP %d, MoE EP %d) "
+                    "from SGLang's loaders on meta tensors; cached as %s", rank, model_config.model_path,
+                    par.tp_size, par.attn_tp_size, par.moe_ep_size, path)
+        start = time.perf_counter()
+        checkpoint = checkpoint_layout(_original_hf_config(model_config))
+        derived = derive_engine_rank(model_config, checkpoint, rank)
+        record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
+        if rank == 0:  # the checkpoint's names and shapes: every rank gets rank 0's record
+            record["checkpoint"] = {"shapes": {n: list(s) for n, s in checkpoint.shapes().items()},
+                                    "aliases": dict(checkpoint.aliases)}
+        logger.info("weight sync: engine rank %d derived %d targets in %.1f s", rank, len(derived.targets),
+                    time.perf_counter() - start)
+        _write(path, record)
+    return record
+
+
+def assemble(parallel: EngineParallel, records: Sequence[dict]) -> DerivedTargets:
+    """Every rank's record (rank order) as the engine's targets."""
+    for r, record in enumerate(records):
+        if record.get("rank") != r:
+            raise ValueError(f"engine rank {r} sent the targets of rank {record.get('rank')}")
+    ranks = [RankTargets.from_builtins(record["derived"]) for record in records]
+    checkpoint = records[0]["checkpoint"]
+    shapes = {n: tuple(s) for n, s in checkpoint["shapes"].items()}
+    return DerivedTargets.of_ranks(parallel, ranks, shapes, checkpoint["aliases"])
 
 
 def _rule_targets(model_config) -> DerivedTargets:
@@ -83,10 +139,15 @@ def _original_hf_config(model_config):
                       model_config_parser=model_config.model_config_parser)
 
 
-def cache_key(model_config, checkpoint: CheckpointLayout) -> str:
-    """What a derivation depends on, hashed."""
+@lru_cache(maxsize=None)
+def _versions() -> Tuple[str, ...]:
     from importlib.metadata import version
 
+    return version("sglang"), version("transformers"), version("torch")
+
+
+def cache_key(model_config) -> str:
+    """What a derivation depends on, hashed; computed from what the engine holds, in milliseconds."""
     from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.utils import is_cpu
 
@@ -94,28 +155,32 @@ def cache_key(model_config, checkpoint: CheckpointLayout) -> str:
     server_args = {k: v for k, v in get_context().resolved_server_args_dict().items()
                    if not any(word in k for word in _VOLATILE)}
     blob = json.dumps([
-        version("sglang"), model_config.hf_config.to_dict(), str(model_config.dtype), server_args,
-        [par.tp_size, par.attn_tp_size, par.moe_ep_size], bool(is_cpu()),
-        [[n, list(s), str(d)] for n, s, d in checkpoint.tensors], dict(checkpoint.aliases),
+        FORMAT, _versions(), _original_hf_config(model_config).to_dict(), model_config.hf_config.to_dict(),
+        str(model_config.dtype), server_args, [par.tp_size, par.attn_tp_size, par.moe_ep_size], bool(is_cpu()),
     ], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _read(path: Path):
+def _read(path: Path) -> Optional[dict]:
     try:
-        return DerivedTargets.from_builtins(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        if path.exists():
-            logger.warning("weight sync: ignoring unreadable target cache %s: %s", path, e)
+        with paused_gc():
+            record = json.loads(path.read_bytes())
+        if record.get("format") != FORMAT or "derived" not in record:
+            raise ValueError(f"format {record.get('format')!r}, this release reads {FORMAT}")
+        return record
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        logger.warning("weight sync: ignoring unreadable target cache %s: %s", path, e)
         return None
 
 
-def _write(path: Path, targets: DerivedTargets) -> None:
-    """Atomically (every TP rank of an engine may write the same entry)."""
+def _write(path: Path, record: dict) -> None:
+    """Atomically (a restarted engine may read while another writes)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump(targets.to_builtins(), f)
+            json.dump(record, f, separators=(",", ":"))
         os.replace(f.name, path)
     except OSError as e:
         logger.warning("weight sync: could not cache derived targets at %s: %s", path, e)

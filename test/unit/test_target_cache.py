@@ -1,0 +1,177 @@
+"""Each engine TP rank derives only its own targets, the ranks exchange them, and the cache key says when a derivation is stale.
+
+A worker process (SGLang's default platform, ``sglang_fakes``) publishes a TP 2 layout for a
+tiny DeepSeek-V3-shaped model (MLA, MoE, shared expert) and runs ``target_cache`` as the
+engine does, with the ranks' exchange played in-process (each rank's bytes, in rank order).
+The per-rank records must equal the generic derivation (``derive_engine_rank``), the
+assembled targets must be every rank's, a restart must read the disk entries without
+deriving, a rank whose derivation fails must still join the exchange with its error, and the
+cache key must change with the model config, the server args that shape loading and the
+parallel layout, but not with ports or log settings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_fakes  # noqa: E402
+
+TINY = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64, num_hidden_layers=2,
+            vocab_size=500, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8,
+            num_key_value_heads=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_group=2, topk_group=1, moe_layer_freq=1, topk_method="noaux_tc",
+            scoring_func="sigmoid", tie_word_embeddings=False)
+
+
+def _worker(workdir: Path) -> dict:
+    """Run every scenario as engine ranks of TP 2; return the facts the tests check."""
+    import logging
+    import os
+
+    sglang_fakes._provide_vllm_rotary_import()
+    import transformers
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.derived_targets import RankTargets, checkpoint_layout, derive_engine_rank
+
+    def save(name, **changes):
+        kwargs = {**TINY, **changes}
+        transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs).save_pretrained(workdir / name)
+        return ModelConfig(model_path=str(workdir / name))
+
+    def key_with(model_config, **server_args):
+        installed = get_context().override_server_args(**{"tp_size": 2, "ep_size": 1, **server_args})
+        installed.install()
+        try:
+            return target_cache.cache_key(model_config)
+        finally:
+            installed.restore()
+
+    facts = {}
+    os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")
+    warnings = []
+    logging.getLogger(target_cache.__name__).addHandler(
+        type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.getMessage())})(logging.WARNING))
+    model_config = save("model")
+    installed = get_context().override_server_args(tp_size=2, ep_size=1)
+    installed.install()
+    try:
+        checkpoint = checkpoint_layout(target_cache._original_hf_config(model_config))
+        generic = [derive_engine_rank(model_config, checkpoint, r) for r in range(2)]
+        records = [target_cache.own_rank_record(model_config, r) for r in range(2)]
+        facts["records_equal_generic"] = [RankTargets.from_builtins(records[r]["derived"]) == generic[r]
+                                          for r in range(2)]
+        facts["disk_entries"] = sorted(p.name for p in (workdir / "cache").rglob("*.json"))
+        sent = []
+
+        def exchange(own):
+            sent.append(json.loads(own)["rank"])
+            return [own, json.dumps(records[1]).encode()]
+
+        targets = target_cache.engine_derived_targets(model_config, 0, exchange)
+        facts["assembled_equal_generic"] = [targets.per_rank[r] == generic[r].targets for r in range(2)]
+        facts["shapes_equal_checkpoint"] = targets.shapes == checkpoint.shapes()
+        facts["post_load"] = sorted(targets.post_load)
+        facts["pieces"] = sum(len(t.pieces) for ts in targets.per_rank for t in ts)
+        facts["exchange_calls"] = list(sent)
+        facts["memory_hit_same"] = target_cache.engine_derived_targets(model_config, 0, exchange) is targets
+        facts["exchange_calls_after_hit"] = list(sent)
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("derivation must not run: the disk entry is valid")
+
+        derive, target_cache.derive_engine_rank = target_cache.derive_engine_rank, refuse
+        try:
+            target_cache._memory.clear()
+            restarted = target_cache.engine_derived_targets(
+                model_config, 1, lambda own: [json.dumps(records[0]).encode(), own])
+            facts["restart_equal"] = restarted.per_rank == targets.per_rank and restarted.shapes == targets.shapes
+
+            target_cache._memory.clear()
+            os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "empty-cache")
+            failing = []
+            try:
+                target_cache.engine_derived_targets(
+                    model_config, 1, lambda own: failing.append(json.loads(own)) or [json.dumps(records[0]).encode(), own])
+                facts["failure"] = "no error"
+            except ValueError as e:
+                facts["failure"] = str(e)
+            facts["failing_rank_sent"] = failing
+            facts["failure_cached"] = bool(target_cache._memory)
+        finally:
+            target_cache.derive_engine_rank = derive
+            os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")
+
+        entry = workdir / "cache" / target_cache.cache_key(model_config) / "tp0.json"
+        entry.write_text('{"format": 2, "derived": ')  # a torn write
+        rederived = target_cache.own_rank_record(model_config, 0)
+        facts["torn_entry_rederived"] = RankTargets.from_builtins(rederived["derived"]) == generic[0]
+        facts["torn_entry_warned"] = any("unreadable target cache" in w for w in warnings)
+    finally:
+        installed.restore()
+
+    base = key_with(model_config)
+    facts["keys"] = {
+        "same": key_with(model_config) == base,
+        "port and log level": key_with(model_config, port=31234, log_level="debug") == base,
+        "config": key_with(save("deeper", num_hidden_layers=3)) == base,
+        "loading server arg": key_with(model_config, enforce_shared_experts_fusion=True) == base,
+        "tp size": key_with(model_config, tp_size=4) == base,
+        "ep size": key_with(model_config, ep_size=2) == base,
+    }
+    return facts
+
+
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("target_cache")
+    proc = subprocess.run([sys.executable, __file__, str(workdir)], env=sglang_fakes.worker_env("default"),
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads((workdir / "facts.json").read_text())
+
+
+def test_each_rank_derives_its_own_and_the_exchange_assembles_every_rank(facts):
+    assert facts["records_equal_generic"] == [True, True]
+    assert facts["disk_entries"] == ["tp0.json", "tp1.json"]  # one entry per rank, under one key
+    assert facts["assembled_equal_generic"] == [True, True]
+    assert facts["shapes_equal_checkpoint"]
+    assert facts["post_load"] and all(n.endswith(("w_kc", "w_vc")) for n in facts["post_load"])
+    assert facts["pieces"] > 0
+    assert facts["exchange_calls"] == [0]
+
+
+def test_later_updates_use_memory_and_restarts_use_disk(facts):
+    assert facts["memory_hit_same"] and facts["exchange_calls_after_hit"] == [0]  # no exchange, no derivation
+    assert facts["restart_equal"]  # derivation refused to run: the disk entries served
+
+
+def test_a_failing_rank_joins_the_exchange_and_every_rank_refuses(facts):
+    assert facts["failing_rank_sent"] == [{"error": "engine rank 1: deriving its targets failed: RuntimeError: "
+                                                    "derivation must not run: the disk entry is valid"}]
+    assert facts["failure"].startswith("engine rank 1: deriving its targets failed: RuntimeError")
+    assert not facts["failure_cached"]  # the next update derives again
+
+
+def test_a_torn_disk_entry_is_derived_again(facts):
+    assert facts["torn_entry_warned"] and facts["torn_entry_rederived"]
+
+
+def test_cache_key_follows_what_derivation_depends_on(facts):
+    assert facts["keys"] == {"same": True, "port and log level": True, "config": False, "loading server arg": False,
+                             "tp size": False, "ep size": False}
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    (out / "facts.json").write_text(json.dumps(_worker(out)))
