@@ -10,8 +10,8 @@ parameters with both designs, alternating, several times:
   ranks straight to the engine ranks' layouts (first call timed separately, it
   plans), the executor filling parameter-shaped buffers in the engine's dtype,
   and the engine's local copy into its parameters. Each rank receives only the
-  bytes it lacks. (With one engine spanning every rank, as in TP 2 -> TP 4, that
-  plan is the engine-side plan.)
+  bytes it lacks. Each rank plans only its own moves (``rank_plan``), also when one
+  engine spans every rank, as in TP 2 -> TP 4.
 * ``full_tensor``: what ``weight_sync.utils.update_weights`` does upstream:
   ``DTensor.full_tensor()`` on every rank for every tensor (an all-gather),
   then the engine slices its own part out of the full tensor (SGLang's
@@ -90,7 +90,7 @@ def _rank(rank, world, store, scenario, repeats, out_dir):
     sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
 
     t0 = time.perf_counter()
-    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part)[0] for part in parts]
+    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part, rank)[0] for part in parts]
     plan_s = time.perf_counter() - t0
 
     def distributed():

@@ -14,11 +14,19 @@ Where resharding runs (DESIGN.md section 3), chosen per scenario ("auto"):
   ``plan_seconds`` the slowest engine's plan (engines plan concurrently).
 * ``trainer``: otherwise; one plan over all trainer ranks in which GPU ``g``
   needs the targets of engine rank ``g % tp_size``: the plan the runtime's
-  one-hop trainer-side path computes (``trainer_side.plan_to_engines``; a test
-  pins that the bytes agree with what the runtime moves).
+  one-hop trainer-side path computes (``trainer_side.plan_to_engines``, rank by
+  rank; a test pins that the bytes agree with what the runtime moves). Its moves are
+  point-to-point; ``bytes_sent_max`` counts each copy sent.
 
-``plan_seconds_per_rank`` (JSON): what one rank spends planning. Every rank
-computes the whole plan of its group today, so it equals ``plan_seconds``.
+``plan_seconds_per_rank`` (JSON): what one rank spends planning (wall clock; the
+largest over the timed ranks, ``plan_seconds_by_rank``; ``plan_cpu_seconds`` the CPU
+time). Engine side, every engine rank computes its engine's whole plan
+(``planner.plan``), timed once per engine. Trainer side, each rank plans only its own
+moves (``trainer_side.plan_to_engines`` for every chunk, as the runtime calls it,
+from a cold cache): timed, and its figures computed, for ``metrics_ranks`` (every
+rank up to 32 ranks; else the first, middle and last rank, so the trainer-side
+maxima are over those ranks). Plans are made as the runtime makes them, without a
+topology; the topology only sorts moved bytes into link classes.
 
 Designs compared per scenario:
 * ``distributed``: our planner (``sglang.srt.weight_sync.planner.plan``).
@@ -89,6 +97,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from benchmark.weight_sync.models import ModelSpec, get_model
+from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, Plan, Topology, plan
 from sglang.srt.weight_sync.source_layout import (
     SourceLayout,
@@ -109,6 +118,7 @@ from sglang.srt.weight_sync.target_layout import (
     Stacked,
     Vocab,
 )
+from sglang.srt.weight_sync.trainer_side import chunks, forget_plans, plan_to_engines
 
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4, per GPU per direction (H100/H200)
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s NDR NIC, one per GPU, per direction
@@ -244,19 +254,25 @@ SCENARIOS: Tuple[Scenario, ...] = (
             "research doc's section 9 case: each engine needs all 256 experts, which live on "
             "all 32 nodes -> trainer-side plan over 256 ranks, experts cross the network",
     ),
-)
-
-
-# Not in the default run: stress cases for the planner, run with --scenario NAME.
-EXTRA_SCENARIOS: Tuple[Scenario, ...] = (
     Scenario(
         "dsv3-fsdp256-to-8x32", "DeepSeek-V3-671B",
         TrainLayout("fsdp", 256, ep=256, dtype=torch.float32),
         InferLayout(EngineParallel(32, attn_tp_size=8, moe_ep_size=32), engines=8),
-        why="planner stress case: FSDP2 Shard(0) of every non-expert tensor over 256 ranks means every "
+        why="the planner's stress case: FSDP2 Shard(0) of every non-expert tensor over 256 ranks means every "
             "replicated target (norms, router, MLA q_a/kv_a) is assembled from 256 slivers on every rank",
     ),
+    Scenario(
+        "dsv3-tp8ep256-1024-to-32x32", "DeepSeek-V3-671B",
+        TrainLayout("megatron", 1024, tp=8, ep=256),
+        InferLayout(EngineParallel(32, attn_tp_size=8, moe_ep_size=32), engines=32),
+        why="128 nodes: the 8 x TP32 case at four times the world (TP8 x DP128, EP256 x 4 expert replicas, "
+            "32 engines): a rank's plan should cost what it did at 256 ranks",
+    ),
 )
+
+
+# Not in the default run: run with --scenario NAME.
+EXTRA_SCENARIOS: Tuple[Scenario, ...] = ()
 
 
 def get_scenario(name: str) -> Scenario:
@@ -485,8 +501,56 @@ def _needed_bytes(targets: Sequence[ParamTarget]) -> int:
     return sum(p.box.numel * t.dtype.itemsize for t in targets for p in t.pieces)
 
 
-def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> List[Dict]:
-    """Simulate one scenario; one result dict per design."""
+def rank_metrics(plans: Mapping[int, Sequence[Plan]], topology: Topology) -> Dict:
+    """``distributed_metrics`` for rank-local plans (trainer-side): ``plans[r]`` are rank
+    r's plans (one per chunk), which hold every move r sends or receives; the maxima are
+    over the ranks in ``plans``."""
+    out = defaultdict(int)
+    for r, rank_plans in plans.items():
+        recv, send, local = [0, 0, 0, 0], [0, 0, 0, 0], 0
+        lower = rounds = moves = 0
+        for p in rank_plans:
+            local += sum(m.nbytes for m in p.local)
+            lower += p.lower_bound_bytes(r)
+            rounds += len(p.rounds)
+            for rnd in p.rounds:
+                load = stage = 0
+                staged = set()
+                for m in rnd:
+                    moves += 1
+                    c = topology.distance(m.src, m.dests[0].rank)
+                    if m.src == r:
+                        send[c] += m.nbytes
+                        load += m.nbytes
+                        if m.needs_send_staging() and (m.tensor, m.holder.buffer, m.region) not in staged:
+                            staged.add((m.tensor, m.holder.buffer, m.region))  # the executor casts it once per round
+                            stage += m.nbytes
+                    for d in m.dests:
+                        if d.rank == r:
+                            recv[c] += m.nbytes
+                            load += m.nbytes
+                            stage += 0 if d.contiguous(m.region) else m.nbytes
+                out["peak_bytes_max"] = max(out["peak_bytes_max"], load)
+                out["staging_bytes_max"] = max(out["staging_bytes_max"], stage)
+        t = _time(local + recv[SAME_DEVICE], recv[SAME_NODE], send[SAME_NODE], recv[OTHER_NODE], send[OTHER_NODE])
+        for key, value in (("bytes_received_max", sum(recv)), ("bytes_sent_max", sum(send)),
+                           ("network_bytes_received_max", recv[OTHER_NODE]), ("lower_bound_bytes_max", lower),
+                           ("rounds", rounds), ("moves", moves), ("modelled_seconds", t)):
+            out[key] = max(out[key], value)
+    return dict(out)
+
+
+def sample_ranks(world: int, limit: int = 32) -> List[int]:
+    """Every rank of a small world; else the first, middle and last rank."""
+    return list(range(world)) if world <= limit else [0, world // 2, world - 1]
+
+
+def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 ranks: Optional[Sequence[int]] = None, global_baseline: bool = False) -> List[Dict]:
+    """Simulate one scenario; one result dict per design. Trainer-side scenarios plan
+    with the runtime's entry point, rank by rank, for ``ranks`` (default ``sample_ranks``);
+    ``global_baseline`` also times the whole-world ``planner.plan`` every rank used to run
+    (``global_plan_seconds``, chunk by chunk as the runtime did)."""
     t0 = time.perf_counter()
     spec = get_model(scenario.model)
     size, engines = scenario.infer.size, scenario.infer.engines
@@ -501,30 +565,56 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -
     mode = scenario.mode
     if mode == "auto":
         mode = "engine" if all(engine_covers(sources, e * size, (e + 1) * size) for e in range(engines)) else "trainer"
+    if mode == "trainer":
+        manifest = EngineManifest.of_ranks(scenario.infer.parallel, per_engine_rank, model_targets.aliases,
+                                           model_targets.tensor_shapes())
     describe_seconds = time.perf_counter() - t0
 
-    plans, plan_seconds, plan_cpu_seconds = [], 0.0, 0.0
-
-    def timed_plan(srcs, targets):
-        nonlocal plan_seconds, plan_cpu_seconds
-        wall, cpu = time.perf_counter(), time.process_time()
-        plans.append(plan(srcs, targets, topology=topology, bucket_bytes=bucket_bytes, aliases=model_targets.aliases))
-        plan_seconds = max(plan_seconds, time.perf_counter() - wall)
-        plan_cpu_seconds = max(plan_cpu_seconds, time.process_time() - cpu)
-
+    # Planned as the runtime plans: without a topology (the runtime is not told which
+    # ranks share a node); the topology only sorts the moved bytes into link classes.
+    timed: Dict[int, Tuple[float, float]] = {}
+    extra: Dict[str, float] = {}
     if mode == "engine":
+        plans = []
         for e in range(engines):
             lo = e * size
             srcs = sources if engines == 1 else _restrict(sources, lo, lo + size)
-            timed_plan(srcs, {lo + i: per_engine_rank[i] for i in range(size)})
+            wall, cpu = time.perf_counter(), time.process_time()
+            plans.append(plan(srcs, {lo + i: per_engine_rank[i] for i in range(size)}, bucket_bytes=bucket_bytes,
+                              aliases=model_targets.aliases))
+            timed[lo] = (time.perf_counter() - wall, time.process_time() - cpu)
+        dist = distributed_metrics(plans, topology)
+        measured: object = "all"
+        timed_how = "each engine rank plans its whole engine; the slowest engine's plan"
     elif mode == "trainer":
-        timed_plan(sources, {g: per_engine_rank[g % size] for g in range(world)})
+        groups = [tuple(range(e * size, (e + 1) * size)) for e in range(engines)]
+        parts = chunks(manifest, list(sources), bucket_bytes)
+        measured = list(ranks) if ranks is not None else sample_ranks(world)
+        by_rank = {}
+        for r in measured:
+            forget_plans()  # each rank from a cold start, as the first update pays
+            wall, cpu = time.perf_counter(), time.process_time()
+            by_rank[r] = [plan_to_engines(sources, manifest, groups, bucket_bytes, part, r)[0] for part in parts]
+            timed[r] = (time.perf_counter() - wall, time.process_time() - cpu)
+        forget_plans()
+        if global_baseline:
+            wall, cpu = time.perf_counter(), time.process_time()
+            every = [list(targets) for targets in manifest.ranks]
+            for part in parts:
+                wanted = set(part)
+                plan(sources, {g: [t for t in every[g % size] if t.name in wanted] for g in range(world)},
+                     bucket_bytes=bucket_bytes, aliases=model_targets.aliases)
+            extra["global_plan_seconds"] = time.perf_counter() - wall
+            extra["global_plan_cpu_seconds"] = time.process_time() - cpu
+        dist = rank_metrics(by_rank, topology)
+        if measured == list(range(world)):
+            measured = "all"
+        timed_how = "trainer_side.plan_to_engines, every chunk, each timed rank from a cold start"
     else:
         raise ValueError(f"unknown mode {mode!r}")
 
     needed_rank = [_needed_bytes(t) for t in per_engine_rank]
     needed = {g: needed_rank[g % size] for g in range(world)}
-    dist = distributed_metrics(plans, topology)
     base = baseline_metrics(sources, needed, node_of, bucket_bytes)
     common = {
         "scenario": scenario.name,
@@ -541,8 +631,11 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -
         "lower_bound_bytes_max": dist["lower_bound_bytes_max"],
         "describe_seconds": describe_seconds,
     }
-    rows = [dict(common, design="distributed", plan_seconds=plan_seconds, plan_seconds_per_rank=plan_seconds,
-                 plan_cpu_seconds=plan_cpu_seconds, **dist)]
+    slowest = max(timed.values())
+    rows = [dict(common, design="distributed", plan_seconds=slowest[0], plan_seconds_per_rank=slowest[0],
+                 plan_cpu_seconds=max(c for _, c in timed.values()),
+                 plan_seconds_by_rank={str(r): w for r, (w, _) in timed.items()}, plan_timing=timed_how,
+                 metrics_ranks=measured, **extra, **dist)]
     for design in ("full_tensor", "rank0_funnel"):
         rows.append(
             dict(common, design=design, plan_seconds=None, plan_seconds_per_rank=None, plan_cpu_seconds=None,
@@ -583,7 +676,7 @@ def format_table(rows: Sequence[Dict], scenarios: Sequence[Scenario]) -> str:
         "",
     ]
     by_name = {s.name: s for s in scenarios}
-    header = f"{'design':<13} {'recv GB':>10} {'LB GB':>10} {'net GB':>10} {'peak MiB':>16} {'plan':>10} {'modelled':>10}"
+    header = f"{'design':<13} {'recv GB':>10} {'LB GB':>10} {'net GB':>10} {'peak MiB':>16} {'plan/rank':>10} {'modelled':>10}"
     for name in dict.fromkeys(r["scenario"] for r in rows):
         group = [r for r in rows if r["scenario"] == name]
         first = group[0]
@@ -608,10 +701,17 @@ def format_table(rows: Sequence[Dict], scenarios: Sequence[Scenario]) -> str:
                 f"{_fmt_s(r['modelled_seconds']):>10}"
             )
         dist = group[0]
-        out.append(
-            f"   distributed: {dist['moves']} moves in {dist['rounds']} rounds; plan wall {dist['plan_seconds']:.2f} s, "
-            f"CPU {dist['plan_cpu_seconds']:.2f} s"
-        )
+        by_rank = ", ".join(f"rank {r} {w:.2f} s" for r, w in dist["plan_seconds_by_rank"].items())
+        if dist["mode"] == "trainer":
+            out.append(f"   distributed (figures of ranks {dist['metrics_ranks']}): up to {dist['moves']} moves in "
+                       f"{dist['rounds']} rounds per rank; plan per rank ({dist['plan_timing']}): {by_rank}; "
+                       f"CPU at most {dist['plan_cpu_seconds']:.2f} s")
+            if dist.get("global_plan_seconds") is not None:
+                out.append(f"   before (whole-world planner.plan on every rank): wall {dist['global_plan_seconds']:.2f} s, "
+                           f"CPU {dist['global_plan_cpu_seconds']:.2f} s")
+        else:
+            out.append(f"   distributed: {dist['moves']} moves in {dist['rounds']} rounds; plan per rank "
+                       f"({dist['plan_timing']}): wall {dist['plan_seconds']:.2f} s, CPU {dist['plan_cpu_seconds']:.2f} s")
         out.append("")
     return "\n".join(out)
 
@@ -621,6 +721,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--scenario", action="append", help="run only this scenario (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    parser.add_argument("--global-baseline", action="append", default=[], metavar="SCENARIO",
+                        help="trainer side: also time the whole-world plan every rank used to compute, for this "
+                             "scenario (repeatable; it took 538 s for dsv3-fsdp256-to-8x32)")
     parser.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_BYTES >> 20, help="bucket cap per rank per round")
     args = parser.parse_args(argv)
     if args.list:
@@ -631,7 +734,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     scenarios = [get_scenario(n) for n in args.scenario] if args.scenario else list(SCENARIOS)
     rows: List[Dict] = []
     for s in scenarios:
-        rows.extend(run_scenario(s, bucket_bytes=args.bucket_mib << 20))
+        rows.extend(run_scenario(s, bucket_bytes=args.bucket_mib << 20, global_baseline=s.name in args.global_baseline))
         if not args.json:
             print(f"... {s.name} done", file=sys.stderr)
     if args.json:

@@ -73,3 +73,27 @@ def test_default_scenarios_listed(capsys):
     assert "DeepSeek-V3-671B" in out and "Qwen3-235B-A22B" in out and "Qwen3-8B" in out
     big = [s for s in simulate.SCENARIOS if s.model == "DeepSeek-V3-671B"]
     assert any(s.infer.size == 256 for s in big)
+
+
+def test_trainer_side_plans_rank_by_rank_through_the_runtime_entry_point(monkeypatch):
+    """Trainer-side scenarios call trainer_side.plan_to_engines once per rank and chunk,
+    and say which ranks were timed; the whole-world baseline is timed on request."""
+    from sglang.srt.weight_sync import trainer_side
+
+    calls = []
+    real = simulate.plan_to_engines
+    monkeypatch.setattr(simulate, "plan_to_engines", lambda *a: calls.append(a[-1]) or real(*a))
+    rows = _by_design(simulate.run_scenario(simulate.get_scenario("qwen3-8b-fsdp8-to-tp2"), global_baseline=True))
+    dist = rows["distributed"]
+    assert dist["mode"] == "trainer" and dist["metrics_ranks"] == "all"
+    assert sorted(set(calls)) == list(range(8)) and set(dist["plan_seconds_by_rank"]) == {str(r) for r in range(8)}
+    assert dist["plan_seconds_per_rank"] == max(dist["plan_seconds_by_rank"].values())
+    assert dist["global_plan_seconds"] > 0 and dist["bytes_received_max"] == dist["lower_bound_bytes_max"]
+    assert not trainer_side._plans, "the simulator leaves no cached plans behind"
+    assert simulate.sample_ranks(256) == [0, 128, 255]
+
+
+def test_dsv3_scenarios_in_the_default_run():
+    names = {s.name for s in simulate.SCENARIOS}
+    assert {"dsv3-fsdp256-to-8x32", "dsv3-tp8ep256-1024-to-32x32"} <= names
+    assert any(s.gpus == 1024 for s in simulate.SCENARIOS)

@@ -79,6 +79,7 @@ class _Staging:
 
     def __init__(self, stats: ExecutionStats) -> None:
         self.stats, self.live = stats, 0
+        self.sent: Dict[tuple, torch.Tensor] = {}
 
     def empty(self, sizes, dtype, device) -> torch.Tensor:
         buf = torch.empty(sizes, dtype=dtype, device=device)
@@ -92,12 +93,22 @@ class _Staging:
         buf.copy_(view)
         return buf
 
+    def send_buffer(self, shards, move: Move) -> torch.Tensor:
+        """The region ``move`` sends, cast and made contiguous once per round however many
+        ranks it goes to (a rank-local plan sends one region to each receiver separately)."""
+        key = (move.tensor, move.holder.buffer, move.region, move.dtype)
+        buf = self.sent.get(key)
+        if buf is None:
+            buf = self.sent[key] = self.contiguous_cast(_src_view(shards, move), move.dtype)
+        return buf
+
     def _add(self, buf: torch.Tensor) -> None:
         self.live += buf.numel() * buf.element_size()
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, self.live)
 
     def release_all(self) -> None:
         self.live = 0
+        self.sent.clear()
 
 
 def check_inputs(
@@ -217,7 +228,7 @@ def _run_p2p(plan, rank, moves, shards, params, group, staging, to_global, wait_
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
     for move in moves:
         if move.src == rank:
-            buf = staging.contiguous_cast(_src_view(shards, move), move.dtype)
+            buf = staging.send_buffer(shards, move)
             ops.append(dist.P2POp(dist.isend, buf, to_global(move.dests[0].rank), group))
             staging.stats.bytes_sent += move.nbytes
             staging.stats.p2p_ops += 1

@@ -47,8 +47,14 @@ class EngineManifest:
 
     @staticmethod
     def of(targets: ModelTargets) -> "EngineManifest":
-        ranks = tuple(tuple(targets.for_rank(r)) for r in range(targets.parallel.tp_size))
-        m = EngineManifest(targets.parallel, ranks, dict(targets.aliases), targets.tensor_shapes())
+        ranks = [targets.for_rank(r) for r in range(targets.parallel.tp_size)]
+        return EngineManifest.of_ranks(targets.parallel, ranks, targets.aliases, targets.tensor_shapes())
+
+    @staticmethod
+    def of_ranks(parallel: EngineParallel, ranks, aliases: Mapping[str, str],
+                 tensor_shapes: Mapping[str, Tuple[int, ...]]) -> "EngineManifest":
+        """From every TP rank's targets as the engine holds them (dtype overrides applied)."""
+        m = EngineManifest(parallel, tuple(tuple(r) for r in ranks), dict(aliases), dict(tensor_shapes))
         return dataclasses.replace(m, fingerprint=_digest(m._body()))
 
     def _body(self) -> dict:

@@ -140,8 +140,10 @@ class ZeroFill:
 
 @dataclass(frozen=True)
 class Plan:
-    """The whole job, identical on every rank. ``rounds`` run in order; inside a round,
-    point-to-point moves run as one batch, then broadcasts in list order."""
+    """The whole job, identical on every rank (``plan``), or one rank's part of it
+    (``rank_plan.plan_for_rank``: only the moves it sends or receives, ``round_ids``
+    naming its rounds in the order every rank runs them). ``rounds`` run in order; inside
+    a round, point-to-point moves run as one batch, then broadcasts in list order."""
 
     local: Tuple[Move, ...]
     rounds: Tuple[Tuple[Move, ...], ...]
@@ -151,6 +153,7 @@ class Plan:
     held_bytes: Mapping[int, int]
     bucket_bytes: int
     fingerprint: str
+    round_ids: Tuple[int, ...] = ()
 
     def lower_bound_bytes(self, rank: int) -> int:
         """Bytes ``rank`` must receive at the least: needed minus already held."""
@@ -169,36 +172,52 @@ class Plan:
 class _HolderIndex:
     """Distinct boxes of one tensor with their holders, indexed by start on one dim."""
 
-    __slots__ = ("dim", "boxes", "starts", "max_len", "groups", "holder")
+    __slots__ = ("dim", "boxes", "starts", "max_len", "groups", "holder", "topology", "_disjoint")
 
     def __init__(self, source: SourceTensor, topology: "Topology"):
-        by_box: Dict[Box, List[int]] = defaultdict(list)
+        by_box: Dict[Box, List[int]] = {}
         self.holder: Dict[Tuple[Box, int], Holder] = {}
+        boxes: Dict[tuple, Box] = {}  # one Box per region: tuple keys compare faster than dataclasses
         for h in source.holders:
-            if not h.box.is_empty():
-                by_box[h.box].append(h.rank)
-                self.holder[(h.box, h.rank)] = h
+            sizes = h.box.sizes
+            if sizes and min(sizes) <= 0:
+                continue
+            box = boxes.setdefault((h.box.offsets, sizes), h.box)
+            ranks = by_box.get(box)
+            if ranks is None:
+                ranks = by_box[box] = []
+            ranks.append(h.rank)
+            self.holder[(box, h.rank)] = h
         ndim = len(source.shape)
         # Index the dim along which boxes differ most: shards split it, so few boxes overlap a query.
         self.dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in by_box})) if ndim else 0
         items = sorted(by_box.items(), key=lambda kv: (kv[0].offsets[self.dim], kv[0].offsets) if ndim else ())
-        self.boxes = [(box, tuple(sorted(ranks))) for box, ranks in items]
+        self.boxes = [(box, tuple(ranks) if len(ranks) == 1 else tuple(sorted(ranks))) for box, ranks in items]
         self.starts = [box.offsets[self.dim] if ndim else 0 for box, _ in items]
         self.max_len = max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
-        # Holders grouped by device and node: the closest holders of a box are found
-        # with two dict lookups instead of one Topology.distance call per holder.
-        self.groups = {}
-        for box, ranks in self.boxes:
+        self.groups: Dict[Box, tuple] = {}  # filled on first use: most boxes are never asked about
+        self.topology = topology
+        self._disjoint: Optional[bool] = None
+
+    def _groups(self, box: Box, ranks: Tuple[int, ...]):
+        """Holders of ``box`` grouped by device and node: the closest holders are found with
+        two dict lookups instead of one Topology.distance call per holder."""
+        g = self.groups.get(box)
+        if g is None:
             by_dev, by_node = defaultdict(list), defaultdict(list)
+            device_of, node_of = self.topology.device_of, self.topology.node_of
             for r in ranks:
-                by_dev[topology.device(r)].append(r)
-                by_node[topology.node(r)].append(r)
-            self.groups[box] = (frozenset(ranks), dict(by_dev), dict(by_node))
+                by_dev[device_of.get(r, ("rank", r))].append(r)
+                by_node[node_of.get(r, 0)].append(r)
+            g = self.groups[box] = (frozenset(ranks), dict(by_dev), dict(by_node))
+        return g
 
     def closest(self, box: Box, ranks: Tuple[int, ...], rank: int, topology: "Topology"):
         """(distance, holders at that distance) of ``box`` seen from ``rank``: this rank,
         else holders on its device, else on its node, else all (``Topology.distance``)."""
-        members, by_dev, by_node = self.groups[box]
+        if len(ranks) == 1:
+            return (0, ranks) if ranks[0] == rank else (topology.distance(rank, ranks[0]), ranks)
+        members, by_dev, by_node = self._groups(box, ranks)
         if rank in members:
             return 0, (rank,)
         near = by_dev.get(topology.device(rank))
@@ -208,6 +227,19 @@ class _HolderIndex:
         if near:
             return 2, near
         return 3, ranks
+
+    @property
+    def disjoint(self) -> bool:
+        """Whether distinct boxes never overlap (every DTensor or Megatron layout): then the part
+        of a need a box serves is just their intersection, whoever asks."""
+        if self._disjoint is None:
+            ends = [s + box.sizes[self.dim] for s, (box, _) in zip(self.starts, self.boxes)] if self.starts else []
+            # Boxes that follow one another on the indexed dim (any shard layout over one
+            # mesh dim) are disjoint; otherwise ask the index box by box.
+            self._disjoint = (bool(self.boxes) and self.boxes[0][0].ndim > 0
+                              and all(s >= e for s, e in zip(self.starts[1:], ends))) \
+                or all(len(self.overlapping(box)) == 1 for box, _ in self.boxes)
+        return self._disjoint
 
     def overlapping(self, need: Box) -> List[Tuple[Box, Tuple[int, ...]]]:
         if need.ndim == 0:
@@ -329,11 +361,7 @@ def inputs_fingerprint(
 ) -> str:
     """A digest of everything a plan depends on; equal digests give equal plans."""
     h = hashlib.sha256()
-    h.update(repr([
-        (n, s.shape, str(s.dtype), [(h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape)
-                                    for h in s.holders])
-        for n, s in sorted(sources.items())
-    ]).encode())
+    h.update(sources_digest(sources).encode())
     for rank in sorted(targets):
         h.update(repr((rank, [
             (t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm) for p in t.pieces],
@@ -344,6 +372,15 @@ def inputs_fingerprint(
     h.update(repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()))).encode())
     h.update(repr((bucket_bytes, sorted((aliases or {}).items()))).encode())
     return h.hexdigest()
+
+
+def sources_digest(sources: SourceLayout) -> str:
+    """A digest of a source layout (every holder of every tensor)."""
+    return hashlib.sha256(repr([
+        (n, s.shape, str(s.dtype), [(h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape)
+                                    for h in s.holders])
+        for n, s in ((n, sources[n]) for n in sorted(sources))
+    ]).encode()).hexdigest()
 
 
 class PlanCache:

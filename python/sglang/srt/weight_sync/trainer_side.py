@@ -13,6 +13,7 @@ which only copies them into its parameters (no second round of communication).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -21,11 +22,15 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
-from sglang.srt.weight_sync.planner import Plan, PlanCache
+from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, sources_digest
+from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
-_plans = PlanCache(capacity=512)  # one plan per chunk of a streamed update
+_PLAN_CAPACITY = 512  # one plan per chunk of a streamed update
+_plans: Dict[str, Plan] = {}
+_digest_memo: Optional[Tuple[SourceLayout, str]] = None
+_targets_memo: Optional[tuple] = None
 
 
 def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optional[Box]:
@@ -52,7 +57,10 @@ def restrict(wanted: Iterable[ParamTarget], delivered: Iterable[str], aliases: M
     """Only the pieces filled from the HF tensors of this update (a trainer may send its
     weights in batches); a parameter with none of them is left out. Zero fills stay
     with a parameter that is written."""
-    names = {aliases.get(n, n) for n in delivered}
+    return _restrict({aliases.get(n, n) for n in delivered}, wanted)
+
+
+def _restrict(names: Set[str], wanted: Iterable[ParamTarget]) -> List[ParamTarget]:
     out = []
     for t in wanted:
         pieces = tuple(p for p in t.pieces if p.tensor in names)
@@ -119,19 +127,75 @@ def plan_to_engines(
     engine_groups: Sequence[Sequence[int]],
     bucket_bytes: int,
     params: Iterable[str],
-) -> Tuple[Plan, Dict[int, List[ParamTarget]]]:
-    """The plan over the trainer's (default) group to every engine rank's targets among
-    ``params`` (one chunk), and those targets by trainer rank; cached.
+    rank: int,
+) -> Tuple[Plan, List[ParamTarget]]:
+    """``rank``'s part of the plan over the trainer's (default) group to every engine
+    rank's targets among ``params`` (one chunk), and ``rank``'s own targets; cached.
 
     ``sources`` (any layout: DTensor meshes, Megatron-core holders) are in global
-    trainer ranks; rank k's targets are those of the engine rank beside it. Every
-    trainer rank computes the same plan.
+    trainer ranks; rank k's targets are those of the engine rank beside it. Each rank
+    plans only the moves it sends or receives (``rank_plan``); every rank's part fits
+    the others' (same moves, same rounds), and ``Plan.fingerprint`` is a digest of the
+    inputs that every rank can compare.
     """
-    check_sources(sources, manifest)
-    names, wanted = list(sources), set(params)
-    targets = {k: [t for t in restrict(ts, names, manifest.aliases) if t.name in wanted]
-               for k, ts in targets_by_trainer_rank(manifest, engine_groups).items()}
-    return _plans.get(sources, targets, bucket_bytes=bucket_bytes, aliases=manifest.aliases), targets
+    params = tuple(params)
+    digest = inputs_digest(sources, manifest, engine_groups, bucket_bytes)
+    key = hashlib.sha256(repr((digest, params, rank)).encode()).hexdigest()
+    plan = _plans.get(key)
+    if plan is None:
+        receivers = chunk_receivers(sources, manifest, engine_groups, params)
+        chunk_digest = hashlib.sha256(repr((digest, params)).encode()).hexdigest()
+        plan = plan_for_rank(_class_targets(sources, manifest)[0], receivers, rank, bucket_bytes=bucket_bytes,
+                             fingerprint=chunk_digest)
+        if len(_plans) >= _PLAN_CAPACITY:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = plan
+    mine = next((i for g in engine_groups for i, r in enumerate(g) if r == rank), None)
+    by_name = {} if mine is None else _class_targets(sources, manifest)[1][mine]
+    return plan, [by_name[n] for n in params if n in by_name]
+
+
+def forget_plans() -> None:
+    """Drop cached plans and digests (a cold start, for timing)."""
+    global _digest_memo, _targets_memo
+    _plans.clear()
+    _digest_memo = _targets_memo = None
+
+
+def chunk_receivers(sources: SourceLayout, manifest: EngineManifest, engine_groups: Sequence[Sequence[int]],
+                    params: Sequence[str]) -> Receivers:
+    """Trainer ranks by the engine rank beside them, each class needing that engine rank's
+    targets among ``params`` (filled from the HF tensors in ``sources``)."""
+    tp = manifest.parallel.tp_size
+    if any(len(g) != tp for g in engine_groups):
+        targets_by_trainer_rank(manifest, engine_groups)  # raises, naming the group size and the engine's TP
+    by_name = _class_targets(sources, manifest)[1]
+    classes = tuple(tuple(d[n] for n in params if n in d) for d in by_name)
+    ranks = tuple(tuple(sorted(g[i] for g in engine_groups)) for i in range(len(by_name)))
+    return Receivers(classes, ranks)
+
+
+def inputs_digest(sources: SourceLayout, manifest: EngineManifest, engine_groups: Sequence[Sequence[int]],
+                  bucket_bytes: int) -> str:
+    """Everything an update's plans depend on, the same on every trainer rank that agrees
+    on the layouts (``sources_digest`` is remembered for the sources of the running update)."""
+    global _digest_memo
+    if _digest_memo is None or _digest_memo[0] is not sources:
+        _digest_memo = (sources, sources_digest(sources))
+    return hashlib.sha256(repr((_digest_memo[1], manifest.fingerprint, [tuple(g) for g in engine_groups],
+                                bucket_bytes)).encode()).hexdigest()
+
+
+def _class_targets(sources: SourceLayout, manifest: EngineManifest):
+    """``sources`` under the names targets use (aliases resolved), and per engine rank its
+    targets by name restricted to those tensors; remembered for the running update, as
+    every chunk picks from them."""
+    global _targets_memo
+    if _targets_memo is None or _targets_memo[0] is not sources or _targets_memo[1] is not manifest:
+        names = {manifest.aliases.get(n, n) for n in sources}
+        by_name = tuple({t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks)
+        _targets_memo = (sources, manifest, (_resolve_aliases(sources, manifest.aliases), by_name))
+    return _targets_memo[2]
 
 
 def reshard_to_engines(
@@ -147,9 +211,9 @@ def reshard_to_engines(
     """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
     ``local`` (this rank's tensors by holder key). Every trainer rank calls this with
     the same names and chunk; each round waits at most ``timeout_s`` for its peers."""
-    plan, targets = plan_to_engines(sources, manifest, engine_groups, bucket_bytes, params)
+    plan, targets = plan_to_engines(sources, manifest, engine_groups, bucket_bytes, params, rank)
     device = next(iter(local.values())).device if local else torch.device("cpu")
-    buffers = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.get(rank, ())}
+    buffers = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets}
     stats = execute(plan, rank, local, buffers, timeout_s=timeout_s)
     return TrainerSideResult(buffers, stats, plan)
 

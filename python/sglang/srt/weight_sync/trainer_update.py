@@ -33,7 +33,13 @@ from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, S
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
-from sglang.srt.weight_sync.trainer_side import chunks, first_uncovered, reshard_to_engines, uncovered  # noqa: F401
+from sglang.srt.weight_sync.trainer_side import (  # noqa: F401
+    chunks,
+    first_uncovered,
+    inputs_digest,
+    reshard_to_engines,
+    uncovered,
+)
 from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result, wait
 
 logger = logging.getLogger(__name__)
@@ -240,6 +246,13 @@ def sources_flow(
         report.described = True
         chan.manifest = yield from _describe(chan, timeout_s)
     rank, names = dist.get_rank(), sorted(sources)
+    digest = inputs_digest(sources, chan.manifest, chan.engine_groups, bucket_bytes)
+    if not _all_equal(fingerprint_int(digest), timeout_s, f"trainer rank {rank}: checking that every rank plans alike"):
+        raise ValueError(
+            f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
+            f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
+            "the same sources"
+        )
     parts = chunks(chan.manifest, names, bucket_bytes)
     for i, part in enumerate(parts):
         result = reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
@@ -284,15 +297,20 @@ def _describe(chan: TrainerChannel, timeout_s: float) -> Generator[ControlReques
         except ManifestError as e:
             problem = str(e)
     digest = fingerprint_int(manifest.fingerprint) if manifest else 0
-    both = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device())
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
-         f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
-    if manifest is None or both[0].item() != digest or -both[1].item() != digest:
+    agreed = _all_equal(digest, timeout_s, f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
+    if manifest is None or not agreed:
         raise ManifestError(
             f"trainer rank {dist.get_rank()}: engines did not publish one common layout "
             f"(this rank's engine: {problem if manifest is None else manifest.fingerprint[:12]})"
         )
     return manifest
+
+
+def _all_equal(value: int, timeout_s: float, phase: str) -> bool:
+    """Whether every trainer rank holds the same ``value`` (one tiny all-reduce)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device())
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout_s, phase)
+    return both[0].item() == value and -both[1].item() == value
 
 
 def _anyone(flag: bool, timeout_s: float) -> bool:
