@@ -27,9 +27,13 @@ install: venv wheel
 test: install
 	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider
 
-# The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it).
+# The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it):
+# FSDP trainer ranks -> a TP-2 engine through every entry point, and verl 0.9.1's own update code
+# feeding one TP-1 server per trainer rank (trainer-side resharding).
+SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_engine \
+         test/e2e/test_verl_release.py::test_verl_server_adapter_two_servers_of_tp1
 smoke: install
-	$(PY) -m pytest test/e2e/test_distributed_update.py -k smoke -q -x --timeout=600 -p no:cacheprovider
+	$(PY) -m pytest $(SMOKE) -q -x --timeout=600 -p no:cacheprovider
 
 bench: install
 	$(PY) -m benchmark.weight_sync.simulate

@@ -9,9 +9,15 @@ flushes the cache. Trainer ranks are FSDP2 (``fully_shard``, ``Shard(0)``) over 
 
 Two producers feed it, as ``FSDPEngine.get_per_tensor_param`` does: stock verl 0.9.1
 (``full_tensor()`` per DTensor) and verl with ``integrations/verl/0001-fsdp-rollout-local-shards.patch``
-(DTensors handed over). After each update the server's parameters must equal SGLang's slicing
-bit for bit and its greedy generation must equal HF's; with the patch no process may call
-``full_tensor``/``gather_object`` and every engine rank must receive exactly the lower bound.
+(DTensors handed over). After each update the servers' parameters must equal SGLang's slicing
+bit for bit and their greedy generation must equal HF's; with the patch no process may call
+``full_tensor``/``gather_object`` and every rank must receive exactly the lower bound.
+
+Two topologies: one server of TP 2 (the ranks beside it cover it: the engine reshards), and
+verl's most common one, FSDP over all ranks feeding one TP-1 server per rank (the shards beside
+a server cover half of it: the trainer ranks reshard in one hop). The second runs on every
+SGLang base this project ships (``make smoke``), the releases verl pins included: its parameters
+are read with ``/get_weights_by_name``, which every base serves completely at TP 1.
 
 Stand-ins, only for what cannot run here:
 * ``_ServerActor``: verl finds its SGLang server as a Ray actor (``ray.get_actor``) and reports
@@ -126,7 +132,9 @@ def _wait_healthy(port: int, timeout: float = 900) -> None:
 
 
 def verl_job(rank: int, world: int, job: dict):
+    """One trainer rank of verl: servers of ``job["tp"]`` ranks, each started by its first rank."""
     import asyncio
+    import logging
 
     import ray
     import torch.distributed as dist
@@ -139,32 +147,46 @@ def verl_job(rank: int, world: int, job: dict):
     from ranks import gathers_allowed
     from update_cases import _checksums, _forbidden_calls
 
+    tp, model_dir = job["tp"], job["model_dir"]
+    port = job["ports"][rank // tp]
+    leader = rank % tp == 0
+    cores = omp_bind(world).split("|")  # each trainer rank's server ranks on their own core(s)
     os.environ.update(RANK=str(rank), RAY_LOCAL_WORLD_SIZE=str(world), SGLANG_TEST_FORBIDDEN_LOG=job["forbidden_log"],
-                      SGLANG_TEST_FIGURES_LOG=job["figures_log"], SGLANG_CPU_OMP_THREADS_BIND=omp_bind(world))
-    model_dir, port = job["model_dir"], job["port"]
+                      SGLANG_TEST_FIGURES_LOG=job["figures_log"],
+                      SGLANG_CPU_OMP_THREADS_BIND="|".join(cores[rank:rank + tp]))
+    trainer_lines = []  # this rank's "received ... (lower bound ...)" of trainer-side updates
+
+    class _TrainerFigures(logging.Handler):
+        def emit(self, record):
+            if "trainer-side" in str(record.msg):
+                trainer_lines.append(record.args[3:5])
+
+    trainer_log = logging.getLogger("sglang.srt.weight_sync.trainer_update")
+    trainer_log.setLevel(logging.INFO)
+    trainer_log.addHandler(_TrainerFigures())
     server = None
-    if rank == 0:
+    if leader:
         from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
         server = HttpServerEngineAdapter(
-            model_path=model_dir, tp_size=world, host="127.0.0.1", port=port, device="cpu",
+            model_path=model_dir, tp_size=tp, host="127.0.0.1", port=port, device="cpu",
             attention_backend="torch_native", skip_tokenizer_init=True, mem_fraction_static=0.05,
             max_total_tokens=4096, disable_cuda_graph=True, random_seed=0, log_level="error")
-    _wait_healthy(port)  # over HTTP, not a gloo barrier: the server may take minutes to start here
-
-    from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
-    from verl.workers.rollout.sglang_rollout import sglang_rollout
-
-    actor = _ServerActor(port)
-    ray.get_actor = lambda name: actor  # stand-in: the Ray actor
-    sglang_rollout.get_device_id = lambda: "cpu"  # stand-in: verl has no CPU platform
-    config = RolloutConfig(name="sglang", mode="async", tensor_model_parallel_size=world,
-                           checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
-    mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
-    adapter = sglang_rollout.ServerAdapter(config, HFModelConfig(path=model_dir), mesh)
-
     records = []
-    try:
+    try:  # the server is shut down whatever fails from here on
+        _wait_healthy(port)  # over HTTP, not a gloo barrier: the server may take minutes to start here
+
+        from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+        from verl.workers.rollout.sglang_rollout import sglang_rollout
+
+        actor = _ServerActor(port)
+        ray.get_actor = lambda name: actor  # stand-in: the Ray actor of this rank's server ("sglang_server_<replica>_0")
+        sglang_rollout.get_device_id = lambda: "cpu"  # stand-in: verl has no CPU platform
+        config = RolloutConfig(name="sglang", mode="async", tensor_model_parallel_size=tp,
+                               checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
+        mesh = init_device_mesh("cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+        adapter = sglang_rollout.ServerAdapter(config, HFModelConfig(path=model_dir), mesh)
+
         for step, (kind, seed) in enumerate(job["steps"], start=1):
             model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
             model.load_state_dict({n: t.float() for n, t in new_weights(model_dir, seed).items()}, strict=False)
@@ -172,9 +194,15 @@ def verl_job(rank: int, world: int, job: dict):
             for layer in model.model.layers:
                 fully_shard(layer, mesh=fsdp_mesh)
             fully_shard(model, mesh=fsdp_mesh)
-            gathered = sum((p.numel() - p.to_local().numel()) * p.element_size()
-                           for p in model.state_dict().values() if isinstance(p, DTensor))
+            checkpoint = list(new_weights(model_dir, seed))  # a tied lm_head is not in it
+            # Elements of each tensor verl sends that this rank does not hold. verl also sends the tied
+            # lm_head.weight (in its last bucket): the engine writes it into the embedding it aliases, so
+            # the embedding's missing half counts twice, once per call that names it.
+            missing = {n: p.numel() - p.to_local().numel() for n, p in model.state_dict().items()
+                       if isinstance(p, DTensor)}
+            gathered = sum(missing.values()) * 4  # by full_tensor() per entry, fp32
             before = _forbidden_calls(job["forbidden_log"])
+            del trainer_lines[:]
             os.environ["VERL_ROLLOUT_LOCAL_SHARDS"] = "1" if kind == "patched" else "0"
             produced = _verl_producer(job["verl_sources"][kind], model.state_dict(), model.config.model_type)
             update = adapter.update_weights(produced, global_steps=step)
@@ -185,12 +213,14 @@ def verl_job(rank: int, world: int, job: dict):
                 asyncio.run(update)  # trainer ranks refuse full_tensor/gather_object here
             dist.barrier()
             record = dict(kind=kind, seed=seed, engine_forbidden=_forbidden_calls(job["forbidden_log"]) - before,
-                          full_tensor_bytes=gathered if kind == "stock" else 0)
-            if rank == 0:
+                          full_tensor_bytes=gathered if kind == "stock" else 0,
+                          trainer_received=[list(line) for line in trainer_lines],
+                          trainer_lower_bound=sum(missing.values()) * 2)  # bf16 engine: the one beside, TP 1
+            if leader:
                 params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
                 out = server.generate(input_ids=job["prompts"][seed], sampling_params=params)
                 record["generation"] = [o["output_ids"] for o in out]
-                record["checksums"] = _checksums(server)
+                record["params"] = _checksums(server) if tp > 1 else _params_at_tp1(port, checkpoint)
                 record["steps_reported"] = list(actor.steps)
                 seen = {row[0] for r in records for row in r["figures"]}
                 record["figures"] = [row for row in _figures(Path(job["figures_log"])) if row[0] not in seen]
@@ -200,6 +230,22 @@ def verl_job(rank: int, world: int, job: dict):
         if server is not None:
             server.shutdown()
     return records
+
+
+def _params_at_tp1(port: int, names) -> dict:
+    """Every HF tensor of a TP-1 server, read back with SGLang's ``/get_weights_by_name`` (its
+    parameter, or its region of a fused one, in fp32: exact for bf16), as tensor hashes."""
+    import requests
+
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    out = {}
+    for name in names:
+        reply = requests.post(f"http://127.0.0.1:{port}/get_weights_by_name",
+                              json={"name": name, "truncate_size": 1 << 30}, timeout=60)
+        assert reply.status_code == 200, f"/get_weights_by_name {name}: {reply.status_code} {reply.text[:200]}"
+        out[name] = f"{tensor_hash(torch.tensor(reply.json(), dtype=torch.float32)):016x}"
+    return {0: out}
 
 
 def _figures(directory: Path):
@@ -215,34 +261,93 @@ def test_patch_applies_to_verl_0_9_1(tmp_path):
     assert "param.to(device, non_blocking=True) if local_shards" in patched
 
 
-def test_verl_server_adapter_update_weights(tmp_path):
-    model_dir, config = tiny_models.make_tiny_model("qwen2", tmp_path / "qwen2", vocab_size=2048)
+def _free_ports(n: int):
+    """``n`` free ports below 50000: SGLang 0.5.12 derives more ports from the server's (its gRPC
+    port is 10000 above it), which an ephemeral port would push past 65535."""
+    import random
+
+    ports = []
+    for port in random.Random(os.getpid()).sample(range(20000, 50000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports below 50000")
+
+
+def _give_tokenizer(model_dir: Path, tmp_path: Path) -> None:
+    """verl's ``HFModelConfig`` loads a tokenizer, which the tiny checkpoints lack (the servers take
+    token ids): save the one ``transformers`` builds for a tiny Qwen2 directory (for a tiny Llama
+    it builds none); nothing here uses it."""
+    from transformers import AutoTokenizer
+
+    qwen2_dir, _ = tiny_models.make_tiny_model("qwen2", tmp_path / "tokenizer", vocab_size=2048)
+    AutoTokenizer.from_pretrained(qwen2_dir).save_pretrained(model_dir)
+
+
+def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
+    """verl's stock and patched steps against ``world // tp`` servers of TP ``tp``; checks
+    parameters and generation of every server after every step; returns every rank's records."""
+    model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind, vocab_size=2048)
+    _give_tokenizer(model_dir, tmp_path)
     prompts = {seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW, vocab_size=2048)
                for _, seed in STEPS}
     for name in ("forbidden", "figures"):
         (tmp_path / name).mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    job = dict(model_dir=str(model_dir), port=port, steps=STEPS, prompts=prompts, verl_sources=_verl_sources(tmp_path),
-               forbidden_log=str(tmp_path / "forbidden"), figures_log=str(tmp_path / "figures"))
-    results = run_ranks(2, verl_job, job, timeout=1500, start_method="spawn")
-    leader = results[0]
-    for step, record in enumerate(leader, start=1):
-        weights = new_weights(model_dir, record["seed"])
-        expected = expected_checksums(config, weights, 2, 1)
-        for r in range(2):
-            wrong = sorted(n for n in expected[r] if record["checksums"][r][n] != expected[r][n])
-            assert not wrong, f"{record['kind']}: engine rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
-        assert record["generation"] == hf_greedy(model_dir, prompts[record["seed"]], MAX_NEW, weights=weights)
-        assert record["steps_reported"][-1] == step  # verl's leader reported the step after its flush
-    stock, patched = leader
+    job = dict(model_dir=str(model_dir), tp=tp, ports=_free_ports(world // tp), steps=STEPS, prompts=prompts,
+               verl_sources=_verl_sources(tmp_path), forbidden_log=str(tmp_path / "forbidden"),
+               figures_log=str(tmp_path / "figures"))
+    results = run_ranks(world, verl_job, job, timeout=1500, start_method="spawn")
+    for server in range(world // tp):
+        for step, record in enumerate(results[server * tp], start=1):
+            weights = new_weights(model_dir, record["seed"])
+            if tp > 1:
+                expected = expected_checksums(config, weights, tp, 1)
+            else:
+                from sglang.srt.managers.mm_utils import tensor_hash
+
+                expected = {0: {n: f"{tensor_hash(t.to(torch.bfloat16).float()):016x}" for n, t in weights.items()}}
+            for r in range(tp):
+                wrong = sorted(n for n in expected[r] if record["params"][r][n] != expected[r][n])
+                assert not wrong, (f"{record['kind']}: server {server} rank {r} parameters differ from SGLang's "
+                                   f"slicing: {wrong[:5]}")
+            assert record["generation"] == hf_greedy(model_dir, prompts[record["seed"]], MAX_NEW, weights=weights), (
+                f"{record['kind']}: server {server} generation differs from HF transformers")
+            assert record["steps_reported"][-1] == step  # verl's leader reported the step after its flush
+        assert results[server * tp][1]["engine_forbidden"] == 0, "the engine called full_tensor/gather_object"
+    return results
+
+
+def test_verl_server_adapter_update_weights(tmp_path):
+    """One server of TP 2 fed by FSDP2 over its two ranks: the engine reshards."""
+    results = _run_verl(tmp_path, "qwen2", tp=2)
+    stock, patched = leader = results[0]
     for record in leader:  # every engine rank of every bucket received exactly the bytes it lacked
         assert record["figures"] and all(received == lower for _, _, received, lower, _ in record["figures"]), record
-    assert patched["engine_forbidden"] == 0, "the engine called full_tensor/gather_object"
     gathered = [r[0]["full_tensor_bytes"] for r in results]  # trainer ranks refused full_tensor in the patched step
     moved = {kind: sum(row[2] for row in record["figures"]) for kind, record in zip(("stock", "patched"), leader)}
     assert moved["stock"] == 0 < moved["patched"] and all(gathered), (moved, gathered)
     print(f"verl 0.9.1, FSDP2 2 ranks -> SGLang TP 2: stock producer: full_tensor() all-gathered {gathered} bytes "
           f"into the trainer ranks, engine ranks received 0; patched: no full_tensor, engine ranks received "
           f"{moved['patched']} bytes in all (= lower bound), {len(patched['figures'])} (rank, bucket) records")
+
+
+def test_verl_server_adapter_two_servers_of_tp1(tmp_path):
+    """FSDP2 over two ranks, one TP-1 server per rank (Llama: ``/get_weights_by_name`` serves
+    it on every base): with the patch the trainer ranks reshard in one hop, each receiving
+    exactly the half of every tensor its server lacks, in bf16; the servers only copy."""
+    results = _run_verl(tmp_path, "llama", tp=1)
+    for rank, (stock, patched) in enumerate(results):
+        assert stock["full_tensor_bytes"] > 0 and not stock["trainer_received"], stock["trainer_received"]
+        assert patched["trainer_received"], f"rank {rank}: the patched step did not reshard on the trainer side"
+        received = sum(r for r, _ in patched["trainer_received"])
+        assert all(r == lower for r, lower in patched["trainer_received"]), patched["trainer_received"]
+        assert received == patched["trainer_lower_bound"] > 0, (rank, received, patched["trainer_lower_bound"])
+        assert not patched.get("figures") or all(row[2] == 0 for row in patched["figures"]), patched["figures"]
+    print("verl 0.9.1, FSDP2 2 ranks -> 2 SGLang servers of TP 1: stock producer: full_tensor() all-gathered "
+          f"{[r[0]['full_tensor_bytes'] for r in results]} bytes; patched: trainer-side one hop, trainer ranks "
+          f"received {[sum(x for x, _ in r[1]['trainer_received']) for r in results]} bytes (= lower bound)")

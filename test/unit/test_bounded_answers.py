@@ -102,7 +102,7 @@ def test_no_answer_fails_within_the_bound_then_refuses_until_the_late_answer(man
         return reply, elapsed, later, end, sent, await after
 
     reply, elapsed, later, end, sent, after = asyncio.run(go())
-    assert BOUND_S <= elapsed < BOUND_S + 0.5
+    assert BOUND_S - 0.005 <= elapsed < BOUND_S + 0.5  # asyncio's timer was seen firing 34 us early
     [r] = reply
     assert isinstance(r, io.UpdateWeightsDistributedReqOutput) and r.success is False
     assert "no answer from the engine within 0.3s to distributed weight update 'u7'" in r.message

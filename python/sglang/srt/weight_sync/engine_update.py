@@ -41,7 +41,7 @@ from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.target_layout import ParamTarget
-from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, restrict
+from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, nonfinite_buffers, restrict
 from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
 
 logger = logging.getLogger(__name__)
@@ -295,7 +295,6 @@ def _published_layout_step(payload: Payload, targets: DerivedTargets, params, ra
             f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
             f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
         ], lambda: (0, 0, 0))
-    _check_finite(payload)
     not_copied = sorted(n for n in payload.names if targets.aliases.get(n, n) in targets.not_copied)
     if not_copied:
         name = not_copied[0]
@@ -310,7 +309,11 @@ def _published_layout_step(payload: Payload, targets: DerivedTargets, params, ra
         logger.info("engine rank %d: trainer-side update, copied %d bytes locally", rank, copied)
         return 0, 0, 0
 
-    return _LocalStep(problems + check_buffers(params, wanted, payload.tensors, rank), copy)
+    problems += check_buffers(params, wanted, payload.tensors, rank)
+    if not problems:
+        problems += [f"engine rank {rank}: tensor {name!r}: the buffer from trainer rank {payload.trainer_rank} holds "
+                     "NaN or inf values (refused: see docs/usage.md)" for name in nonfinite_buffers(wanted, payload.tensors)]
+    return _LocalStep(problems, copy)
 
 
 def engine_targets(model: torch.nn.Module, targets: DerivedTargets, rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor]]:

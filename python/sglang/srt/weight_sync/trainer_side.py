@@ -237,6 +237,24 @@ def check_buffers(
     return problems
 
 
+def _filled_regions(target: ParamTarget) -> List[Tuple[Tuple[int, ...], Box]]:
+    """Where a buffer holds delivered data: its pieces of this chunk. A parameter whose HF
+    tensors arrive in several chunks (a fused ``gate_up_proj`` split by the trainer's
+    batches) has a buffer of its full shape, the rest of it never written."""
+    return [(p.index, p.dest_box()) for p in target.pieces]
+
+
+def nonfinite_buffers(targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]) -> List[str]:
+    """Parameters whose delivered regions hold NaN or inf (only those regions are read)."""
+    bad = []
+    for t in targets:
+        buf = buffers[t.name]
+        if buf.is_floating_point() and not all(
+                bool(torch.isfinite(buf[index][box.slices()]).all()) for index, box in _filled_regions(t)):
+            bad.append(t.name)
+    return bad
+
+
 def copy_buffers(
     params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]
 ) -> int:
@@ -248,7 +266,7 @@ def copy_buffers(
     copied = 0
     for t in targets:
         param, buf = params[t.name], buffers[t.name]
-        regions = [(p.index, p.dest_box()) for p in t.pieces] + [((), z) for z in t.zeros]
+        regions = _filled_regions(t) + [((), z) for z in t.zeros]
         if sum(box.numel for _, box in regions) == param.numel():
             param.copy_(buf)
             copied += param.numel() * param.element_size()

@@ -1,0 +1,39 @@
+"""The engine's checks and copies of trainer-side buffers when a fused parameter's HF
+tensors arrive in different chunks (verl batches by HF tensor: ``gate_proj`` in one
+bucket, ``up_proj`` in the next). The buffer has the parameter's full shape; only the
+pieces of this chunk were written, the rest is whatever ``torch.empty`` returned."""
+
+import torch
+
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.trainer_side import copy_buffers, nonfinite_buffers, restrict
+from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+GATE_UP = ParamTarget(
+    "model.layers.0.mlp.gate_up_proj.weight", (8, 4), torch.bfloat16,
+    (Piece("model.layers.0.mlp.gate_proj.weight", Box((0, 0), (4, 4)), (), (0, 0)),
+     Piece("model.layers.0.mlp.up_proj.weight", Box((0, 0), (4, 4)), (), (4, 0))),
+)
+
+
+def _up_only():
+    """The chunk that carries ``up_proj`` only, its buffer's gate half never written."""
+    [target] = restrict([GATE_UP], ["model.layers.0.mlp.up_proj.weight"], {})
+    buffer = torch.full((8, 4), float("nan"), dtype=torch.bfloat16)
+    buffer[4:] = torch.arange(16, dtype=torch.bfloat16).view(4, 4)
+    return target, buffer
+
+
+def test_unwritten_part_of_a_buffer_is_neither_checked_nor_copied():
+    target, buffer = _up_only()
+    assert nonfinite_buffers([target], {target.name: buffer}) == []
+    param = torch.ones(8, 4, dtype=torch.bfloat16)
+    assert copy_buffers({target.name: param}, [target], {target.name: buffer}) == 16 * 2
+    assert torch.equal(param[:4], torch.ones(4, 4, dtype=torch.bfloat16))  # gate half kept
+    assert torch.equal(param[4:], buffer[4:])
+
+
+def test_nan_or_inf_in_a_delivered_piece_is_found():
+    target, buffer = _up_only()
+    buffer[6, 1] = float("inf")
+    assert nonfinite_buffers([target], {target.name: buffer}) == [target.name]
