@@ -338,8 +338,9 @@ def test_verl_server_adapter_update_weights(tmp_path):
 
 def test_verl_server_adapter_two_servers_of_tp1(tmp_path):
     """FSDP2 over two ranks, one TP-1 server per rank (Llama: ``/get_weights_by_name`` serves
-    it on every base): with the patch the trainer ranks reshard in one hop, each receiving
-    exactly the half of every tensor its server lacks, in bf16; the servers only copy."""
+    it on every base): with the patch the trainer ranks reshard in one hop, each receiving, in
+    bf16, exactly the half of every tensor verl names that its server lacks (the tied
+    ``lm_head.weight`` names the embedding a second time); the servers only copy."""
     results = _run_verl(tmp_path, "llama", tp=1)
     for rank, (stock, patched) in enumerate(results):
         assert stock["full_tensor_bytes"] > 0 and not stock["trainer_received"], stock["trainer_received"]
