@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
-from sglang.srt.weight_sync.waits import wait
+from sglang.srt.weight_sync.waits import all_equal, wait
 
 
 class ExecutionError(RuntimeError):
@@ -154,22 +154,11 @@ def agree_on_plan(
 
     Meant for a CPU (gloo) group, like SGLang's own control traffic (``tp_cpu_group``).
     """
-    digest = int(plan.fingerprint[:15], 16)
-    both = torch.tensor([digest, -digest], dtype=torch.int64)
-    _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
-          f"rank {rank}: plan agreement")
-    if both[0].item() != digest or -both[1].item() != digest:
+    if not all_equal(int(plan.fingerprint[:15], 16), group, timeout_s, f"rank {rank}: plan agreement"):
         raise ExecutionError(
             f"rank {rank}: the TP ranks computed different plans (this rank's {plan.fingerprint[:15]}): "
             "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
         )
-
-
-def _wait(work, timeout_s: Optional[float], phase: str) -> None:
-    if timeout_s is None:
-        work.wait()
-    else:
-        wait(work, timeout_s, phase)
 
 
 def execute(
@@ -214,11 +203,11 @@ def execute(
         peers = sorted(({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank})
         phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
         _run_p2p(plan, rank, [m for m in mine if len(_receivers(m)) == 1], shards, params, group, staging, to_global,
-                 lambda work: _wait(work, timeout_s, phase))
+                 lambda work: wait(work, timeout_s, phase))
         for move in mine:
             if len(_receivers(move)) > 1:
                 _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global,
-                               lambda work: _wait(work, timeout_s, f"{phase} (broadcast of {move.tensor!r})"))
+                               lambda work: wait(work, timeout_s, f"{phase} (broadcast of {move.tensor!r})"))
         staging.release_all()
     return stats
 

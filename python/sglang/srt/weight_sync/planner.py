@@ -363,15 +363,18 @@ def inputs_fingerprint(
     h = hashlib.sha256()
     h.update(sources_digest(sources).encode())
     for rank in sorted(targets):
-        h.update(repr((rank, [
-            (t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm) for p in t.pieces],
-             [(z.offsets, z.sizes) for z in t.zeros])
-            for t in targets[rank]
-        ])).encode())
+        h.update(repr((rank, targets_key(targets[rank]))).encode())
     topology = topology or Topology()
     h.update(repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()))).encode())
     h.update(repr((bucket_bytes, sorted((aliases or {}).items()))).encode())
     return h.hexdigest()
+
+
+def targets_key(targets: Sequence[ParamTarget]) -> list:
+    """Everything about ``targets`` a plan depends on, as plain values (for digests)."""
+    return [(t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm)
+                                             for p in t.pieces], [(z.offsets, z.sizes) for z in t.zeros])
+            for t in targets]
 
 
 def sources_digest(sources: SourceLayout) -> str:

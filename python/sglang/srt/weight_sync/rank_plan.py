@@ -48,6 +48,7 @@ from sglang.srt.weight_sync.planner import (
     _HolderIndex,
     _resolve_aliases,
     sources_digest,
+    targets_key,
 )
 from sglang.srt.weight_sync.source_layout import SourceLayout
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
@@ -82,11 +83,7 @@ class Receivers:
     def digest(self) -> str:
         h = hashlib.sha256()
         for targets, ranks in zip(self.classes, self.ranks):
-            h.update(repr((ranks, [
-                (t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm)
-                                                 for p in t.pieces], [(z.offsets, z.sizes) for z in t.zeros])
-                for t in targets
-            ])).encode())
+            h.update(repr((ranks, targets_key(targets))).encode())
         return h.hexdigest()
 
 

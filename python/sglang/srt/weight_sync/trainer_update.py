@@ -40,7 +40,7 @@ from sglang.srt.weight_sync.trainer_side import (  # noqa: F401
     reshard_to_engines,
     uncovered,
 )
-from sglang.srt.weight_sync.waits import GRACE_S, barrier, broadcast_result, wait
+from sglang.srt.weight_sync.waits import GRACE_S, all_equal, barrier, broadcast_result, wait
 
 logger = logging.getLogger(__name__)
 
@@ -307,10 +307,8 @@ def _describe(chan: TrainerChannel, timeout_s: float) -> Generator[ControlReques
 
 
 def _all_equal(value: int, timeout_s: float, phase: str) -> bool:
-    """Whether every trainer rank holds the same ``value`` (one tiny all-reduce)."""
-    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device())
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout_s, phase)
-    return both[0].item() == value and -both[1].item() == value
+    """Whether every trainer rank holds the same ``value``."""
+    return all_equal(value, None, timeout_s, phase, device=_collective_device())
 
 
 def _anyone(flag: bool, timeout_s: float) -> bool:

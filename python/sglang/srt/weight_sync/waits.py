@@ -33,12 +33,25 @@ class PeerLost(RuntimeError):
     """A peer of a collective did not answer within the bound (dead, hung or far behind)."""
 
 
-def wait(work, timeout_s: float, phase: str) -> None:
-    """Wait for an async collective's ``work`` at most ``timeout_s`` seconds."""
+def wait(work, timeout_s: Optional[float], phase: str) -> None:
+    """Wait for an async collective's ``work`` at most ``timeout_s`` seconds (None: the
+    process group's own timeout, for callers outside an update such as tests)."""
+    if timeout_s is None:
+        work.wait()
+        return
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise PeerLost(f"{phase}: a peer did not answer within {timeout_s:g}s ({e})") from None
+
+
+def all_equal(value: int, group: Optional[dist.ProcessGroup], timeout_s: Optional[float], phase: str,
+              device: Optional[torch.device] = None) -> bool:
+    """Whether every rank of ``group`` holds the same ``value`` (one tiny all-reduce of
+    ``[value, -value]`` with MAX; ``device``: where the group's backend reduces)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s, phase)
+    return both[0].item() == value and -both[1].item() == value
 
 
 # Barriers entered so far per group (by its ranks): every rank of a group enters them in one
