@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
+from sglang.srt.weight_sync.planner import sources_digest
 from sglang.srt.weight_sync.source_layout import (
     LayoutError,
+    SourceTensor,
     describe_full,
     describe_mesh,
     describe_sharded,
@@ -139,3 +141,35 @@ def test_mesh_spec_refuses_unknown_wire_values():
         MeshSpec.from_wire(((4,), "float99", [0], (("R",),)))
     with pytest.raises(LayoutError, match="placement Partial is not supported"):
         MeshSpec.from_wire(((4,), "float32", [0], (("Partial",),)))
+
+
+def _explicit(src):
+    """The same holders with no mesh behind them (as megatron_layout describes tensors)."""
+    return SourceTensor(src.name, src.shape, src.dtype, src.holders)
+
+
+def test_sources_digest_hashes_the_mesh_and_tells_every_layout_apart():
+    base = ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (Replicate(), Shard(0)))
+    digest = sources_digest({"w": describe_mesh(*base)})
+    assert sources_digest({"w": describe_mesh(*base)}) == digest  # a new description, same digest
+    # The mesh determines the holders: an identity rank map gives the same layout and holders.
+    same = describe_mesh(*base, rank_map={r: r for r in range(4)})
+    assert same.layout == describe_mesh(*base).layout and same.holders == describe_mesh(*base).holders
+    variants = [
+        ("v", (8, 6), torch.float32, [[0, 1], [2, 3]], (Replicate(), Shard(0))),
+        ("w", (8, 8), torch.float32, [[0, 1], [2, 3]], (Replicate(), Shard(0))),
+        ("w", (8, 6), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0))),
+        ("w", (8, 6), torch.float32, [[0, 1], [3, 2]], (Replicate(), Shard(0))),
+        ("w", (8, 6), torch.float32, [[0, 1, 2, 3]], (Replicate(), Shard(0))),
+        ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (Replicate(), Shard(1))),
+        ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (Shard(0), Shard(0))),
+        ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0))),
+    ]
+    digests = {sources_digest({v[0]: describe_mesh(*v)}) for v in variants}
+    digests.add(sources_digest({"w": describe_mesh(*base, rank_map={0: 0, 1: 1, 2: 2})}))  # rank 3 outside
+    digests.add(sources_digest({"w": describe_mesh(*base, rank_map={0: 1, 1: 0, 2: 2, 3: 3})}))
+    assert digest not in digests and len(digests) == len(variants) + 2
+    # Holders listed one by one are hashed one by one, and tell layouts apart as well.
+    explicit = sources_digest({"w": _explicit(describe_mesh(*base))})
+    assert explicit == sources_digest({"w": _explicit(describe_mesh(*base))})
+    assert explicit != sources_digest({"w": _explicit(describe_mesh(*variants[3]))})

@@ -22,6 +22,7 @@ Overlap search is an interval index on one dim per tensor, not an all-pairs scan
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import hashlib
 from collections import defaultdict
@@ -378,12 +379,19 @@ def targets_key(targets: Sequence[ParamTarget]) -> list:
 
 
 def sources_digest(sources: SourceLayout) -> str:
-    """A digest of a source layout (every holder of every tensor)."""
+    """A digest of a source layout: every tensor's name, shape, dtype and holders, the
+    holders of a mesh-described tensor by the mesh they follow from (``layout``)."""
     return hashlib.sha256(repr([
-        (n, s.shape, str(s.dtype), [(h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape)
-                                    for h in s.holders])
+        (n, s.shape, str(s.dtype), _layout_digest(s.layout) if s.layout is not None else [
+            (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in s.holders])
         for n, s in ((n, sources[n]) for n in sorted(sources))
     ]).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_digest(layout: tuple) -> str:
+    """One mesh's digest: many tensors share a mesh, and every update describes them anew."""
+    return hashlib.sha256(repr(layout).encode()).hexdigest()
 
 
 class PlanCache:

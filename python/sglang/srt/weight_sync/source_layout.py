@@ -18,7 +18,7 @@ dim; nothing here materialises a tensor.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -57,12 +57,16 @@ class Holder:
 
 @dataclass(frozen=True, slots=True)
 class SourceTensor:
-    """A global tensor and its holders (DP replicas repeat boxes)."""
+    """A global tensor and its holders (DP replicas repeat boxes). ``layout``, when a mesh
+    describes the tensor, is what ``holders`` follow from together with ``name`` and
+    ``shape`` (mesh shape, its ranks in the plan's group, placements): a digest hashes it
+    once per distinct mesh instead of every holder of every tensor."""
 
     name: str
     shape: Tuple[int, ...]
     dtype: torch.dtype
     holders: Tuple[Holder, ...]
+    layout: Optional[tuple] = field(default=None, compare=False)
 
     def box_of(self, rank: int) -> Optional[Box]:
         """The one box ``rank`` holds (None when it holds none)."""
@@ -161,16 +165,13 @@ def describe_mesh(
             raise LayoutError(f"tensor {name!r}: placement {p} is not supported (Partial sums need a reduction)")
         if isinstance(p, (Shard, _StridedShard)) and not 0 <= p.dim < len(shape):
             raise LayoutError(f"tensor {name!r}: {p} on a {len(shape)}-d tensor")
+    if rank_map is not None:
+        flat = tuple(rank_map.get(r) for r in flat)
     holders = []
     for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, placements)):
-        if rank is None:
-            continue
-        if rank_map is not None:
-            if rank not in rank_map:
-                continue
-            rank = rank_map[rank]
-        holders.extend(Holder(int(rank), box, name, offsets, local_shape) for box, offsets in pieces)
-    return SourceTensor(name, shape, dtype, tuple(holders))
+        if rank is not None:
+            holders.extend(Holder(int(rank), box, name, offsets, local_shape) for box, offsets in pieces)
+    return SourceTensor(name, shape, dtype, tuple(holders), (mesh_shape, tuple(flat), placements))
 
 
 @dataclass(frozen=True)
