@@ -129,6 +129,9 @@ def test_mesh_spec_round_trips_through_sglang_safe_unpickler():
     spec = MeshSpec((10, 4), torch.bfloat16, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)))
     wire = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(spec.to_wire()))
     assert MeshSpec.from_wire(wire) == spec
+    # torch 2.9 makes _StridedShard a Shard that compares equal to Shard(d): check the type too.
+    assert [type(p) for p in MeshSpec.from_wire(wire).placements] == [_StridedShard, Shard]
+    assert wire[3] == (("SS", 0, 2), ("S", 0))
     assert MeshSpec.from_wire(wire).describe("w", {2: 0, 3: 1}) == describe_mesh(
         "w", (10, 4), torch.bfloat16, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)), {2: 0, 3: 1}
     )

@@ -139,6 +139,21 @@ def _mesh_pieces(
     return tuple(out)
 
 
+def _placement_wire(p: Placement) -> tuple:
+    """A placement as builtins: ("S", dim), ("SS", dim, split factor), ("R",), or its type's
+    name (refused on arrival). ``_StridedShard`` goes first: torch 2.9 makes it a ``Shard``
+    subclass (and ``Shard(d) == _StridedShard(d, ...)``); its split factor is an int from
+    ``_split_factor_int()`` where torch has it (2.13), else ``split_factor`` (2.9, 2.11)."""
+    if isinstance(p, _StridedShard):
+        split = getattr(p, "_split_factor_int", None)
+        return ("SS", p.dim, int(split() if split is not None else p.split_factor))
+    if isinstance(p, Shard):
+        return ("S", p.dim)
+    if isinstance(p, Replicate):
+        return ("R",)
+    return (type(p).__name__,)
+
+
 def describe_mesh(
     name: str,
     shape: Sequence[int],
@@ -171,7 +186,8 @@ def describe_mesh(
     for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, placements)):
         if rank is not None:
             holders.extend(Holder(int(rank), box, name, offsets, local_shape) for box, offsets in pieces)
-    return SourceTensor(name, shape, dtype, tuple(holders), (mesh_shape, tuple(flat), placements))
+    layout = (mesh_shape, tuple(flat), tuple(_placement_wire(p) for p in placements))
+    return SourceTensor(name, shape, dtype, tuple(holders), layout)
 
 
 @dataclass(frozen=True)
@@ -206,10 +222,8 @@ class MeshSpec:
         return describe_mesh(name, self.shape, self.dtype, self.mesh, self.placements, rank_map)
 
     def to_wire(self) -> tuple:
-        places = tuple(("S", p.dim) if isinstance(p, Shard) else ("SS", p.dim, p._split_factor_int())
-                       if isinstance(p, _StridedShard) else ("R",) if isinstance(p, Replicate)
-                       else (type(p).__name__,) for p in self.placements)
-        return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.mesh, places)
+        return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.mesh,
+                tuple(_placement_wire(p) for p in self.placements))
 
     @staticmethod
     def from_wire(wire: tuple) -> "MeshSpec":
