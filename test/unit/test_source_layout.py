@@ -4,6 +4,12 @@ The reference splits an index-encoded tensor with ``torch.chunk`` mesh dim by
 mesh dim, the way DTensor lays out shards (``_StridedShard(d, sf)``: cut dim d
 into sf pieces, each into n chunks, and keep chunk i of every piece), and
 compares each coordinate's local tensor with the one its holders rebuild.
+
+That reference is ``_StridedShard``'s meaning from torch 2.11 on (the primary base's
+2.13). Torch 2.9, pinned by the 0.5.10.post1 base, meant right-to-left sharding by the
+same placement; the holders follow whichever torch is installed (they come from the
+placement's own ``_split_tensor``), and every base's smoke checks them against real
+FSDP2-over-TP shards (``test/distributed/test_reshard.py``).
 """
 
 import itertools
