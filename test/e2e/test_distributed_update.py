@@ -19,7 +19,7 @@ import torch
 import tiny_models
 from engine import hf_greedy, stable_prompts
 from ranks import run_ranks
-from update_cases import BAD_NAME, GATHERING_CHECKER, MAX_NEW, engine_job, new_weights
+from update_cases import BAD_NAME, GATHERING_CHECKER, MAX_NEW, checksum, engine_job, new_weights
 
 UPDATES = [("verl", "fsdp", 1), ("verl", "tp", 2), ("verl", "full", 3), ("utils", "fsdp", 4), ("engine", "tp", 5)]
 FAILURES = {
@@ -33,11 +33,10 @@ FAILURES = {
 
 
 def expected_checksums(config, weights, tp: int, ep: int):
-    from sglang.srt.managers.mm_utils import tensor_hash
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
 
     targets = model_targets_from_config(config, EngineParallel(tp, moe_ep_size=ep), torch.bfloat16)
-    return {r: {t.name: f"{tensor_hash(reference_param(t, weights)):016x}" for t in targets.for_rank(r)}
+    return {r: {t.name: checksum(reference_param(t, weights)) for t in targets.for_rank(r)}
             for r in range(tp)}
 
 

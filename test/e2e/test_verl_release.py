@@ -47,7 +47,7 @@ import tiny_models
 from engine import hf_greedy, stable_prompts
 from ranks import run_ranks
 from test_distributed_update import expected_checksums
-from update_cases import MAX_NEW, new_weights
+from update_cases import MAX_NEW, checksum, new_weights
 
 PATCH = Path(__file__).resolve().parents[2] / "integrations" / "verl" / "0001-fsdp-rollout-local-shards.patch"
 STEPS = [("stock", 1), ("patched", 2)]
@@ -237,14 +237,12 @@ def _params_at_tp1(port: int, names) -> dict:
     parameter, or its region of a fused one, in fp32: exact for bf16), as tensor hashes."""
     import requests
 
-    from sglang.srt.managers.mm_utils import tensor_hash
-
     out = {}
     for name in names:
         reply = requests.post(f"http://127.0.0.1:{port}/get_weights_by_name",
                               json={"name": name, "truncate_size": 1 << 30}, timeout=60)
         assert reply.status_code == 200, f"/get_weights_by_name {name}: {reply.status_code} {reply.text[:200]}"
-        out[name] = f"{tensor_hash(torch.tensor(reply.json(), dtype=torch.float32)):016x}"
+        out[name] = checksum(torch.tensor(reply.json(), dtype=torch.float32))
     return {0: out}
 
 
@@ -308,9 +306,7 @@ def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
             if tp > 1:
                 expected = expected_checksums(config, weights, tp, 1)
             else:
-                from sglang.srt.managers.mm_utils import tensor_hash
-
-                expected = {0: {n: f"{tensor_hash(t.to(torch.bfloat16).float()):016x}" for n, t in weights.items()}}
+                expected = {0: {n: checksum(t.to(torch.bfloat16).float()) for n, t in weights.items()}}
             for r in range(tp):
                 wrong = sorted(n for n in expected[r] if record["params"][r][n] != expected[r][n])
                 assert not wrong, (f"{record['kind']}: server {server} rank {r} parameters differ from SGLang's "

@@ -102,16 +102,21 @@ def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:
 
     from safetensors.torch import load_file
 
-    from sglang.srt.managers.mm_utils import tensor_hash
-
     out: Dict[int, Dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as directory:
         engine.save_sharded_model(params={"path": directory, "pattern": None, "max_size": None})
         for f in sorted(os.listdir(directory)):  # model-rank-{rank}-part-{part}.safetensors
             rank = int(f.split("-")[2])
             out.setdefault(rank, {}).update(
-                {n: f"{tensor_hash(t):016x}" for n, t in load_file(os.path.join(directory, f)).items()})
+                {n: checksum(t) for n, t in load_file(os.path.join(directory, f)).items()})
     return out
+
+
+def checksum(t: torch.Tensor) -> str:
+    """A tensor's checksum as SGLang's weight checker reports it."""
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    return f"{tensor_hash(t):016x}"
 
 
 def _checksums(engine) -> Dict[int, Dict[str, str]]:

@@ -186,7 +186,7 @@ def describe_mesh(
     for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, placements)):
         if rank is not None:
             holders.extend(Holder(int(rank), box, name, offsets, local_shape) for box, offsets in pieces)
-    layout = (mesh_shape, tuple(flat), tuple(_placement_wire(p) for p in placements))
+    layout = (mesh_shape, flat, tuple(_placement_wire(p) for p in placements))
     return SourceTensor(name, shape, dtype, tuple(holders), layout)
 
 
