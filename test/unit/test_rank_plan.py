@@ -17,9 +17,9 @@ from test_planner_properties import check_plan, covers, scenarios
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.planner import CoverageError, Plan, Topology
+from sglang.srt.weight_sync.planner import CoverageError, Plan, Topology, _box_index, plan
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
-from sglang.srt.weight_sync.source_layout import describe_mesh
+from sglang.srt.weight_sync.source_layout import SourceTensor, describe_mesh
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
 
@@ -87,6 +87,42 @@ def test_same_plans_from_any_grouping_of_ranks(case):
         a = plan_for_rank(sources, grouped, rank, bucket_bytes=bucket)
         b = plan_for_rank(sources, single, rank, bucket_bytes=bucket)
         assert (a.local, a.rounds, a.round_ids, a.zero_fills) == (b.local, b.rounds, b.round_ids, b.zero_fills)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios())
+def test_mesh_described_and_listed_holders_plan_alike(case):
+    """Tensors a mesh describes share one holder index per geometry (``MeshHolders``); the
+    same holders listed one by one are indexed per tensor. Both must plan the same moves."""
+    sources, _, targets, bucket = case
+    if not covers(sources, targets):
+        return
+    listed = {n: SourceTensor(n, s.shape, s.dtype, tuple(s.holders)) for n, s in sources.items()}
+    receivers = Receivers.of(targets)
+    for rank in targets:
+        a = plan_for_rank(sources, receivers, rank, bucket_bytes=bucket)
+        b = plan_for_rank(listed, receivers, rank, bucket_bytes=bucket)
+        assert (a.local, a.rounds, a.round_ids, a.zero_fills) == (b.local, b.rounds, b.round_ids, b.zero_fills)
+    whole, whole_listed = plan(sources, targets, bucket_bytes=bucket), plan(listed, targets, bucket_bytes=bucket)
+    assert (whole.local, whole.rounds) == (whole_listed.local, whole_listed.rounds)
+
+
+def test_tensors_of_one_geometry_share_one_holder_index():
+    """Sixty layers' tensors of one shape on one mesh: one geometry, indexed once, each
+    tensor's holders still under its own buffer name; another shape or mesh, another."""
+    mesh, places = [[0, 1, 2, 3], [4, 5, 6, 7]], (Replicate(), Shard(0))
+    layers = {f"l{i}.w": describe_mesh(f"l{i}.w", (64, 16), torch.bfloat16, mesh, places) for i in range(60)}
+    assert len({id(_box_index(s)) for s in layers.values()}) == 1
+    assert len({id(s.holders.geometry) for s in layers.values()}) == 1
+    assert [h.buffer for h in layers["l7.w"].holders] == ["l7.w"] * 8
+    other_shape = describe_mesh("x", (64, 8), torch.bfloat16, mesh, places)
+    other_mesh = describe_mesh("y", (64, 16), torch.bfloat16, [[0, 1, 2, 3], [4, 5, 7, 6]], places)
+    assert len({id(_box_index(s)) for s in (layers["l0.w"], other_shape, other_mesh)}) == 3
+    need = {r: [ParamTarget(f"p{i}", (32, 16), torch.bfloat16, (Piece(f"l{i}.w", Box((32 * (r % 2), 0), (32, 16)), (), (0, 0)),))
+                for i in range(60)] for r in range(8)}
+    p = plan_for_rank(layers, Receivers.of(need), 1)
+    moves = [m for rnd in p.rounds for m in rnd]
+    assert {m.holder.buffer for m in moves} == set(layers) and p.received_bytes(1) == p.lower_bound_bytes(1)
 
 
 def _replicated(world_holders, receivers, shape=(4, 4)):

@@ -154,7 +154,7 @@ def test_mesh_spec_refuses_unknown_wire_values():
 
 def _explicit(src):
     """The same holders with no mesh behind them (as megatron_layout describes tensors)."""
-    return SourceTensor(src.name, src.shape, src.dtype, src.holders)
+    return SourceTensor(src.name, src.shape, src.dtype, tuple(src.holders))
 
 
 def test_sources_digest_hashes_the_mesh_and_tells_every_layout_apart():
@@ -182,3 +182,16 @@ def test_sources_digest_hashes_the_mesh_and_tells_every_layout_apart():
     explicit = sources_digest({"w": _explicit(describe_mesh(*base))})
     assert explicit == sources_digest({"w": _explicit(describe_mesh(*base))})
     assert explicit != sources_digest({"w": _explicit(describe_mesh(*variants[3]))})
+
+
+def test_nested_rank_meshes_flatten_row_major_and_ragged_ones_are_refused():
+    from sglang.srt.weight_sync.source_layout import _flatten
+
+    assert _flatten(3) == ((), (3,))
+    assert _flatten([]) == ((0,), ())
+    assert _flatten([[], []]) == ((2, 0), ())
+    assert _flatten([2, None, 0]) == ((3,), (2, None, 0))
+    assert _flatten([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]) == ((2, 2, 2), tuple(range(8)))
+    for ragged in ([[0, 1], [2]], [[0, 1], 2], [0, [1]], [[0, 1], ["2", 3]]):
+        with pytest.raises(LayoutError, match="ragged rank mesh"):
+            _flatten(ragged)

@@ -25,6 +25,7 @@ import bisect
 import functools
 import gc
 import hashlib
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -32,7 +33,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box, is_contiguous_region
-from sglang.srt.weight_sync.source_layout import Holder, SourceLayout, SourceTensor
+from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -170,64 +171,68 @@ class Plan:
         return [m for m in self.local if m.src == rank]
 
 
-class _HolderIndex:
-    """Distinct boxes of one tensor with their holders, indexed by start on one dim."""
+class _BoxIndex:
+    """Distinct boxes of a tensor with their holding ranks, indexed by start on one dim;
+    ``position[(box, rank)]`` is that holder's place in ``SourceTensor.holders``. Built once
+    per ``MeshGeometry`` (``_box_index``) and shared by every tensor it describes: a rank's
+    plan then costs what its own pieces cost, not what the holders of every tensor do."""
 
-    __slots__ = ("dim", "boxes", "starts", "max_len", "groups", "holder", "topology", "_disjoint")
+    __slots__ = ("dim", "boxes", "starts", "max_len", "position", "ranks_of", "_by_rank", "_disjoint",
+                 "_groups", "__weakref__")
 
-    def __init__(self, source: SourceTensor, topology: "Topology"):
+    def __init__(self, shape: Tuple[int, ...], holders: Iterable[Tuple[int, Box]]):
         by_box: Dict[Box, List[int]] = {}
-        self.holder: Dict[Tuple[Box, int], Holder] = {}
+        self.position: Dict[Tuple[Box, int], int] = {}
         boxes: Dict[tuple, Box] = {}  # one Box per region: tuple keys compare faster than dataclasses
-        for h in source.holders:
-            sizes = h.box.sizes
+        for i, (rank, box) in enumerate(holders):
+            sizes = box.sizes
             if sizes and min(sizes) <= 0:
                 continue
-            box = boxes.setdefault((h.box.offsets, sizes), h.box)
+            box = boxes.setdefault((box.offsets, sizes), box)
             ranks = by_box.get(box)
             if ranks is None:
                 ranks = by_box[box] = []
-            ranks.append(h.rank)
-            self.holder[(box, h.rank)] = h
-        ndim = len(source.shape)
+            ranks.append(rank)
+            self.position[(box, rank)] = i
+        ndim = len(shape)
         # Index the dim along which boxes differ most: shards split it, so few boxes overlap a query.
         self.dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in by_box})) if ndim else 0
         items = sorted(by_box.items(), key=lambda kv: (kv[0].offsets[self.dim], kv[0].offsets) if ndim else ())
         self.boxes = [(box, tuple(ranks) if len(ranks) == 1 else tuple(sorted(ranks))) for box, ranks in items]
+        self.ranks_of: Dict[Box, Tuple[int, ...]] = dict(self.boxes)
         self.starts = [box.offsets[self.dim] if ndim else 0 for box, _ in items]
         self.max_len = max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
-        self.groups: Dict[Box, tuple] = {}  # filled on first use: most boxes are never asked about
-        self.topology = topology
+        self._by_rank: Optional[Dict[int, List[Box]]] = None
         self._disjoint: Optional[bool] = None
+        self._groups: Tuple[Optional[Topology], Dict[Box, tuple]] = (None, {})
 
-    def _groups(self, box: Box, ranks: Tuple[int, ...]):
+    def boxes_of(self, rank: int) -> List[Box]:
+        """The non-empty boxes ``rank`` holds."""
+        if self._by_rank is None:
+            by_rank = defaultdict(list)
+            for box, rank_ in self.position:
+                by_rank[rank_].append(box)
+            self._by_rank = dict(by_rank)
+        return self._by_rank.get(rank, [])
+
+    def groups(self, box: Box, topology: Topology):
         """Holders of ``box`` grouped by device and node: the closest holders are found with
-        two dict lookups instead of one Topology.distance call per holder."""
-        g = self.groups.get(box)
+        two dict lookups instead of one Topology.distance call per holder. Filled on first
+        use (most boxes are never asked about), for the topology of the plan being made."""
+        seen, cache = self._groups
+        if seen is not topology and seen != topology:
+            cache = {}
+            self._groups = (topology, cache)
+        g = cache.get(box)
         if g is None:
+            ranks = self.ranks_of[box]
             by_dev, by_node = defaultdict(list), defaultdict(list)
-            device_of, node_of = self.topology.device_of, self.topology.node_of
+            device_of, node_of = topology.device_of, topology.node_of
             for r in ranks:
                 by_dev[device_of.get(r, ("rank", r))].append(r)
                 by_node[node_of.get(r, 0)].append(r)
-            g = self.groups[box] = (frozenset(ranks), dict(by_dev), dict(by_node))
+            g = cache[box] = (frozenset(ranks), dict(by_dev), dict(by_node))
         return g
-
-    def closest(self, box: Box, ranks: Tuple[int, ...], rank: int, topology: "Topology"):
-        """(distance, holders at that distance) of ``box`` seen from ``rank``: this rank,
-        else holders on its device, else on its node, else all (``Topology.distance``)."""
-        if len(ranks) == 1:
-            return (0, ranks) if ranks[0] == rank else (topology.distance(rank, ranks[0]), ranks)
-        members, by_dev, by_node = self._groups(box, ranks)
-        if rank in members:
-            return 0, (rank,)
-        near = by_dev.get(topology.device(rank))
-        if near:
-            return 1, near
-        near = by_node.get(topology.node(rank))
-        if near:
-            return 2, near
-        return 3, ranks
 
     @property
     def disjoint(self) -> bool:
@@ -255,6 +260,71 @@ class _HolderIndex:
             (b, r) for b, r in self.boxes[first:last]
             if all(bo < o + s and o < bo + bs for bo, bs, o, s in zip(b.offsets, b.sizes, no, ns))
         ]
+
+
+_box_indexes: "weakref.WeakKeyDictionary[MeshGeometry, _BoxIndex]" = weakref.WeakKeyDictionary()
+
+
+def _box_index(source: SourceTensor) -> _BoxIndex:
+    """The index of ``source``'s holders: its geometry's, shared, when a mesh describes it."""
+    holders = source.holders
+    if not isinstance(holders, MeshHolders):
+        return _BoxIndex(source.shape, ((h.rank, h.box) for h in holders))
+    index = _box_indexes.get(holders.geometry)
+    if index is None:
+        geometry = holders.geometry
+        index = _box_indexes[geometry] = _BoxIndex(geometry.shape, ((r, box) for r, box, _, _ in geometry.entries))
+    return index
+
+
+def forget_indexes() -> None:
+    """Drop the shared holder indexes (a cold start, for timing)."""
+    _box_indexes.clear()
+
+
+def holder_boxes(source: SourceTensor) -> List[Tuple[Box, Tuple[int, ...]]]:
+    """The distinct non-empty boxes of ``source`` with the ranks holding each."""
+    return _box_index(source).boxes
+
+
+class _HolderIndex:
+    """One tensor's holders: its ``_BoxIndex`` (``dim``, ``boxes``, ``overlapping``,
+    ``disjoint``) and the ``Holder`` behind each (box, rank)."""
+
+    __slots__ = ("source", "index", "dim", "boxes")
+
+    def __init__(self, source: SourceTensor):
+        self.source, self.index = source, _box_index(source)
+        self.dim, self.boxes = self.index.dim, self.index.boxes
+
+    @property
+    def disjoint(self) -> bool:
+        return self.index.disjoint
+
+    def overlapping(self, need: Box) -> List[Tuple[Box, Tuple[int, ...]]]:
+        return self.index.overlapping(need)
+
+    def holds(self, box: Box, rank: int) -> bool:
+        return (box, rank) in self.index.position
+
+    def holder(self, box: Box, rank: int) -> Holder:
+        return self.source.holders[self.index.position[(box, rank)]]
+
+    def closest(self, box: Box, ranks: Tuple[int, ...], rank: int, topology: Topology):
+        """(distance, holders at that distance) of ``box`` seen from ``rank``: this rank,
+        else holders on its device, else on its node, else all (``Topology.distance``)."""
+        if len(ranks) == 1:
+            return (0, ranks) if ranks[0] == rank else (topology.distance(rank, ranks[0]), ranks)
+        members, by_dev, by_node = self.index.groups(box, topology)
+        if rank in members:
+            return 0, (rank,)
+        near = by_dev.get(topology.device(rank))
+        if near:
+            return 1, near
+        near = by_node.get(topology.node(rank))
+        if near:
+            return 2, near
+        return 3, ranks
 
 
 def plan(
@@ -303,7 +373,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                     )
                 holders = index.get(piece.tensor)
                 if holders is None:
-                    holders = index[piece.tensor] = _HolderIndex(source, topology)
+                    holders = index[piece.tensor] = _HolderIndex(source)
                 itemsize = target.dtype.itemsize
                 needed[rank] += piece.box.numel * itemsize
                 perm = piece.perm or range(piece.box.ndim)
@@ -327,7 +397,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                         # Among the closest holders the least loaded sends, so DP replicas share the work.
                         src = near[0] if len(near) == 1 else min(near, key=lambda r: (sent.get(r, 0), r))
                         dest = Dest(rank, target.name, piece.index, delta, param_shape, piece.perm)
-                        move_key = (piece.tensor, region, holders.holder[(box, src)], target.dtype)
+                        move_key = (piece.tensor, region, holders.holder(box, src), target.dtype)
                         if src == rank:
                             held[rank] += region.numel * itemsize
                             local.append(_move(source, move_key, (dest,)))
@@ -380,9 +450,11 @@ def targets_key(targets: Sequence[ParamTarget]) -> list:
 
 def sources_digest(sources: SourceLayout) -> str:
     """A digest of a source layout: every tensor's name, shape, dtype and holders, the
-    holders of a mesh-described tensor by the mesh they follow from (``layout``)."""
+    holders of a mesh-described tensor by the mesh they follow from (``layout``) and
+    their buffer."""
     return hashlib.sha256(repr([
-        (n, s.shape, str(s.dtype), _layout_digest(s.layout) if s.layout is not None else [
+        (n, s.shape, str(s.dtype), (_layout_digest(s.layout), s.holders.buffer)
+         if isinstance(s.holders, MeshHolders) else [
             (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in s.holders])
         for n, s in ((n, sources[n]) for n in sorted(sources))
     ]).encode()).hexdigest()

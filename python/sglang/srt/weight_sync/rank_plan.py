@@ -24,7 +24,10 @@ identically from the same inputs, with no counter shared across ranks:
 Moves are point-to-point (no broadcast subgroups: creating those is collective over
 the whole world). A rank's cost is its own pieces and the receivers of the boxes it
 holds, found through an index of needs per class of ranks with identical targets (the
-trainer ranks beside the same TP rank of replica engines), not through every rank.
+trainer ranks beside the same TP rank of replica engines), not through every rank, and
+through holder indexes shared by every tensor of one mesh geometry (``MeshHolders``):
+the layers of a model repeat a few dozen geometries, each indexed once, so the holders
+that a larger world adds are not walked again for every tensor.
 """
 
 from __future__ import annotations
@@ -122,7 +125,6 @@ class _Planner:
         self.window = max(1, bucket_bytes // 2)
         self.holders: Dict[str, _HolderIndex] = {}
         self.salt: Dict[str, int] = {}
-        self.ranks_by_box: Dict[str, Dict[Box, Tuple[int, ...]]] = {}
         self.landing: Dict[int, tuple] = {}  # id(piece) -> where it lands; receivers keep every piece alive
         needs: Dict[str, List[Tuple[int, ParamTarget, Piece]]] = defaultdict(list)
         itemsize: Dict[str, int] = {}
@@ -153,7 +155,7 @@ class _Planner:
     def holder_index(self, tensor: str) -> _HolderIndex:
         index = self.holders.get(tensor)
         if index is None:
-            index = self.holders[tensor] = _HolderIndex(self.sources[tensor], self.topology)
+            index = self.holders[tensor] = _HolderIndex(self.sources[tensor])
             self.salt[tensor] = zlib.crc32(tensor.encode())
         return index
 
@@ -167,12 +169,6 @@ class _Planner:
                                                tuple(target.shape[len(piece.index):]), piece.perm)
         return Dest(rank, *where)
 
-    def box_ranks(self, tensor: str) -> Dict[Box, Tuple[int, ...]]:
-        ranks = self.ranks_by_box.get(tensor)
-        if ranks is None:
-            ranks = self.ranks_by_box[tensor] = dict(self.holder_index(tensor).boxes)
-        return ranks
-
     def needs_of(self, tensor: str) -> _NeedIndex:
         index = self.need_index.get(tensor)
         if index is None:
@@ -183,7 +179,7 @@ class _Planner:
         """The holder of ``box`` that serves ``receiver``: itself, else one of the closest."""
         if len(ranks) == 1:
             return ranks[0]
-        if (box, receiver) in self.holders[tensor].holder:
+        if self.holders[tensor].holds(box, receiver):
             return receiver
         _, near = self.holders[tensor].closest(box, ranks, receiver, self.topology)
         return near[0] if len(near) == 1 else near[_spread(receiver, self.salt[tensor], len(near))]
@@ -277,7 +273,7 @@ def plan_for_rank(
     remote: Dict[Tuple, List[Dest]] = defaultdict(list)  # (tensor, region, holder, dtype, receiver) -> dests
 
     def add(piece: Piece, region: Box, box: Box, src: int, dest: Dest, dtype) -> None:
-        holder = pl.holders[piece.tensor].holder[(box, src)]
+        holder = pl.holders[piece.tensor].holder(box, src)
         remote[(piece.tensor, region, holder, dtype, dest.rank)].append(dest)
 
     for target in receivers.of_rank(rank):  # what this rank receives
@@ -288,18 +284,19 @@ def plan_for_rank(
             for region, box, src in pl.served(target, piece, rank):
                 if src == rank:
                     held += region.numel * target.dtype.itemsize
-                    holder = pl.holders[piece.tensor].holder[(box, src)]
+                    holder = pl.holders[piece.tensor].holder(box, src)
                     local.append(Move(piece.tensor, region, holder, sources[piece.tensor].dtype, target.dtype, (dest,)))
                 else:
                     add(piece, region, box, src, dest, target.dtype)
 
     for name in sorted(pl.needs_raw):  # what this rank sends
-        mine = [h.box for h in sources[name].holders if h.rank == rank and not h.box.is_empty()]
+        holders = pl.holder_index(name)
+        mine = holders.index.boxes_of(rank)
         if not mine:
             continue
-        holders, needs = pl.holder_index(name), pl.needs_of(name)
+        needs = pl.needs_of(name)
         for box in dict.fromkeys(mine):
-            ranks = pl.box_ranks(name)[box]
+            ranks = holders.index.ranks_of[box]
             holding = frozenset(ranks)  # they copy it locally (this rank among them)
             for c, target, piece in needs.overlapping(box):
                 others = [q for q in receivers.ranks[c] if q not in holding]

@@ -18,8 +18,9 @@ dim; nothing here materialises a tensor.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -55,18 +56,72 @@ class Holder:
         return region.relative_to(self.box).translate(self.offsets)
 
 
+@dataclass(frozen=True, eq=False)
+class MeshGeometry:
+    """The holders of every tensor of one shape on one mesh layout, less the buffer name:
+    ``(rank, box, offsets in the local buffer, local shape)`` in mesh order. A model has
+    tens of thousands of tensors but a few dozen geometries, so each is computed once
+    and shared. ``layout`` is what it follows from: mesh shape, the mesh's ranks in the
+    plan's group (None: outside it), placements in their wire form."""
+
+    shape: Tuple[int, ...]
+    layout: tuple
+    entries: Tuple[Tuple[int, Box, Tuple[int, ...], Tuple[int, ...]], ...]
+
+
+class MeshHolders(SequenceABC):
+    """The holders of a tensor a mesh describes, as ``Holder``s made on demand from its
+    shared ``MeshGeometry``: describing a tensor costs the same however many ranks hold
+    it (a 1,024-rank trainer describes ~45,000 DeepSeek-V3 tensors per update, a million
+    holders among them), and the planner indexes the geometry once for all its tensors.
+    Compares equal to the same holders listed one by one."""
+
+    __slots__ = ("geometry", "buffer")
+
+    def __init__(self, geometry: MeshGeometry, buffer: str) -> None:
+        self.geometry, self.buffer = geometry, buffer
+
+    def __len__(self) -> int:
+        return len(self.geometry.entries)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        rank, box, offsets, local_shape = self.geometry.entries[i]
+        return Holder(rank, box, self.buffer, offsets, local_shape)
+
+    def __iter__(self) -> Iterator[Holder]:
+        buffer = self.buffer
+        return (Holder(r, box, buffer, offsets, local) for r, box, offsets, local in self.geometry.entries)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, MeshHolders) and other.geometry is self.geometry:
+            return other.buffer == self.buffer
+        if isinstance(other, (MeshHolders, tuple)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"MeshHolders({self.buffer!r}, layout={self.geometry.layout!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class SourceTensor:
-    """A global tensor and its holders (DP replicas repeat boxes). ``layout``, when a mesh
-    describes the tensor, is what ``holders`` follow from together with ``name`` and
-    ``shape`` (mesh shape, its ranks in the plan's group, placements): a digest hashes it
-    once per distinct mesh instead of every holder of every tensor."""
+    """A global tensor and its holders (DP replicas repeat boxes): listed one by one, or
+    ``MeshHolders`` when a mesh describes the tensor."""
 
     name: str
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    holders: Tuple[Holder, ...]
-    layout: Optional[tuple] = field(default=None, compare=False)
+    holders: Sequence[Holder]
+
+    @property
+    def layout(self) -> Optional[tuple]:
+        """The mesh layout the holders follow from, with ``name`` and ``shape`` (None: listed)."""
+        return self.holders.geometry.layout if isinstance(self.holders, MeshHolders) else None
 
     def box_of(self, rank: int) -> Optional[Box]:
         """The one box ``rank`` holds (None when it holds none)."""
@@ -79,15 +134,26 @@ class SourceTensor:
 SourceLayout = Dict[str, SourceTensor]
 
 
+_RANK_TYPES = {int, type(None)}
+
+
 def _flatten(ranks: NestedRanks) -> Tuple[Tuple[int, ...], Tuple[Optional[int], ...]]:
-    """Shape and row-major flat list of a nested list of ranks (None marks an absent rank)."""
+    """Shape and row-major flat list of a nested list of ranks (None marks an absent rank).
+    Level by level, not rank by rank: every tensor of an update brings its mesh (1,024
+    ranks at scale) to be flattened."""
     if ranks is None or isinstance(ranks, int):
         return (), (ranks,)
-    items = [_flatten(r) for r in ranks]
-    inner = items[0][0] if items else ()
-    if any(shape != inner for shape, _ in items):
-        raise LayoutError(f"ragged rank mesh {ranks!r}")
-    return (len(items),) + inner, tuple(r for _, flat in items for r in flat)
+    items = list(ranks)
+    shape = [len(items)]
+    while items and not (items[0] is None or isinstance(items[0], int)):
+        n = len(items[0])
+        if any(x is None or isinstance(x, int) or len(x) != n for x in items):
+            raise LayoutError(f"ragged rank mesh {ranks!r} (expected nested lists of int ranks, of equal lengths)")
+        shape.append(n)
+        items = [r for x in items for r in x]
+    if not set(map(type, items)) <= _RANK_TYPES:
+        raise LayoutError(f"ragged rank mesh {ranks!r} (expected nested lists of int ranks, of equal lengths)")
+    return tuple(shape), tuple(items)
 
 
 Runs = Tuple[Tuple[int, int, int], ...]  # (global start, local start, length) along one dim
@@ -105,15 +171,18 @@ def _runs(index: torch.Tensor) -> Runs:
 
 @functools.lru_cache(maxsize=65536)
 def _mesh_pieces(
-    shape: Tuple[int, ...], mesh_shape: Tuple[int, ...], placements: Tuple[Placement, ...]
+    shape: Tuple[int, ...], mesh_shape: Tuple[int, ...], wire: Tuple[tuple, ...]
 ) -> Tuple[Tuple[Tuple[int, ...], Tuple[Tuple[Box, Tuple[int, ...]], ...]], ...]:
-    """At every mesh coordinate (row-major): local shape and (box, local offsets) pieces.
+    """At every mesh coordinate (row-major): local shape and (box, local offsets) pieces,
+    for placements in their wire form (torch 2.9's ``Shard(0) == _StridedShard(0, sf)``
+    must not make two layouts one cache entry).
 
     Each tensor dim gets an index ``arange(size)`` shaped to that dim, split by
     every placement on it in mesh order with the placement's own ``_split_tensor``
     (what ``distribute_tensor`` does); the runs of consecutive indices left on a
     coordinate are its boxes along that dim, and boxes are their products.
     """
+    placements = tuple(_placement_from_wire(p) for p in wire)
     coords = [()]
     for size in mesh_shape:
         coords = [c + (i,) for c in coords for i in range(size)]
@@ -144,6 +213,14 @@ def _placement_wire(p: Placement) -> tuple:
     name (refused on arrival). ``_StridedShard`` goes first: torch 2.9 makes it a ``Shard``
     subclass (and ``Shard(d) == _StridedShard(d, ...)``); its split factor is an int from
     ``_split_factor_int()`` where torch has it (2.13), else ``split_factor`` (2.9, 2.11)."""
+    return _wire_of(type(p), p)
+
+
+@functools.lru_cache(maxsize=1024)
+def _wire_of(kind: type, p: Placement) -> tuple:
+    """``_placement_wire``, remembered: torch's placement isinstance checks are slow, and
+    every tensor of every update asks. Keyed by type too, as torch 2.9's ``Shard(0)``
+    equals ``_StridedShard(0, sf)``."""
     if isinstance(p, _StridedShard):
         split = getattr(p, "_split_factor_int", None)
         return ("SS", p.dim, int(split() if split is not None else p.split_factor))
@@ -151,7 +228,26 @@ def _placement_wire(p: Placement) -> tuple:
         return ("S", p.dim)
     if isinstance(p, Replicate):
         return ("R",)
-    return (type(p).__name__,)
+    return (kind.__name__,)
+
+
+def _placement_from_wire(p: tuple) -> Placement:
+    if p[0] == "S":
+        return Shard(int(p[1]))
+    if p[0] == "SS":
+        return _StridedShard(int(p[1]), split_factor=int(p[2]))
+    if p[0] == "R":
+        return Replicate()
+    raise LayoutError(f"placement {p[0]} is not supported")
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh_geometry(shape: Tuple[int, ...], mesh_shape: Tuple[int, ...], flat: Tuple[Optional[int], ...],
+                   wire: Tuple[tuple, ...]) -> MeshGeometry:
+    entries = tuple((int(rank), box, offsets, local_shape)
+                    for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, wire))
+                    if rank is not None for box, offsets in pieces)
+    return MeshGeometry(shape, (mesh_shape, flat, wire), entries)
 
 
 def describe_mesh(
@@ -175,19 +271,15 @@ def describe_mesh(
         raise LayoutError(
             f"tensor {name!r}: {len(placements)} placements for a {len(mesh_shape)}-d mesh"
         )
-    for p in placements:
-        if not isinstance(p, (Shard, _StridedShard, Replicate)):
+    wire = tuple(_placement_wire(p) for p in placements)
+    for p, w in zip(placements, wire):
+        if w[0] not in ("S", "SS", "R"):
             raise LayoutError(f"tensor {name!r}: placement {p} is not supported (Partial sums need a reduction)")
-        if isinstance(p, (Shard, _StridedShard)) and not 0 <= p.dim < len(shape):
+        if w[0] != "R" and not 0 <= w[1] < len(shape):
             raise LayoutError(f"tensor {name!r}: {p} on a {len(shape)}-d tensor")
     if rank_map is not None:
         flat = tuple(rank_map.get(r) for r in flat)
-    holders = []
-    for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, placements)):
-        if rank is not None:
-            holders.extend(Holder(int(rank), box, name, offsets, local_shape) for box, offsets in pieces)
-    layout = (mesh_shape, flat, tuple(_placement_wire(p) for p in placements))
-    return SourceTensor(name, shape, dtype, tuple(holders), layout)
+    return SourceTensor(name, shape, dtype, MeshHolders(_mesh_geometry(shape, mesh_shape, flat, wire), name))
 
 
 @dataclass(frozen=True)
@@ -229,17 +321,7 @@ class MeshSpec:
     def from_wire(wire: tuple) -> "MeshSpec":
         shape, dtype, mesh, places = wire
         dt = _dtype_from_wire(dtype)
-        decoded = []
-        for p in places:
-            if p[0] == "S":
-                decoded.append(Shard(int(p[1])))
-            elif p[0] == "SS":
-                decoded.append(_StridedShard(int(p[1]), split_factor=int(p[2])))
-            elif p[0] == "R":
-                decoded.append(Replicate())
-            else:
-                raise LayoutError(f"placement {p[0]} is not supported")
-        return MeshSpec(tuple(int(s) for s in shape), dt, mesh, tuple(decoded))
+        return MeshSpec(tuple(int(s) for s in shape), dt, mesh, tuple(_placement_from_wire(p) for p in places))
 
 
 def describe_dtensor(

@@ -22,7 +22,7 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
-from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, sources_digest
+from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, forget_indexes, holder_boxes, sources_digest
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
@@ -37,9 +37,9 @@ def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optiona
     """A region of the tensor that none of its holders (among ``ranks``, default all)
     has, or None when they cover it."""
     remaining = [Box.full(source.shape)]
-    for h in source.holders:
-        if not h.box.is_empty() and (ranks is None or h.rank in ranks):
-            remaining = [piece for rem in remaining for piece in rem.subtract(h.box)]
+    for box, holding in holder_boxes(source):
+        if ranks is None or not ranks.isdisjoint(holding):
+            remaining = [piece for rem in remaining for piece in rem.subtract(box)]
     return remaining[0] if remaining else None
 
 
@@ -156,9 +156,10 @@ def plan_to_engines(
 
 
 def forget_plans() -> None:
-    """Drop cached plans and digests (a cold start, for timing)."""
+    """Drop cached plans, digests and holder indexes (a cold start, for timing)."""
     global _digest_memo, _targets_memo
     _plans.clear()
+    forget_indexes()
     _digest_memo = _targets_memo = None
 
 
