@@ -450,10 +450,9 @@ def targets_key(targets: Sequence[ParamTarget]) -> list:
 
 def sources_digest(sources: SourceLayout) -> str:
     """A digest of a source layout: every tensor's name, shape, dtype and holders, the
-    holders of a mesh-described tensor by the mesh they follow from (``layout``) and
-    their buffer."""
+    holders of a mesh-described tensor by the mesh layout they follow from and their buffer."""
     return hashlib.sha256(repr([
-        (n, s.shape, str(s.dtype), (_layout_digest(s.layout), s.holders.buffer)
+        (n, s.shape, str(s.dtype), (_geometry_digest(s.holders.geometry), s.holders.buffer)
          if isinstance(s.holders, MeshHolders) else [
             (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in s.holders])
         for n, s in ((n, sources[n]) for n in sorted(sources))
@@ -461,9 +460,10 @@ def sources_digest(sources: SourceLayout) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout_digest(layout: tuple) -> str:
-    """One mesh's digest: many tensors share a mesh, and every update describes them anew."""
-    return hashlib.sha256(repr(layout).encode()).hexdigest()
+def _geometry_digest(geometry: MeshGeometry) -> str:
+    """One geometry's digest, by its layout: many tensors share a geometry, and every update
+    describes them anew (keyed by the shared object, so its layout is not hashed per tensor)."""
+    return hashlib.sha256(repr(geometry.layout).encode()).hexdigest()
 
 
 class PlanCache:

@@ -118,11 +118,6 @@ class SourceTensor:
     dtype: torch.dtype
     holders: Sequence[Holder]
 
-    @property
-    def layout(self) -> Optional[tuple]:
-        """The mesh layout the holders follow from, with ``name`` and ``shape`` (None: listed)."""
-        return self.holders.geometry.layout if isinstance(self.holders, MeshHolders) else None
-
     def box_of(self, rank: int) -> Optional[Box]:
         """The one box ``rank`` holds (None when it holds none)."""
         boxes = [h.box for h in self.holders if h.rank == rank]
