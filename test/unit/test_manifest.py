@@ -64,3 +64,45 @@ def test_trainer_ranks_get_the_targets_of_the_engine_rank_beside_them():
     assert by_rank[1] == by_rank[3] == list(manifest.ranks[1])
     with pytest.raises(ManifestError, match="engine group of 3"):
         targets_by_trainer_rank(manifest, [(0, 1, 2)])
+
+
+class _LiveModel:
+    """What ``engine_targets`` reads of a model: its named parameters and buffers."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return list(self.params.items())
+
+    def named_buffers(self):
+        return []
+
+
+def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
+    """Every update checks the engine's targets against its live tensors; the manifest (whose
+    fingerprint hashes every rank's targets, ~0.6 s at TP 256) is made again only when the
+    derived targets or a live dtype change."""
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.derived_targets import DerivedTargets
+
+    rules = model_targets_from_config(CONFIG, EngineParallel(2), torch.float32)
+    derived = DerivedTargets(rules.parallel, tuple(tuple(rules.for_rank(r)) for r in range(2)),
+                             rules.tensor_shapes(), dict(rules.aliases))
+    live = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in derived.for_rank(1)}
+    model = _LiveModel(live)
+
+    targets, params, manifest = engine_update.engine_targets(model, derived, 1)
+    assert params.keys() == live.keys()
+    assert {t.dtype for t in targets.for_rank(1)} == {torch.bfloat16}  # the live dtype, not the derived one
+    assert manifest == EngineManifest.of(targets)
+    again = engine_update.engine_targets(model, derived, 1)
+    assert again[0] is targets and again[2] is manifest
+
+    first = next(iter(live))
+    live[first] = live[first].float()  # one parameter now fp32
+    changed_targets, _, changed = engine_update.engine_targets(model, derived, 1)
+    assert changed_targets.dtype_of[first] == torch.float32
+    assert changed.fingerprint != manifest.fingerprint and changed == EngineManifest.of(changed_targets)
+    rederived = DerivedTargets(rules.parallel, derived.per_rank, rules.tensor_shapes(), dict(rules.aliases))
+    assert engine_update.engine_targets(model, rederived, 1)[2] is not changed  # another derivation: made anew

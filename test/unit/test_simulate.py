@@ -93,6 +93,21 @@ def test_trainer_side_plans_rank_by_rank_through_the_runtime_entry_point(monkeyp
     assert simulate.sample_ranks(256) == [0, 128, 255]
 
 
+def test_engine_side_plans_as_the_engine_runs_it(monkeypatch):
+    """Engine-side scenarios time the plan an engine rank makes on its first update (its
+    plan cache keyed with the manifest's fingerprint, its own local copies listed) and take
+    their figures from the same plan with every rank's local copies."""
+    calls = []
+    real = simulate.PlanCache.get
+    monkeypatch.setattr(simulate.PlanCache, "get", lambda self, *a, **k: calls.append(k) or real(self, *a, **k))
+    rows = _by_design(simulate.run_scenario(simulate.get_scenario("qwen3-8b-tp2-to-tp4"), global_baseline=True))
+    dist = rows["distributed"]
+    assert dist["mode"] == "engine" and set(dist["plan_seconds_by_rank"]) == {"0", "4"}
+    mine = [k for k in calls if k.get("local_ranks")]
+    assert [k["local_ranks"] for k in mine] == [(0,), (4,)] and all(len(k["targets_digest"]) == 64 for k in mine)
+    assert dist["global_plan_seconds"] > 0 and dist["bytes_received_max"] == dist["lower_bound_bytes_max"] > 0
+
+
 def test_dsv3_scenarios_in_the_default_run():
     names = {s.name for s in simulate.SCENARIOS}
     assert {"dsv3-fsdp256-to-8x32", "dsv3-tp8ep256-1024-to-32x32"} <= names

@@ -17,7 +17,6 @@ checkpoint tensors (DeepSeek MLA's ``w_kc``/``w_vc``) are listed in
 
 from __future__ import annotations
 
-import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -26,7 +25,7 @@ import torch
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque
-from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece
+from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece, paused_gc
 from sglang.srt.weight_sync.view_geometry import unit_dim
 
 # (name, shape, dtype) of every tensor of the checkpoint, as save_pretrained writes it.
@@ -180,18 +179,6 @@ class RankTargets:
 
 
 PIECE_FIELDS = 5  # tensor, box, index, offsets, perm (-1: identity)
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Build many small acyclic objects without the cyclic collector's passes (they only cost time)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTargets:

@@ -16,6 +16,7 @@ Encoding is generic over the allow-listed dataclasses (``ParamTarget``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from typing import Dict, List, Mapping, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, Piece
+from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, Piece, paused_gc
 
 MANIFEST_VERSION = 1
 _TYPES = {cls.__name__: cls for cls in (ParamTarget, Piece, Box)}
@@ -55,7 +56,8 @@ class EngineManifest:
                  tensor_shapes: Mapping[str, Tuple[int, ...]]) -> "EngineManifest":
         """From every TP rank's targets as the engine holds them (dtype overrides applied)."""
         m = EngineManifest(parallel, tuple(tuple(r) for r in ranks), dict(aliases), dict(tensor_shapes))
-        return dataclasses.replace(m, fingerprint=_digest(m._body()))
+        with paused_gc():
+            return dataclasses.replace(m, fingerprint=_digest(m._body()))
 
     def _body(self) -> dict:
         p = self.parallel
@@ -71,6 +73,11 @@ class EngineManifest:
 
     @staticmethod
     def from_json(text: str) -> "EngineManifest":
+        with paused_gc():
+            return EngineManifest._from_json(text)
+
+    @staticmethod
+    def _from_json(text: str) -> "EngineManifest":
         data = json.loads(text)
         if data.get("version") != MANIFEST_VERSION:
             raise ManifestError(f"manifest version {data.get('version')!r}, this trainer reads {MANIFEST_VERSION}")
@@ -120,15 +127,28 @@ def _digest(body: dict) -> str:
 
 
 def _encode(value):
+    """Builtins for the allow-listed dataclasses, tuples and scalars (by exact type first:
+    a TP-256 engine's manifest holds millions of values)."""
+    cls = type(value)
+    if cls is int or cls is str or value is None:
+        return value
+    if cls is tuple or cls is list:
+        return [v if type(v) is int else _encode(v) for v in value]
+    names = _field_names(cls)
+    if names:
+        return {"type": cls.__name__, **{n: _encode(getattr(value, n)) for n in names}}
     if isinstance(value, torch.dtype):
         return {"torch_dtype": str(value).removeprefix("torch.")}
-    if dataclasses.is_dataclass(value):
-        return {"type": type(value).__name__, **{f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if isinstance(value, (tuple, list)):
         return [_encode(v) for v in value]
-    if value is None or isinstance(value, (int, str, float, bool)):
+    if isinstance(value, (int, str, float, bool)):
         return value
-    raise TypeError(f"cannot put {type(value).__name__} in a manifest")
+    raise TypeError(f"cannot put {cls.__name__} in a manifest")
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
 def _decode(value):

@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import bisect
 import functools
-import gc
 import hashlib
+import heapq
+import operator
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.box import Box, is_contiguous_region
 from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
-from sglang.srt.weight_sync.target_layout import ParamTarget
+from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -145,7 +146,9 @@ class Plan:
     """The whole job, identical on every rank (``plan``), or one rank's part of it
     (``rank_plan.plan_for_rank``: only the moves it sends or receives, ``round_ids``
     naming its rounds in the order every rank runs them). ``rounds`` run in order; inside
-    a round, point-to-point moves run as one batch, then broadcasts in list order."""
+    a round, point-to-point moves run as one batch, then broadcasts in list order.
+    ``fingerprint`` is the digest of the inputs it was planned from: planning is
+    deterministic, so ranks that agree on it run the same plan."""
 
     local: Tuple[Move, ...]
     rounds: Tuple[Tuple[Move, ...], ...]
@@ -202,18 +205,22 @@ class _BoxIndex:
         self.ranks_of: Dict[Box, Tuple[int, ...]] = dict(self.boxes)
         self.starts = [box.offsets[self.dim] if ndim else 0 for box, _ in items]
         self.max_len = max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
-        self._by_rank: Optional[Dict[int, List[Box]]] = None
+        self._by_rank: Optional[Dict[int, List[Tuple[Box, int]]]] = None
         self._disjoint: Optional[bool] = None
         self._groups: Tuple[Optional[Topology], Dict[Box, tuple]] = (None, {})
 
     def boxes_of(self, rank: int) -> List[Box]:
         """The non-empty boxes ``rank`` holds."""
+        return [box for box, _ in self.own_of(rank)]
+
+    def own_of(self, rank: int) -> List[Tuple[Box, int]]:
+        """(box, position) of every non-empty box ``rank`` holds."""
         if self._by_rank is None:
             by_rank = defaultdict(list)
-            for box, rank_ in self.position:
-                by_rank[rank_].append(box)
+            for (box, rank_), i in self.position.items():
+                by_rank[rank_].append((box, i))
             self._by_rank = dict(by_rank)
-        return self._by_rank.get(rank, [])
+        return self._by_rank.get(rank, ())
 
     def groups(self, box: Box, topology: Topology):
         """Holders of ``box`` grouped by device and node: the closest holders are found with
@@ -307,6 +314,22 @@ class _HolderIndex:
     def holds(self, box: Box, rank: int) -> bool:
         return (box, rank) in self.index.position
 
+    def own_position(self, need: Box, rank: int) -> Optional[int]:
+        """Where in ``source.holders`` the holder on ``rank`` is that the general search would
+        pick for all of ``need`` (this rank's first box by offsets that overlaps it, when that
+        box contains it); None when there is none."""
+        mine = self.index.own_of(rank)
+        if len(mine) == 1:  # one shard per rank: any layout over one mesh
+            box, position = mine[0]
+            return position if box.contains(need) else None
+        no, ns = need.offsets, need.sizes
+        first = None
+        for box, position in mine:
+            if all(bo < o + s and o < bo + bs for bo, bs, o, s in zip(box.offsets, box.sizes, no, ns)) \
+                    and (first is None or box.offsets < first[0].offsets):
+                first = box, position
+        return first[1] if first is not None and first[0].contains(need) else None
+
     def holder(self, box: Box, rank: int) -> Holder:
         return self.source.holders[self.index.position[(box, rank)]]
 
@@ -327,44 +350,71 @@ class _HolderIndex:
         return 3, ranks
 
 
+class _LeastLoaded:
+    """The holder among ``near`` that has sent the fewest bytes so far (ties: lowest rank),
+    from a heap per holder group: loads only grow, so an entry whose load is stale is
+    refreshed when it reaches the top, and the first fresh top is the minimum."""
+
+    def __init__(self, sent: Mapping[int, int]) -> None:
+        self.sent = sent
+        self.heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
+
+    def pick(self, near: Sequence[int]) -> int:
+        key = tuple(near)
+        heap = self.heaps.get(key)
+        if heap is None:
+            heap = self.heaps[key] = sorted((self.sent.get(r, 0), r) for r in key)
+        while True:
+            load, rank = heap[0]
+            now = self.sent.get(rank, 0)
+            if now == load:
+                return rank
+            heapq.heapreplace(heap, (now, rank))
+
+
 def plan(
     sources: SourceLayout,
     targets: Mapping[int, Sequence[ParamTarget]],
     topology: Optional[Topology] = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     aliases: Optional[Mapping[str, str]] = None,
+    fingerprint: str = "",
+    local_ranks: Optional[Collection[int]] = None,
 ) -> Plan:
     """Compute the plan. Deterministic: same inputs, same plan, on every rank.
 
     ``targets`` maps each rank to its parameters; ``aliases`` maps a source
-    name to the target tensor name it carries (tied embeddings).
+    name to the target tensor name it carries (tied embeddings). ``fingerprint``:
+    the inputs' digest when the caller has it (``PlanCache``), else computed here.
+    ``local_ranks``: list local copies for these ranks only (None: all). A rank runs
+    only its own, and in an aligned engine they are most of the moves (DeepSeek-V3 at
+    TP 256: 221,184 of 262,400), so each engine rank lists its own; every rank's held
+    bytes are counted either way, and the rounds are the same.
     """
-    gc_enabled = gc.isenabled()
-    gc.disable()  # millions of short-lived acyclic objects: collector passes only cost time
-    try:
-        return _plan(sources, targets, topology, bucket_bytes, aliases)
-    finally:
-        if gc_enabled:
-            gc.enable()
+    with paused_gc():
+        fingerprint = fingerprint or inputs_fingerprint(sources, targets, topology, bucket_bytes, aliases)
+        return _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint, local_ranks)
 
 
-def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
+def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, local_ranks) -> Plan:
     topology = topology or Topology()
     sources = _resolve_aliases(sources, aliases or {})
     index: Dict[str, _HolderIndex] = {}
     sent: Dict[int, int] = defaultdict(int)
-    needed: Dict[int, int] = defaultdict(int)
-    held: Dict[int, int] = defaultdict(int)
+    least_loaded = _LeastLoaded(sent)
+    needed: Dict[int, int] = {}
+    held: Dict[int, int] = {}
     local: List[Move] = []
     remote: Dict[Tuple, List[Dest]] = {}
     zero_fills: List[ZeroFill] = []
 
     for rank in sorted(targets):
-        needed[rank] += 0
-        held[rank] += 0
+        rank_needed = rank_held = 0
+        listed = local_ranks is None or rank in local_ranks
         for target in targets[rank]:
             for box in target.zeros:
                 zero_fills.append(ZeroFill(rank, target.name, box))
+            itemsize = target.dtype.itemsize
             for piece in target.pieces:
                 source = sources.get(piece.tensor)
                 if source is None:
@@ -374,11 +424,16 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                 holders = index.get(piece.tensor)
                 if holders is None:
                     holders = index[piece.tensor] = _HolderIndex(source)
-                itemsize = target.dtype.itemsize
-                needed[rank] += piece.box.numel * itemsize
-                perm = piece.perm or range(piece.box.ndim)
-                delta = tuple(p - piece.box.offsets[q] for p, q in zip(piece.offsets, perm))
-                param_shape = tuple(target.shape[len(piece.index):])
+                nbytes = piece.box.numel * itemsize
+                rank_needed += nbytes
+                own = holders.own_position(piece.box, rank)
+                if own is not None:  # held whole on this rank (most pieces when layouts align): a local copy
+                    rank_held += nbytes
+                    if listed:
+                        local.append(Move(piece.tensor, piece.box, source.holders[own], source.dtype, target.dtype,
+                                          (Dest(rank, *landing(target, piece)),)))
+                    continue
+                dest = Dest(rank, *landing(target, piece))
                 remaining = [piece.box]
                 # Boxes held on this rank first, then by their closest holder, then by position.
                 keyed = [(holders.closest(box, ranks, rank, topology), box) for box, ranks in holders.overlapping(piece.box)]
@@ -395,14 +450,15 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                                 continue
                             next_remaining.extend(rem.subtract(box))
                         # Among the closest holders the least loaded sends, so DP replicas share the work.
-                        src = near[0] if len(near) == 1 else min(near, key=lambda r: (sent.get(r, 0), r))
-                        dest = Dest(rank, target.name, piece.index, delta, param_shape, piece.perm)
-                        move_key = (piece.tensor, region, holders.holder(box, src), target.dtype)
+                        src = near[0] if len(near) == 1 else least_loaded.pick(near)
                         if src == rank:
-                            held[rank] += region.numel * itemsize
-                            local.append(_move(source, move_key, (dest,)))
+                            rank_held += region.numel * itemsize
+                            if listed:
+                                local.append(Move(piece.tensor, region, holders.holder(box, src), source.dtype,
+                                                  target.dtype, (dest,)))
                         else:
                             sent[src] += region.numel * itemsize
+                            move_key = (piece.tensor, region, holders.holder(box, src), target.dtype)
                             remote.setdefault(move_key, []).append(dest)
                     remaining = next_remaining
                     if not remaining:
@@ -413,11 +469,11 @@ def _plan(sources, targets, topology, bucket_bytes, aliases) -> Plan:
                         f"is held by no rank; holders: "
                         + ", ".join(f"rank {h.rank} {h.box}" for h in source.holders[:8])
                     )
+        needed[rank], held[rank] = rank_needed, rank_held
 
     moves = [_move(sources[key[0]], key, tuple(dests)) for key, dests in remote.items()]
     rounds = _bucket(moves, bucket_bytes)
     groups = sorted({tuple(sorted(set(m.group))) for rnd in rounds for m in rnd if len({d.rank for d in m.dests}) > 1})
-    fingerprint = _fingerprint(local, rounds, zero_fills)
     return Plan(
         tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes, fingerprint,
     )
@@ -429,12 +485,20 @@ def inputs_fingerprint(
     topology: Optional[Topology] = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     aliases: Optional[Mapping[str, str]] = None,
+    targets_digest: str = "",
 ) -> str:
-    """A digest of everything a plan depends on; equal digests give equal plans."""
+    """A digest of everything a plan depends on; equal digests give equal plans (``plan`` is
+    deterministic), so ranks that agree on it run the same plan. ``targets_digest``, when
+    given, stands for ``targets``: a digest that identifies them (the engine's manifest
+    fingerprint, when ``targets`` are its targets restricted to the sources' names),
+    so a large engine's targets are not hashed again on every update."""
     h = hashlib.sha256()
     h.update(sources_digest(sources).encode())
-    for rank in sorted(targets):
-        h.update(repr((rank, targets_key(targets[rank]))).encode())
+    if targets_digest:
+        h.update(repr((sorted(targets), targets_digest)).encode())
+    else:
+        for rank in sorted(targets):
+            h.update(repr((rank, targets_key(targets[rank]))).encode())
     topology = topology or Topology()
     h.update(repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()))).encode())
     h.update(repr((bucket_bytes, sorted((aliases or {}).items()))).encode())
@@ -471,7 +535,7 @@ class PlanCache:
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._plans: Dict[str, Plan] = {}
+        self._plans: Dict[Tuple[str, Optional[Tuple[int, ...]]], Plan] = {}
 
     def get(
         self,
@@ -480,12 +544,18 @@ class PlanCache:
         topology: Optional[Topology] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         aliases: Optional[Mapping[str, str]] = None,
+        targets_digest: str = "",
+        local_ranks: Optional[Collection[int]] = None,
     ) -> Plan:
-        key = inputs_fingerprint(sources, targets, topology, bucket_bytes, aliases)
+        """The plan of these inputs, made on the first call (``targets_digest``: see
+        ``inputs_fingerprint``; ``local_ranks``: see ``plan``)."""
+        with paused_gc():
+            fingerprint = inputs_fingerprint(sources, targets, topology, bucket_bytes, aliases, targets_digest)
+        key = (fingerprint, None if local_ranks is None else tuple(sorted(local_ranks)))
         if key not in self._plans:
             if len(self._plans) >= self.capacity:
                 self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = plan(sources, targets, topology, bucket_bytes, aliases)
+            self._plans[key] = plan(sources, targets, topology, bucket_bytes, aliases, fingerprint, local_ranks)
         return self._plans[key]
 
 
@@ -499,6 +569,15 @@ def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> Sourc
         if src is not None and name not in out:
             out[name] = SourceTensor(name, src.shape, src.dtype, src.holders)
     return out
+
+
+def landing(target: ParamTarget, piece: Piece) -> Tuple[str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, ...]]]:
+    """Where ``piece`` lands in ``target``, as ``Dest``'s fields after its rank."""
+    if piece.perm is None:
+        delta = tuple(map(operator.sub, piece.offsets, piece.box.offsets))
+    else:
+        delta = tuple(p - piece.box.offsets[q] for p, q in zip(piece.offsets, piece.perm))
+    return target.name, piece.index, delta, tuple(target.shape[len(piece.index):]), piece.perm
 
 
 def _move(source: SourceTensor, key: Tuple, dests: Tuple[Dest, ...]) -> Move:
@@ -531,21 +610,3 @@ def _bucket(moves: List[Move], bucket_bytes: int) -> Tuple[Tuple[Move, ...], ...
     if current:
         rounds.append(current)
     return tuple(tuple(r) for r in rounds)
-
-
-def _move_key(m: Move) -> tuple:
-    """A move as plain tuples: its repr is ~4x cheaper than the dataclass repr."""
-    h = m.holder
-    return (m.tensor, m.region.offsets, m.region.sizes, h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets,
-            h.buffer_shape, str(m.src_dtype), str(m.dtype),
-            tuple((d.rank, d.param, d.index, d.delta, d.shape, d.perm) for d in m.dests))
-
-
-def _fingerprint(local: Iterable[Move], rounds, zero_fills) -> str:
-    h = hashlib.sha256()
-    h.update(repr([_move_key(m) for m in local]).encode())
-    for rnd in rounds:
-        h.update(b"|round|")
-        h.update(repr([_move_key(m) for m in rnd]).encode())
-    h.update(repr([(z.rank, z.param, z.box.offsets, z.box.sizes) for z in zero_fills]).encode())
-    return h.hexdigest()

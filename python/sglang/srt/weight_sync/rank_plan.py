@@ -50,6 +50,7 @@ from sglang.srt.weight_sync.planner import (
     ZeroFill,
     _HolderIndex,
     _resolve_aliases,
+    landing,
     sources_digest,
     targets_key,
 )
@@ -163,10 +164,7 @@ class _Planner:
         """Where ``piece`` lands on ``rank``; the same for every rank of a class, so computed once."""
         where = self.landing.get(id(piece))
         if where is None:
-            perm = piece.perm or range(piece.box.ndim)
-            delta = tuple(p - piece.box.offsets[q] for p, q in zip(piece.offsets, perm))
-            where = self.landing[id(piece)] = (target.name, piece.index, delta,
-                                               tuple(target.shape[len(piece.index):]), piece.perm)
+            where = self.landing[id(piece)] = landing(target, piece)
         return Dest(rank, *where)
 
     def needs_of(self, tensor: str) -> _NeedIndex:

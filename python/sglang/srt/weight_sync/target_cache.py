@@ -30,10 +30,9 @@ from sglang.srt.weight_sync.derived_targets import (
     RankTargets,
     checkpoint_layout,
     derive_engine_rank,
-    paused_gc,
 )
 from sglang.srt.weight_sync.sglang_compat import loader_derivation_available, tp_state
-from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, paused_gc
 
 logger = logging.getLogger(__name__)
 
