@@ -34,6 +34,7 @@ def paused_gc() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
+
 DEFAULT_VOCAB_PADDING = 64
 
 
