@@ -315,20 +315,14 @@ class _HolderIndex:
         return (box, rank) in self.index.position
 
     def own_position(self, need: Box, rank: int) -> Optional[int]:
-        """Where in ``source.holders`` the holder on ``rank`` is that the general search would
-        pick for all of ``need`` (this rank's first box by offsets that overlaps it, when that
-        box contains it); None when there is none."""
+        """Where in ``source.holders`` this rank's holder is when it holds one box of the
+        tensor (any layout over one mesh) and that box contains all of ``need``: a local copy
+        with no search. None otherwise; the general search decides then."""
         mine = self.index.own_of(rank)
-        if len(mine) == 1:  # one shard per rank: any layout over one mesh
-            box, position = mine[0]
-            return position if box.contains(need) else None
-        no, ns = need.offsets, need.sizes
-        first = None
-        for box, position in mine:
-            if all(bo < o + s and o < bo + bs for bo, bs, o, s in zip(box.offsets, box.sizes, no, ns)) \
-                    and (first is None or box.offsets < first[0].offsets):
-                first = box, position
-        return first[1] if first is not None and first[0].contains(need) else None
+        if len(mine) != 1:
+            return None
+        box, position = mine[0]
+        return position if box.contains(need) else None
 
     def holder(self, box: Box, rank: int) -> Holder:
         return self.source.holders[self.index.position[(box, rank)]]

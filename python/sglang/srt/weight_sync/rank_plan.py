@@ -293,7 +293,7 @@ def plan_for_rank(
         if not mine:
             continue
         needs = pl.needs_of(name)
-        for box in dict.fromkeys(mine):
+        for box in mine:  # each once: boxes_of lists a (box, rank) holder once
             ranks = holders.index.ranks_of[box]
             holding = frozenset(ranks)  # they copy it locally (this rank among them)
             for c, target, piece in needs.overlapping(box):
