@@ -89,7 +89,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -123,7 +122,7 @@ from sglang.srt.weight_sync.target_layout import (
     Stacked,
     Vocab,
 )
-from sglang.srt.weight_sync.trainer_side import chunks, forget_plans, inputs_digest, plan_to_engines
+from sglang.srt.weight_sync.trainer_side import chunk_digest, chunks, forget_plans, inputs_digest, plan_to_engines
 
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4, per GPU per direction (H100/H200)
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s NDR NIC, one per GPU, per direction
@@ -625,7 +624,7 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 # fingerprinted as the rank-local path fingerprints a chunk (the inputs' digest)
                 plan(sources, {g: [t for t in every[g % size] if t.name in wanted] for g in range(world)},
                      bucket_bytes=bucket_bytes, aliases=model_targets.aliases,
-                     fingerprint=hashlib.sha256(repr((digest, part)).encode()).hexdigest())
+                     fingerprint=chunk_digest(digest, part))
             extra["global_plan_seconds"] = time.perf_counter() - wall
             extra["global_plan_cpu_seconds"] = time.process_time() - cpu
         dist = rank_metrics(by_rank, topology)

@@ -144,9 +144,8 @@ def plan_to_engines(
     plan = _plans.get(key)
     if plan is None:
         receivers = chunk_receivers(sources, manifest, engine_groups, params)
-        chunk_digest = hashlib.sha256(repr((digest, params)).encode()).hexdigest()
         plan = plan_for_rank(_class_targets(sources, manifest)[0], receivers, rank, bucket_bytes=bucket_bytes,
-                             fingerprint=chunk_digest)
+                             fingerprint=chunk_digest(digest, params))
         if len(_plans) >= _PLAN_CAPACITY:
             _plans.pop(next(iter(_plans)))
         _plans[key] = plan
@@ -185,6 +184,11 @@ def inputs_digest(sources: SourceLayout, manifest: EngineManifest, engine_groups
         _digest_memo = (sources, sources_digest(sources))
     return hashlib.sha256(repr((_digest_memo[1], manifest.fingerprint, [tuple(g) for g in engine_groups],
                                 bucket_bytes)).encode()).hexdigest()
+
+
+def chunk_digest(digest: str, params: Tuple[str, ...]) -> str:
+    """The fingerprint of one chunk's plan: the update's ``inputs_digest`` and the chunk's names."""
+    return hashlib.sha256(repr((digest, tuple(params))).encode()).hexdigest()
 
 
 def _class_targets(sources: SourceLayout, manifest: EngineManifest):
