@@ -6,10 +6,9 @@ FSDP2 and a Megatron-style update. After each, every engine rank's parameters mu
 bit for bit, SGLang's own load of the new weights (the model loaded by SGLang's loaders as
 that rank, in one process, from a checkpoint holding the new weights), and greedy
 generation must equal HF transformers' with the new weights: that also proves tensors
-SGLang computes from parameters (Gemma's norm weight + 1) were refreshed. gpt-oss is not
-here: SGLang's CPU engine cannot run it (torch_native has no attention sinks; intel_amx
-needs AMX and sgl-kernel's CPU ops); its targets, permuted w13 included, are proved
-against SGLang's load in test_derived_targets.py.
+SGLang computes from parameters (Gemma's norm weight + 1) were refreshed. DeepSeek-V3-shaped
+and gpt-oss models are checked on their parameters only: SGLang's CPU engine loads them but
+cannot run them (see each test).
 """
 
 from __future__ import annotations
@@ -75,6 +74,15 @@ def test_deepseek_v3_shaped_update_parameters(tmp_path):
     run DeepSeek's MHA prefill (it reads the latent KV cache as keys and values), so no
     generation. The MLA w_kc/w_vc refresh is proved by test_derived_targets.py."""
     check_models_update("deepseek_v3", tmp_path, generate=False)
+
+
+def test_gpt_oss_update_parameters(tmp_path):
+    """gpt-oss, parameters only: its experts arrive as the checkpoint's fused [E, H, 2I]
+    gate_up and [E, I, H] down and land transposed (permuted pieces). SGLang's CPU engine
+    loads gpt-oss when asked for its CPU attention backend (``intel_amx``, which falls back to
+    torch_native on a machine without AMX, as here) but cannot run it (torch_native has no
+    attention sinks), so no generation: every rank's parameters must equal SGLang's own load."""
+    check_models_update("gpt_oss", tmp_path, generate=False, attention_backend="intel_amx")
 
 
 def test_cpu_padded_heads_update(tmp_path):

@@ -240,11 +240,10 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     engine_mesh = engines["infer_tp"]
     group, ranks = engine_mesh.get_group(), [int(r) for r in engine_mesh.mesh.tolist()]
     leader = rank == ranks[0]
-    verl = VerlEngine(
-        engine_mesh, model_path=str(job["model_dir"]), device="cpu", attention_backend="torch_native",
-        skip_tokenizer_init=True, mem_fraction_static=0.05, max_total_tokens=4096, disable_cuda_graph=True,
-        random_seed=0, log_level="error", **job.get("engine_kwargs", {}),
-    )
+    engine_kwargs = dict(device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
+                         mem_fraction_static=0.05, max_total_tokens=4096, disable_cuda_graph=True, random_seed=0,
+                         log_level="error")
+    verl = VerlEngine(engine_mesh, model_path=str(job["model_dir"]), **{**engine_kwargs, **job.get("engine_kwargs", {})})
     prompts = job["prompts"]["start"]  # per weight set: no bf16 near-tie on their greedy paths
     generate = (lambda: _generate(verl, prompts)) if job.get("generate", True) else (lambda: None)  # noqa: E731
     records = [dict(step="start", generation=generate())]

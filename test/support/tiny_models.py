@@ -81,6 +81,12 @@ SPECS: Dict[str, dict] = {
                         rope_scaling=dict(rope_type="yarn", factor=1.0, original_max_position_embeddings=512,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
                         tie_word_embeddings=False),
+    # gpt-oss: attention sinks, a sliding and a full layer, experts stored fused in the
+    # checkpoint ([E, H, 2I] gate_up interleaved, [E, I, H] down) that SGLang loads transposed.
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                    tie_word_embeddings=False),
     # One kv head: SGLang's CPU engine pads heads at TP 2 (adjust_config_with_unaligned_cpu_tp).
     "llama_kv1": dict(model_type="llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=1,
                       head_dim=16, intermediate_size=256, tie_word_embeddings=False),
@@ -120,6 +126,8 @@ def make_tiny_model(kind: str, directory: PathLike, seed: int = 0, **overrides) 
                     param.normal_(1.0, 0.1)
                 else:
                     param.normal_(0.0, 0.1)
+            elif bool((param == param.flatten()[0]).all()):  # e.g. gpt-oss expert biases [E, 2I], zeros
+                param.normal_(0.0, 0.1)
     model = model.to(torch.bfloat16).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
