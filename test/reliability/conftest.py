@@ -6,7 +6,11 @@ All tests share one TP-2 engine (``engine`` fixture below, session scope: this
 conftest only serves this folder); each test first sets the weights it checks against.
 """
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,10 @@ for folder in (TEST / "support", TEST / "e2e"):
 from engine import configure_cpu_env  # noqa: E402
 
 configure_cpu_env()
+# engine ranks fail after their writes on demand (test_mixed_weights.py; see test/support/sitecustomize.py)
+FAULT_DIR = tempfile.mkdtemp(prefix="weight-sync-faults-")
+os.environ["SGLANG_TEST_FAULT_DIR"] = FAULT_DIR
+atexit.register(shutil.rmtree, FAULT_DIR, True)
 
 from faults import running_engine  # noqa: E402
 

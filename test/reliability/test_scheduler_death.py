@@ -8,8 +8,9 @@ minutes.
 
 * ``hung``: SGLang sees nothing wrong (the process is alive). The engine answers within
   ``answer_bound_s(timeout_s)`` with ``success=False`` saying that an engine rank did not
-  answer, so every trainer rank raises with that message; the engine can then be shut
-  down and leaves no process behind.
+  answer, so every trainer rank raises with that message; generation is then refused at
+  once (the weights are unknown) instead of hanging on the stopped rank; the engine can
+  then be shut down and leaves no process behind.
 * ``died``: SGLang's subprocess watchdog sends SIGQUIT to the host, whose upstream
   handler SIGKILLs the host and the engine's processes. The surviving trainer rank
   raises ``PeerLost`` naming the phase and the missing rank within its bound.
@@ -55,10 +56,19 @@ def verl_job(rank: int, world: int, job: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - how it failed is what the test checks
         outcome = f"{type(e).__name__}: {e}"
     elapsed = time.monotonic() - start
+    generation = None
+    if rank == 0 and job["fault"] == "hung":  # on the host only: VerlEngine.generate would broadcast the error
+        start = time.monotonic()
+        try:
+            verl._engine.generate(input_ids=[[5, 17, 42, 7]], sampling_params={"max_new_tokens": 2})
+            generation = ("served", time.monotonic() - start)
+        except ValueError as e:
+            generation = (f"ValueError: {e}", time.monotonic() - start)
     start = time.monotonic()
     if rank == 0:
         verl.shutdown()  # the engine's processes, the stopped scheduler included
-    return dict(first=first, elapsed=elapsed, outcome=outcome, shutdown_s=time.monotonic() - start)
+    return dict(first=first, elapsed=elapsed, outcome=outcome, generation=generation,
+                shutdown_s=time.monotonic() - start)
 
 
 def _schedulers(host_pid: int) -> dict:
@@ -82,7 +92,7 @@ def run(model_dir, fault: str):
 
     ctx = mp.get_context("spawn")
     results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    job = dict(model_dir=str(model_dir), ready=ready, go=go)
+    job = dict(model_dir=str(model_dir), ready=ready, go=go, fault=fault)
     out, engine = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_worker, args=(r, TP, os.path.join(tmp, "store"), verl_job, (job,), results))
@@ -141,6 +151,10 @@ def test_hung_scheduler_gets_an_answer_within_the_bound(model_dir):
         assert f"no answer from the engine within {bound:g}s to distributed weight update" in outcome, outcome
         assert "waiting for its schedulers to receive and apply it" in outcome, outcome
         assert "an engine rank did not answer" in outcome, outcome
+    refusal, seconds = out[0]["generation"]
+    assert refusal.startswith("ValueError: generation refused: the engine has not answered distributed weight "
+                              "update"), refusal
+    assert "restart the engine" in refusal and seconds < 5, (refusal, seconds)
 
 
 def test_dead_scheduler_takes_the_engine_down_and_the_survivor_is_told(model_dir):

@@ -11,6 +11,10 @@ When ``SGLANG_TEST_FIGURES_LOG`` names a directory, the numbers of each engine r
 "received ... bytes (lower bound ...)" log record of ``weight_sync.engine_update`` are
 appended to ``<dir>/<pid>.jsonl`` as [update_id, rank, received, lower_bound, staged]:
 the tensor path's reply keeps upstream's shape, so its figures are only in that log.
+
+When ``SGLANG_TEST_FAULT_DIR`` names a directory, an engine rank whose executor has
+written its parameters raises if ``<dir>/fail_after_writes.rank<R>`` exists (the file
+is removed: one fault per file): a peer lost after writes began, on demand.
 """
 
 import os
@@ -51,6 +55,45 @@ if _FIGURES_DIR:
     _figures_logger = _logging.getLogger("sglang.srt.weight_sync.engine_update")
     _figures_logger.setLevel(_logging.INFO)
     _figures_logger.addHandler(_FigureRecorder())
+
+_FAULT_DIR = os.environ.get("SGLANG_TEST_FAULT_DIR")
+
+if _FAULT_DIR:
+    import importlib.abc as _abc
+    import importlib.util as _util
+    import sys as _sys
+
+    def _fail_after_writes(execute):
+        def call(*args, **kwargs):
+            stats = execute(*args, **kwargs)
+            flag = os.path.join(_FAULT_DIR, f"fail_after_writes.rank{args[1]}")
+            if os.path.exists(flag):
+                os.unlink(flag)
+                raise RuntimeError(f"engine rank {args[1]}: fault injected by the test after its writes")
+            return stats
+
+        return call
+
+    class _WrapOnImport(_abc.MetaPathFinder):
+        """Wraps ``engine_update.execute`` once the module is loaded (it is imported late, by the scheduler)."""
+
+        NAME = "sglang.srt.weight_sync.engine_update"
+
+        def find_spec(self, name, path, target=None):
+            if name != self.NAME:
+                return None
+            _sys.meta_path.remove(self)
+            spec = _util.find_spec(name)
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                module.execute = _fail_after_writes(module.execute)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    _sys.meta_path.insert(0, _WrapOnImport())
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE"):
     import torch as _torch

@@ -4,7 +4,9 @@ Against the installed wheel, without an engine: upstream's ``init_communicators`
 update and session communicators; a scheduler that never answers gets ``success=False``
 within the bound (the bound shortened here; ``test/reliability/test_scheduler_death.py``
 measures the real one against a hung scheduler), later calls are refused at once until
-the late answer comes, and every other request keeps upstream's unbounded wait.
+the late answer comes, and every other request keeps upstream's unbounded wait. Generation
+is refused while an update is unanswered or after one left the weights mixed, until an
+update succeeds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 import sglang.srt.managers.io_struct as io
 from sglang.srt.weight_sync import bounded_answers
-from sglang.srt.weight_sync.bounded_answers import bound_answers, distributed_update
+from sglang.srt.weight_sync.bounded_answers import MIXED, bound_answers, distributed_update, refuse_generation_if_unsafe
 from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.engine_update import as_tensor_request
 from sglang.srt.weight_sync.waits import GRACE_S, answer_bound_s
@@ -154,3 +156,65 @@ def test_invalid_timeout_bounds_by_the_default():
     req = io.UpdateWeightsFromTensorReqInput(
         serialized_named_tensors=[pickle.dumps({"update_id": "u", "timeout_s": -1})], load_format="distributed_shards")
     assert distributed_update(req) == ("u", DEFAULT_TIMEOUT_S)
+
+
+def test_upstream_generate_request_asks_the_guard_first():
+    import inspect
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    source = inspect.getsource(TokenizerManager.generate_request)
+    assert source.index("refuse_generation_if_unsafe(self)") < source.index("normalize_batch_and_arguments")
+
+
+def _answer(manager, update_id, outputs):
+    async def go():
+        call = asyncio.ensure_future(manager.update_weights_distributed_communicator(distributed(update_id)))
+        await asyncio.sleep(0.01)
+        manager.inner["update_weights_distributed"].answer.set_result(outputs)
+        return await call
+
+    return asyncio.run(go())
+
+
+def _out(success, message):
+    return io.UpdateWeightsDistributedReqOutput(success=success, message=message)
+
+
+def test_generation_is_refused_after_mixed_weights_until_an_update_succeeds(manager):
+    refuse_generation_if_unsafe(manager)  # nothing happened yet: serves
+    mixed = _out(False, f"distributed weight update FAILED after writes began on engine rank 1 (PeerLost: x): {MIXED}")
+    assert _answer(manager, "u1", [mixed]) == [mixed]
+    with pytest.raises(ValueError, match=r"generation refused until a distributed weight update succeeds: "
+                                         r"distributed weight update 'u1': .*engine rank 1.*MIXED"):
+        refuse_generation_if_unsafe(manager)
+    _answer(manager, "u2", [_out(False, "refused, no parameter changed: engine rank 0: no payload")])
+    with pytest.raises(ValueError, match="'u1'"):  # a refusal writes nothing: still mixed
+        refuse_generation_if_unsafe(manager)
+    _answer(manager, "u3", [_out(True, "Success")])
+    refuse_generation_if_unsafe(manager)  # whole again
+
+
+def test_generation_is_refused_while_an_update_is_unanswered(manager):
+    async def go():
+        reply = await manager.update_weights_distributed_communicator(distributed("u5"))
+        with pytest.raises(ValueError, match=r"not answered distributed weight update 'u5'.*restart the engine"):
+            refuse_generation_if_unsafe(manager)
+        manager.inner["update_weights_distributed"].answer.set_result([_out(True, "Success")])  # late, but whole
+        await asyncio.sleep(0)
+        refuse_generation_if_unsafe(manager)
+        return reply
+
+    [reply] = asyncio.run(go())
+    assert reply.success is False
+
+
+def test_a_late_answer_saying_mixed_keeps_generation_refused(manager):
+    async def go():
+        await manager.update_weights_distributed_communicator(distributed("u6"))
+        manager.inner["update_weights_distributed"].answer.set_result([_out(False, f"x: {MIXED}")])
+        await asyncio.sleep(0.01)  # the task ends, then its done callbacks run
+        with pytest.raises(ValueError, match=r"until a distributed weight update succeeds: .*'u6'"):
+            refuse_generation_if_unsafe(manager)
+
+    asyncio.run(go())

@@ -260,7 +260,12 @@ def manager(monkeypatch):
     monkeypatch.setattr(swu, "get_parallel", lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group="tp_cpu")))
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: log.append(("barrier", group)))
 
+    from sglang.srt.weight_sync import engine_update
     from sglang.srt.weight_sync.engine_update import ReceivedShards
+
+    # the handler's closing barrier, bounded (engine_update.end_of_update; tested below)
+    monkeypatch.setattr(engine_update, "end_of_update",
+                        lambda req, success, message: log.append(("end_of_update", success)) or (success, message))
 
     class TpWorker:
         received = ReceivedShards(None, figures=dict(FIGURES))
@@ -309,7 +314,7 @@ def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
     assert (out.bytes_received, out.lower_bound_bytes, out.peak_staging_bytes) == tuple(FIGURES.values())
     received = m.tp_worker.received
     assert log == [("receive", req), ("target", received, req), ("draft", received, req), ("version", "v9"),
-                   ("flush", True), ("barrier", "tp_cpu")]
+                   ("flush", True), ("end_of_update", True)]
     # parameters were copied in place, not through model.load_weights: end_weight_update() still post-loads
     assert m._session.loaded_weights is False
 
@@ -317,7 +322,7 @@ def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
 def test_scheduler_handler_selector_and_no_flush(manager):
     m, log = manager
     m.update_weights_distributed(_request(selector="target", flush_cache=False))
-    assert [e[0] for e in log] == ["receive", "target", "version", "barrier"]
+    assert [e[0] for e in log] == ["receive", "target", "version", "end_of_update"]
 
 
 def test_scheduler_handler_failure_stops_and_still_barriers(manager):
@@ -325,7 +330,31 @@ def test_scheduler_handler_failure_stops_and_still_barriers(manager):
     m.tp_worker.weight_update_runners = lambda: [("target", _Runner("target", log, (False, "refused: rank 1")))]
     out = m.update_weights_distributed(_request(weight_version="v9"))
     assert (out.success, out.message) == (False, "refused: rank 1")
-    assert [e[0] for e in log] == ["receive", "target", "barrier"]  # no draft, no version, no flush
+    assert log[-1] == ("end_of_update", False)
+    assert [e[0] for e in log] == ["receive", "target", "end_of_update"]  # no draft, no version, no flush
+
+
+@pytest.mark.parametrize("before", [(True, "Success"), (False, "refused: engine rank 1: no payload")])
+def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, before):
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.waits import PeerLost
+
+    calls = []
+
+    def barrier(group, timeout_s, phase):
+        calls.append((group, timeout_s, phase))
+        raise PeerLost(f"{phase}: ranks [1] never reached it; Rank 1 failed to pass monitoredBarrier (within "
+                       f"{timeout_s:g}s)")
+
+    monkeypatch.setattr(engine_update, "tp_state", lambda: SimpleNamespace(rank=0, cpu_group="tp_cpu"))
+    monkeypatch.setattr(engine_update, "barrier", barrier)
+    success, message = engine_update.end_of_update(_request(timeout_s=5.0), *before)
+    assert calls == [("tp_cpu", 5.0 + engine_update.GRACE_S, "engine rank 0: at the end of the update")]
+    assert success is False and "ranks [1] never reached it" in message and "within 35s" in message
+    assert message.startswith("refused: engine rank 1: no payload; " if not before[0] else
+                              "distributed weight update failed: engine rank 0: at the end of the update")
+    monkeypatch.setattr(engine_update, "barrier", lambda group, timeout_s, phase: None)
+    assert engine_update.end_of_update(_request(), *before) == before
 
 
 def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(manager):
@@ -345,7 +374,7 @@ def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(mana
     assert (converted.update_id, converted.channel, converted.timeout_s, converted.bucket_bytes) == (
         "from-tensor", CHANNEL, 3.0, 128)
     assert (converted.flush_cache, converted.weight_version, converted.selector) == (False, "v4", "target")
-    assert [e[0] for e in log[2:]] == ["target", "version", "barrier"]
+    assert [e[0] for e in log[2:]] == ["target", "version", "end_of_update"]
 
 
 def test_tensor_path_reserved_load_format_still_requires_session(manager):
@@ -442,7 +471,7 @@ def test_update_without_session_runs_in_a_one_shot_session(manager):
     received = m.tp_worker.received
     # SGLang's own begin, the update, SGLang's own end (post_load: nothing went through load_weights)
     assert log == [("target", "begin"), ("barrier", "tp_cpu"), ("receive", req), ("target", received, req),
-                   ("version", None), ("barrier", "tp_cpu"), ("target", "end", True), ("barrier", "tp_cpu")]
+                   ("version", None), ("end_of_update", True), ("target", "end", True), ("barrier", "tp_cpu")]
     assert m._session is None
 
 

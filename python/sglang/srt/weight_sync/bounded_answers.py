@@ -11,6 +11,12 @@ with ``success=False`` naming the phase. The request stays in flight (cancelling
 would leave upstream's communicator expecting an answer it then drops or hands to the
 next caller); until its answer comes, later distributed updates and session calls are
 refused at once instead of queueing behind it.
+
+The same guard keeps the engine from serving weights nobody can vouch for: while an
+update is unanswered (its schedulers' weights are unknown), or after one failed once
+writes had begun (some parameters new, some old), generation requests are refused
+(``refuse_generation_if_unsafe``, a ``ValueError`` as upstream's own request checks
+raise: HTTP 400) until a distributed update succeeds.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ UPDATES = {"update_weights_distributed": "UpdateWeightsDistributedReqOutput",
            "update_weights_from_tensor": "UpdateWeightsFromTensorReqOutput"}
 SESSIONS = {"begin_weight_update": "BeginWeightUpdateReqOutput", "end_weight_update": "EndWeightUpdateReqOutput"}
 NO_ANSWER = "an engine rank did not answer (a scheduler may have died or hung)"
+# Said by a scheduler whose update failed after parameters began to change (engine_update.apply_shards).
+MIXED = "the weights are now MIXED"
 
 
 @dataclass
@@ -46,15 +54,38 @@ class _Unanswered:
 
 
 class _Guard:
-    """What the wrapped communicators of one tokenizer manager share: the unanswered update."""
+    """What the wrapped communicators of one tokenizer manager share: the unanswered update,
+    and the answer that said the weights are mixed (until an update succeeds)."""
 
     def __init__(self) -> None:
         self.unanswered: Optional[_Unanswered] = None
+        self.mixed: Optional[str] = None
 
     def pending(self) -> Optional[_Unanswered]:
         if self.unanswered is not None and self.unanswered.answer.done():
             self.unanswered = None
         return self.unanswered
+
+    def settle(self, update_id: str, outputs) -> None:
+        """What an update's answer says of the weights: a success on every scheduler makes them
+        whole, a failure after writes began mixed; a refusal (nothing written) leaves them as they were."""
+        if outputs and all(getattr(o, "success", False) for o in outputs):
+            self.mixed = None
+            return
+        mixed = [o.message for o in outputs if MIXED in str(getattr(o, "message", ""))]
+        if mixed:
+            self.mixed = f"distributed weight update {update_id!r}: {mixed[0]}"
+
+    def serving_refusal(self) -> Optional[str]:
+        """Why generation must not run now, or None."""
+        pending = self.pending()
+        if pending is not None:
+            return (f"generation refused: the engine has not answered distributed weight update "
+                    f"{pending.update_id!r} within {pending.bound_s:g}s ({NO_ANSWER}); its weights are unknown, "
+                    "possibly mixed: restart the engine")
+        if self.mixed is not None:
+            return f"generation refused until a distributed weight update succeeds: {self.mixed}"
+        return None
 
 
 class BoundedCommunicator:
@@ -84,9 +115,10 @@ class BoundedCommunicator:
         answer = asyncio.ensure_future(self._inner(obj))
         done, _ = await asyncio.wait({answer}, timeout=bound)
         if done:
+            self._guard.settle(update_id, answer.result())
             return answer.result()
         self._guard.unanswered = _Unanswered(update_id, bound, answer)
-        answer.add_done_callback(_late_answer(update_id, time.monotonic()))
+        answer.add_done_callback(_late_answer(update_id, time.monotonic(), self._guard))
         message = (
             f"no answer from the engine within {bound:g}s to distributed weight update {update_id!r} "
             f"(timeout_s={timeout_s:g} plus {GRACE_S:g}s grace), waiting for its schedulers to receive and apply "
@@ -99,17 +131,19 @@ class BoundedCommunicator:
         return self._output_cls(success=False, message=message)
 
 
-def _late_answer(update_id: str, since: float):
-    def log(answer: asyncio.Future) -> None:
+def _late_answer(update_id: str, since: float, guard: _Guard):
+    def settle(answer: asyncio.Future) -> None:
         late = time.monotonic() - since
         if answer.cancelled() or answer.exception() is not None:
             logger.error("distributed weight update %r: no late answer (%s)", update_id,
                          "cancelled" if answer.cancelled() else answer.exception())
+            guard.mixed = f"distributed weight update {update_id!r} never got an answer: its weights are unknown"
         else:
             logger.error("distributed weight update %r: answered %.1fs after its bound: %s", update_id, late,
                          " | ".join(str(getattr(r, "message", r)) for r in answer.result()))
+            guard.settle(update_id, answer.result())
 
-    return log
+    return settle
 
 
 def bound_answers(manager) -> None:
@@ -117,12 +151,21 @@ def bound_answers(manager) -> None:
     ``init_communicators`` (the response dispatcher keeps the originals' ``handle_recv``)."""
     from sglang.srt.managers import io_struct
 
-    guard = _Guard()
+    guard = manager._weight_sync_guard = _Guard()
     for name, output in {**UPDATES, **SESSIONS}.items():
         attr = f"{name}_communicator"
         if hasattr(manager, attr) and hasattr(io_struct, output):
             setattr(manager, attr, BoundedCommunicator(getattr(manager, attr), getattr(io_struct, output), guard,
                                                        name in UPDATES))
+
+
+def refuse_generation_if_unsafe(manager) -> None:
+    """Called first in the tokenizer manager's ``generate_request``: a ``ValueError`` (HTTP 400)
+    while a distributed update is unanswered or left the weights mixed (see the module's text)."""
+    guard = getattr(manager, "_weight_sync_guard", None)
+    refusal = guard.serving_refusal() if guard is not None else None
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def distributed_update(obj) -> Optional[Tuple[str, float]]:

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from sglang.srt.weight_sync.bounded_answers import MIXED
 from sglang.srt.weight_sync.delivery import (
     DEFAULT_TIMEOUT_S,
     DeliveryError,
@@ -42,7 +43,7 @@ from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.target_layout import ParamTarget
 from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, nonfinite_buffers, restrict
-from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, wait
+from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, barrier, wait
 
 logger = logging.getLogger(__name__)
 
@@ -269,13 +270,26 @@ def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards,
         logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
         return False, (
             f"distributed weight update FAILED after writes began on engine rank {rank} "
-            f"({type(e).__name__}: {e}): the weights are now MIXED (some parameters new, some old); "
-            "only a complete successful update restores a consistent model"
+            f"({type(e).__name__}: {e}): {MIXED} (some parameters new, some old); "
+            "generation is refused until a distributed weight update succeeds"
         )
     for key, values in zip(FIGURES, shared):
         previous = received.figures.get(key, [0] * par.size)
         received.figures[key] = [a + b for a, b in zip(previous, values)]
     return True, "Success"  # upstream's text: callers test for it
+
+
+def end_of_update(recv_req, success: bool, message: str) -> Tuple[bool, str]:
+    """The scheduler's last step of an update on every TP rank: upstream's barrier, bounded by
+    the update's bound, so a rank never waits for a TP peer that died or hangs; a peer that
+    never comes fails the update here, named (every write had ended if it succeeded so far)."""
+    par = tp_state()
+    try:
+        barrier(par.cpu_group, _timeout(recv_req) + GRACE_S, f"engine rank {par.rank}: at the end of the update")
+    except PeerLost as e:
+        logger.error("distributed weight update %s: %s", recv_req.update_id, e)
+        return False, f"{message}; {e}" if not success else f"distributed weight update failed: {e}"
+    return success, message
 
 
 @dataclass
