@@ -28,12 +28,14 @@ test: install
 	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider
 
 # The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it):
-# FSDP trainer ranks -> a TP-2 engine through every entry point, and verl 0.9.1's own update code
-# feeding one TP-1 server per trainer rank (trainer-side resharding); and what each base's torch release
+# FSDP trainer ranks -> a TP-2 engine through every entry point, verl 0.9.1's own update code
+# feeding one TP-1 server per trainer rank (trainer-side resharding), AReaL 1.0.4's own SGLang client
+# (its NCCL-style broadcast on gloo, and its disk update); and what each base's torch release
 # changes: the placements' wire form (2.9 makes _StridedShard a Shard; 2.13 adds _split_factor_int) and
 # what FSDP2 over TP means by _StridedShard (2.9 shards right to left), checked against real FSDP2 shards.
 SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_engine \
          test/e2e/test_verl_release.py::test_verl_server_adapter_two_servers_of_tp1 \
+         test/e2e/test_areal_release.py::test_areal_updates_a_tp1_server \
          test/unit/test_source_layout.py::test_mesh_spec_round_trips_through_sglang_safe_unpickler \
          test/distributed/test_reshard.py::test_fsdp2_over_tp_strided_shards_without_a_gather
 smoke: install

@@ -16,13 +16,17 @@ case "$BASE" in
   *) echo "setup_env: unknown BASE=$BASE (0.5.23, 0.5.12, 0.5.10.post1)" >&2; exit 2 ;;
 esac
 VENV=${VENV:-$DEFAULT_VENV}
-# verl's release for test/e2e/test_verl_release.py (--no-deps, see the file); added to existing venvs too.
-verl_deps() {
-  cmp -s scripts/requirements-verl.txt "$VENV/.verl-ready" && return
-  "$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" --no-deps -r scripts/requirements-verl.txt
-  cp scripts/requirements-verl.txt "$VENV/.verl-ready"
+# The frameworks' releases for test/e2e/test_{verl,areal}_release.py (--no-deps, see each requirements
+# file); added to existing venvs too.
+framework_deps() {
+  local fw
+  for fw in verl areal; do
+    cmp -s "scripts/requirements-$fw.txt" "$VENV/.$fw-ready" && continue
+    "$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" --no-deps -r "scripts/requirements-$fw.txt"
+    cp "scripts/requirements-$fw.txt" "$VENV/.$fw-ready"
+  done
 }
-[ -f "$VENV/.ready" ] && { verl_deps; exit 0; }
+[ -f "$VENV/.ready" ] && { framework_deps; exit 0; }
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
@@ -37,4 +41,4 @@ TV=$("$PY" -c 'import importlib.util,os;print(os.path.dirname(importlib.util.fin
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV/_meta_registrations.py"
 "$PY" -c "import torchvision.transforms, sglang.srt.layers.linear" >/dev/null
 touch "$VENV/.ready"
-verl_deps
+framework_deps

@@ -246,6 +246,22 @@ def _params_at_tp1(port: int, names) -> dict:
     return {0: out}
 
 
+def check_server(record: dict, model_dir, config, tp: int, prompts: dict, what: str) -> None:
+    """A server after the update of ``record["seed"]``'s weights: every rank's parameters
+    (``record["params"]``: ``_checksums`` at TP > 1, ``_params_at_tp1`` at TP 1) equal
+    SGLang's slicing bit for bit, and greedy generation equals HF transformers'."""
+    weights = new_weights(model_dir, record["seed"])
+    if tp > 1:
+        expected = expected_checksums(config, weights, tp, 1)
+    else:
+        expected = {0: {n: checksum(t.to(torch.bfloat16).float()) for n, t in weights.items()}}
+    for r in range(tp):
+        wrong = sorted(n for n in expected[r] if record["params"][r][n] != expected[r][n])
+        assert not wrong, f"{what}: rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
+    assert record["generation"] == hf_greedy(model_dir, prompts[record["seed"]], MAX_NEW, weights=weights), (
+        f"{what}: generation differs from HF transformers")
+
+
 def _figures(directory: Path):
     rows = []
     for f in directory.iterdir():
@@ -302,17 +318,7 @@ def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
     results = run_ranks(world, verl_job, job, timeout=1500, start_method="spawn")
     for server in range(world // tp):
         for step, record in enumerate(results[server * tp], start=1):
-            weights = new_weights(model_dir, record["seed"])
-            if tp > 1:
-                expected = expected_checksums(config, weights, tp, 1)
-            else:
-                expected = {0: {n: checksum(t.to(torch.bfloat16).float()) for n, t in weights.items()}}
-            for r in range(tp):
-                wrong = sorted(n for n in expected[r] if record["params"][r][n] != expected[r][n])
-                assert not wrong, (f"{record['kind']}: server {server} rank {r} parameters differ from SGLang's "
-                                   f"slicing: {wrong[:5]}")
-            assert record["generation"] == hf_greedy(model_dir, prompts[record["seed"]], MAX_NEW, weights=weights), (
-                f"{record['kind']}: server {server} generation differs from HF transformers")
+            check_server(record, model_dir, config, tp, prompts, f"{record['kind']}: server {server}")
             assert record["steps_reported"][-1] == step  # verl's leader reported the step after its flush
         assert results[server * tp][1]["engine_forbidden"] == 0, "the engine called full_tensor/gather_object"
     return results

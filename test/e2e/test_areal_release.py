@@ -1,0 +1,125 @@
+"""AReaL 1.0.4's released SGLang client (``areal.engine.sglang_remote.RemoteSGLangEngine``)
+updating a real CPU HTTP server from this wheel, both ways AReaL updates SGLang.
+
+Installed from PyPI (``scripts/requirements-areal.txt``, ``--no-deps``), AReaL's own client
+runs unchanged: it finds the server by address, then
+
+* ``xccl``: ``init_weights_update_group`` (``/init_weights_update_group``; AReaL's CPU platform
+  names gloo, so the group is gloo here and NCCL on GPUs) and ``update_weights_from_distributed``
+  (``/update_weights_from_distributed`` with every tensor's name, dtype and shape), while the
+  trainer broadcasts each tensor into the group. 0.5.23 refuses that call outside a weight-update
+  session, which AReaL never opens; this wheel runs it in a one-shot session (patch 0007).
+* ``disk``: ``pause_generation``, ``update_weights_from_disk`` (waits for the trainer's
+  name_resolve record, then ``/update_weights_from_disk``), ``continue_generation``.
+
+After each update every parameter must equal SGLang's own slicing of the new weights bit for bit
+and greedy generation must equal HF transformers'. AReaL pins ``sglang==0.5.10.post1``: the TP-1
+case runs on every base this project ships (``make smoke``); TP 2 (the server's ranks each
+slicing AReaL's broadcast) on the primary base, whose weight checker reads every TP rank.
+
+Stand-in, only for what cannot run here: AReaL's trainer engine (``FSDPEngine``, which needs
+its whole training stack). The test makes the calls its ``_update_weights_from_distributed`` /
+``_update_weights_from_disk`` make, with AReaL's own helpers: ``init_custom_process_group``
+(rank 0 of the group), ``dist.broadcast`` of each tensor after asking the server, the HF
+checkpoint written to ``meta.path``, then ``name_resolve.add`` of AReaL's update name.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+
+import torch
+
+import tiny_models
+from engine import omp_bind, stable_prompts
+from ranks import run_ranks
+from test_verl_release import _free_ports, _params_at_tp1, _wait_healthy, check_server
+from update_cases import MAX_NEW, _checksums, new_weights
+
+STEPS = (("xccl", 1), ("disk", 2))
+
+
+def areal_job(rank: int, world: int, job: dict) -> list:
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.cli_args import InferenceEngineConfig, NameResolveConfig
+    from areal.api.io_struct import ParamSpec, WeightUpdateMeta
+    from areal.engine.core.distributed import init_custom_process_group
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+    from areal.utils import name_resolve, names
+    from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
+
+    tp, model_dir, (port, group_port) = job["tp"], job["model_dir"], job["ports"]
+    if tp > 1:
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
+    server = HttpServerEngineAdapter(
+        model_path=model_dir, tp_size=tp, host="127.0.0.1", port=port, device="cpu",
+        attention_backend="torch_native", skip_tokenizer_init=True, mem_fraction_static=0.05,
+        max_total_tokens=4096, disable_cuda_graph=True, random_seed=0, log_level="error")
+    records = []
+    try:
+        _wait_healthy(port)
+        experiment, trial = "weight-sync", "areal"
+        name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=job["name_resolve"]))
+        client = RemoteSGLangEngine(InferenceEngineConfig(
+            experiment_name=experiment, trial_name=trial, fileroot=job["fileroot"], backend=f"sglang:d1t{tp}"))
+        client.initialize(addr=[f"127.0.0.1:{port}"])
+        group = None
+        for version, (kind, seed) in enumerate(job["steps"], start=1):
+            weights = new_weights(model_dir, seed)
+            if kind == "xccl":
+                meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str(f"sglang:d1t{tp}"),
+                                        nccl_master_address="127.0.0.1", nccl_master_port=group_port,
+                                        nccl_group_name="update_weight_group")
+                if group is None:  # FSDPEngine._init_weight_update_from_distributed, rank 0
+                    joined = client.init_weights_update_group(meta)
+                    group = init_custom_process_group(backend="gloo", world_size=tp + 1,
+                                                      init_method=f"tcp://127.0.0.1:{group_port}", rank=0,
+                                                      group_name="update_weight_group")
+                    joined.result()
+                named = [(n, t) for n, t in sorted(weights.items())]  # the engine's dtype, as AReaL casts
+                specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
+                         for n, t in named]
+                applied = client.update_weights_from_distributed(meta, specs)
+                for _, tensor in named:
+                    torch.distributed.broadcast(tensor, src=0, group=group)
+                applied.result()
+            else:  # FSDPEngine._update_weights_from_disk, rank 0
+                meta = WeightUpdateMeta.from_disk(experiment, trial, job["fileroot"])
+                client.set_version(version)
+                client.pause_generation()
+                applied = client.update_weights_from_disk(meta)
+                tiny_models.write_modified_checkpoint(model_dir, meta.path, weights)
+                name_resolve.add(names.update_weights_from_disk(experiment, trial, version),
+                                 str(datetime.now().timestamp()), keepalive_ttl=120)
+                applied.result()
+                client.continue_generation()
+            params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+            out = server.generate(input_ids=job["prompts"][seed], sampling_params=params)
+            records.append(dict(kind=kind, seed=seed, generation=[o["output_ids"] for o in out],
+                                params=_checksums(server) if tp > 1 else _params_at_tp1(port, list(weights))))
+        client.destroy()
+    finally:
+        server.shutdown()
+    return records
+
+
+def _run_areal(tmp_path, tp: int) -> None:
+    model_dir, config = tiny_models.make_tiny_model("llama", tmp_path / "llama")
+    prompts = {seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW) for _, seed in STEPS}
+    job = dict(model_dir=str(model_dir), tp=tp, ports=_free_ports(2), steps=STEPS, prompts=prompts,
+               name_resolve=str(tmp_path / "name_resolve"), fileroot=str(tmp_path / "files"))
+    [records] = run_ranks(1, areal_job, job, timeout=900, start_method="spawn")
+    assert [(r["kind"], r["seed"]) for r in records] == list(STEPS)
+    for record in records:
+        check_server(record, model_dir, config, tp, prompts, f"AReaL {record['kind']} update, TP {tp}")
+
+
+def test_areal_updates_a_tp1_server(tmp_path):
+    """Every base (AReaL's pin among them): parameters read with ``/get_weights_by_name``."""
+    _run_areal(tmp_path, 1)
+
+
+def test_areal_updates_a_tp2_server(tmp_path):
+    """The primary base: both server ranks join AReaL's group and slice its broadcast."""
+    _run_areal(tmp_path, 2)
