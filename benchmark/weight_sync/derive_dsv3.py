@@ -16,6 +16,12 @@ code (``target_cache``) in this process, phase by phase:
   exchange brings: read from their entries here) assembled; ``key`` is the key alone;
 * ``cached``: ``engine_derived_targets`` again: what every later update pays.
 
+``--concurrent`` instead starts one process per rank, as an engine's TP ranks are, and
+once every process has imported SGLang and built its engine context (an engine has done
+that long before its first update) lets all of them derive their own rank at the same
+time on this machine's cores: the wall time from that common start until the last rank's
+record is written, then the assembly in the parent (``first, assemble``).
+
 The full config is used except its yarn rope scaling (SGLang's yarn rotary asks for an
 accelerator at construction; rotary embeddings hold no checkpoint weights). Runs on
 SGLang's default platform (the loaders' CUDA branches) with the test helpers'
@@ -67,33 +73,94 @@ def _measured(fn):
     return out, seconds, _status_gib("VmHWM"), _status_gib("VmHWM") - before
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-
+def _engine_context(model_dir: Path, cache: Path, tp: int, ep: int):
+    """This process as an engine of the given layout sees it (default platform, disk cache at
+    ``cache``): returns (the installed server args, the model config)."""
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "unit"))
     import sglang_fakes  # the vllm._custom_ops stand-in for the default platform on a CPU-only machine
 
     sglang_fakes._provide_vllm_rotary_import()
-    import transformers
-
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context
     from sglang.srt.weight_sync import target_cache
-    from sglang.srt.weight_sync.target_layout import EngineParallel
+
+    os.environ[target_cache.CACHE_DIR_ENV] = str(cache)
+    installed = get_context().override_server_args(tp_size=tp, ep_size=ep)
+    installed.install()
+    model_config = ModelConfig(model_path=str(model_dir))
+    get_model_architecture(model_config)  # SGLang's model registry, imported when the engine built its model
+    return installed, model_config
+
+
+def _concurrent_rank(rank: int, args, model_dir: Path, cache: Path, start, done) -> None:
+    _, model_config = _engine_context(model_dir, cache, args.tp, args.ep)
+    from sglang.srt.weight_sync import target_cache
+
+    start.wait()
+    record = target_cache.own_rank_record(model_config, rank)
+    done.put((rank, time.time(), json.dumps(record)))
+
+
+def _concurrent(args, work: Path, parallel) -> None:
+    """Every rank in its own process, deriving at the same time (see the module's text)."""
+    import multiprocessing as mp
+
+    from sglang.srt.weight_sync import target_cache
+
+    ctx = mp.get_context("spawn")
+    start, done = ctx.Barrier(args.tp + 1), ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_rank, args=(r, args, work / "model", work / "cache", start, done))
+             for r in range(args.tp)]
+    for p in procs:
+        p.start()
+    start.wait()
+    t0 = time.time()
+    finished = sorted((done.get() for _ in procs), key=lambda x: x[0])
+    for p in procs:
+        p.join()
+    ends = [end - t0 for _, end, _ in finished]
+    load = os.getloadavg()[0]
+    t1 = time.perf_counter()
+    targets = target_cache.assemble(parallel, [json.loads(blob) for _, _, blob in finished])
+    assemble_s = time.perf_counter() - t1
+    print(f"DeepSeek-V3-671B, TP {args.tp}, MoE EP {args.ep}: {args.tp} ranks deriving their own targets at the "
+          f"same time on {os.cpu_count()} cores (load average {load:.1f} when the last finished)")
+    print(f"ranks done after {min(ends):.1f} .. {max(ends):.1f} s; assemble {assemble_s:.2f} s "
+          f"({sum(map(len, targets.per_rank))} targets); every rank's targets ready after "
+          f"{max(ends) + assemble_s:.1f} s")
+    if args.json:
+        print(json.dumps(dict(tp=args.tp, ep=args.ep, cores=os.cpu_count(), rank_done_s=[round(e, 2) for e in ends],
+                              assemble_s=round(assemble_s, 3), ready_s=round(max(ends) + assemble_s, 2))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--concurrent", action="store_true", help="one process per rank, all deriving at once")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import transformers
 
     work = Path(tempfile.mkdtemp(prefix="derive_dsv3-"))
     kwargs = dict(FULL)
     transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs).save_pretrained(work / "model")
-    os.environ[target_cache.CACHE_DIR_ENV] = str(work / "cache")
+    installed, model_config = _engine_context(work / "model", work / "cache", args.tp, args.ep)
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
-    installed = get_context().override_server_args(tp_size=args.tp, ep_size=args.ep)
-    installed.install()
+    par = get_parallel()
+    parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
+    if args.concurrent:
+        try:
+            _concurrent(args, work, parallel)
+        finally:
+            installed.restore()
+        return
     rows = []
 
     def row(phase, seconds, peak, growth, targets=None):
@@ -106,10 +173,6 @@ def main() -> None:
                          rss_growth_gib=round(growth, 2), **counts))
 
     try:
-        model_config = ModelConfig(model_path=str(work / "model"))
-        get_model_architecture(model_config)  # SGLang's model registry, imported when the engine built its model
-        par = get_parallel()
-        parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
         records = []
         for r in range(args.tp):
             record, seconds, peak, growth = _measured(lambda: target_cache.own_rank_record(model_config, r))
