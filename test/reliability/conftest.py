@@ -6,11 +6,7 @@ All tests share one TP-2 engine (``engine`` fixture below, session scope: this
 conftest only serves this folder); each test first sets the weights it checks against.
 """
 
-import atexit
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,16 +19,18 @@ for folder in (TEST / "support", TEST / "e2e"):
 from engine import configure_cpu_env  # noqa: E402
 
 configure_cpu_env()
-# engine ranks fail after their writes on demand (test_mixed_weights.py; see test/support/sitecustomize.py)
-FAULT_DIR = tempfile.mkdtemp(prefix="weight-sync-faults-")
-os.environ["SGLANG_TEST_FAULT_DIR"] = FAULT_DIR
-atexit.register(shutil.rmtree, FAULT_DIR, True)
 
 from faults import running_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory):
+def fault_dir(tmp_path_factory):
+    """Where a test asks the engine's ranks to fail after their writes (``test_mixed_weights.py``)."""
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory, fault_dir):
     """A running TP-2 tiny-Qwen2 engine: ``(engine, model_dir, config)``."""
-    with running_engine(tmp_path_factory.mktemp("model")) as ctx:
+    with running_engine(tmp_path_factory.mktemp("model"), fault_dir) as ctx:
         yield ctx

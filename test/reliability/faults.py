@@ -16,9 +16,12 @@ TP = 2
 
 
 @contextlib.contextmanager
-def running_engine(directory):
+def running_engine(directory, fault_dir=None):
+    """A TP-2 tiny-Qwen2 engine; with ``fault_dir``, its ranks fail after their writes on
+    demand (``test/support/sitecustomize.py``, ``SGLANG_TEST_FAULT_DIR``)."""
     model_dir, config = tiny_models.make_tiny_model("qwen2", directory)
-    with cpu_engine(model_dir, tp_size=TP) as eng:
+    env = {"SGLANG_TEST_FAULT_DIR": str(fault_dir)} if fault_dir is not None else None
+    with cpu_engine(model_dir, tp_size=TP, env=env) as eng:
         yield eng, model_dir, config
 
 

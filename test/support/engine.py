@@ -445,12 +445,13 @@ _GUARDED = ("generate", "begin_weight_update", "end_weight_update", "update_weig
 
 
 @contextlib.contextmanager
-def cpu_engine(model_dir: PathLike, tp_size: int = 1, **kwargs):
+def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str, str]] = None, **kwargs):
     """Start ``sglang.Engine`` on CPU for ``model_dir`` at ``tp_size``, yield it, shut it down.
 
     ``kwargs`` override ``DEFAULT_ENGINE_ARGS`` (any ``ServerArgs`` field). The engine's
     scheduler processes get ``SGLANG_CPU_OMP_THREADS_BIND`` from ``omp_bind(tp_size)``
-    unless it is already set. Timings land in ``engine.test_timings`` (``start_s``).
+    unless it is already set, and ``env`` (this process's environment is left as it was).
+    Timings land in ``engine.test_timings`` (``start_s``).
     """
     configure_cpu_env()
     check_cpu_env()
@@ -463,7 +464,7 @@ def cpu_engine(model_dir: PathLike, tp_size: int = 1, **kwargs):
     own_children = set(_children())
     args = {**DEFAULT_ENGINE_ARGS, "model_path": str(model_dir), "tp_size": tp_size,
             "custom_sigquit_handler": _launch_sigquit_handler, **kwargs}
-    env = {}
+    env = dict(env or {})
     if tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
         env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp_size)
 
