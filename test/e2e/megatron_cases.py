@@ -131,7 +131,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import tiny_models
-    from engine import omp_bind
+    from engine import WORKER_ENGINE_ARGS, omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync.megatron_update import megatron_flow
     from sglang.srt.weight_sync.sglang_compat import weight_update_session
@@ -151,11 +151,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     engines = init_device_mesh("cpu", (world // engine_tp, engine_tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     mesh = engines["infer_tp"]
     group, ranks = mesh.get_group(), [int(r) for r in mesh.mesh.tolist()]
-    verl = VerlEngine(
-        mesh, model_path=str(job["model_dir"]), device="cpu", attention_backend="torch_native",
-        skip_tokenizer_init=True, mem_fraction_static=0.05, max_total_tokens=4096, disable_cuda_graph=True,
-        random_seed=0, log_level="error",
-    )
+    verl = VerlEngine(mesh, model_path=str(job["model_dir"]), **WORKER_ENGINE_ARGS)
     try:
         groups = engines.mesh.reshape(-1, engine_tp).tolist()
         record["one_hop_bound"] = one_hop_bound(model, hf_config, groups)

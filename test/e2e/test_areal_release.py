@@ -32,7 +32,7 @@ from datetime import datetime
 import torch
 
 import tiny_models
-from engine import stable_prompts
+from engine import WORKER_ENGINE_ARGS, stable_prompts
 from ranks import run_ranks
 from test_verl_release import _free_ports, _params_at_tp1, _wait_healthy, check_server
 from update_cases import MAX_NEW, new_weights
@@ -50,10 +50,8 @@ def areal_job(rank: int, world: int, job: dict) -> list:
     from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
     model_dir, (port, group_port) = job["model_dir"], job["ports"]
-    server = HttpServerEngineAdapter(
-        model_path=model_dir, tp_size=1, host="127.0.0.1", port=port, device="cpu",
-        attention_backend="torch_native", skip_tokenizer_init=True, mem_fraction_static=0.05,
-        max_total_tokens=4096, disable_cuda_graph=True, random_seed=0, log_level="error")
+    server = HttpServerEngineAdapter(model_path=model_dir, tp_size=1, host="127.0.0.1", port=port,
+                                     **WORKER_ENGINE_ARGS)
     records = []
     try:
         _wait_healthy(port)

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import tiny_models
-from engine import hf_greedy, stable_prompts
+from engine import WORKER_ENGINE_ARGS, hf_greedy, stable_prompts
 from ranks import run_ranks
 from test_distributed_update import expected_checksums
 from update_cases import MAX_NEW, checksum, new_weights
@@ -168,10 +168,8 @@ def verl_job(rank: int, world: int, job: dict):
     if leader:
         from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
-        server = HttpServerEngineAdapter(
-            model_path=model_dir, tp_size=tp, host="127.0.0.1", port=port, device="cpu",
-            attention_backend="torch_native", skip_tokenizer_init=True, mem_fraction_static=0.05,
-            max_total_tokens=4096, disable_cuda_graph=True, random_seed=0, log_level="error")
+        server = HttpServerEngineAdapter(model_path=model_dir, tp_size=tp, host="127.0.0.1", port=port,
+                                         **WORKER_ENGINE_ARGS)
     records = []
     try:  # the server is shut down whatever fails from here on
         _wait_healthy(port)  # over HTTP, not a gloo barrier: the server may take minutes to start here

@@ -225,7 +225,7 @@ def _write_report(job: dict, rank: int, step, report) -> None:
 def engine_job(rank: int, world: int, job: dict) -> dict:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from engine import omp_bind
+    from engine import WORKER_ENGINE_ARGS, omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync import utils as weight_sync_utils
     from sglang.srt.weight_sync.sglang_compat import weight_update_session
@@ -240,10 +240,8 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     engine_mesh = engines["infer_tp"]
     group, ranks = engine_mesh.get_group(), [int(r) for r in engine_mesh.mesh.tolist()]
     leader = rank == ranks[0]
-    engine_kwargs = dict(device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
-                         mem_fraction_static=0.05, max_total_tokens=4096, disable_cuda_graph=True, random_seed=0,
-                         log_level="error")
-    verl = VerlEngine(engine_mesh, model_path=str(job["model_dir"]), **{**engine_kwargs, **job.get("engine_kwargs", {})})
+    verl = VerlEngine(engine_mesh, model_path=str(job["model_dir"]),
+                      **{**WORKER_ENGINE_ARGS, **job.get("engine_kwargs", {})})
     prompts = job["prompts"]["start"]  # per weight set: no bf16 near-tie on their greedy paths
     generate = (lambda: _generate(verl, prompts)) if job.get("generate", True) else (lambda: None)  # noqa: E731
     records = [dict(step="start", generation=generate())]

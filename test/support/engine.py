@@ -440,6 +440,9 @@ DEFAULT_ENGINE_ARGS = dict(
     log_level="warning",
 )
 
+# The same, for engines that tests start in worker processes, whose warnings would only add noise.
+WORKER_ENGINE_ARGS = {**DEFAULT_ENGINE_ARGS, "log_level": "error"}
+
 _GUARDED = ("generate", "begin_weight_update", "end_weight_update", "update_weights_from_tensor",
             "update_weights_from_distributed", "update_weights_from_disk", "flush_cache")
 

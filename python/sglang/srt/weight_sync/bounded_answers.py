@@ -115,8 +115,9 @@ class BoundedCommunicator:
         answer = asyncio.ensure_future(self._inner(obj))
         done, _ = await asyncio.wait({answer}, timeout=bound)
         if done:
-            self._guard.settle(update_id, answer.result())
-            return answer.result()
+            outputs = answer.result()
+            self._guard.settle(update_id, outputs)
+            return outputs
         self._guard.unanswered = _Unanswered(update_id, bound, answer)
         answer.add_done_callback(_late_answer(update_id, time.monotonic(), self._guard))
         message = (
