@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -307,34 +308,48 @@ def entries_to_target(name: str, t: torch.Tensor, entries: Sequence[Entry]):
 def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
     """Append the pieces that write ``box`` of a parameter from ``src``; False when it is no
     (permuted) box of the leaf (a reshape across dims)."""
-    P, Q = box.ndim, len(src.l0)
-    cols = [tuple(src.L[r][e] for r in range(Q)) for e in range(P)]
-    leaf_dim = {}
+    how = _piece_shape(box.sizes, src.L)
+    if how is None:
+        return False
+    if isinstance(how, int):  # a strided or merged map, or an index dim with extent: one piece per index
+        e = how
+        ok = True
+        for v in range(box.sizes[e]):
+            o, s = list(box.offsets), list(box.sizes)
+            o[e], s[e] = o[e] + v, 1
+            l0 = tuple(a + row[e] * v for a, row in zip(src.l0, src.L))
+            ok &= _leaf_pieces(Box(tuple(o), tuple(s)), Leaf(src.name, l0, src.L), out)
+        return ok
+    n_index, leaf_sizes, perm = how
+    out.append(Piece(src.name, Box(src.l0, leaf_sizes), box.offsets[:n_index], box.offsets[n_index:], perm))
+    return True
+
+
+@lru_cache(maxsize=None)
+def _piece_shape(sizes: Tuple[int, ...], L: Tuple[Tuple[int, ...], ...]):
+    """How a box of ``sizes`` written through the leaf map ``L`` becomes pieces, which depends
+    on neither offset (cached: a 671B rank's ~45k entries come in a few dozen shapes):
+    (index dims, the leaf box's sizes, perm or None) for one piece; the dim to enumerate, one
+    piece per index, when a dim of extent > 1 is strided, merged or an index dim; None when
+    the box has fewer dims than the leaf."""
+    P, Q = len(sizes), len(L)
+    leaf_dim: Dict[int, int] = {}
     for e in range(P):
-        if box.sizes[e] <= 1:
+        if sizes[e] <= 1:
             continue
-        q = unit_dim(cols[e])
+        q = unit_dim(tuple(row[e] for row in L))
         if q is None or q in leaf_dim.values() or e < P - Q:
-            # a strided or merged map, or an index dim with extent: one piece per index
-            ok = True
-            for v in range(box.sizes[e]):
-                o, s = list(box.offsets), list(box.sizes)
-                o[e], s[e] = o[e] + v, 1
-                l0 = tuple(a + cols[e][r] * v for r, a in enumerate(src.l0))
-                ok &= _leaf_pieces(Box(tuple(o), tuple(s)), Leaf(src.name, l0, src.L), out)
-            return ok
+            return e
         leaf_dim[e] = q
     n_index = P - Q
     if n_index < 0:
-        return False
+        return None
     leaf_sizes = [1] * Q
     for e, q in leaf_dim.items():
-        leaf_sizes[q] = box.sizes[e]
+        leaf_sizes[q] = sizes[e]
     free = iter(q for q in range(Q) if q not in leaf_dim.values())
     perm = tuple(leaf_dim[e] if e in leaf_dim else next(free) for e in range(n_index, P))
-    out.append(Piece(src.name, Box(tuple(src.l0), tuple(leaf_sizes)), tuple(box.offsets[:n_index]),
-                     tuple(box.offsets[n_index:]), None if perm == tuple(range(Q)) else perm))
-    return True
+    return n_index, tuple(leaf_sizes), None if perm == tuple(range(Q)) else perm
 
 
 @dataclass(frozen=True)

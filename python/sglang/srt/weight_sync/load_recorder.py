@@ -20,12 +20,17 @@ truth and are read only at the moments that matter. What is handled:
 (``clone``/``contiguous``/``_to_copy`` i.e. dtype casts, ``cat``, ``stack``,
 ``constant_pad_nd``, ``index_select`` with a concrete index, ``.item()`` then
 ``fill_``), and, conservatively, everything else as ``Opaque``.
+
+Nearly every copy a loader makes is between two boxes (a narrowed or selected slice of a
+parameter, a narrowed checkpoint tensor); those take a fast path (``_transfer_box``) that
+records exactly what the general refinement would, from a geometry cached per shape.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -144,8 +149,10 @@ def _resolve(entries: List[Entry]) -> List[Entry]:
 _SENTINEL_BASE = -(2**50)
 
 
-def _bstrides(src: torch.Tensor, shape: Sequence[int]) -> List[int]:
+def _bstrides(src: torch.Tensor, shape: Sequence[int]) -> Tuple[int, ...]:
     """Strides of ``src`` broadcast to ``shape`` (0 on broadcast dims)."""
+    if src.shape == shape:
+        return tuple(src.stride())
     nd, sd = len(shape), src.dim()
     out = []
     for k in range(nd):
@@ -154,7 +161,7 @@ def _bstrides(src: torch.Tensor, shape: Sequence[int]) -> List[int]:
             out.append(0)
         else:
             out.append(src.stride(j))
-    return out
+    return tuple(out)
 
 
 def _physical_canon(t: torch.Tensor) -> Tuple[int, ...]:
@@ -225,6 +232,65 @@ def _pure_view(func) -> bool:
         r = _PURE_VIEW[func] = bool(func.is_view) and not _mutated_args(func)
     return r
 
+
+@lru_cache(maxsize=None)
+def _identity(ndim: int) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(int(r == c) for c in range(ndim)) for r in range(ndim))
+
+
+@dataclass(frozen=True, slots=True)
+class _BoxCopy:
+    """A copy between two box views of their storages' canonical shapes, whatever their
+    offsets: each iteration dim of extent > 1 walks one canonical dim one step at a time (the
+    source may broadcast instead), so the write is one box, read from one box."""
+
+    box_sizes: Vec  # the destination box's sizes per canonical dim (1 where no dim walks)
+    dst_span: Vec  # per destination canonical dim: how far the copy walks it (extent - 1)
+    src_span: Vec  # likewise per source canonical dim; () for a constant source
+    src_dim: Vec  # per destination canonical dim: the source canonical dim feeding it (-1: none)
+
+
+_BOX_COPIES: Dict[tuple, Optional[_BoxCopy]] = {}
+
+
+def _walked_dims(canon: Vec, strides: Sequence[int], broadcast: bool) -> Optional[List[int]]:
+    """The canonical dim each stride walks one step at a time (its mixed-radix digits are a unit
+    vector; -1 for a broadcast stride where allowed), each at most once; else None."""
+    dims: List[int] = []
+    for s in strides:
+        e = -1 if broadcast and s == 0 else unit_dim(unravel(s, canon))
+        if e is None or (e >= 0 and e in dims):
+            return None
+        dims.append(e)
+    return dims
+
+
+def _box_copy(dst_canon: Vec, sizes: Vec, d_str: Vec, src_canon: Optional[Vec], s_str: Optional[Vec]
+              ) -> Optional[_BoxCopy]:
+    """The copy's geometry when both views are boxes, else None; cached, since a model's
+    ~45k copies per rank come in a few dozen geometries."""
+    key = (dst_canon, sizes, d_str, src_canon, s_str)
+    try:
+        return _BOX_COPIES[key]
+    except KeyError:
+        pass
+    keep = [k for k, n in enumerate(sizes) if n != 1]
+    dims = _walked_dims(dst_canon, [d_str[k] for k in keep], broadcast=False)
+    src_dims = None if src_canon is None else _walked_dims(src_canon, [s_str[k] for k in keep], broadcast=True)
+    copy = None
+    if dims is not None and (src_canon is None or src_dims is not None):
+        box_sizes, src_dim = [1] * len(dst_canon), [-1] * len(dst_canon)
+        src_span = [0] * len(src_canon or ())
+        for j, (k, e) in enumerate(zip(keep, dims)):
+            box_sizes[e] = sizes[k]
+            if src_dims is not None and src_dims[j] >= 0:
+                src_dim[e] = src_dims[j]
+                src_span[src_dims[j]] = sizes[k] - 1
+        copy = _BoxCopy(tuple(box_sizes), tuple(n - 1 for n in box_sizes), tuple(src_span), tuple(src_dim))
+    _BOX_COPIES[key] = copy
+    return copy
+
+
 _VIEW_FREE_CREATE = {
     aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
     aten.new_empty_strided.default,
@@ -262,10 +328,8 @@ class LoadRecorder(TorchDispatchMode):
 
     def add_leaf(self, name: str, t: torch.Tensor) -> None:
         p = self.register(t, "leaf", tuple(t.shape) if t.dim() else (1,))
-        eye = tuple(tuple(int(r == c) for c in range(len(p.canon))) for r in range(t.dim()))
-        if t.dim() == 0:  # a 0-d leaf is stored as shape (1,): its single coordinate maps to nothing
-            eye = ()
-        p.add(Entry(Box.full(p.canon), Leaf(name, (0,) * t.dim(), eye)))
+        # a 0-d leaf is stored as shape (1,): its single coordinate maps to nothing
+        p.add(Entry(Box((0,) * len(p.canon), p.canon), Leaf(name, (0,) * t.dim(), _identity(t.dim()))))
         self.leaves[name] = t
 
     def register_module_tensors(self, model: torch.nn.Module) -> None:
@@ -431,10 +495,11 @@ class LoadRecorder(TorchDispatchMode):
             src = Leaf(name, l0, L)
         p.add(Entry(Box(off, size), src))
 
-    def transfer(self, dst: Tuple[int, Sequence[int], Sequence[int]], dst_p: StorageProv,
-                 src: Optional[torch.Tensor] = None, src_geom=None, fixed: Optional[Source] = None) -> None:
+    def transfer(self, dst: Tuple[int, Vec, Vec], dst_p: StorageProv, src: Optional[torch.Tensor] = None,
+                 src_geom: Optional[Tuple[int, Vec]] = None, fixed: Optional[Source] = None) -> None:
         """Write into the view ``dst`` = (offset, sizes, strides) of ``dst_p``: from the view
-        ``src_geom`` = (offset, strides) of ``src`` (iterating ``sizes``), or the constant ``fixed``."""
+        ``src_geom`` = (offset, strides) of ``src`` (iterating ``sizes``), or the constant ``fixed``.
+        Sizes and strides are tuples (the box fast path caches by them)."""
         d_off, sizes, d_str = dst
         if any(n == 0 for n in sizes):
             return
@@ -445,6 +510,8 @@ class LoadRecorder(TorchDispatchMode):
                 self.not_affine.append("dtype view of a tracked storage")
                 self._mark_opaque_geom(dst_p, dst, Opaque("dtype-view", self.deps(src)))
                 return
+        if self._transfer_box(dst_p, d_off, sizes, d_str, src_p, src_geom, fixed):
+            return
         sides = [(d_off, tuple(d_str), dst_p.canon)]
         if src_p is not None:
             sides.append((src_geom[0], tuple(src_geom[1]), src_p.canon))
@@ -454,6 +521,54 @@ class LoadRecorder(TorchDispatchMode):
         except NotAffine as e:
             self.not_affine.append(str(e))
             self._mark_opaque_geom(dst_p, dst, Opaque("not-affine", self.deps(src) if src is not None else frozenset()))
+
+    def _transfer_box(self, dst_p: StorageProv, d_off: int, sizes: Vec, d_str: Vec, src_p: Optional[StorageProv],
+                      src_geom, fixed: Optional[Source]) -> bool:
+        """The copy nearly every loader makes, at a fraction of the general path's cost: both
+        views are boxes of their storages' canonical shapes that stay inside them (nothing
+        wraps) and the source region lies inside one recorded entry. Adds exactly the entry
+        the general path (``refine``, ``_read``, ``_write``) adds; returns False, having added
+        nothing, otherwise. A 671B model's rank makes ~45k such copies."""
+        canon = dst_p.canon
+        copy = _box_copy(canon, sizes, d_str, None if src_p is None else src_p.canon,
+                         None if src_p is None else src_geom[1])
+        if copy is None:
+            return False
+        x0 = unravel(d_off, canon)
+        for x, span, n in zip(x0, copy.dst_span, canon):
+            if x + span >= n:
+                return False
+        if src_p is None:
+            src = fixed
+            if isinstance(src, tuple):  # ("scalar", leaf, element): one leaf element, broadcast
+                src = Leaf(src[1], src[2], tuple((0,) * len(x0) for _ in src[2]))
+            dst_p.add(Entry(Box(x0, copy.box_sizes), src))
+            return True
+        u0 = unravel(src_geom[0], src_p.canon)
+        u1 = [x + span for x, span in zip(u0, copy.src_span)]  # the last coordinate read, per dim
+        for x, n in zip(u1, src_p.canon):
+            if x >= n:
+                return False
+        entry = None
+        for E in src_p.resolved():
+            inside = True
+            for lo, hi, o, n in zip(u0, u1, E.box.offsets, E.box.sizes):
+                if hi < o or lo >= o + n:
+                    break  # disjoint from E
+                inside = inside and o <= lo and hi < o + n
+            else:
+                if entry is not None or not inside:
+                    return False  # the read spans several entries: the general path splits it
+                entry = E
+        if entry is None:
+            return True  # nothing recorded there: the general path writes nothing either
+        src = entry.src
+        if isinstance(src, Leaf):
+            delta = [a - b for a, b in zip(u0, entry.box.offsets)]
+            l0 = tuple(a + b for a, b in zip(src.l0, matvec(src.L, delta)))
+            src = Leaf(src.name, l0, tuple(tuple(row[f] if f >= 0 else 0 for f in copy.src_dim) for row in src.L))
+        dst_p.add(Entry(Box(x0, copy.box_sizes), src))
+        return True
 
     def _transfer_split(self, dst_p, src_p, sizes, sides, fixed, budget):
         """Refine to affine maps; where a view wraps a canonical dim at a misaligned point,
