@@ -22,6 +22,15 @@ that long before its first update) lets all of them derive their own rank at the
 time on this machine's cores: the wall time from that common start until the last rank's
 record is written, then the assembly in the parent (``first, assemble``).
 
+``--floor`` measures what one rank's derivation is made of against what SGLang's own code
+costs with nothing recorded, in CPU seconds (best of ``--repeat``, the phases interleaved, so
+that this machine's drifting speed hits all alike): the checkpoint layout, the model built
+on meta as the rank, SGLang's ``load_weights`` on meta with no dispatch mode, the same under
+a ``TorchDispatchMode`` that records nothing (what any recording mode pays before it records
+anything), and ``derive_rank`` (the same load under ``LoadRecorder``, post-load processing,
+describe). From these it prints the least time T ranks can take on this machine's cores
+with nothing recorded: T x (layout + build + load under the mode) / cores.
+
 The full config is used except its yarn rope scaling (SGLang's yarn rotary asks for an
 accelerator at construction; rotary embeddings hold no checkpoint weights). Runs on
 SGLang's default platform (the loaders' CUDA branches) with the test helpers'
@@ -31,6 +40,7 @@ SGLang's default platform (the loaders' CUDA branches) with the test helpers'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -135,11 +145,84 @@ def _concurrent(args, work: Path, parallel) -> None:
                               assemble_s=round(assemble_s, 3), ready_s=round(max(ends) + assemble_s, 2))))
 
 
+def _floor(args, model_config) -> None:
+    """One rank's derivation against SGLang's own cost with nothing recorded (see the module's text)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sglang.srt.weight_sync import derived_targets
+    from sglang.srt.weight_sync.sglang_compat import original_hf_config
+    from sglang.srt.weight_sync.target_layout import paused_gc
+
+    class RecordsNothing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    rank = min(1, args.tp - 1)
+    hf_config = original_hf_config(model_config)
+    checkpoint = derived_targets.checkpoint_layout(hf_config)
+
+    def cpu(fn) -> float:
+        gc.collect()  # the models of earlier phases, outside the timer
+        with paused_gc():
+            start = time.process_time()
+            fn()
+            return time.process_time() - start
+
+    def load(mode):
+        with derived_targets.as_engine_rank(rank):
+            model = derived_targets.build_meta_model(model_config)
+            leaves = [(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in checkpoint.tensors]
+            with torch.no_grad(), (mode or contextlib.nullcontext()):
+                return cpu(lambda: model.load_weights(iter(leaves)))
+
+    def derive():
+        with derived_targets.as_engine_rank(rank):
+            model = derived_targets.build_meta_model(model_config)
+            return cpu(lambda: derived_targets.derive_rank(model, checkpoint))
+
+    def build():
+        with derived_targets.as_engine_rank(rank):
+            return cpu(lambda: derived_targets.build_meta_model(model_config))
+
+    phases = {
+        "checkpoint layout (the HF model on meta)": lambda: cpu(lambda: derived_targets.checkpoint_layout(hf_config)),
+        "model built on meta as the rank": build,
+        "SGLang's load_weights on meta, no dispatch mode": lambda: load(None),
+        "the same under a TorchDispatchMode that records nothing": lambda: load(RecordsNothing()),
+        "derive_rank: the same under LoadRecorder, post-load, describe": derive,
+    }
+    seconds = {name: [] for name in phases}
+    for _ in range(args.repeat):
+        for name, phase in phases.items():
+            seconds[name].append(phase())
+    best = {name: min(s) for name, s in seconds.items()}
+    names = list(phases)
+    unrecorded = best[names[0]] + best[names[1]] + best[names[3]]
+    cores = len(os.sched_getaffinity(0))
+    print(f"DeepSeek-V3-671B, TP {args.tp}, MoE EP {args.ep}, engine rank {rank}: CPU seconds, best of "
+          f"{args.repeat}, phases interleaved")
+    print("| phase | CPU s | all runs |")
+    print("|---|---|---|")
+    for name in names:
+        print(f"| {name} | {best[name]:.2f} | {', '.join(f'{x:.2f}' for x in seconds[name])} |")
+    print(f"{args.tp} ranks on {cores} cores with nothing recorded take at least {args.tp} x {unrecorded:.2f} / "
+          f"{cores} = {args.tp * unrecorded / cores:.1f} s; with our derivation, {args.tp} x "
+          f"{best[names[0]] + best[names[1]] + best[names[4]]:.2f} / {cores} = "
+          f"{args.tp * (best[names[0]] + best[names[1]] + best[names[4]]) / cores:.1f} s")
+    if args.json:
+        print(json.dumps(dict(tp=args.tp, ep=args.ep, rank=rank, cores=cores, repeat=args.repeat,
+                              best_cpu_s={n: round(v, 3) for n, v in best.items()},
+                              all_ranks_unrecorded_floor_s=round(args.tp * unrecorded / cores, 2))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--concurrent", action="store_true", help="one process per rank, all deriving at once")
+    parser.add_argument("--floor", action="store_true", help="one rank's phases against SGLang's unrecorded cost")
+    parser.add_argument("--repeat", type=int, default=3, help="with --floor: runs of each phase")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -155,9 +238,9 @@ def main() -> None:
 
     par = get_parallel()
     parallel = EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size)
-    if args.concurrent:
+    if args.concurrent or args.floor:
         try:
-            _concurrent(args, work, parallel)
+            (_concurrent(args, work, parallel) if args.concurrent else _floor(args, model_config))
         finally:
             installed.restore()
         return

@@ -28,7 +28,9 @@ Two platform modes, each run in its own subprocess because SGLang reads
 * ``default``: no CPU engine. The loaders take their generic (CUDA) branches:
   plain ``narrow``; FusedMoE without padded loading, default runner (triton
   layout). Only ``RotaryEmbedding.__init__`` imports ``vllm._custom_ops`` on such a
-  platform; a module with that name is provided (its function is never called).
+  platform; a module with that name is provided (its function is never called). SGLang
+  0.5.10.post1's model modules import ``sgl_kernel`` on every platform: the import-only
+  stand-in below serves here too.
 * ``cpu``: ``SGLANG_USE_CPU_ENGINE=1`` with the pure-torch ``sgl_kernel`` stand-in
   (``test/support/sgl_kernel``). Loaders take their CPU branches (``narrow_padded_param_and_loaded_weight``,
   FusedMoE ``use_padded_loading``), and the HF config is first passed through
@@ -178,20 +180,59 @@ def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1, **server_arg
     """Publish a dummy SGLang config for TP ``tp_size`` / EP ``moe_ep_size`` (plus any other
     ``server_args`` fields) and act as ``rank`` with placement-only groups (the same
     ``as_engine_rank`` the engine uses to derive its targets)."""
-    from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.weight_sync.derived_targets import as_engine_rank
+    from sglang.srt.weight_sync.sglang_compat import parallel_widths, tp_state
 
-    installed = get_context().override_server_args(tp_size=tp_size, ep_size=moe_ep_size, **server_args)
-    installed.install()
-    try:
-        parallel = get_parallel()
-        assert (parallel.attn_tp_size, parallel.moe_ep_size, parallel.moe_tp_size) == (
-            tp_size, moe_ep_size, tp_size // moe_ep_size)
+    with published_layout(tp_size, moe_ep_size, server_args):
+        assert parallel_widths() == (tp_size, tp_size, moe_ep_size, 1, 1, 1), parallel_widths()
         with as_engine_rank(rank):
-            assert parallel.tp_rank == rank and parallel.pp_rank == 0
+            assert tp_state().rank == rank
             yield
-    finally:
-        installed.restore()
+
+
+@contextmanager
+def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
+    """What a launched engine has published before it builds its model, as a dummy: 0.5.23's
+    ``override_server_args`` (SGLang's own test helper); on older releases, server args with
+    their defaults (no ``__post_init__``, which inspects a real model) and placement-only
+    groups of these widths in the ``parallel_state`` and ``dp_attention`` globals."""
+    try:
+        from sglang.srt.runtime_context import get_context
+    except ImportError:
+        pass
+    else:
+        installed = get_context().override_server_args(tp_size=tp_size, ep_size=moe_ep_size, **server_args)
+        installed.install()
+        try:
+            yield
+        finally:
+            installed.restore()
+        return
+    import dataclasses
+
+    from sglang.srt import server_args as server_args_module
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.weight_sync.derived_targets import PlacementGroup
+    from sglang.srt.weight_sync.sglang_compat import module_globals
+
+    args = object.__new__(server_args_module.ServerArgs)
+    for f in dataclasses.fields(args):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        setattr(args, f.name, None if default is dataclasses.MISSING else default)
+    for name, value in dict(server_args, tp_size=tp_size, ep_size=moe_ep_size).items():
+        setattr(args, name, value)
+    published = {
+        server_args_module: dict(_global_server_args=args),
+        parallel_state: dict(_TP=PlacementGroup(0, tp_size), _ATTN_TP=PlacementGroup(0, tp_size),
+                             _ATTN_CP=PlacementGroup(0, 1), _MOE_DP=PlacementGroup(0, 1),
+                             _MOE_EP=PlacementGroup(0, moe_ep_size),
+                             _MOE_TP=PlacementGroup(0, tp_size // moe_ep_size), _PP=PlacementGroup(0, 1)),
+        dp_attention: dict(_ATTN_DP_SIZE=1, _LOCAL_ATTN_DP_SIZE=1, _ATTN_DP_RANK=0, _LOCAL_ATTN_DP_RANK=0,
+                           _ENABLE_DP_ATTENTION_FLAG=False),
+    }
+    with module_globals(published):
+        yield
 
 
 def _provide_vllm_rotary_import() -> None:
@@ -245,9 +286,13 @@ def _save_checkpoint(spec: dict, directory: Path) -> dict:
 def sglang_model_config(directory: Path, mode: str, tp_size: int):
     """SGLang's own ModelConfig for the checkpoint, adjusted as ModelRunner does on CPU; and the
     config keys that adjustment changed."""
+    from sglang.srt.configs import model_config as model_config_module
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
 
+    # as a freshly launched engine: SGLang caches get_config's result, and on 0.5.12 that object is
+    # ModelConfig's hf_config, which the CPU adjustment below pads in place for the next case to see
+    model_config_module.get_config.cache_clear()
     model_config = ModelConfig(model_path=str(directory))
     changes = {}
     if mode == "cpu":
@@ -284,12 +329,12 @@ def _computed(model) -> Dict[str, torch.Tensor]:
 
 
 def _load(model, full) -> None:
-    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.weight_sync.sglang_compat import after_load
 
     model.load_weights(iter(full.items()))
     # What DefaultModelLoader.load_model does next: each quant method's post-load processing
     # (repacking would change the in-memory layout that weight updates write into).
-    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    after_load(model)
 
 
 def load_rank(model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
@@ -308,11 +353,11 @@ def load_rank(model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = 
 
 def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[str, str]:
     """Write the parameters SGLang loads from other weights (``2 * full``) in place, as an update
-    does, then run SGLang's refresh (``derived_targets.refresh_after_update``, then
-    ``end_weight_update``'s post-load): each computed tensor must equal a fresh load's and keep
-    its storage. Returns the problems by tensor name."""
-    from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+    does, then run SGLang's refresh (``derived_targets.refresh_after_update``, then what follows
+    an update on this release, ``sglang_compat.after_update``): each computed tensor must equal
+    a fresh load's and keep its storage. Returns the problems by tensor name."""
     from sglang.srt.weight_sync.derived_targets import refresh_after_update
+    from sglang.srt.weight_sync.sglang_compat import after_update
 
     fresh = _build(model_config)
     _load(fresh, {n: 2 * t for n, t in full.items()})
@@ -322,8 +367,7 @@ def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[st
         for name, p in model.named_parameters():
             p.data.copy_(new[name])
         refresh_after_update(model)
-        post_load_weights(model)
-        DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+        after_update(model)
     expected, problems = _computed(fresh), {}
     for name, t in _computed(model).items():
         if name in storages and t.untyped_storage().data_ptr() != storages[name]:
@@ -398,11 +442,10 @@ def worker_env(mode: str) -> Dict[str, str]:
     env["TRANSFORMERS_VERBOSITY"] = "error"
     if mode == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        path.insert(0, str(STUBS))
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join(path)
-    else:
-        env.pop("PYTHONPATH", None)
+    # the sgl_kernel stand-in on both platforms: SGLang 0.5.10.post1's model modules import
+    # sgl_kernel at module level on every platform (it only lets imports succeed; the platform
+    # is SGLANG_USE_CPU_ENGINE's)
+    env["PYTHONPATH"] = os.pathsep.join([str(STUBS)] + path)
     return env
 
 

@@ -38,23 +38,21 @@ def _worker(workdir: Path) -> dict:
     sglang_fakes._provide_vllm_rotary_import()
     import transformers
 
+    from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.runtime_context import get_context
+    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
     from sglang.srt.weight_sync import target_cache
     from sglang.srt.weight_sync.derived_targets import RankTargets, checkpoint_layout, derive_engine_rank
+    from sglang.srt.weight_sync.sglang_compat import original_hf_config
 
     def save(name, **changes):
         kwargs = {**TINY, **changes}
         transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs).save_pretrained(workdir / name)
         return ModelConfig(model_path=str(workdir / name))
 
-    def key_with(model_config, **server_args):
-        installed = get_context().override_server_args(**{"tp_size": 2, "ep_size": 1, **server_args})
-        installed.install()
-        try:
+    def key_with(model_config, tp_size=2, ep_size=1, **server_args):
+        with sglang_fakes.published_layout(tp_size, ep_size, server_args):
             return target_cache.cache_key(model_config)
-        finally:
-            installed.restore()
 
     facts = {}
     os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")
@@ -62,10 +60,8 @@ def _worker(workdir: Path) -> dict:
     logging.getLogger(target_cache.__name__).addHandler(
         type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.getMessage())})(logging.WARNING))
     model_config = save("model")
-    installed = get_context().override_server_args(tp_size=2, ep_size=1)
-    installed.install()
-    try:
-        checkpoint = checkpoint_layout(target_cache._original_hf_config(model_config))
+    with sglang_fakes.published_layout(2, 1, {}):
+        checkpoint = checkpoint_layout(original_hf_config(model_config))
         generic = [derive_engine_rank(model_config, checkpoint, r) for r in range(2)]
         records = [target_cache.own_rank_record(model_config, r) for r in range(2)]
         facts["records_equal_generic"] = [RankTargets.from_builtins(records[r]["derived"]) == generic[r]
@@ -116,15 +112,25 @@ def _worker(workdir: Path) -> dict:
         rederived = target_cache.own_rank_record(model_config, 0)
         facts["torn_entry_rederived"] = RankTargets.from_builtins(rederived["derived"]) == generic[0]
         facts["torn_entry_warned"] = any("unreadable target cache" in w for w in warnings)
-    finally:
-        installed.restore()
+
+        # a CPU engine pads heads that do not divide T in ModelConfig's HF config, in place (on 0.5.12
+        # that object is the one SGLang's get_config caches): the checkpoint still has the original shapes
+        transformers.AutoConfig.for_model(
+            "llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=1, vocab_size=500,
+            num_attention_heads=8, num_key_value_heads=2, intermediate_size=128).save_pretrained(workdir / "padded")
+        padded = ModelConfig(model_path=str(workdir / "padded"), trust_remote_code=False)  # as the engine's args
+        key_before = target_cache.cache_key(padded)
+        adjust_config_with_unaligned_cpu_tp(padded, LoadConfig(), 4)
+        facts["padding"] = dict(engine=padded.hf_config.num_attention_heads,
+                                original=original_hf_config(padded).num_attention_heads,
+                                key_changes=target_cache.cache_key(padded) != key_before)
 
     base = key_with(model_config)
     facts["keys"] = {
         "same": key_with(model_config) == base,
         "port and log level": key_with(model_config, port=31234, log_level="debug") == base,
         "config": key_with(save("deeper", num_hidden_layers=3)) == base,
-        "loading server arg": key_with(model_config, enforce_shared_experts_fusion=True) == base,
+        "loading server arg": key_with(model_config, disable_shared_experts_fusion=True) == base,
         "tp size": key_with(model_config, tp_size=4) == base,
         "ep size": key_with(model_config, ep_size=2) == base,
     }
@@ -165,6 +171,12 @@ def test_a_failing_rank_joins_the_exchange_and_every_rank_refuses(facts):
 
 def test_a_torn_disk_entry_is_derived_again(facts):
     assert facts["torn_entry_warned"] and facts["torn_entry_rederived"]
+
+
+def test_the_checkpoint_layout_comes_from_the_config_on_disk_after_cpu_padding(facts):
+    """SGLang's CPU engine pads 8 heads to 16 at TP 4 in place; the derivation still describes the
+    checkpoint's 8 (the key changes only because the engine's adjusted config is part of it)."""
+    assert facts["padding"] == {"engine": 16, "original": 8, "key_changes": True}
 
 
 def test_cache_key_follows_what_derivation_depends_on(facts):

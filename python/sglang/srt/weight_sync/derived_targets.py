@@ -17,15 +17,15 @@ checkpoint tensors (DeepSeek MLA's ``w_kc``/``w_vc``) are listed in
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque
+from sglang.srt.weight_sync.sglang_compat import after_load, after_update, as_tp_rank
 from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece, paused_gc
 from sglang.srt.weight_sync.view_geometry import unit_dim
 
@@ -86,27 +86,10 @@ class PlacementGroup:
                              "building the model on meta needed a real process group")
 
 
-@contextmanager
-def as_engine_rank(rank: int) -> Iterator[None]:
-    """Act as TP ``rank`` of the published engine layout, with SGLang's own rank formulas."""
-    from sglang.srt.runtime_context import derive_attention_ranks, derive_spawn_ranks, get_parallel
-
-    par = get_parallel()
-    if par.pp_size != 1 or par.attn_cp_size != 1 or par.moe_dp_size != 1:
-        raise ValueError(f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
-                         f"{par.pp_size}, {par.attn_cp_size}, {par.moe_dp_size}")
-    tp, attn_tp, ep = par.tp_size, par.attn_tp_size, par.moe_ep_size
-    ranks = derive_spawn_ranks(world_rank=rank, tp_size=tp, ep_join_rank_offset=0, attn_cp_size=1,
-                               attn_tp_size=attn_tp, moe_dp_size=1, moe_ep_size=ep)
-    attn_tp_rank, attn_dp_rank = derive_attention_ranks(tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1)
-    groups = dict(
-        tp_group=PlacementGroup(rank, tp), attn_tp_group=PlacementGroup(attn_tp_rank, attn_tp),
-        moe_ep_group=PlacementGroup(ranks["moe_ep_rank"], ep),
-        moe_tp_group=PlacementGroup(ranks["moe_tp_rank"], tp // ep), moe_dp_group=PlacementGroup(0, 1),
-        attn_cp_group=PlacementGroup(0, 1), pp_group=PlacementGroup(0, 1),
-    )
-    with par.override(**ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups):
-        yield
+def as_engine_rank(rank: int):
+    """Act as TP ``rank`` of the published engine layout, with SGLang's own rank formulas and
+    placement-only groups (each release's way: ``sglang_compat.as_tp_rank``)."""
+    return as_tp_rank(rank, PlacementGroup)
 
 
 def build_meta_model(model_config, load_config=None) -> torch.nn.Module:
@@ -185,10 +168,8 @@ PIECE_FIELDS = 5  # tensor, box, index, offsets, perm (-1: identity)
 def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTargets:
     """Run ``model.load_weights`` and the loader's post-load processing on meta checkpoint
     tensors under the recorder and describe what every tensor of the model now holds; then
-    run what follows an update (``refresh_after_update`` and ``end_weight_update``'s
-    post-load) to see which computed tensors SGLang refreshes in place."""
-    from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
-
+    run what follows an update (``refresh_after_update``, then ``sglang_compat.after_update``)
+    to see which computed tensors SGLang refreshes in place."""
     with paused_gc():
         rec = LoadRecorder()
         rec.register_module_tensors(model)
@@ -200,12 +181,11 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
             leaves.append((name, leaf))
         with torch.no_grad(), rec:
             model.load_weights(iter(leaves))
-            DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+            after_load(model)
             computed = _computed_tensors(model, rec)
             writes = {n: len(rec.prov(t).entries) for n, (t, _) in computed.items()}
             refresh_after_update(model)
-            post_load_weights(model)
-            DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+            after_update(model)
         refreshed = {n for n, (t, _) in computed.items()
                      if _lookup(model, n) is t and len(rec.prov(t).entries) > writes[n]}
         return _describe(model, rec, before, computed, refreshed)

@@ -37,7 +37,7 @@ from sglang.srt.weight_sync.delivery import (
 from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
-from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
+from sglang.srt.weight_sync.sglang_compat import after_update, field_names, subclass_with_field, tp_state
 from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
@@ -172,9 +172,26 @@ def as_tensor_request(obj, tp_size: int):
 
 def update_from_payload(model: torch.nn.Module, model_config, own_payload) -> Tuple[bool, str]:
     """The whole engine side on releases whose model runner is the only hook (0.5.10, 0.5.12):
-    it hands over this rank's control payload; the scheduler flushes the cache as for any update."""
+    it hands over this rank's control payload; the scheduler flushes the cache as for any update.
+    These releases have no weight-update session whose end would run the model's post-load
+    fixups (MLA's w_kc/w_vc from kv_b_proj), so an update that wrote parameters runs them here,
+    as the derived targets saw them run (``sglang_compat.after_update``)."""
     recv_req = _control_request(lambda: own_payload, {})
-    return apply_shards(model, model_config, receive_shards(recv_req), recv_req)
+    received = receive_shards(recv_req)
+    success, message = apply_shards(model, model_config, received, recv_req)
+    if not success or received.payload.kind == "describe":
+        return success, message
+    try:
+        with torch.no_grad():
+            after_update(model)
+    except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
+        logger.exception("engine rank %d: the post-load fixups after a distributed weight update failed",
+                         tp_state().rank)
+        return False, (f"distributed weight update FAILED after writes on engine rank {tp_state().rank}: the "
+                       f"model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters new, "
+                       "tensors computed from them old); generation is refused until a distributed weight "
+                       "update succeeds")
+    return success, message
 
 
 def _control_request(read_control, common: dict):

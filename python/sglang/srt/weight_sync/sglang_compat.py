@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from dataclasses import dataclass
-from typing import Any, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 
 @dataclass(frozen=True)
@@ -24,29 +25,165 @@ class TpState:
     device_group: Any
 
 
+def _has_runtime_context() -> bool:
+    """0.5.23 keeps ranks, groups and server args in ``runtime_context``; older releases in
+    ``parallel_state``/``dp_attention`` module globals and ``get_global_server_args()``."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+
+
 def tp_state() -> TpState:
     """0.5.23 publishes ranks and groups in ``runtime_context.get_parallel()``; older releases
     through ``parallel_state`` and ``dp_attention`` getters."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-    except ImportError:
+    if not _has_runtime_context():
         from sglang.srt.distributed.parallel_state import get_moe_expert_parallel_world_size, get_tp_group
         from sglang.srt.layers.dp_attention import get_attention_tp_size
 
         group = get_tp_group()
         return TpState(group.rank_in_group, group.world_size, get_attention_tp_size(),
                        get_moe_expert_parallel_world_size(), group.cpu_group, group.device_group)
+    from sglang.srt.runtime_context import get_parallel
+
     par = get_parallel()
     return TpState(par.tp_rank, par.tp_size, par.attn_tp_size, par.moe_ep_size,
                    par.tp_group.cpu_group, par.tp_group.device_group)
 
 
-def loader_derivation_available() -> bool:
-    """Deriving targets from SGLang's loaders (``derived_targets``) rebuilds the model as each
-    TP rank through 0.5.23's ``runtime_context``; older releases have no such switch."""
-    import importlib.util
+def parallel_widths() -> Tuple[int, int, int, int, int, int]:
+    """This engine's (tp, attention tp, MoE ep, pp, attention cp, MoE dp) sizes; read without
+    touching a group's communicators, which a test's stand-in groups do not have."""
+    if _has_runtime_context():
+        from sglang.srt.runtime_context import get_parallel
 
-    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+        par = get_parallel()
+        return par.tp_size, par.attn_tp_size, par.moe_ep_size, par.pp_size, par.attn_cp_size, par.moe_dp_size
+    from sglang.srt.distributed import parallel_state as ps
+
+    return (ps.get_tp_group().world_size, ps.get_attn_tp_group().world_size, ps.get_moe_ep_group().world_size,
+            ps.get_pp_group().world_size, ps.get_attn_cp_group().world_size, ps.get_moe_dp_group().world_size)
+
+
+@contextlib.contextmanager
+def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
+    """This process as TP ``rank`` of its engine's layout while a model is built and loaded on
+    meta: every rank SGLang's layers read is ``rank``'s, from SGLang's own formulas, and every
+    group is ``group(rank_in_group, world_size)``, a stand-in that carries placement only.
+    0.5.23 overrides its ``runtime_context``; older releases swap the ``parallel_state`` and
+    ``dp_attention`` module globals their getters read, restored on exit. Either way it holds
+    for the whole process, so it runs where the scheduler does nothing else (an update)."""
+    tp, attn_tp, ep, pp, attn_cp, moe_dp = parallel_widths()
+    if (pp, attn_cp, moe_dp) != (1, 1, 1):
+        raise ValueError(f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
+                         f"{pp}, {attn_cp}, {moe_dp}")
+    if _has_runtime_context():
+        from sglang.srt.runtime_context import derive_attention_ranks, derive_spawn_ranks, get_parallel
+
+        ranks = derive_spawn_ranks(world_rank=rank, tp_size=tp, ep_join_rank_offset=0, attn_cp_size=1,
+                                   attn_tp_size=attn_tp, moe_dp_size=1, moe_ep_size=ep)
+        attn_tp_rank, attn_dp_rank = derive_attention_ranks(tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1)
+        groups = dict(
+            tp_group=group(rank, tp), attn_tp_group=group(attn_tp_rank, attn_tp),
+            moe_ep_group=group(ranks["moe_ep_rank"], ep), moe_tp_group=group(ranks["moe_tp_rank"], tp // ep),
+            moe_dp_group=group(0, 1), attn_cp_group=group(0, 1), pp_group=group(0, 1),
+        )
+        with get_parallel().override(**ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups):
+            yield
+        return
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    attn_tp_rank, _, attn_dp_rank = dp_attention.compute_dp_attention_world_info(
+        args.enable_dp_attention, rank, tp, args.dp_size)
+    _, _, local_attn_dp_rank = dp_attention.compute_dp_attention_local_info(
+        args.enable_dp_attention, rank, tp, args.dp_size, args.moe_dense_tp_size)
+    moe_tp = tp // ep  # initialize_model_parallel: MoE-TP groups are runs of moe_tp ranks, MoE-EP groups strided
+    swapped = {
+        parallel_state: dict(_TP=group(rank, tp), _ATTN_TP=group(attn_tp_rank, attn_tp), _ATTN_CP=group(0, 1),
+                             _MOE_DP=group(0, 1), _MOE_EP=group(rank // moe_tp, ep), _MOE_TP=group(rank % moe_tp, moe_tp),
+                             _PP=group(0, 1)),
+        dp_attention: dict(_ATTN_DP_RANK=attn_dp_rank, _LOCAL_ATTN_DP_RANK=local_attn_dp_rank),
+    }
+    with module_globals(swapped):
+        yield
+
+
+@contextlib.contextmanager
+def module_globals(values: Dict[Any, Dict[str, Any]]) -> Iterator[None]:
+    """Module globals set to ``{module: {name: value}}`` for the block, then restored: where
+    releases before 0.5.23 keep parallel state and server args."""
+    saved = {module: {name: getattr(module, name) for name in names} for module, names in values.items()}
+    try:
+        for module, names in values.items():
+            for name, value in names.items():
+                setattr(module, name, value)
+        yield
+    finally:
+        for module, names in saved.items():
+            for name, value in names.items():
+                setattr(module, name, value)
+
+
+def server_args_dict() -> Dict[str, Any]:
+    """The engine's server args as resolved at launch, by field name."""
+    if _has_runtime_context():
+        from sglang.srt.runtime_context import get_context
+
+        return dict(get_context().resolved_server_args_dict())
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+
+
+def original_hf_config(model_config):
+    """The model's HF config as on disk, by SGLang's own ``get_config`` past its cache: the CPU
+    engine pads heads in ``model_config.hf_config`` in place, and on 0.5.12 that object is the
+    one ``get_config`` caches, while a trainer's checkpoint has the original shapes.
+    ``get_config`` moved in 0.5.12; 0.5.10.post1's takes no ``model_config_parser``."""
+    try:
+        from sglang.srt.utils.hf_transformers.config import get_config
+    except ImportError:
+        from sglang.srt.utils.hf_transformers_utils import get_config
+    uncached = getattr(get_config, "__wrapped__", get_config)
+    kwargs = dict(revision=model_config.revision, model_override_args=model_config.model_override_args)
+    if "model_config_parser" in inspect.signature(uncached).parameters:
+        kwargs["model_config_parser"] = model_config.model_config_parser
+    return uncached(model_config.model_path, trust_remote_code=bool(server_args_dict().get("trust_remote_code")),
+                    **kwargs)
+
+
+def after_load(model) -> None:
+    """What SGLang's default loader runs after ``model.load_weights``: each quant method's
+    post-load processing (0.5.23: ``DefaultModelLoader.postprocess_weights``; older releases
+    run the same loop inside ``load_weights_and_postprocess``, which also loads)."""
+    import torch
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    if hasattr(DefaultModelLoader, "postprocess_weights"):
+        DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+        return
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)
+
+
+def after_update(model) -> None:
+    """What follows an update that wrote parameters in place, bypassing ``load_weights``.
+    0.5.23: ``end_weight_update`` (the model's post-load fixups, then each quant method's
+    post-processing). Older releases have no session: their own tensor update goes through
+    ``model.load_weights``, which runs the model's post-load fixups itself (MLA's w_kc/w_vc), so
+    a distributed update runs those (``engine_update.update_from_payload``) and nothing more."""
+    if _has_runtime_context():
+        from sglang.srt.model_loader.loader import post_load_weights
+
+        post_load_weights(model)
+        after_load(model)
+    elif hasattr(model, "post_load_weights"):
+        model.post_load_weights()
 
 
 def field_names(cls) -> Tuple[str, ...]:

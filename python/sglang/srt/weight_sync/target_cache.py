@@ -31,8 +31,8 @@ from sglang.srt.weight_sync.derived_targets import (
     checkpoint_layout,
     derive_engine_rank,
 )
-from sglang.srt.weight_sync.sglang_compat import loader_derivation_available, tp_state
-from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, paused_gc
+from sglang.srt.weight_sync.sglang_compat import original_hf_config, parallel_widths, server_args_dict
+from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,8 @@ def engine_derived_targets(model_config, rank: int, exchange: Exchange) -> Deriv
     its own rank and all join ``exchange``, even a rank whose derivation failed (its
     error travels instead, and every rank raises it), so no rank is left waiting.
     """
-    if not loader_derivation_available():
-        return _rule_targets(model_config)
-    from sglang.srt.runtime_context import get_parallel
-
-    par = get_parallel()
-    memory_key = (id(model_config), par.tp_size, par.attn_tp_size, par.moe_ep_size)
+    tp, attn_tp, ep = parallel_widths()[:3]
+    memory_key = (id(model_config), tp, attn_tp, ep)
     cached = _memory.get(memory_key)
     if cached is not None:
         return cached
@@ -78,7 +74,7 @@ def engine_derived_targets(model_config, rank: int, exchange: Exchange) -> Deriv
     errors = [r["error"] for r in records if "error" in r]
     if errors:
         raise ValueError("; ".join(errors))
-    targets = assemble(EngineParallel(par.tp_size, par.attn_tp_size, par.moe_ep_size), records)
+    targets = assemble(EngineParallel(tp, attn_tp, ep), records)
     _memory[memory_key] = targets
     return targets
 
@@ -88,15 +84,12 @@ def own_rank_record(model_config, rank: int) -> dict:
     path = cache_dir() / cache_key(model_config) / f"tp{rank}.json"
     record = _read(path)
     if record is None:
-        from sglang.srt.runtime_context import get_parallel
-
-        par = get_parallel()
         logger.info("weight sync: engine rank %d derives its targets of %s (TP %d, attention TP %d, MoE EP %d) "
                     "from SGLang's loaders on meta tensors; cached as %s", rank, model_config.model_path,
-                    par.tp_size, par.attn_tp_size, par.moe_ep_size, path)
+                    *parallel_widths()[:3], path)
         start = time.perf_counter()
         with paused_gc():  # ~1M small objects: the collector's full passes cost 0.5-0.7 s and free nothing
-            checkpoint = checkpoint_layout(_original_hf_config(model_config))
+            checkpoint = checkpoint_layout(original_hf_config(model_config))
             derived = derive_engine_rank(model_config, checkpoint, rank)
             record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
             if rank == 0:  # the checkpoint's names and shapes: every rank gets rank 0's record
@@ -122,26 +115,6 @@ def assemble(parallel: EngineParallel, records: Sequence[dict]) -> DerivedTarget
         return DerivedTargets.of_ranks(parallel, ranks, shapes, checkpoint["aliases"])
 
 
-def _rule_targets(model_config) -> DerivedTargets:
-    """Older SGLang releases (0.5.12, 0.5.10.post1), where the loaders cannot be rebuilt per TP
-    rank: the hand-written rules' targets (Llama, Qwen2, Qwen3, Qwen3-MoE; others refused)."""
-    tp = tp_state()
-    rules = model_targets_from_config(model_config.hf_config, EngineParallel(tp.size, tp.attn_tp_size, tp.moe_ep_size))
-    per_rank = tuple(tuple(rules.for_rank(r)) for r in range(tp.size))
-    return DerivedTargets(rules.parallel, per_rank, rules.tensor_shapes(), dict(rules.aliases))
-
-
-def _original_hf_config(model_config):
-    """The config as on disk: the CPU engine pads heads in ``model_config.hf_config``, but the
-    checkpoint a trainer sends has the original shapes. SGLang's own (cached) ``get_config``."""
-    from sglang.srt.runtime_context import get_context
-    from sglang.srt.utils.hf_transformers.config import get_config
-
-    return get_config(model_config.model_path, trust_remote_code=get_context().server_args.trust_remote_code,
-                      revision=model_config.revision, model_override_args=model_config.model_override_args,
-                      model_config_parser=model_config.model_config_parser)
-
-
 @lru_cache(maxsize=None)
 def _versions() -> Tuple[str, ...]:
     from importlib.metadata import version
@@ -151,15 +124,12 @@ def _versions() -> Tuple[str, ...]:
 
 def cache_key(model_config) -> str:
     """What a derivation depends on, hashed; computed from what the engine holds, in milliseconds."""
-    from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.utils import is_cpu
 
-    par = get_parallel()
-    server_args = {k: v for k, v in get_context().resolved_server_args_dict().items()
-                   if not any(word in k for word in _VOLATILE)}
+    server_args = {k: v for k, v in server_args_dict().items() if not any(word in k for word in _VOLATILE)}
     blob = json.dumps([
-        FORMAT, _versions(), _original_hf_config(model_config).to_dict(), model_config.hf_config.to_dict(),
-        str(model_config.dtype), server_args, [par.tp_size, par.attn_tp_size, par.moe_ep_size], bool(is_cpu()),
+        FORMAT, _versions(), original_hf_config(model_config).to_dict(), model_config.hf_config.to_dict(),
+        str(model_config.dtype), server_args, list(parallel_widths()), bool(is_cpu()),
     ], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
