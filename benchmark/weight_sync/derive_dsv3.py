@@ -6,7 +6,8 @@ code (``target_cache``) in this process, phase by phase:
 
 * ``first, rank r``: what engine rank r pays on the first update with an empty disk cache:
   ``own_rank_record`` (checkpoint names/shapes from the HF model on meta, the rank's model
-  built on meta and loaded by SGLang's loaders under the recorder, its disk entry written).
+  built on meta and loaded by SGLang's loaders under the recorder, each kind of repeated
+  layer once (``repeated_layers``), its disk entry written).
   In an engine every TP rank does this at the same time for its own rank; here the ranks
   run one after another, each measured alone (time, peak RSS of the process, growth of RSS);
 * ``first, assemble``: every rank's record decoded into the engine's targets (what follows
@@ -25,11 +26,14 @@ record is written, then the assembly in the parent (``first, assemble``).
 ``--floor`` measures what one rank's derivation is made of against what SGLang's own code
 costs with nothing recorded, in CPU seconds (best of ``--repeat``, the phases interleaved, so
 that this machine's drifting speed hits all alike): the checkpoint layout, the model built
-on meta as the rank, SGLang's ``load_weights`` on meta with no dispatch mode, the same under
-a ``TorchDispatchMode`` that records nothing (what any recording mode pays before it records
-anything), and ``derive_rank`` (the same load under ``LoadRecorder``, post-load processing,
-describe). From these it prints the least time T ranks can take on this machine's cores
-with nothing recorded: T x (layout + build + load under the mode) / cores.
+on meta as the rank, SGLang's ``load_weights`` of every layer on meta with no dispatch mode,
+the same under a ``TorchDispatchMode`` that records nothing (what any recording mode pays
+before it records anything), ``derive_rank`` (every layer loaded under ``LoadRecorder``,
+post-load processing, describe), and the engine's derivation (``derive_once_per_layer_kind``:
+the model built, each kind of repeated layer loaded once, the others renamed). From these it
+prints the least time T ranks loading every layer can take on this machine's cores, and what
+the engine's derivation takes, each as T x (CPU s per rank) / cores; then checks that the
+engine's derivation equals ``derive_rank`` of every layer (exits non-zero if not).
 
 The full config is used except its yarn rope scaling (SGLang's yarn rotary asks for an
 accelerator at construction; rotary embeddings hold no checkpoint weights). Runs on
@@ -181,6 +185,11 @@ def _floor(args, model_config) -> None:
             model = derived_targets.build_meta_model(model_config)
             return cpu(lambda: derived_targets.derive_rank(model, checkpoint))
 
+    def engine_derive(keep=None):
+        with derived_targets.as_engine_rank(rank):
+            return cpu(lambda: (keep or []).append(derived_targets.derive_once_per_layer_kind(
+                lambda: derived_targets.build_meta_model(model_config), checkpoint)))
+
     def build():
         with derived_targets.as_engine_rank(rank):
             return cpu(lambda: derived_targets.build_meta_model(model_config))
@@ -191,6 +200,7 @@ def _floor(args, model_config) -> None:
         "SGLang's load_weights on meta, no dispatch mode": lambda: load(None),
         "the same under a TorchDispatchMode that records nothing": lambda: load(RecordsNothing()),
         "derive_rank: the same under LoadRecorder, post-load, describe": derive,
+        "the engine's derivation: model built, each kind of repeated layer loaded once, the rest renamed": engine_derive,
     }
     seconds = {name: [] for name in phases}
     for _ in range(args.repeat):
@@ -199,21 +209,31 @@ def _floor(args, model_config) -> None:
     best = {name: min(s) for name, s in seconds.items()}
     names = list(phases)
     unrecorded = best[names[0]] + best[names[1]] + best[names[3]]
+    every_layer, engine = best[names[0]] + best[names[1]] + best[names[4]], best[names[0]] + best[names[5]]
     cores = len(os.sched_getaffinity(0))
+    kept = []
+    engine_derive(kept)
+    with derived_targets.as_engine_rank(rank):
+        equal = kept[0] == derived_targets.derive_rank(derived_targets.build_meta_model(model_config), checkpoint)
     print(f"DeepSeek-V3-671B, TP {args.tp}, MoE EP {args.ep}, engine rank {rank}: CPU seconds, best of "
           f"{args.repeat}, phases interleaved")
     print("| phase | CPU s | all runs |")
     print("|---|---|---|")
     for name in names:
         print(f"| {name} | {best[name]:.2f} | {', '.join(f'{x:.2f}' for x in seconds[name])} |")
-    print(f"{args.tp} ranks on {cores} cores with nothing recorded take at least {args.tp} x {unrecorded:.2f} / "
-          f"{cores} = {args.tp * unrecorded / cores:.1f} s; with our derivation, {args.tp} x "
-          f"{best[names[0]] + best[names[1]] + best[names[4]]:.2f} / {cores} = "
-          f"{args.tp * (best[names[0]] + best[names[1]] + best[names[4]]) / cores:.1f} s")
+    print(f"{args.tp} ranks on {cores} cores, every layer loaded: with nothing recorded at least {args.tp} x "
+          f"{unrecorded:.2f} / {cores} = {args.tp * unrecorded / cores:.1f} s, under the recorder {args.tp} x "
+          f"{every_layer:.2f} / {cores} = {args.tp * every_layer / cores:.1f} s; the engine's derivation "
+          f"{args.tp} x {engine:.2f} / {cores} = {args.tp * engine / cores:.1f} s (layout included)")
+    print(f"the engine's derivation equals derive_rank of every layer: {equal}")
     if args.json:
         print(json.dumps(dict(tp=args.tp, ep=args.ep, rank=rank, cores=cores, repeat=args.repeat,
                               best_cpu_s={n: round(v, 3) for n, v in best.items()},
-                              all_ranks_unrecorded_floor_s=round(args.tp * unrecorded / cores, 2))))
+                              all_ranks_unrecorded_floor_s=round(args.tp * unrecorded / cores, 2),
+                              all_ranks_engine_derivation_s=round(args.tp * engine / cores, 2),
+                              engine_equals_every_layer=equal)))
+    if not equal:
+        raise SystemExit("the engine's derivation differs from derive_rank of every layer")
 
 
 def main() -> None:

@@ -61,8 +61,9 @@ SPECS: Dict[str, dict] = {
                       num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                       tie_word_embeddings=False),
     # Architectures only the derived targets describe (weight_sync.derived_targets).
+    # Three layers: the engine's derivation loads the first and last, and renames the first for the middle one.
     "mistral": dict(model_type="mistral", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                    head_dim=16, intermediate_size=256, tie_word_embeddings=False),
+                    head_dim=16, intermediate_size=256, tie_word_embeddings=False, num_hidden_layers=3),
     # Gemma norms: SGLang keeps weight + 1 in a buffer that an update must refresh.
     "gemma2": dict(model_type="gemma2", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
                    head_dim=16, intermediate_size=256, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=16,
@@ -70,12 +71,13 @@ SPECS: Dict[str, dict] = {
     # The checkpoint fuses qkv_proj and gate_up_proj.
     "phi3": dict(model_type="phi3", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=256, tie_word_embeddings=False),
-    # DeepSeek-V3-shaped: MLA (q_lora, kv_b_proj -> w_kc/w_vc), a dense first layer, then
-    # routed experts plus a shared expert.
+    # DeepSeek-V3-shaped: MLA (q_lora, kv_b_proj -> w_kc/w_vc), a dense first layer, then three
+    # with routed experts plus a shared expert (the middle one renamed from the first by the derivation).
     "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=128, num_attention_heads=8, num_key_value_heads=8,
                         intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
-                        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
-                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=4, q_lora_rank=64,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
+                        topk_group=1,
                         moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
                         # SGLang's CPU engine builds MLA rope only as deepseek_yarn; factor 1 is plain rope
                         rope_scaling=dict(rope_type="yarn", factor=1.0, original_max_position_embeddings=512,

@@ -386,13 +386,16 @@ def run_job(job: dict, out_path: str) -> None:
 
     Writes ``torch.save({"checkpoints": {cfg_id: {"dir", "config": <config.json>, "tensors":
     [(name, shape)]}}, "results": {case_id: {"params": {...}, "config_changes": {...}, "derived":
-    RankTargets, "layout", "refresh_problems" (when job["derive"])} | {"error": str}}, "platform": {...}})``.
+    RankTargets (the engine's derivation, repeated layers loaded once), "every_layer": RankTargets
+    (every layer loaded), "layout", "refresh_problems" (when job["derive"])} | {"error": str}},
+    "platform": {...}})``.
     """
     mode = job["mode"]
     if mode == "default":
         _provide_vllm_rotary_import()
     import sglang.srt.utils as sgl_utils
-    from sglang.srt.weight_sync.derived_targets import build_meta_model, checkpoint_layout, derive_rank
+    from sglang.srt.weight_sync.derived_targets import build_meta_model, checkpoint_layout, derive_rank, derive_sampled
+    from sglang.srt.weight_sync.repeated_layers import sample_layers
 
     platform = {"is_cpu": bool(sgl_utils.is_cpu()), "is_cuda": bool(sgl_utils.is_cuda())}
     if platform["is_cpu"] != (mode == "cpu"):
@@ -423,7 +426,12 @@ def run_job(job: dict, out_path: str) -> None:
 
                     layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(workdir / cfg_id))
                     results[case_id]["layout"] = layout
-                    results[case_id]["derived"] = derive_rank(build_meta_model(model_config), layout)
+                    # the engine's derivation (repeated layers loaded once), without its fallback to
+                    # deriving every layer, and that fallback itself
+                    sampling = sample_layers(layout.tensors)
+                    results[case_id]["derived"] = (derive_sampled(build_meta_model(model_config), layout, sampling)
+                                                   if sampling else derive_rank(build_meta_model(model_config), layout))
+                    results[case_id]["every_layer"] = derive_rank(build_meta_model(model_config), layout)
                     if computed:
                         results[case_id]["refresh_problems"] = refresh_check(model, model_config, full)
         except Exception:  # reported per case by the test

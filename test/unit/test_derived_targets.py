@@ -13,6 +13,11 @@ loader branches) and SGLang's CPU engine, whose config adjustment pads heads and
 intermediate sizes that do not divide T (8 q / 2 kv heads at T 4 and 8 here): the padding
 is what the loader writes, so it is in the derived targets as zero boxes.
 
+The targets compared are the engine's derivation, which loads each kind of repeated layer
+once (its first and last layer) and renames the first for the others (``repeated_layers``):
+every model here has a kind of 3 layers or more, so its middle layer is one SGLang's
+loaders never saw while deriving; that derivation must also equal loading every layer.
+
 Where the hand-written rules (``model_targets_from_config``) also describe a config, derived
 and rule targets must be the same pieces and zero boxes.
 """
@@ -34,19 +39,22 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_fakes  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import RankTargets  # noqa: E402
+from sglang.srt.weight_sync.repeated_layers import sample_layers  # noqa: E402
 from sglang.srt.weight_sync.target_layout import (  # noqa: E402
     EngineParallel,
     model_targets_from_config,
     reference_param,
 )
 
-_C = dict(hidden_size=64, num_hidden_layers=2, vocab_size=500)
+# 3 decoder layers (4 for DeepSeek, whose first is dense): a kind of repeated layer whose middle
+# layer the engine's derivation does not load but renames from the first (``repeated_layers``)
+_C = dict(hidden_size=64, num_hidden_layers=3, vocab_size=500)
 _ATTN = dict(num_attention_heads=8, num_key_value_heads=2)
 _DSV3 = dict(model_type="deepseek_v3", intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8,
              num_key_value_heads=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
              first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
              v_head_dim=16, n_group=2, topk_group=1, moe_layer_freq=1, topk_method="noaux_tc",
-             scoring_func="sigmoid", tie_word_embeddings=False, **_C)
+             scoring_func="sigmoid", tie_word_embeddings=False, **{**_C, "num_hidden_layers": 4})
 
 # (hf kwargs, T sizes, EP sizes, extra server args)
 ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
@@ -69,7 +77,8 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
                               num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
                               topk_method="greedy", scoring_func="softmax", moe_layer_freq=1,
-                              tie_word_embeddings=False, **_C), (1, 2, 4, 8), (1, 2, 4), {}),
+                              tie_word_embeddings=False, **{**_C, "num_hidden_layers": 4}), (1, 2, 4, 8), (1, 2, 4),
+                             {}),
     "deepseek_v3": (_DSV3, (1, 2, 4, 8), (1, 2, 4), {}),
     "deepseek_v3_fused_shared": (_DSV3, (1, 2, 4, 8), (1, 2), {"enforce_shared_experts_fusion": True}),
     "gemma2": (dict(model_type="gemma2", intermediate_size=128, hidden_act="gelu_pytorch_tanh", head_dim=16,
@@ -84,16 +93,17 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
                   **_ATTN, **_C), (1, 2, 4, 8), (1,), {}),
     "gpt_oss": (dict(model_type="gpt_oss", intermediate_size=32, head_dim=8, num_local_experts=8,
                      num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=16, swiglu_limit=7.0,
-                     layer_types=["sliding_attention", "full_attention"], **_ATTN, **_C), (1, 2, 4), (1,), {}),
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"], **_ATTN, **_C),
+                (1, 2, 4), (1,), {}),
     "olmo2": (dict(model_type="olmo2", intermediate_size=128, tie_word_embeddings=False, **_ATTN, **_C),
               (1, 2, 4, 8), (1,), {}),
     "granite": (dict(model_type="granite", intermediate_size=128, tie_word_embeddings=True, **_ATTN, **_C),
                 (1, 2, 4, 8), (1,), {}),
     "qwen2_5_vl": (dict(model_type="qwen2_5_vl", tie_word_embeddings=False,
-                        text_config=dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        text_config=dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                          rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
                                          tie_word_embeddings=False, **_ATTN),
-                        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4,
                                            out_hidden_size=64, patch_size=4, spatial_merge_size=2,
                                            temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
                                            in_channels=3)),
@@ -233,6 +243,25 @@ def test_derived_targets_equal_sglang_load(loaded, mode, case):
     if problems:
         pytest.fail(f"{case[0]} ({mode}, config changes {result['config_changes']}):\n" + "\n".join(problems[:8]),
                     pytrace=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_repeated_layers_loaded_once_equal_every_layer_loaded(loaded, mode, arch):
+    """The engine's derivation loads each kind of repeated layer once (its first and last layer)
+    and renames the first for the others; it must give exactly what loading every layer gives,
+    and must not have needed to load them: every architecture here has a kind of 3 layers or
+    more, whose middle layers SGLang's loaders never saw."""
+    compared = 0
+    for case_id, a, *_ in CASES:
+        result = loaded[mode]["results"][case_id]
+        if a != arch or "error" in result:
+            continue  # errors are test_derived_targets_equal_sglang_load's
+        sampling = sample_layers(result["layout"].tensors)
+        assert sampling is not None and any(k.renamed for k in sampling.kinds), case_id
+        assert result["derived"] == result["every_layer"], case_id
+        compared += 1
+    assert compared >= (0 if (arch, mode) in UNLOADABLE else 1)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

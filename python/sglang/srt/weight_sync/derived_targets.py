@@ -6,7 +6,8 @@ process groups, the platform's own loader branches), then SGLang's own
 ``load_weights`` and post-load processing run on meta checkpoint tensors under
 ``LoadRecorder``. What landed where becomes ``ParamTarget``s: pieces of HF
 tensors (possibly permuted) and zero-filled boxes. Nothing is allocated at full
-size, so a 671B model is described on a laptop.
+size, so a 671B model is described on a laptop; layers that repeat go through the loaders
+once (``repeated_layers``; ``derive_once_per_layer_kind`` is the engine's entry).
 
 What is not a copy (quantisation, computed values, replaced storage) is kept
 per checkpoint tensor in ``not_copied`` so an update sending it is refused,
@@ -17,17 +18,21 @@ checkpoint tensors (DeepSeek MLA's ``w_kc``/``w_vc``) are listed in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque
+from sglang.srt.weight_sync.repeated_layers import LayerSampling, sample_layers
 from sglang.srt.weight_sync.sglang_compat import after_load, after_update, as_tp_rank
 from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece, paused_gc
 from sglang.srt.weight_sync.view_geometry import unit_dim
+
+logger = logging.getLogger(__name__)
 
 # (name, shape, dtype) of every tensor of the checkpoint, as save_pretrained writes it.
 CheckpointSpec = Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]
@@ -373,4 +378,27 @@ def derive_engine_rank(model_config, checkpoint: CheckpointLayout, rank: int, lo
     """TP ``rank`` of the published engine layout: its model built on meta as that rank and
     loaded from ``checkpoint`` by SGLang's loaders."""
     with as_engine_rank(rank):
-        return derive_rank(build_meta_model(model_config, load_config), checkpoint)
+        return derive_once_per_layer_kind(lambda: build_meta_model(model_config, load_config), checkpoint)
+
+
+def derive_once_per_layer_kind(build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout) -> RankTargets:
+    """``derive_rank`` of a fresh ``build()``, with each kind of repeated layer loaded once
+    (its first and last layer; ``repeated_layers``): what ``derive_rank`` of the whole
+    checkpoint gives, at a fraction of the cost for a deep model. Where the layers of a kind
+    are not provably loaded alike, or the loader refuses a checkpoint without the others,
+    every layer is derived."""
+    sampling = sample_layers(checkpoint.tensors)
+    if sampling is not None:
+        try:
+            return derive_sampled(build(), checkpoint, sampling)
+        except Exception as e:  # noqa: BLE001 - deriving every layer settles it: its error, if any, is the real one
+            logger.info("weight sync: deriving every layer (%s: %s)", type(e).__name__, e)
+    return derive_rank(build(), checkpoint)
+
+
+def derive_sampled(model: torch.nn.Module, checkpoint: CheckpointLayout, sampling: LayerSampling) -> RankTargets:
+    """``derive_rank`` of ``model`` loading the layers ``sampling`` keeps, extended to every
+    layer of ``checkpoint``; raises ``LayersDiffer`` where that would not be what
+    ``derive_rank`` of the whole checkpoint gives."""
+    derived = derive_rank(model, replace(checkpoint, tensors=sampling.tensors))
+    return sampling.extend(derived, [(n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)])
