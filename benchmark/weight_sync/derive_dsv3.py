@@ -185,9 +185,11 @@ def _floor(args, model_config) -> None:
             model = derived_targets.build_meta_model(model_config)
             return cpu(lambda: derived_targets.derive_rank(model, checkpoint))
 
-    def engine_derive(keep=None):
+    engine_derived = []
+
+    def engine_derive():
         with derived_targets.as_engine_rank(rank):
-            return cpu(lambda: (keep or []).append(derived_targets.derive_once_per_layer_kind(
+            return cpu(lambda: engine_derived.append(derived_targets.derive_once_per_layer_kind(
                 lambda: derived_targets.build_meta_model(model_config), checkpoint)))
 
     def build():
@@ -211,10 +213,9 @@ def _floor(args, model_config) -> None:
     unrecorded = best[names[0]] + best[names[1]] + best[names[3]]
     every_layer, engine = best[names[0]] + best[names[1]] + best[names[4]], best[names[0]] + best[names[5]]
     cores = len(os.sched_getaffinity(0))
-    kept = []
-    engine_derive(kept)
     with derived_targets.as_engine_rank(rank):
-        equal = kept[0] == derived_targets.derive_rank(derived_targets.build_meta_model(model_config), checkpoint)
+        every = derived_targets.derive_rank(derived_targets.build_meta_model(model_config), checkpoint)
+    equal = all(d == every for d in engine_derived)
     print(f"DeepSeek-V3-671B, TP {args.tp}, MoE EP {args.ep}, engine rank {rank}: CPU seconds, best of "
           f"{args.repeat}, phases interleaved")
     print("| phase | CPU s | all runs |")
