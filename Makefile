@@ -34,14 +34,16 @@ test: install
 # changes: the placements' wire form (2.9 makes _StridedShard a Shard; 2.13 adds _split_factor_int) and
 # what FSDP2 over TP means by _StridedShard (2.9 shards right to left), checked against real FSDP2 shards.
 # Targets derived from that release's own loaders: equal to its real load (17 architectures, both
-# platforms), cached and keyed as its engine does, the load recorder under its torch, and a
-# DeepSeek-V3-shaped model (MLA, MoE, shared expert) updated through a real TP-2 engine.
+# platforms; repeated layers loaded once, as its engine derives them), cached and keyed as its engine
+# does, the load recorder under its torch, and a DeepSeek-V3-shaped model (MLA, MoE, shared
+# expert) updated through a real TP-2 engine.
 SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_engine \
          test/e2e/test_verl_release.py::test_verl_server_adapter_two_servers_of_tp1 \
          test/e2e/test_areal_release.py::test_areal_updates_a_tp1_server \
          test/unit/test_source_layout.py::test_mesh_spec_round_trips_through_sglang_safe_unpickler \
          test/distributed/test_reshard.py::test_fsdp2_over_tp_strided_shards_without_a_gather \
-         test/unit/test_derived_targets.py test/unit/test_target_cache.py test/unit/test_load_recorder.py \
+         test/unit/test_derived_targets.py test/unit/test_repeated_layers.py test/unit/test_target_cache.py \
+         test/unit/test_load_recorder.py \
          test/e2e/test_any_model_update.py::test_deepseek_v3_shaped_update_parameters
 smoke: install
 	$(PY) -m pytest $(SMOKE) -q -x --timeout=600 -p no:cacheprovider
