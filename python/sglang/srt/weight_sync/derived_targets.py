@@ -384,9 +384,9 @@ def derive_engine_rank(model_config, checkpoint: CheckpointLayout, rank: int, lo
 def derive_once_per_layer_kind(build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout) -> RankTargets:
     """``derive_rank`` of a fresh ``build()``, with each kind of repeated layer loaded once
     (its first and last layer; ``repeated_layers``): what ``derive_rank`` of the whole
-    checkpoint gives, at a fraction of the cost for a deep model. Where the layers of a kind
-    are not provably loaded alike, or the loader refuses a checkpoint without the others,
-    every layer is derived."""
+    checkpoint gives, at a fraction of the cost for a deep model. Where the check finds the
+    layers of a kind loaded differently (``LayerSampling.extend``), or the loader refuses a
+    checkpoint without the others, every layer is derived."""
     sampling = sample_layers(checkpoint.tensors)
     if sampling is not None:
         try:

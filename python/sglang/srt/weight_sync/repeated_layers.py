@@ -14,6 +14,9 @@ post-load tensors, tensors read) must equal the first's renamed, no target may m
 and every layer of the kind must hold the same SGLang parameters (names after the number,
 shapes, dtypes) as the first. Where one fails, ``extend`` raises ``LayersDiffer`` and the
 caller derives every layer (as it does when a loader refuses a checkpoint without them).
+What the check cannot see: a loader treating a *middle* layer of a kind differently by its
+number alone (same checkpoint tensors, same SGLang parameters). No architecture tested does
+(``test_derived_targets.py`` compares with every layer loaded and with SGLang's real load).
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ class LayerSampling:
     def extend(self, derived, engine_tensors: Sequence[TensorSpec]):
         """``derived`` (a ``RankTargets`` of ``tensors``) with every renamed layer added, as a
         derivation of the whole checkpoint gives it: targets in ``engine_tensors``' order (the
-        model's parameters and buffers). Raises ``LayersDiffer`` when the layers of a kind are
-        not provably loaded alike."""
+        model's parameters and buffers). Raises ``LayersDiffer`` when the check (the module's
+        text) finds the layers of a kind loaded differently."""
         parts = _Parts(derived)
         order = {name: k for k, (name, _, _) in enumerate(engine_tensors)}
         structure = _layer_structure(engine_tensors)
