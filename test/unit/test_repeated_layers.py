@@ -18,6 +18,7 @@ import torch
 
 from sglang.srt.weight_sync.derived_targets import (
     CheckpointLayout,
+    RankTargets,
     derive_once_per_layer_kind,
     derive_rank,
     derive_sampled,
@@ -90,7 +91,7 @@ def checkpoint(prefix="model.layers") -> CheckpointLayout:
     return CheckpointLayout(tuple(sorted(tensors)))
 
 
-def _every_layer(**toy) -> object:
+def _every_layer(**toy) -> RankTargets:
     with torch.device("meta"):
         return derive_rank(Toy(**toy), checkpoint(toy.get("ckpt", "model.layers")))
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,7 +89,7 @@ class LayerSampling:
         text) finds the layers of a kind loaded differently."""
         parts = _Parts(derived)
         order = {name: k for k, (name, _, _) in enumerate(engine_tensors)}
-        structure = _layer_structure(engine_tensors)
+        structure = _by_layer(engine_tensors)
         targets = list(derived.targets)
         not_copied, post_load, read = dict(derived.not_copied), dict(derived.post_load), set(derived.read)
         for kind in self.kinds:
@@ -116,13 +116,8 @@ def sample_layers(tensors: Iterable[TensorSpec]) -> Optional[LayerSampling]:
     """The layer kinds of a checkpoint with at least 3 layers each, and the checkpoint without
     their middle layers; None when no kind repeats (nothing to save)."""
     tensors = tuple(tensors)
-    layers: Dict[Tuple[str, int], List[Tuple[str, Tuple[int, ...], torch.dtype]]] = defaultdict(list)
-    for name, shape, dtype in tensors:
-        split = _split(name)
-        if split is not None:
-            layers[split[:2]].append((split[2], shape, dtype))
     numbers = defaultdict(list)
-    for (prefix, i), held in layers.items():
+    for (prefix, i), held in _by_layer(tensors).items():
         numbers[(prefix, tuple(sorted(held, key=lambda h: h[0])))].append(i)
     kinds = tuple(sorted((LayerKind(prefix, tuple(sorted(ns))) for (prefix, _), ns in numbers.items()
                           if len(ns) >= 3), key=lambda k: (k.prefix, k.first)))
@@ -221,10 +216,11 @@ class _Parts:
                     or (engine is not None and (self.targets.get((engine, i)) or self.post_load.get((engine, i)))))
 
 
-def _layer_structure(engine_tensors: Sequence[TensorSpec]) -> Dict[Tuple[str, int], Tuple]:
-    """Engine layer -> its tensors (name after the number, shape, dtype), in model order."""
+def _by_layer(tensors: Sequence[TensorSpec]) -> Dict[Tuple[str, int], Tuple]:
+    """Layer (prefix, number) -> its tensors (name after the number, shape, dtype), in the
+    given order: a checkpoint's, or the engine model's."""
     out = defaultdict(list)
-    for name, shape, dtype in engine_tensors:
+    for name, shape, dtype in tensors:
         split = _split(name)
         if split is not None:
             out[split[:2]].append((split[2], shape, dtype))
