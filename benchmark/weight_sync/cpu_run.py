@@ -5,7 +5,7 @@ rank holds DTensor shards of a Qwen2-shaped model (the trainer) and the
 SGLang-layout parameters of its engine TP rank (the engine), then updates the
 parameters with both designs, alternating, several times:
 
-* ``distributed``: the shipped trainer-side path (``trainer_side``): the
+* ``distributed``: the shipped trainer-side path (``trainer_reshard``): the
   engines' manifest, chunks under the cap, one plan per chunk over the trainer
   ranks straight to the engine ranks' layouts (first call timed separately, it
   plans), the executor filling parameter-shaped buffers in the engine's dtype,
@@ -71,8 +71,8 @@ def _dtensors(cfg, layout, train_tp, world, targets):
 def _rank(rank, world, store, scenario, repeats, out_dir):
     from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
-    from sglang.srt.weight_sync.trainer_side import chunks, copy_buffers, plan_to_engines, reshard_to_engines
-    from sglang.srt.weight_sync.trainer_update import prepare_shards
+    from sglang.srt.weight_sync.trainer_reshard import chunks, copy_buffers, plan_to_engines, reshard_to_engines
+    from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

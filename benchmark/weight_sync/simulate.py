@@ -14,7 +14,7 @@ Where resharding runs (DESIGN.md section 3), chosen per scenario ("auto"):
   ``plan_seconds`` the slowest engine's plan (engines plan concurrently).
 * ``trainer``: otherwise; one plan over all trainer ranks in which GPU ``g``
   needs the targets of engine rank ``g % tp_size``: the plan the runtime's
-  one-hop trainer-side path computes (``trainer_side.plan_to_engines``, rank by
+  one-hop trainer-side path computes (``trainer_reshard.plan_to_engines``, rank by
   rank; a test pins that the bytes agree with what the runtime moves). Its moves are
   point-to-point; ``bytes_sent_max`` counts each copy sent.
 
@@ -26,7 +26,7 @@ engine manifest's fingerprint, as the runtime's first update does), timed for ea
 engine's first rank from a cold start; the figures come from the same plan with every
 rank's local copies listed; the manifest is made once per engine layout (in
 ``describe``). Trainer side, each rank plans only its own
-moves (``trainer_side.plan_to_engines`` for every chunk, as the runtime calls it,
+moves (``trainer_reshard.plan_to_engines`` for every chunk, as the runtime calls it,
 from a cold cache): timed, and its figures computed, for ``metrics_ranks`` (every
 rank up to 32 ranks; else the first, middle and last rank, so the trainer-side
 maxima are over those ranks). Plans are made as the runtime makes them, without a
@@ -122,7 +122,7 @@ from sglang.srt.weight_sync.target_layout import (
     Stacked,
     Vocab,
 )
-from sglang.srt.weight_sync.trainer_side import chunk_digest, chunks, forget_plans, inputs_digest, plan_to_engines
+from sglang.srt.weight_sync.trainer_reshard import chunk_digest, chunks, forget_plans, inputs_digest, plan_to_engines
 
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4, per GPU per direction (H100/H200)
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s NDR NIC, one per GPU, per direction
@@ -630,7 +630,7 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dist = rank_metrics(by_rank, topology)
         if measured == list(range(world)):
             measured = "all"
-        timed_how = "trainer_side.plan_to_engines, every chunk, each timed rank from a cold start"
+        timed_how = "trainer_reshard.plan_to_engines, every chunk, each timed rank from a cold start"
     else:
         raise ValueError(f"unknown mode {mode!r}")
 

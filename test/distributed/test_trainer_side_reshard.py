@@ -31,8 +31,8 @@ def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
 
     from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
-    from sglang.srt.weight_sync.trainer_side import chunks, reshard_to_engines
-    from sglang.srt.weight_sync.trainer_update import prepare_shards
+    from sglang.srt.weight_sync.trainer_reshard import chunks, reshard_to_engines
+    from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
     targets = model_targets_from_config(CONFIG, EngineParallel(2), torch.bfloat16)
     manifest = EngineManifest.of(targets)

@@ -69,7 +69,7 @@ def build_gpt(hf_config, tp: int, pp: int, padded_vocab: int, ep: int = 1):
 def load_hf_weights(model, weights, hf_vocab: int) -> None:
     """Write HF tensors into this rank's local parameters through its pieces (padding zero)."""
     from sglang.srt.weight_sync.megatron_layout import describe_model_chunks, rank_params
-    from sglang.srt.weight_sync.megatron_update import this_rank
+    from sglang.srt.weight_sync.megatron_flow import this_rank
 
     desc, buffers = describe_model_chunks([model], hf_vocab, this_rank())
     with torch.no_grad():
@@ -116,7 +116,7 @@ def one_hop_bound(model, hf_config, groups) -> int:
     """Bytes this rank's engine rank lacks from the trainer ranks' own parameters: the
     planner's lower bound from megatron-core's pieces straight to the engine's targets."""
     from sglang.srt.weight_sync.megatron_layout import describe_model_chunks, megatron_sources
-    from sglang.srt.weight_sync.megatron_update import all_coords, this_rank
+    from sglang.srt.weight_sync.megatron_flow import all_coords, this_rank
     from sglang.srt.weight_sync.planner import plan
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
 
@@ -133,9 +133,9 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     import tiny_models
     from engine import WORKER_ENGINE_ARGS, omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
-    from sglang.srt.weight_sync.megatron_update import megatron_flow
+    from sglang.srt.weight_sync.megatron_flow import megatron_flow
     from sglang.srt.weight_sync.sglang_compat import weight_update_session
-    from sglang.srt.weight_sync.trainer_update import as_reply, drive
+    from sglang.srt.weight_sync.trainer_flow import as_reply, drive
     from update_cases import _checksums, _forbidden_calls, _generate, new_weights
 
     tp, pp, ep, engine_tp = job["tp"], job["pp"], job.get("ep", 1), job["engine_tp"]

@@ -161,7 +161,7 @@ def verl_job(rank: int, world: int, job: dict):
             if "trainer-side" in str(record.msg):
                 trainer_lines.append(record.args[3:5])
 
-    trainer_log = logging.getLogger("sglang.srt.weight_sync.trainer_update")
+    trainer_log = logging.getLogger("sglang.srt.weight_sync.trainer_flow")
     trainer_log.setLevel(logging.INFO)
     trainer_log.addHandler(_TrainerFigures())
     server = None

@@ -163,7 +163,7 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
     ``Engine.update_weights_distributed``; returns its reply (success, message and the
     figures per engine rank) on every rank."""
-    from sglang.srt.weight_sync.trainer_update import open_channel
+    from sglang.srt.weight_sync.trainer_flow import open_channel
 
     chan = open_channel(ranks, group)
     update_id = update_id or chan.next_update_id()
@@ -189,7 +189,7 @@ def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
 def _bad_shards(kind: str, weights, mesh) -> list:
     """Shards of a refused update: every rank sends them (rank 1 sends none for "missing")."""
     from sglang.srt.weight_sync.source_layout import MeshSpec
-    from sglang.srt.weight_sync.trainer_update import prepare_shards
+    from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
     shards = prepare_shards(as_layout(weights, "fsdp", mesh))
     name, local, spec = shards[0]
@@ -280,7 +280,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 else:
                     asyncio.run(call)
             elif kind == "engine":
-                from sglang.srt.weight_sync.trainer_update import prepare_shards
+                from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
                 shards = prepare_shards(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
                 record.update(_direct(verl, ranks, group, shards))

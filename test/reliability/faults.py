@@ -102,25 +102,25 @@ def _arrange_death(when: str) -> None:
     """Make this trainer rank exit (as a SIGKILL would: no cleanup) at ``when``."""
     import os
 
-    from sglang.srt.weight_sync import trainer_update
+    from sglang.srt.weight_sync import trainer_flow
 
     if when == "before_delivery":
         os._exit(1)
     if when == "after_delivery":  # past the barrier that says every payload is on its way
-        real = trainer_update.barrier
+        real = trainer_flow.barrier
 
         def barrier_then_die(*args, **kwargs):
             real(*args, **kwargs)
             os._exit(1)
 
-        trainer_update.barrier = barrier_then_die
+        trainer_flow.barrier = barrier_then_die
     if when == "mid_update":  # entering trainer-side resharding: its peers wait for this rank's rows
-        from sglang.srt.weight_sync import trainer_side
+        from sglang.srt.weight_sync import trainer_reshard
 
         def execute_then_die(*args, **kwargs):
             os._exit(1)
 
-        trainer_side.execute = execute_then_die
+        trainer_reshard.execute = execute_then_die
 
 
 def trainer_job(rank: int, world: int, job: dict) -> dict:
@@ -134,7 +134,7 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sglang.srt.weight_sync import trainer_update
+    from sglang.srt.weight_sync import trainer_flow
     from update_cases import as_layout, new_weights
 
     os.environ["TMPDIR"] = job["tmp"]  # the channel directories go there (forked ranks share the server's env)
@@ -142,12 +142,12 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     layout = "fsdp"
     if job["when"] == "mid_update":  # FSDP shards resharded on the trainer side: rank 0 needs rows of rank 1
-        trainer_update.update_flow = functools.partial(trainer_update.update_flow, mode="trainer")
+        trainer_flow.update_flow = functools.partial(trainer_flow.update_flow, mode="trainer")
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 
     def update(seed):
         weights = as_layout(new_weights(job["model_dir"], seed), layout, mesh["infer_tp"])
-        return asyncio.run(trainer_update.update_weights_distributed(
+        return asyncio.run(trainer_flow.update_weights_distributed(
             client, weights, "infer_tp", mesh, fallback=None, timeout_s=job["timeout_s"]))
 
     first = update(1)
@@ -161,7 +161,7 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - the survivor's error is what the test checks
         outcome = f"{type(e).__name__}: {e}"
     elapsed = time.monotonic() - start
-    trainer_update.close_channels()  # what VerlEngine.shutdown() does
+    trainer_flow.close_channels()  # what VerlEngine.shutdown() does
     return dict(first=first, elapsed=elapsed, outcome=outcome)
 
 

@@ -138,7 +138,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_hung_scheduler_gets_an_answer_within_the_bound(model_dir):
-    from sglang.srt.weight_sync.waits import answer_bound_s
+    from sglang.srt.weight_sync.control_plane import answer_bound_s
 
     bound = answer_bound_s(TIMEOUT_S)
     out, exitcodes = run(model_dir, "hung")
@@ -158,7 +158,7 @@ def test_hung_scheduler_gets_an_answer_within_the_bound(model_dir):
 
 
 def test_dead_scheduler_takes_the_engine_down_and_the_survivor_is_told(model_dir):
-    from sglang.srt.weight_sync.waits import GRACE_S
+    from sglang.srt.weight_sync.control_plane import GRACE_S
 
     out, exitcodes = run(model_dir, "died")
     # upstream's subprocess watchdog SIGQUITs the host, whose handler SIGKILLs it and the engine

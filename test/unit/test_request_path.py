@@ -337,7 +337,7 @@ def test_scheduler_handler_failure_stops_and_still_barriers(manager):
 @pytest.mark.parametrize("before", [(True, "Success"), (False, "refused: engine rank 1: no payload")])
 def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, before):
     from sglang.srt.weight_sync import engine_update
-    from sglang.srt.weight_sync.waits import PeerLost
+    from sglang.srt.weight_sync.control_plane import PeerLost
 
     calls = []
 

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, check_timeout
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
-from sglang.srt.weight_sync.trainer_update import (
+from sglang.srt.weight_sync.trainer_flow import (
     ControlRequest,
     Mode,
     UpdateReport,
@@ -120,8 +120,8 @@ class VerlEngine:
     def update_weights_from_megatron(self, model_chunks, hf_vocab: int,
                                      shared_expert_hf: str = "shared_experts") -> UpdateReport:
         """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
-        gather; see ``weight_sync.megatron_update``. Call on every trainer rank."""
-        from sglang.srt.weight_sync.megatron_update import megatron_flow
+        gather; see ``weight_sync.megatron_flow``. Call on every trainer rank."""
+        from sglang.srt.weight_sync.megatron_flow import megatron_flow
 
         return self._drive(megatron_flow(model_chunks, hf_vocab, self._ranks, self._group, self._weight_sync_mode,
                                          self._weight_sync_bucket_bytes, shared_expert_hf, self._timeout_s))
@@ -136,7 +136,7 @@ class VerlEngine:
         """One control request, on the first rank (the engine's or the HTTP adapter's reply).
         No explicit begin/end session: the scheduler runs the update in a one-shot session
         (``weight_sync.sessions``), so this rank waits on one request, which the engine
-        answers within ``waits.answer_bound_s`` (``bounded_answers``) even if a scheduler hangs."""
+        answers within ``control_plane.answer_bound_s`` (``answer_guard``) even if a scheduler hangs."""
         result = self._engine.update_weights_distributed(
             request.update_id, request.channel, flush_cache=request.final, timeout_s=self._timeout_s
         )

@@ -11,7 +11,7 @@ rank before a single parameter changes, with messages naming tensor and rank.
 
 The engine never dies of an update: every exception in receive, validate, plan
 or apply becomes ``success=False`` with a message, and every wait is bounded by
-the request's ``timeout_s`` (``waits``), so the schedulers keep serving.
+the request's ``timeout_s`` (``control_plane``), so the schedulers keep serving.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.bounded_answers import MIXED
+from sglang.srt.weight_sync.answer_guard import MIXED
 from sglang.srt.weight_sync.delivery import (
     DEFAULT_TIMEOUT_S,
     DeliveryError,
@@ -42,8 +42,8 @@ from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.target_layout import ParamTarget
-from sglang.srt.weight_sync.trainer_side import check_buffers, copy_buffers, nonfinite_buffers, restrict
-from sglang.srt.weight_sync.waits import GRACE_S, PeerLost, barrier, wait
+from sglang.srt.weight_sync.trainer_reshard import check_buffers, copy_buffers, nonfinite_buffers, restrict
+from sglang.srt.weight_sync.control_plane import GRACE_S, PeerLost, barrier, wait
 
 logger = logging.getLogger(__name__)
 

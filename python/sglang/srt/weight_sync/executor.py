@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
-from sglang.srt.weight_sync.waits import all_equal, wait
+from sglang.srt.weight_sync.control_plane import all_equal, wait
 
 
 class ExecutionError(RuntimeError):
@@ -173,7 +173,7 @@ def execute(
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
     -> this rank's tensor) in place. Each round waits at most ``timeout_s`` for its peers
-    (``waits.PeerLost``)."""
+    (``control_plane.PeerLost``)."""
     problems = check_inputs(plan, rank, shards, params)
     if problems:
         raise ExecutionError("; ".join(problems))

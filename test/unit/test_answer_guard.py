@@ -1,4 +1,4 @@
-"""The tokenizer manager's bounded wait for a distributed update's answer (``weight_sync.bounded_answers``).
+"""The tokenizer manager's bounded wait for a distributed update's answer (``weight_sync.answer_guard``).
 
 Against the installed wheel, without an engine: upstream's ``init_communicators`` wraps the
 update and session communicators; a scheduler that never answers gets ``success=False``
@@ -18,11 +18,11 @@ import time
 import pytest
 
 import sglang.srt.managers.io_struct as io
-from sglang.srt.weight_sync import bounded_answers
-from sglang.srt.weight_sync.bounded_answers import MIXED, bound_answers, distributed_update, refuse_generation_if_unsafe
+from sglang.srt.weight_sync import answer_guard
+from sglang.srt.weight_sync.answer_guard import MIXED, bound_answers, distributed_update, refuse_generation_if_unsafe
 from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.engine_update import as_tensor_request
-from sglang.srt.weight_sync.waits import GRACE_S, answer_bound_s
+from sglang.srt.weight_sync.control_plane import GRACE_S, answer_bound_s
 
 BOUND_S = 0.3
 
@@ -44,15 +44,15 @@ class FakeCommunicator:
 
 class FakeManager:
     def __init__(self):
-        for name in (*bounded_answers.UPDATES, *bounded_answers.SESSIONS):
+        for name in (*answer_guard.UPDATES, *answer_guard.SESSIONS):
             setattr(self, f"{name}_communicator", FakeCommunicator())
         self.inner = {name: getattr(self, f"{name}_communicator") for name in
-                      (*bounded_answers.UPDATES, *bounded_answers.SESSIONS)}
+                      (*answer_guard.UPDATES, *answer_guard.SESSIONS)}
 
 
 @pytest.fixture
 def manager(monkeypatch):
-    monkeypatch.setattr(bounded_answers, "answer_bound_s", lambda timeout_s: BOUND_S)
+    monkeypatch.setattr(answer_guard, "answer_bound_s", lambda timeout_s: BOUND_S)
     m = FakeManager()
     bound_answers(m)
     return m

@@ -8,7 +8,7 @@ engine rank beside it over the group's private channel. Nothing is gathered.
 When the shards beside an engine do not cover a tensor (FSDP over more GPUs
 than one engine has, train TP > infer TP across several engines), resharding
 runs on the trainer side instead (``mode="trainer"``, chosen automatically,
-``trainer_side.py``): in one hop straight to the layout the engine publishes
+``trainer_reshard.py``): in one hop straight to the layout the engine publishes
 (``manifest.py``), after which the engine only copies. An update is a short
 sequence of control requests (``update_flow``) that the caller serves with
 ``drive``/``adrive``: the engine's layout is asked for once per channel.
@@ -33,14 +33,14 @@ from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, S
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
-from sglang.srt.weight_sync.trainer_side import (  # noqa: F401
+from sglang.srt.weight_sync.trainer_reshard import (  # noqa: F401
     chunks,
     first_uncovered,
     inputs_digest,
     reshard_to_engines,
     uncovered,
 )
-from sglang.srt.weight_sync.waits import GRACE_S, all_equal, barrier, broadcast_result, wait
+from sglang.srt.weight_sync.control_plane import GRACE_S, all_equal, barrier, broadcast_result, wait
 
 logger = logging.getLogger(__name__)
 
@@ -420,7 +420,7 @@ async def update_weights_distributed(
     from the channel. ``fallback`` (upstream's gathered path) runs only for what
     this path cannot serve: another ``load_format``, or a layout that is not
     boxes (``Partial`` placements). Every wait is bounded by ``timeout_s``: when a
-    peer dies the survivors raise ``waits.PeerLost`` naming the phase.
+    peer dies the survivors raise ``control_plane.PeerLost`` naming the phase.
     """
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
     from sglang.srt.weight_sync.engine_update import as_tensor_request

@@ -1,12 +1,12 @@
 """The tokenizer manager waits for a distributed weight update's answer at most the update's bound.
 
 The schedulers answer an update once every TP rank has received, checked and applied
-it; each of their waits is bounded by the update's ``timeout_s`` (``waits``). A
+it; each of their waits is bounded by the update's ``timeout_s`` (``control_plane``). A
 scheduler that hangs, or that died while SGLang's subprocess watchdog has not torn the
 engine down, never answers, and upstream's communicator waits for ever: the
 ``VerlEngine`` host rank was seen hanging for over 10 minutes. ``bound_answers`` wraps
 the tokenizer manager's update communicators (the distributed request and the tensor
-path's reserved ``load_format``): the wait ends after ``waits.answer_bound_s(timeout_s)``
+path's reserved ``load_format``): the wait ends after ``control_plane.answer_bound_s(timeout_s)``
 with ``success=False`` naming the phase. The request stays in flight (cancelling it
 would leave upstream's communicator expecting an answer it then drops or hands to the
 next caller); until its answer comes, later distributed updates and session calls are
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, DeliveryError, check_timeout
-from sglang.srt.weight_sync.waits import GRACE_S, answer_bound_s
+from sglang.srt.weight_sync.control_plane import GRACE_S, answer_bound_s
 
 logger = logging.getLogger(__name__)
 

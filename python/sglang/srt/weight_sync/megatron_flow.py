@@ -8,10 +8,10 @@ small integer all-gather (made once). Tensors the trainer ranks beside an engine
 hold between them (TP, DP replicas) go as they are: the fused local buffers plus
 ``HoldersSpec``s, resharded by the engine into its own layout. When they do not hold
 everything (other PP stages, other EP ranks), the update runs on the trainer side in
-one hop straight to the engine's published layout (``trainer_update.sources_flow``,
+one hop straight to the engine's published layout (``trainer_flow.sources_flow``,
 the same path as DTensor sources), each rank receiving exactly the bytes its engine
 rank lacks, in the engine's dtype. Nothing is gathered; delivery, validation and
-refusals are those of ``trainer_update`` and ``engine_update``.
+refusals are those of ``trainer_flow`` and ``engine_update``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.megatron_layout import MegatronRank, describe_model_chunks, megatron_sources
 from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.source_layout import HoldersSpec
-from sglang.srt.weight_sync.trainer_update import Flow, Mode, deliver, open_channel, sources_flow
+from sglang.srt.weight_sync.trainer_flow import Flow, Mode, deliver, open_channel, sources_flow
 
 _coords: Dict[MegatronRank, Dict[int, MegatronRank]] = {}
 
@@ -60,7 +60,7 @@ def megatron_flow(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Flow:
     """One update from this rank's Megatron-core ``model_chunks``, as the control requests
-    the engine must serve (``trainer_update.drive``); every trainer rank runs it together.
+    the engine must serve (``trainer_flow.drive``); every trainer rank runs it together.
     Engine-side, this rank's fused buffers go as they are with ``HoldersSpec``s for the
     ranks beside its engine; trainer-side (PP, EP, an engine wider than the ranks beside
     it), one hop straight to the engine's published layout."""
