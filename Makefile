@@ -1,4 +1,4 @@
-# Build the drop-in sglang wheels and test them installed, as users get them (DESIGN.md section 1).
+# Build the drop-in sglang wheels and test them installed, as users get them (docs/design.md).
 # BASE picks the SGLang release for venv/install/test/smoke: 0.5.23 (primary, .venv), 0.5.12 or 0.5.10.post1
 # (.venv-<BASE>); `make wheel` always builds all three.
 BASE  ?= 0.5.23

@@ -5,7 +5,7 @@ python/sglang/ + local version label, e.g. sglang-0.5.12+dwu1 (pip's ``sglang==0
 Stdlib only; never imports sglang. Upstream wheels may be platform specific (cpXY-cpXY-manylinux_2_34_<arch>),
 so they are fetched for the interpreter running this script: run it with the Python of the target environment.
 
-Steps per base (see DESIGN.md section 1):
+Steps per base:
   1. fetch sglang==<base> into build/upstream/ (reused when a wheel for this interpreter is already there);
   2. unpack it into build/wheel-<base>/ (wiped first);
   3. apply patches/<base>/series in order with `patch -p2 --forward --batch --fuzz=0` (paths a/python/sglang/...);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates a venv for one SGLang base release with a torch that runs on CPU and the release's runtime deps
-# (no CUDA-only packages), as described in shared/research/sglang-0.5.23-on-cpu.md.
+# (no CUDA-only packages).
 #   BASE=0.5.23       (default) .venv:              torch 2.13.0+cpu, scripts/requirements-cpu.txt
 #   BASE=0.5.12       .venv-0.5.12:                 torch 2.11.0 (sglang's pin), scripts/requirements-cpu-0.5.12.txt
 #   BASE=0.5.10.post1 .venv-0.5.10.post1:           torch 2.9.1 (sglang's pin), scripts/requirements-cpu-0.5.10.post1.txt

@@ -71,7 +71,8 @@ def _dtensors(cfg, layout, train_tp, world, targets):
 def _rank(rank, world, store, scenario, repeats, out_dir):
     from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
-    from sglang.srt.weight_sync.trainer_reshard import chunks, copy_buffers, plan_to_engines, reshard_to_engines
+    from sglang.srt.weight_sync.apply import copy_buffers
+    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
     from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
     torch.set_num_threads(1)
@@ -90,13 +91,14 @@ def _rank(rank, world, store, scenario, repeats, out_dir):
     sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
 
     t0 = time.perf_counter()
-    plans = [plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part, rank)[0] for part in parts]
+    trainer_plans = TrainerPlans()
+    plans = [trainer_plans.plan_to_engines(sources, manifest, groups, BUCKET_BYTES, part, rank)[0] for part in parts]
     plan_s = time.perf_counter() - t0
 
     def distributed():
         received = peak = 0
         for part in parts:
-            result = reshard_to_engines(sources, local, manifest, groups, rank, BUCKET_BYTES, part)
+            result = trainer_plans.reshard_to_engines(sources, local, manifest, groups, rank, BUCKET_BYTES, part)
             copy_buffers(params, [t for t in mine if t.name in result.buffers], result.buffers)
             received += result.stats.bytes_received
             peak = max(peak, result.stats.peak_staging_bytes + sum(b.nbytes for b in result.buffers.values()))

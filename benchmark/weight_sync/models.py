@@ -9,7 +9,7 @@ numbers are copied from the models' public Hugging Face ``config.json`` files
 Qwen3 models go through the library's ``model_targets_from_config``. DeepSeek-V3
 has no config-driven rules in the library yet, so ``deepseek_v3_targets`` below
 spells them out from the existing rule classes, following SGLang 0.5.23
-``models/deepseek_v2.py`` (see shared research "param layouts", section 5.5).
+``models/deepseek_v2.py``.
 """
 
 from __future__ import annotations

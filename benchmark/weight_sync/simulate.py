@@ -7,7 +7,7 @@ inference are colocated: GPU ``g`` hosts trainer rank ``g`` and one engine rank;
 Planner ranks are GPU ids, so trainer rank ``k`` delivers to the engine rank on
 GPU ``k`` with no network traffic.
 
-Where resharding runs (DESIGN.md section 3), chosen per scenario ("auto"):
+Where resharding runs (docs/design.md, "Where resharding runs"), chosen per scenario ("auto"):
 * ``engine``: every engine's own ranks hold every source tensor in full between
   them; one plan per engine over that engine's ranks (sources outside it are
   ignored). All engines are planned; reported numbers are the max over engines,
@@ -73,7 +73,7 @@ Metrics (all per rank, then the max over ranks):
   the node holds cross into the node once, spread evenly over the node's NICs
   (``net`` per GPU = node's missing bytes / GPUs per node); everything else a GPU
   lacks arrives over NVLink; a rank sends as much as it receives (ring). This is
-  the model of the research notes (section 9b) and flatters the baseline;
+  the usual rank-0-broadcast model, and it flatters the baseline;
   ``modelled_seconds_flat`` (JSON only) is the flat variant in which every GPU
   pulls all of its node's missing bytes over its own NIC.
   ``rank0_funnel``: rank 0's receive and send set the time.
@@ -122,7 +122,14 @@ from sglang.srt.weight_sync.target_layout import (
     Stacked,
     Vocab,
 )
-from sglang.srt.weight_sync.trainer_reshard import chunk_digest, chunks, forget_plans, inputs_digest, plan_to_engines
+from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunk_digest, chunks
+
+
+
+def plan_to_engines(plans: TrainerPlans, sources, manifest, groups, bucket_bytes, part, rank):
+    """``rank``'s plan of one chunk, as the runtime makes it (``TrainerPlans.plan_to_engines``)."""
+    return plans.plan_to_engines(sources, manifest, groups, bucket_bytes, part, rank)
+
 
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4, per GPU per direction (H100/H200)
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s NDR NIC, one per GPU, per direction
@@ -255,7 +262,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
         TrainLayout("megatron", 256, tp=8, ep=256),
         InferLayout(EngineParallel(32, attn_tp_size=8, moe_ep_size=32), engines=8),
         why="same trainer; 8 engines x 32 GPUs (4 nodes, TP32, attn_tp 8, EP32; ~42 GB/GPU), the "
-            "research doc's section 9 case: each engine needs all 256 experts, which live on "
+            "hardest case: each engine needs all 256 experts, which live on "
             "all 32 nodes -> trainer-side plan over 256 ranks, experts cross the network",
     ),
     Scenario(
@@ -586,7 +593,7 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             lo = e * size
             srcs = sources if engines == 1 else _restrict(sources, lo, lo + size)
             needs = {lo + i: per_engine_rank[i] for i in range(size)}
-            forget_indexes()  # each engine from a cold start, as its first update pays
+            forget_indexes(srcs)  # each engine from a cold start, as its first update pays
             wall, cpu = time.perf_counter(), time.process_time()
             PlanCache().get(srcs, needs, bucket_bytes=bucket_bytes, aliases=model_targets.aliases,
                             targets_digest=manifest.fingerprint, local_ranks=(lo,))
@@ -594,7 +601,7 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             # The same plan with every rank's local copies listed, for the figures; timed
             # with global_baseline as every engine rank planned before (its cache key hashed
             # every rank's targets on each update).
-            forget_indexes()
+            forget_indexes(srcs)
             wall, cpu = time.perf_counter(), time.process_time()
             plans.append(PlanCache().get(srcs, needs, bucket_bytes=bucket_bytes, aliases=model_targets.aliases))
             whole.append((time.perf_counter() - wall, time.process_time() - cpu))
@@ -610,15 +617,17 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         measured = list(ranks) if ranks is not None else sample_ranks(world)
         by_rank = {}
         for r in measured:
-            forget_plans()  # each rank from a cold start, as the first update pays
+            forget_indexes(sources)  # each rank from a cold start (new plans too), as the first update pays
+            plans = TrainerPlans()
             wall, cpu = time.perf_counter(), time.process_time()
-            by_rank[r] = [plan_to_engines(sources, manifest, groups, bucket_bytes, part, r)[0] for part in parts]
+            by_rank[r] = [plan_to_engines(plans, sources, manifest, groups, bucket_bytes, part, r)[0]
+                          for part in parts]
             timed[r] = (time.perf_counter() - wall, time.process_time() - cpu)
-        forget_plans()
+        forget_indexes(sources)
         if global_baseline:
             wall, cpu = time.perf_counter(), time.process_time()
             every = [list(targets) for targets in manifest.ranks]
-            digest = inputs_digest(sources, manifest, groups, bucket_bytes)
+            digest = TrainerPlans().inputs_digest(sources, manifest, groups, bucket_bytes)
             for part in parts:
                 wanted = set(part)
                 # fingerprinted as the rank-local path fingerprints a chunk (the inputs' digest)

@@ -88,7 +88,7 @@ def main() -> None:
     import tiny_models
     from engine import cpu_engine
     from faults import TP, full_shards, generate_async, update_async
-    from sglang.srt.weight_sync.delivery import make_channel
+    from sglang.srt.weight_sync.protocol import make_channel
     from update_cases import new_weights
 
     model_dir, _ = tiny_models.make_tiny_model("qwen2", Path(tempfile.mkdtemp()) / "qwen2")

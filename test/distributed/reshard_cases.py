@@ -16,7 +16,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, execute
+from sglang.srt.weight_sync.control_plane import ControlGroup, PlanDisagreement
+from sglang.srt.weight_sync.executor import execute
 from sglang.srt.weight_sync.planner import plan
 from sglang.srt.weight_sync.source_layout import describe_dtensor, describe_sharded
 from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
@@ -169,7 +170,7 @@ def run(rank: int, world: int, s: Scenario) -> dict:
     p = plan(layout, targets, bucket_bytes=s.bucket_bytes, aliases=targets_all.aliases)
     mine = targets[rank]
     params = {t.name: torch.full(t.shape, SENTINEL, dtype=t.dtype) for t in mine}
-    agree_on_plan(p)
+    ControlGroup(None, "test").agree_on_plan(p.fingerprint, None, f"rank {rank}")
     stats = execute(p, rank, local, params)
     reference = {n: v for n, v in full.items()}
     for alias, name in targets_all.aliases.items():
@@ -201,7 +202,7 @@ def disagreeing_plans(rank: int, world: int) -> str:
     layout, _ = _train_shards(s, rank, full)
     p = plan(layout, targets.by_rank(), bucket_bytes=(1 << 20) if rank == 0 else 256)
     try:
-        agree_on_plan(p)
-    except ExecutionError as e:
+        ControlGroup(None, "test").agree_on_plan(p.fingerprint, None, f"rank {rank}")
+    except PlanDisagreement as e:
         return str(e)
     return "agreed"

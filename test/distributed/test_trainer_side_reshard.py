@@ -31,7 +31,7 @@ def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
 
     from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
-    from sglang.srt.weight_sync.trainer_reshard import chunks, reshard_to_engines
+    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
     from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
     targets = model_targets_from_config(CONFIG, EngineParallel(2), torch.bfloat16)
@@ -42,9 +42,10 @@ def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
     shards = prepare_shards([(n, distribute_tensor(t, mesh, (Shard(0),), src_data_rank=None)) for n, t in full.items()])
     sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
     out = dict(received=0, lower_bound=0, peak_staging=0, peak_buffers=0, chunks=0)
+    plans = TrainerPlans()
     written = set()
     for part in chunks(manifest, list(full), bucket_bytes):
-        result = reshard_to_engines(sources, local, manifest, GROUPS, rank, bucket_bytes, part)
+        result = plans.reshard_to_engines(sources, local, manifest, GROUPS, rank, bucket_bytes, part)
         for name, buf in result.buffers.items():
             want = next(t for t in manifest.ranks[rank % 2] if t.name == name)
             assert torch.equal(buf, reference_param(want, full)), f"rank {rank}: {name} differs from SGLang's slicing"

@@ -118,10 +118,11 @@ def one_hop_bound(model, hf_config, groups) -> int:
     from sglang.srt.weight_sync.megatron_layout import describe_model_chunks, megatron_sources
     from sglang.srt.weight_sync.megatron_flow import all_coords, this_rank
     from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.trainer_flow import TrainerSync
     from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
 
     desc, _ = describe_model_chunks([model], hf_config.vocab_size, this_rank())
-    sources = megatron_sources(desc, all_coords(this_rank()))
+    sources = megatron_sources(desc, all_coords(TrainerSync(), this_rank()))
     targets = model_targets_from_config(hf_config, EngineParallel(len(groups[0])), torch.bfloat16)
     needed = {g[r]: targets.for_rank(r) for g in groups for r in range(len(g))}
     return plan(sources, needed, aliases=targets.aliases).lower_bound_bytes(dist.get_rank())
@@ -134,7 +135,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     from engine import WORKER_ENGINE_ARGS, omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync.megatron_flow import megatron_flow
-    from sglang.srt.weight_sync.sglang_compat import weight_update_session
+    from engine import weight_update_session
     from sglang.srt.weight_sync.trainer_flow import as_reply, drive
     from update_cases import _checksums, _forbidden_calls, _generate, new_weights
 
@@ -164,7 +165,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
             return as_reply(replies[-1])
 
         before = _forbidden_calls(job["forbidden_log"])
-        report = drive(megatron_flow([model], vocab, ranks, group), ranks, group, serve, timeout_s=120)
+        report = drive(megatron_flow(verl._sync, [model], vocab, ranks, group), ranks, group, serve, timeout_s=120)
         record.update(success=report.success, message=report.message, mode=report.mode,
                       trainer_received=report.bytes_received, trainer_bound=report.lower_bound_bytes,
                       engine_replies=replies)

@@ -163,9 +163,7 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
     ``Engine.update_weights_distributed``; returns its reply (success, message and the
     figures per engine rank) on every rank."""
-    from sglang.srt.weight_sync.trainer_flow import open_channel
-
-    chan = open_channel(ranks, group)
+    chan = verl._sync.channel(ranks, group)  # the channel the VerlEngine's own updates use
     update_id = update_id or chan.next_update_id()
     if send:
         chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
@@ -174,7 +172,7 @@ def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout
 
 def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
     """``Engine.update_weights_distributed`` for what every rank delivered; (success, message) on every rank."""
-    from sglang.srt.weight_sync.sglang_compat import weight_update_session
+    from engine import weight_update_session
 
     dist.barrier(group=group)
     result = None
@@ -228,7 +226,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     from engine import WORKER_ENGINE_ARGS, omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync import utils as weight_sync_utils
-    from sglang.srt.weight_sync.sglang_compat import weight_update_session
+    from engine import weight_update_session
 
     tp = job["tp"]  # engines of `tp` ranks side by side; the trainer's mesh spans the whole world
     os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]  # read by the engine's processes (sitecustomize)

@@ -161,7 +161,7 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - the survivor's error is what the test checks
         outcome = f"{type(e).__name__}: {e}"
     elapsed = time.monotonic() - start
-    trainer_flow.close_channels()  # what VerlEngine.shutdown() does
+    trainer_flow.TrainerSync.of(mesh).close()  # what VerlEngine.shutdown() does
     return dict(first=first, elapsed=elapsed, outcome=outcome)
 
 

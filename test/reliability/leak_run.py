@@ -16,7 +16,7 @@ configure_cpu_env()
 
 def main(model_root: str) -> None:
     from faults import TP, full_shards, generate, running_engine, update
-    from sglang.srt.weight_sync.delivery import make_channel
+    from sglang.srt.weight_sync.protocol import make_channel
     from update_cases import new_weights
 
     with running_engine(Path(model_root)) as (eng, model_dir, _):

@@ -29,7 +29,7 @@ PROMPTS = [[5, 17, 42, 7], [300, 2, 9, 11]]
 @pytest.fixture(scope="module")
 def baseline(engine):
     """The engine after one good update (seed 1): its state and generation."""
-    from sglang.srt.weight_sync.delivery import make_channel
+    from sglang.srt.weight_sync.protocol import make_channel
 
     eng, model_dir, config = engine
     weights = new_weights(model_dir, 1)
@@ -46,7 +46,7 @@ def assert_unchanged(eng, baseline):
 
 
 def _channel():
-    from sglang.srt.weight_sync.delivery import make_channel
+    from sglang.srt.weight_sync.protocol import make_channel
 
     return make_channel()
 

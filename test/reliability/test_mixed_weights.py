@@ -19,7 +19,7 @@ PROMPTS = [[5, 17, 42, 7]]
 
 
 def _update(eng, update_id, model_dir, seed):
-    from sglang.srt.weight_sync.delivery import make_channel
+    from sglang.srt.weight_sync.protocol import make_channel
 
     return update(eng, make_channel(), update_id, [full_shards(new_weights(model_dir, seed))] * TP, timeout_s=60)
 

@@ -23,7 +23,7 @@ def _run(eng, coro):
 
 @pytest.mark.parametrize("abort", [False, True], ids=["finish", "abort_all_requests"])
 def test_update_with_generation_in_flight(engine, abort):
-    from sglang.srt.weight_sync.delivery import make_channel
+    from sglang.srt.weight_sync.protocol import make_channel
 
     eng, model_dir, _ = engine
     channel = make_channel()

@@ -1,6 +1,6 @@
 """A real ``sglang.Engine`` on this CPU-only machine, and HF greedy decoding to compare it with.
 
-Environment (see ``/work/shared/research/sglang-0.5.23-on-cpu.md``):
+Environment:
 
 * ``SGLANG_USE_CPU_ENGINE=1`` must be in the environment of the engine's spawned
   processes, and should be in ``os.environ`` before the test process first imports the
@@ -688,3 +688,17 @@ def stable_prompts(models: Sequence, count: int, max_new_tokens: int, min_margin
             return chosen[:count]
     raise RuntimeError(f"only {len(chosen)} of {count} prompts with margins >= {min_margin} (router "
                        f"{min_router_margin}) in {tried} tries; try a shorter prompt_len or max_new_tokens")
+
+
+@contextlib.contextmanager
+def weight_update_session(engine) -> Iterator[None]:
+    """0.5.23 accepts weight updates only between ``begin_weight_update()`` and
+    ``end_weight_update()``; older releases have no session and take them at any time."""
+    if not hasattr(engine, "begin_weight_update"):
+        yield
+        return
+    engine.begin_weight_update()
+    try:
+        yield
+    finally:
+        engine.end_weight_update()

@@ -353,10 +353,10 @@ def load_rank(model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = 
 
 def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[str, str]:
     """Write the parameters SGLang loads from other weights (``2 * full``) in place, as an update
-    does, then run SGLang's refresh (``derived_targets.refresh_after_update``, then what follows
+    does, then run SGLang's refresh (``apply.refresh_derived``, then what follows
     an update on this release, ``sglang_compat.after_update``): each computed tensor must equal
     a fresh load's and keep its storage. Returns the problems by tensor name."""
-    from sglang.srt.weight_sync.derived_targets import refresh_after_update
+    from sglang.srt.weight_sync.apply import refresh_derived
     from sglang.srt.weight_sync.sglang_compat import after_update
 
     fresh = _build(model_config)
@@ -366,7 +366,7 @@ def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[st
         new = dict(fresh.named_parameters())
         for name, p in model.named_parameters():
             p.data.copy_(new[name])
-        refresh_after_update(model)
+        refresh_derived(model)
         after_update(model)
     expected, problems = _computed(fresh), {}
     for name, t in _computed(model).items():

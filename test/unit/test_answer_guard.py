@@ -19,10 +19,8 @@ import pytest
 
 import sglang.srt.managers.io_struct as io
 from sglang.srt.weight_sync import answer_guard
-from sglang.srt.weight_sync.answer_guard import MIXED, bound_answers, distributed_update, refuse_generation_if_unsafe
-from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
-from sglang.srt.weight_sync.engine_update import as_tensor_request
-from sglang.srt.weight_sync.control_plane import GRACE_S, answer_bound_s
+from sglang.srt.weight_sync.answer_guard import bound_answers, distributed_update, refuse_generation_if_unsafe
+from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S, GRACE_S, MIXED, answer_bound_s, as_tensor_request
 
 BOUND_S = 0.3
 
@@ -178,7 +176,8 @@ def _answer(manager, update_id, outputs):
 
 
 def _out(success, message):
-    return io.UpdateWeightsDistributedReqOutput(success=success, message=message)
+    """A scheduler's reply as the engine sends it: ``mixed`` set when writes had begun."""
+    return io.UpdateWeightsDistributedReqOutput(success=success, message=message, mixed=MIXED in message)
 
 
 def test_generation_is_refused_after_mixed_weights_until_an_update_succeeds(manager):
@@ -193,6 +192,16 @@ def test_generation_is_refused_after_mixed_weights_until_an_update_succeeds(mana
         refuse_generation_if_unsafe(manager)
     _answer(manager, "u3", [_out(True, "Success")])
     refuse_generation_if_unsafe(manager)  # whole again
+
+
+def test_the_mixed_field_decides_and_the_text_only_where_the_reply_has_no_field():
+    from sglang.srt.weight_sync.protocol import is_mixed
+
+    assert is_mixed(io.UpdateWeightsDistributedReqOutput(success=False, message="x", mixed=True))
+    assert not is_mixed(io.UpdateWeightsDistributedReqOutput(success=False, message=f"quoting: {MIXED}"))
+    # upstream's tensor-path reply (the reserved load_format) has no such field: its message says it
+    assert is_mixed(io.UpdateWeightsFromTensorReqOutput(success=False, message=f"FAILED: {MIXED}"))
+    assert not is_mixed(io.UpdateWeightsFromTensorReqOutput(success=False, message="refused"))
 
 
 def test_generation_is_refused_while_an_update_is_unanswered(manager):

@@ -6,7 +6,8 @@ pieces of this chunk were written, the rest is whatever ``torch.empty`` returned
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.trainer_reshard import copy_buffers, nonfinite_buffers, restrict
+from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers
+from sglang.srt.weight_sync.trainer_reshard import restrict
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
 GATE_UP = ParamTarget(

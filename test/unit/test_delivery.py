@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
-from sglang.srt.weight_sync.delivery import DeliveryError, ShardReceiver, ShardSender, make_channel
+from sglang.srt.weight_sync.delivery import DeliveryError, ShardReceiver, ShardSender
+from sglang.srt.weight_sync.protocol import make_channel
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, HoldersSpec, MeshSpec
 

@@ -61,9 +61,9 @@ def test_engine_refuses_what_is_not_a_copy(derived, name, reason):
                              not_copied=derived.not_copied)
     spec = lambda n: MeshSpec(CHECKPOINT.shapes()[n], torch.float32, [0], (Replicate(),))  # noqa: E731
     ok = Payload("u", 0, {0: 0}, {"a": torch.zeros(3, 4)}, {"a": spec("a")})
-    sources, _ = _sources(ok, targets, 0)
+    sources, _ = _sources(ok, targets)
     assert set(sources) == {"a"}
     bad = Payload("u", 0, {0: 0}, {"a": torch.zeros(3, 4), name: torch.zeros(4, 3)},
                   {"a": spec("a"), name: spec(name)})
     with pytest.raises(ValueError, match=f"tensor '{name}' is not a copy in SGLang's loader: .*{reason}"):
-        _sources(bad, targets, 0)
+        _sources(bad, targets)

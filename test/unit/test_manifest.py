@@ -91,18 +91,19 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
                              rules.tensor_shapes(), dict(rules.aliases))
     live = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in derived.for_rank(1)}
     model = _LiveModel(live)
+    sync = engine_update.EngineWeightSync(1)  # the engine rank's, which keeps the manifest
 
-    targets, params, manifest = engine_update.engine_targets(model, derived, 1)
+    targets, params, manifest = engine_update.engine_targets(model, derived, 1, sync)
     assert params.keys() == live.keys()
     assert {t.dtype for t in targets.for_rank(1)} == {torch.bfloat16}  # the live dtype, not the derived one
     assert manifest == EngineManifest.of(targets)
-    again = engine_update.engine_targets(model, derived, 1)
+    again = engine_update.engine_targets(model, derived, 1, sync)
     assert again[0] is targets and again[2] is manifest
 
     first = next(iter(live))
     live[first] = live[first].float()  # one parameter now fp32
-    changed_targets, _, changed = engine_update.engine_targets(model, derived, 1)
+    changed_targets, _, changed = engine_update.engine_targets(model, derived, 1, sync)
     assert changed_targets.dtype_of[first] == torch.float32
     assert changed.fingerprint != manifest.fingerprint and changed == EngineManifest.of(changed_targets)
     rederived = DerivedTargets(rules.parallel, derived.per_rank, rules.tensor_shapes(), dict(rules.aliases))
-    assert engine_update.engine_targets(model, rederived, 1)[2] is not changed  # another derivation: made anew
+    assert engine_update.engine_targets(model, rederived, 1, sync)[2] is not changed  # another derivation: made anew

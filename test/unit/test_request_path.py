@@ -60,6 +60,18 @@ def test_request_defaults():
         io.UpdateWeightsDistributedReqInput(channel=CHANNEL)  # update_id is required
 
 
+def test_every_default_timeout_is_the_protocols():
+    """The hooks spell the default bound as a literal (upstream files import nothing of ours
+    at module level); it must be protocol.DEFAULT_TIMEOUT_S everywhere."""
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
+    from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S
+
+    assert _request().timeout_s == DEFAULT_TIMEOUT_S
+    for method in (Engine.update_weights_distributed, HttpServerEngineAdapter.update_weights_distributed):
+        assert inspect.signature(method).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S, method
+
+
 def test_request_round_trips_through_scheduler_ipc_msgpack():
     for req in (
         _request(),
@@ -180,21 +192,29 @@ def test_tokenizer_method_takes_writer_lock_and_applies_version(single_dp):
     tm = _FakeTokenizerManager(ok)
     req = _request(weight_version="v3", abort_all_requests=True)
     # upstream's message and version note; the figures in their own fields
-    assert tm.call(req) == {"success": True, "message": "Success Weight version updated to v3.", **FIGURES}
+    assert tm.call(req) == {"success": True, "message": "Success Weight version updated to v3.", "mixed": False,
+                            **FIGURES}
     assert tm.events == [("abort", True), "writer_lock", ("send", req), "writer_unlock", "clear_mm", ("version", "v3")]
 
 
 def test_tokenizer_method_when_paused_skips_writer_lock(single_dp):
     tm = _FakeTokenizerManager([io.UpdateWeightsDistributedReqOutput(success=True, message="Success")], paused=True)
     req = _request(flush_cache=False)
-    assert tm.call(req) == {"success": True, "message": "Success", **NO_FIGURES}
+    assert tm.call(req) == {"success": True, "message": "Success", "mixed": False, **NO_FIGURES}
     assert tm.events == [("send", req)]
+
+
+def test_reply_says_mixed_as_a_field(single_dp):
+    mixed = [io.UpdateWeightsDistributedReqOutput(success=False, message="FAILED after writes began", mixed=True)]
+    reply = _FakeTokenizerManager(mixed).call(_request())
+    assert reply["mixed"] is True and reply["success"] is False
 
 
 def test_tokenizer_method_failure_keeps_version(single_dp):
     bad = [io.UpdateWeightsDistributedReqOutput(success=False, message="refused")]
     tm = _FakeTokenizerManager(bad)
-    assert tm.call(_request(weight_version="v3")) == {"success": False, "message": "refused", **NO_FIGURES}
+    assert tm.call(_request(weight_version="v3")) == {"success": False, "message": "refused", "mixed": False,
+                                                      **NO_FIGURES}
     assert not [e for e in tm.events if e == "clear_mm" or (isinstance(e, tuple) and e[0] == "version")]
 
 
@@ -265,10 +285,11 @@ def manager(monkeypatch):
 
     # the handler's closing barrier, bounded (engine_update.end_of_update; tested below)
     monkeypatch.setattr(engine_update, "end_of_update",
-                        lambda req, success, message: log.append(("end_of_update", success)) or (success, message))
+                        lambda received, req, success, message: log.append(("end_of_update", success))
+                        or (success, message))
 
     class TpWorker:
-        received = ReceivedShards(None, figures=dict(FIGURES))
+        received = ReceivedShards(None, None, figures=dict(FIGURES))
 
         def weight_update_runners(self):
             return [("target", _Runner("target", log))]
@@ -341,20 +362,22 @@ def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, befo
 
     calls = []
 
-    def barrier(group, timeout_s, phase):
-        calls.append((group, timeout_s, phase))
-        raise PeerLost(f"{phase}: ranks [1] never reached it; Rank 1 failed to pass monitoredBarrier (within "
-                       f"{timeout_s:g}s)")
+    class Control:  # the engine's TP control group: its barrier never completes
+        def barrier(self, timeout_s, phase):
+            calls.append((timeout_s, phase))
+            raise PeerLost(f"{phase}: ranks [1] never reached it; Rank 1 failed to pass monitoredBarrier (within "
+                           f"{timeout_s:g}s)")
 
-    monkeypatch.setattr(engine_update, "tp_state", lambda: SimpleNamespace(rank=0, cpu_group="tp_cpu"))
-    monkeypatch.setattr(engine_update, "barrier", barrier)
-    success, message = engine_update.end_of_update(_request(timeout_s=5.0), *before)
-    assert calls == [("tp_cpu", 5.0 + engine_update.GRACE_S, "engine rank 0: at the end of the update")]
+    sync = engine_update.EngineWeightSync(0)
+    sync._control = Control()
+    received = engine_update.ReceivedShards(sync, None)
+    success, message = engine_update.end_of_update(received, _request(timeout_s=5.0), *before)
+    assert calls == [(5.0 + engine_update.GRACE_S, "engine rank 0: at the end of the update")]
     assert success is False and "ranks [1] never reached it" in message and "within 35s" in message
     assert message.startswith("refused: engine rank 1: no payload; " if not before[0] else
                               "distributed weight update failed: engine rank 0: at the end of the update")
-    monkeypatch.setattr(engine_update, "barrier", lambda group, timeout_s, phase: None)
-    assert engine_update.end_of_update(_request(), *before) == before
+    sync._control = SimpleNamespace(barrier=lambda timeout_s, phase: None)
+    assert engine_update.end_of_update(received, _request(), *before) == before
 
 
 def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(manager):
@@ -392,9 +415,9 @@ def test_tp_worker_hook_delegates_to_receive_shards(monkeypatch):
     from sglang.srt.managers.tp_worker import BaseTpWorker
     from sglang.srt.weight_sync import engine_update
 
-    req, marker = _request(), object()
-    monkeypatch.setattr(engine_update, "receive_shards", lambda r: marker if r is req else None)
-    assert BaseTpWorker.receive_weight_shards(object(), req) is marker
+    req, marker, worker = _request(), object(), object()
+    monkeypatch.setattr(engine_update, "receive_shards", lambda r, owner: marker if r is req and owner is worker else None)
+    assert BaseTpWorker.receive_weight_shards(worker, req) is marker
 
 
 def _model_weight_updater(model, model_config="cfg"):

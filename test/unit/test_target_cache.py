@@ -73,13 +73,14 @@ def _worker(workdir: Path) -> dict:
             sent.append(json.loads(own)["rank"])
             return [own, json.dumps(records[1]).encode()]
 
-        targets = target_cache.engine_derived_targets(model_config, 0, exchange)
+        memo = {}  # what the engine's weight sync keeps
+        targets = target_cache.engine_derived_targets(model_config, 0, exchange, memo)
         facts["assembled_equal_generic"] = [targets.per_rank[r] == generic[r].targets for r in range(2)]
         facts["shapes_equal_checkpoint"] = targets.shapes == checkpoint.shapes()
         facts["post_load"] = sorted(targets.post_load)
         facts["pieces"] = sum(len(t.pieces) for ts in targets.per_rank for t in ts)
         facts["exchange_calls"] = list(sent)
-        facts["memory_hit_same"] = target_cache.engine_derived_targets(model_config, 0, exchange) is targets
+        facts["memory_hit_same"] = target_cache.engine_derived_targets(model_config, 0, exchange, memo) is targets
         facts["exchange_calls_after_hit"] = list(sent)
 
         def refuse(*args, **kwargs):
@@ -87,22 +88,21 @@ def _worker(workdir: Path) -> dict:
 
         derive, target_cache.derive_engine_rank = target_cache.derive_engine_rank, refuse
         try:
-            target_cache._memory.clear()
             restarted = target_cache.engine_derived_targets(
                 model_config, 1, lambda own: [json.dumps(records[0]).encode(), own])
             facts["restart_equal"] = restarted.per_rank == targets.per_rank and restarted.shapes == targets.shapes
 
-            target_cache._memory.clear()
             os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "empty-cache")
-            failing = []
+            failing, memo = [], {}
             try:
                 target_cache.engine_derived_targets(
-                    model_config, 1, lambda own: failing.append(json.loads(own)) or [json.dumps(records[0]).encode(), own])
+                    model_config, 1, lambda own: failing.append(json.loads(own)) or [json.dumps(records[0]).encode(), own],
+                    memo)
                 facts["failure"] = "no error"
             except ValueError as e:
                 facts["failure"] = str(e)
             facts["failing_rank_sent"] = failing
-            facts["failure_cached"] = bool(target_cache._memory)
+            facts["failure_cached"] = bool(memo)
         finally:
             target_cache.derive_engine_rank = derive
             os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")

@@ -18,17 +18,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, check_timeout
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
+from sglang.srt.weight_sync.control_plane import ControlGroup
+from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, check_timeout
 from sglang.srt.weight_sync.trainer_flow import (
     ControlRequest,
     Mode,
+    TrainerSync,
     UpdateReport,
     as_reply,
-    close_channels,
     drive,
     update_flow,
 )
+
+# How long the mesh's ranks wait for the first rank's engine calls (starting the engine,
+# generating, releasing memory): the process group's own default, now bounded and named.
+ENGINE_CALL_BOUND_S = 1800.0
 
 
 class VerlEngine:
@@ -55,6 +59,8 @@ class VerlEngine:
         self._weight_sync_mode = weight_sync_mode
         self._weight_sync_bucket_bytes = weight_sync_bucket_bytes
         self._timeout_s = check_timeout(weight_sync_timeout_s)
+        self._control = ControlGroup(self._group, "verl-engine")
+        self._sync = TrainerSync()
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
         first_rank_in_node = self._tp_rank % tp_size_per_node == 0
@@ -70,7 +76,7 @@ class VerlEngine:
             from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
             self._engine = HttpServerEngineAdapter(**engine_kwargs)
-        dist.barrier(group=self._group)
+        self._barrier("starting the engine")
 
     def generate(
         self,
@@ -113,7 +119,7 @@ class VerlEngine:
                 f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
                 "only load_format=None is supported"
             )
-        flow = update_flow(named_tensors, self._ranks, self._group, self._weight_sync_mode,
+        flow = update_flow(self._sync, named_tensors, self._ranks, self._group, self._weight_sync_mode,
                            self._weight_sync_bucket_bytes, self._timeout_s)
         return self._drive(flow)
 
@@ -123,7 +129,7 @@ class VerlEngine:
         gather; see ``weight_sync.megatron_flow``. Call on every trainer rank."""
         from sglang.srt.weight_sync.megatron_flow import megatron_flow
 
-        return self._drive(megatron_flow(model_chunks, hf_vocab, self._ranks, self._group, self._weight_sync_mode,
+        return self._drive(megatron_flow(self._sync, model_chunks, hf_vocab, self._ranks, self._group, self._weight_sync_mode,
                                          self._weight_sync_bucket_bytes, shared_expert_hf, self._timeout_s))
 
     def _drive(self, flow) -> UpdateReport:
@@ -145,25 +151,28 @@ class VerlEngine:
     def release_memory_occupation(self) -> None:
         if self._tp_rank == 0:
             self._engine.release_memory_occupation()
-        dist.barrier(group=self._group)
+        self._barrier("release_memory_occupation")
 
     def resume_memory_occupation(self) -> None:
         if self._tp_rank == 0:
             self._engine.resume_memory_occupation()
-        dist.barrier(group=self._group)
+        self._barrier("resume_memory_occupation")
 
     def flush_cache(self) -> None:
         if self._tp_rank == 0:
             self._engine.flush_cache()
-        dist.barrier(group=self._group)
+        self._barrier("flush_cache")
 
     def shutdown(self) -> None:
-        close_channels()
+        self._sync.close()
         if self._engine is not None:
             self._engine.shutdown()
 
     def _from_rank0(self, value):
         """Rank 0's (small) result on every rank of the mesh."""
-        box = [value]
-        dist.broadcast_object_list(box, src=self._ranks[0], group=self._group)
-        return box[0]
+        return self._control.broadcast_object(value, self._ranks[0], ENGINE_CALL_BOUND_S,
+                                              f"trainer rank {dist.get_rank()}: hearing rank {self._ranks[0]}'s result")
+
+    def _barrier(self, what: str) -> None:
+        self._control.barrier(ENGINE_CALL_BOUND_S, f"trainer rank {dist.get_rank()}: waiting for rank "
+                                                   f"{self._ranks[0]} ({what})")

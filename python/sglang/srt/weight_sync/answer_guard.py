@@ -1,13 +1,12 @@
-"""The tokenizer manager waits for a distributed weight update's answer at most the update's bound.
+"""The tokenizer manager's guard: a bounded wait for each update's answer, and no serving of mixed weights.
 
 The schedulers answer an update once every TP rank has received, checked and applied
 it; each of their waits is bounded by the update's ``timeout_s`` (``control_plane``). A
 scheduler that hangs, or that died while SGLang's subprocess watchdog has not torn the
-engine down, never answers, and upstream's communicator waits for ever: the
-``VerlEngine`` host rank was seen hanging for over 10 minutes. ``bound_answers`` wraps
-the tokenizer manager's update communicators (the distributed request and the tensor
-path's reserved ``load_format``): the wait ends after ``control_plane.answer_bound_s(timeout_s)``
-with ``success=False`` naming the phase. The request stays in flight (cancelling it
+engine down, never answers, and upstream's communicator would wait for ever.
+``bound_answers`` wraps the tokenizer manager's update communicators (the distributed
+request and the tensor path's reserved ``load_format``): the wait ends after
+``protocol.answer_bound_s(timeout_s)`` with ``success=False`` naming the phase. The request stays in flight (cancelling it
 would leave upstream's communicator expecting an answer it then drops or hands to the
 next caller); until its answer comes, later distributed updates and session calls are
 refused at once instead of queueing behind it.
@@ -22,16 +21,23 @@ raise: HTTP 400) until a distributed update succeeds.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
-import pickle
 import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S, DeliveryError, check_timeout
-from sglang.srt.weight_sync.control_plane import GRACE_S, answer_bound_s
+from sglang.srt.weight_sync.protocol import (
+    DEFAULT_TIMEOUT_S,
+    DISTRIBUTED_LOAD_FORMAT,
+    GRACE_S,
+    DeliveryError,
+    answer_bound_s,
+    check_timeout,
+    is_mixed,
+    read_control,
+)
+
+__all__ = ["BoundedCommunicator", "bound_answers", "distributed_update", "refuse_generation_if_unsafe"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +46,6 @@ UPDATES = {"update_weights_distributed": "UpdateWeightsDistributedReqOutput",
            "update_weights_from_tensor": "UpdateWeightsFromTensorReqOutput"}
 SESSIONS = {"begin_weight_update": "BeginWeightUpdateReqOutput", "end_weight_update": "EndWeightUpdateReqOutput"}
 NO_ANSWER = "an engine rank did not answer (a scheduler may have died or hung)"
-# Said by a scheduler whose update failed after parameters began to change (engine_update.apply_shards).
-MIXED = "the weights are now MIXED"
 
 
 @dataclass
@@ -72,7 +76,7 @@ class _Guard:
         if outputs and all(getattr(o, "success", False) for o in outputs):
             self.mixed = None
             return
-        mixed = [o.message for o in outputs if MIXED in str(getattr(o, "message", ""))]
+        mixed = [o.message for o in outputs if is_mixed(o)]
         if mixed:
             self.mixed = f"distributed weight update {update_id!r}: {mixed[0]}"
 
@@ -173,8 +177,6 @@ def distributed_update(obj) -> Optional[Tuple[str, float]]:
     """(update id, timeout_s) of a distributed update, as ``UpdateWeightsDistributedReqInput``
     or as a tensor-path request with the reserved load_format; None for any other request.
     A timeout the schedulers refuse bounds them by the default, as here."""
-    from sglang.srt.weight_sync.engine_update import DISTRIBUTED_LOAD_FORMAT
-
     if getattr(obj, "load_format", None) == DISTRIBUTED_LOAD_FORMAT:
         control = _read_control(obj.serialized_named_tensors)
     elif type(obj).__name__ == "UpdateWeightsDistributedReqInput":
@@ -188,21 +190,10 @@ def distributed_update(obj) -> Optional[Tuple[str, float]]:
     return str(control.get("update_id", "")), timeout_s
 
 
-class _NoGlobals(pickle.Unpickler):
-    """Loads plain data only (a control dict of strings and numbers needs no global)."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"global {module}.{name} refused")
-
-
 def _read_control(payloads) -> dict:
     """The first rank's control dict (every rank gets the same); {} when unreadable
     (the schedulers then refuse the request themselves)."""
     try:
-        data = payloads[0]
-        if isinstance(data, str):
-            data = base64.b64decode(data, validate=True)
-        control = _NoGlobals(io.BytesIO(bytes(data))).load()
+        return read_control(payloads[0])
     except Exception:  # noqa: BLE001 - garbage is the schedulers' to refuse
         return {}
-    return control if isinstance(control, dict) else {}

@@ -1,36 +1,43 @@
-"""Bounded waits: no process of an update waits for a peer that is gone.
+"""The control plane: every collective of an update that is not a data move, each bounded.
 
-Every collective of an update is started asynchronously and waited for with a
-bound derived from the update's ``timeout_s``. A peer that died or never came
-makes the wait raise ``PeerLost`` naming the phase (and, at barriers, the ranks
-that never arrived), instead of blocking for the process
-group's default timeout (30 minutes) or for ever.
+The executor moves tensors (the data plane); everything else the ranks say to each
+other goes through a ``ControlGroup``: agreeing on a value or a plan, sharing problems,
+figures and derived targets, barriers, the channel token, the engines' groups, Megatron
+coordinates. Every call is started asynchronously and waited for at most ``timeout_s``:
+a peer that died or never came makes it raise ``PeerLost`` naming the phase (and, at
+barriers, the ranks that never arrived), instead of blocking for the process group's
+timeout or for ever. Nothing here pickles what a peer sent, except
+``broadcast_object``'s answer from a rank of the same trainer.
+
+A ``ControlGroup`` belongs to the object that runs updates over its group (the
+engine's weight sync, a trainer channel, ``VerlEngine``): its barrier count, which must
+be the same on every rank, lives and dies with that object.
 """
 
 from __future__ import annotations
 
-import collections
+import pickle
 from datetime import timedelta
-from typing import Dict, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-# Slack over ``timeout_s`` for collectives that follow a bounded wait on another rank
-# (e.g. every engine rank waits up to timeout_s for its payload before they share problems).
-GRACE_S = 30.0
+from sglang.srt.weight_sync.protocol import GRACE_S, answer_bound_s
 
+__all__ = ["ControlGroup", "GRACE_S", "PeerLost", "PlanDisagreement", "answer_bound_s", "collective_device",
+           "wait"]
 
-def answer_bound_s(timeout_s: float) -> float:
-    """How long the engine's tokenizer manager waits for the answer to an update bounded by
-    ``timeout_s``: the schedulers apply payloads the trainer delivered before it asked (its
-    ready barrier), each of their collectives waits at most ``timeout_s + GRACE_S``, and the
-    trainer ranks beside the engine wait ``2 * timeout_s + GRACE_S`` for the answer."""
-    return timeout_s + GRACE_S
+MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
+RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group hears it
 
 
 class PeerLost(RuntimeError):
     """A peer of a collective did not answer within the bound (dead, hung or far behind)."""
+
+
+class PlanDisagreement(RuntimeError):
+    """The ranks are about to run different plans (different inputs on some rank)."""
 
 
 def wait(work, timeout_s: Optional[float], phase: str) -> None:
@@ -45,42 +52,151 @@ def wait(work, timeout_s: Optional[float], phase: str) -> None:
         raise PeerLost(f"{phase}: a peer did not answer within {timeout_s:g}s ({e})") from None
 
 
-def all_equal(value: int, group: Optional[dist.ProcessGroup], timeout_s: Optional[float], phase: str,
-              device: Optional[torch.device] = None) -> bool:
-    """Whether every rank of ``group`` holds the same ``value`` (one tiny all-reduce of
-    ``[value, -value]`` with MAX; ``device``: where the group's backend reduces)."""
-    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s, phase)
-    return both[0].item() == value and -both[1].item() == value
+def collective_device(group: Optional[dist.ProcessGroup]) -> Optional[torch.device]:
+    """Where small control tensors of ``group`` live: CPU when the group has a CPU backend
+    (``gloo``, ``cpu:gloo,cuda:nccl``), the current GPU when it is NCCL only."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
-# Barriers entered so far per group (by its ranks): every rank of a group enters them in one
-# order, so (group, count) names one barrier on every rank.
-_entered: Dict[Tuple[int, ...], int] = collections.defaultdict(int)
+class ControlGroup:
+    """The control collectives over ``group`` (None: the default group), each bounded.
 
+    ``name`` keeps the barrier marks of two owners of the same ranks apart in the
+    store; every rank of the group creates its ``ControlGroup`` with the same name and
+    enters its barriers in the same order.
+    """
 
-def barrier(group: Optional[dist.ProcessGroup], timeout_s: float, phase: str) -> None:
-    """A barrier bounded by ``timeout_s``. On failure the error names the ranks that never
-    reached it: each rank marks its arrival in the process group's store first (a dead
-    peer's closed connection makes gloo say only "Connection closed by peer")."""
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-    me, tag = dist.get_rank(), ",".join(map(str, ranks))
-    _entered[ranks] += 1
-    keys = {r: f"weight_sync/barrier/{tag}/{_entered[ranks]}/{r}" for r in ranks}
-    store = _store()
-    if store is not None:
-        store.set(keys[me], "1")
-        if _entered[ranks] > 1:  # every rank passed the previous one: its mark is no longer needed
-            store.delete_key(f"weight_sync/barrier/{tag}/{_entered[ranks] - 1}/{me}")
-    try:
-        if dist.get_backend(group) == "gloo":
-            dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-        else:
-            dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        absent = [r for r, k in keys.items() if store is not None and not store.check([k])]
-        named = f"ranks {absent} never reached it; " if absent else ""
-        raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
+    def __init__(self, group: Optional[dist.ProcessGroup], name: str) -> None:
+        self.group, self.name = group, name
+        self.device = collective_device(group)
+        self.ranks: Tuple[int, ...] = (tuple(dist.get_process_group_ranks(group)) if group is not None
+                                       else tuple(range(dist.get_world_size())))
+        self.rank = dist.get_rank(group)  # this process's rank in the group
+        self._barriers = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def _reduce(self, t: torch.Tensor, timeout_s: Optional[float], phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        wait(dist.all_reduce(t, op=op, group=self.group, async_op=True), timeout_s, phase)
+        return t
+
+    def all_equal(self, value: int, timeout_s: Optional[float], phase: str) -> bool:
+        """Whether every rank holds the same ``value`` (one all-reduce of ``[value, -value]`` with MAX)."""
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        self._reduce(both, timeout_s, phase, dist.ReduceOp.MAX)
+        return both[0].item() == value and -both[1].item() == value
+
+    def any(self, flag: bool, timeout_s: Optional[float], phase: str) -> bool:
+        """Whether any rank says so: keeps every rank on one path."""
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        return bool(self._reduce(t, timeout_s, phase, dist.ReduceOp.MAX).item())
+
+    def agree_on_plan(self, fingerprint: str, timeout_s: Optional[float], who: str) -> None:
+        """Raise ``PlanDisagreement`` unless every rank is about to run the plan ``fingerprint``."""
+        if not self.all_equal(int(fingerprint[:15], 16), timeout_s, f"{who}: plan agreement"):
+            raise PlanDisagreement(
+                f"{who}: the TP ranks computed different plans (this rank's {fingerprint[:15]}): "
+                "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
+            )
+
+    def all_gather_ints(self, mine: Sequence[int], timeout_s: Optional[float], phase: str) -> List[List[int]]:
+        """Every rank's ``mine`` (the same length everywhere), in group rank order."""
+        t = torch.tensor(list(mine), dtype=torch.int64, device=self.device)
+        every = torch.empty(self.size * len(mine), dtype=torch.int64, device=self.device)
+        wait(dist.all_gather_into_tensor(every, t, group=self.group, async_op=True), timeout_s, phase)
+        return every.view(self.size, len(mine)).tolist()
+
+    def share_bytes(self, mine: bytes, timeout_s: Optional[float], phase: str) -> List[bytes]:
+        """Every rank's bytes, in rank order: lengths through one all-reduce, then one
+        all-gather of byte tensors (no object gather, no pickle)."""
+        if self.size == 1:
+            return [mine]
+        lengths = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        lengths[self.rank] = len(mine)
+        self._reduce(lengths, timeout_s, phase)
+        width = int(lengths.max())
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
+        padded = padded.to(self.device) if self.device is not None else padded
+        gathered = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        wait(dist.all_gather(gathered, padded, group=self.group, async_op=True), timeout_s, phase)
+        return [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths.tolist())]
+
+    def share_problems(self, problems: Sequence[str], timeout_s: Optional[float], phase: str) -> List[str]:
+        """Every rank's problems (each rank's text cut at ``MESSAGE_BYTES``), through one all-reduce."""
+        text = "; ".join(problems).encode()[:MESSAGE_BYTES]
+        table = torch.zeros(self.size, MESSAGE_BYTES, dtype=torch.uint8)
+        if text:
+            table[self.rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        table = self._reduce(table.to(self.device) if self.device is not None else table, timeout_s, phase).cpu()
+        return [bytes(row[row.nonzero().flatten()].tolist()).decode(errors="replace") for row in table if row.any()]
+
+    def share_figures(self, mine: Sequence[int], timeout_s: Optional[float], phase: str) -> List[List[int]]:
+        """Each figure of every rank (a figures x ranks table), on every rank: one all-reduce."""
+        table = torch.zeros(len(mine), self.size, dtype=torch.int64, device=self.device)
+        table[:, self.rank] = torch.tensor(list(mine), dtype=torch.int64, device=self.device)
+        return self._reduce(table, timeout_s, phase).tolist()
+
+    def broadcast_bytes(self, data: Optional[bytes], src: int, size: int, timeout_s: Optional[float],
+                        phase: str) -> bytes:
+        """``src``'s ``data`` (at most ``size`` bytes, global rank ``src``) on every rank, as a
+        fixed-size tensor broadcast (``broadcast_object_list`` cannot be bounded)."""
+        buf = torch.zeros(size + 8, dtype=torch.uint8)
+        if data is not None:
+            if len(data) > size:
+                raise ValueError(f"{phase}: {len(data)} bytes to broadcast, at most {size}")
+            buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            if data:
+                buf[8: 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.device) if self.device is not None else buf
+        wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), timeout_s, phase)
+        raw = bytes(buf.cpu().tolist())
+        return raw[8: 8 + int.from_bytes(raw[:8], "little")]
+
+    def broadcast_result(self, result: Optional[Tuple[bool, str]], src: int, timeout_s: Optional[float],
+                         phase: str) -> Tuple[bool, str]:
+        """``src``'s (success, message) on every rank (the message cut to fit ``RESULT_BYTES``)."""
+        data = None
+        if result is not None:
+            data = ((b"1" if result[0] else b"0") + result[1].encode())[:RESULT_BYTES]
+        got = self.broadcast_bytes(data, src, RESULT_BYTES, timeout_s, phase)
+        return got[:1] == b"1", got[1:].decode(errors="replace")
+
+    def broadcast_object(self, value, src: int, timeout_s: Optional[float], phase: str):
+        """``src``'s picklable ``value`` on every rank: its length first, then its bytes (two
+        bounded broadcasts). Only for values this group's own ranks produce."""
+        data = pickle.dumps(value) if self.rank == self.ranks.index(src) else None
+        length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        wait(dist.broadcast(length, src=src, group=self.group, async_op=True), timeout_s, phase)
+        return pickle.loads(self.broadcast_bytes(data, src, int(length.item()), timeout_s, phase))
+
+    def barrier(self, timeout_s: float, phase: str) -> None:
+        """A barrier bounded by ``timeout_s``. On failure the error names the ranks that
+        never reached it: each rank marks its arrival in the default group's store first
+        (a dead peer's closed connection makes gloo say only "Connection closed by peer")."""
+        me, tag = dist.get_rank(), ",".join(map(str, self.ranks))
+        self._barriers += 1
+        prefix = f"weight_sync/{self.name}/barrier/{tag}"
+        keys = {r: f"{prefix}/{self._barriers}/{r}" for r in self.ranks}
+        store = _store()
+        if store is not None:
+            store.set(keys[me], "1")
+            if self._barriers > 1:  # every rank passed the previous one: its mark is no longer needed
+                store.delete_key(f"{prefix}/{self._barriers - 1}/{me}")
+        try:
+            if self.device is None:
+                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+            else:
+                dist.barrier(group=self.group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            absent = [r for r, k in keys.items() if store is not None and not store.check([k])]
+            named = f"ranks {absent} never reached it; " if absent else ""
+            raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
 
 
 def _store() -> Optional[dist.Store]:
@@ -89,19 +205,3 @@ def _store() -> Optional[dist.Store]:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
-
-
-RESULT_BYTES = 4096
-
-
-def broadcast_result(result: Optional[Tuple[bool, str]], src: int, group: Optional[dist.ProcessGroup],
-                     timeout_s: float, phase: str) -> Tuple[bool, str]:
-    """``src``'s (success, message) on every rank of ``group``, waiting at most ``timeout_s``
-    (a fixed-size tensor broadcast; ``broadcast_object_list`` cannot be bounded)."""
-    buf = torch.zeros(RESULT_BYTES, dtype=torch.uint8)
-    if result is not None:
-        data = (b"1" if result[0] else b"0") + result[1].encode()[: RESULT_BYTES - 1]
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    wait(dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s, phase)
-    data = bytes(buf[: int(buf.nonzero().max()) + 1].tolist()) if buf.any() else b"0"
-    return data[:1] == b"1", data[1:].decode(errors="replace")

@@ -12,7 +12,7 @@ without a spec, and the HF tensors they hold pieces of come with
 (SGLang's ``MultiprocessingSerializer``), so no payload bytes are copied or
 gathered; CPU tensors (tests, CPU engines) travel inline, one frame each after
 the header, described by dtype and shape: no shared-memory manager (torch's
-answers within 1 s or fails, which a loaded 2-core machine misses), no
+must answer within a second, which a loaded machine misses), no
 multiprocessing authkey (an engine launched separately has another), nothing
 left in /dev/shm, and nothing unpickled. The engine reads and checks the header
 before it unpickles or decodes anything, refuses update ids it has already
@@ -22,12 +22,10 @@ consumed, and never dies of a malformed message.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import os
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -36,73 +34,25 @@ import torch
 import zmq
 
 from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.protocol import (
+    DEFAULT_TIMEOUT_S,
+    ChannelError,
+    DeliveryError,
+    PayloadKind,
+    check_timeout,
+    decode_header,
+    encode_header,
+    resolve_channel,
+    socket_path,
+)
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
+
+__all__ = ["ChannelError", "DeliveryError", "Payload", "ShardReceiver", "ShardSender", "local_shard"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 120.0
-MAX_TIMEOUT_S = 3600.0  # far below what ZeroMQ's poll (int milliseconds) overflows at
-CHANNEL_PREFIX = "sglang-weights-"
-IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 MAX_CHANNELS = 8  # bound sockets per engine rank; the least recently used one is retired
 CONSUMED_IDS = 4096  # update ids remembered per engine rank, to refuse replays
-HEADER_BYTES = 1 << 20
-PAYLOAD_KINDS = ("shards", "params", "describe")
-
-
-class DeliveryError(RuntimeError):
-    """A payload that did not arrive, arrived late, or is malformed."""
-
-
-class ChannelError(DeliveryError):
-    """A channel path that is not a private channel directory of this user."""
-
-
-def make_channel() -> str:
-    """A new private channel directory (owner-only), for one trainer/engine pairing."""
-    return tempfile.mkdtemp(prefix=CHANNEL_PREFIX)
-
-
-def check_timeout(timeout_s) -> float:
-    """``timeout_s`` as a float, or DeliveryError: a positive, finite number of seconds up to an hour."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-            or not 0 < timeout_s <= MAX_TIMEOUT_S:
-        raise DeliveryError(f"timeout_s={timeout_s!r}: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
-    return float(timeout_s)
-
-
-def _socket_path(channel: str, engine_rank: int) -> str:
-    return os.path.join(channel, f"tp{engine_rank}.sock")
-
-
-def resolve_channel(channel, engine_rank: int = 0) -> str:
-    """The channel's real path, checked: an existing directory named ``sglang-weights-*``
-    (not a symlink), owned by this user, not accessible to group or others, and short
-    enough for the socket path of ``engine_rank``. Raises ChannelError naming the problem."""
-    if not isinstance(channel, str) or not channel:
-        raise ChannelError(f"channel {channel!r}: must be a non-empty path string")
-    spelled = os.path.abspath(channel)
-    if os.path.islink(spelled):
-        raise ChannelError(f"channel {channel!r} is a symlink; pass the directory itself")
-    real = os.path.realpath(spelled)
-    try:
-        st = os.lstat(real)
-    except OSError as e:
-        raise ChannelError(f"channel {channel!r} does not exist ({e.strerror})") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ChannelError(f"channel {channel!r} is not a directory")
-    if not os.path.basename(real).startswith(CHANNEL_PREFIX):
-        raise ChannelError(f"channel {channel!r}: the directory's name must start with {CHANNEL_PREFIX!r}")
-    if st.st_uid != os.getuid():
-        raise ChannelError(f"channel {channel!r} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
-    if st.st_mode & 0o077:
-        raise ChannelError(f"channel {channel!r} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 "
-                           "(no group or world access)")
-    path = _socket_path(real, engine_rank)
-    if len(path.encode()) > IPC_PATH_MAX:
-        raise ChannelError(f"channel {channel!r}: socket path {path!r} is longer than the {IPC_PATH_MAX}-byte "
-                           "ipc limit; use a shorter directory")
-    return real
 
 
 @dataclass
@@ -119,7 +69,7 @@ class Payload:
     rank_map: Dict[int, int]
     tensors: Dict[str, torch.Tensor]
     specs: Dict[str, Union[MeshSpec, HoldersSpec]]
-    kind: str = "shards"
+    kind: PayloadKind = PayloadKind.SHARDS
     names: Tuple[str, ...] = ()
     fingerprint: str = ""
 
@@ -169,7 +119,7 @@ class ShardSender:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(f"ipc://{_socket_path(self.channel, engine_rank)}")
+        self._sock.connect(f"ipc://{socket_path(self.channel, engine_rank)}")
         self._alive: List[torch.Tensor] = []
 
     def send(
@@ -179,7 +129,7 @@ class ShardSender:
         rank_map: Mapping[int, int],
         shards: Sequence[Tuple[str, torch.Tensor, Optional[MeshSpec]]],
         pieces: Optional[Mapping[str, HoldersSpec]] = None,
-        kind: str = "shards",
+        kind: PayloadKind = PayloadKind.SHARDS,
         names: Sequence[str] = (),
         fingerprint: str = "",
     ) -> None:
@@ -188,20 +138,17 @@ class ShardSender:
         "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
         # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
         self._alive = [t.detach() if t.is_contiguous() else t.detach().contiguous() for _, t, _ in shards]
-        header = {
-            "update_id": str(update_id),
-            "trainer_rank": int(trainer_rank),
-            "rank_map": [[int(k), int(v)] for k, v in rank_map.items()],
-            "tensors": [[name, None if spec is None else spec.to_wire()] for name, _, spec in shards],
-            "pieces": [[name, spec.to_wire()] for name, spec in (pieces or {}).items()],
-            "kind": kind, "names": [str(n) for n in names], "fingerprint": str(fingerprint),
-        }
+        inline = None
         if any(t.is_cuda for t in self._alive):
             frames = [MultiprocessingSerializer.serialize(self._alive)]
         else:
-            header["inline"] = [[str(t.dtype), list(t.shape)] for t in self._alive]
+            inline = [(str(t.dtype), t.shape) for t in self._alive]
             frames, self._alive = [_inline_frame(t) for t in self._alive], []
-        self._sock.send_multipart([json.dumps(header).encode(), *frames])
+        header = encode_header(update_id, trainer_rank, rank_map,
+                               [(name, None if spec is None else spec.to_wire()) for name, _, spec in shards],
+                               [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
+                               kind, names, fingerprint, inline)
+        self._sock.send_multipart([header, *frames])
 
     def close(self) -> None:
         self._alive = []
@@ -232,7 +179,7 @@ class ShardReceiver:
         if real in self._socks:
             self._socks.move_to_end(real)
             return self._socks[real]
-        path = _socket_path(real, self.engine_rank)
+        path = socket_path(real, self.engine_rank)
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ChannelError(f"engine rank {self.engine_rank}: channel {channel!r} holds {path!r}, "
                                "which is not a socket; refusing to replace it")
@@ -272,7 +219,7 @@ class ShardReceiver:
                 )
             frames = sock.recv_multipart()
             try:
-                header = _header(frames)
+                header = decode_header(frames)
             except DeliveryError as e:
                 logger.warning("engine rank %d: dropping a malformed message on channel %s: %s",
                                self.engine_rank, channel, e)
@@ -329,36 +276,3 @@ class ShardReceiver:
             sock.close()
         self._socks.clear()
         self._ctx.term()
-
-
-def _header(frames: List[bytes]) -> dict:
-    """The checked JSON header of a two-part message (nothing is unpickled here)."""
-    if not frames or len(frames[0]) > HEADER_BYTES:
-        raise DeliveryError(f"{len(frames)} frame(s); expected a header and the shards")
-    try:
-        header = json.loads(frames[0])
-        inline = header.get("inline")
-        update_id, trainer, pairs, tensors, pieces = (header["update_id"], header["trainer_rank"],
-                                                      header["rank_map"], header["tensors"], header["pieces"])
-        rank_map = {int(k): int(v) for k, v in pairs}
-        kind, names, fingerprint = header.get("kind", "shards"), header.get("names", []), header.get("fingerprint", "")
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise DeliveryError(f"unreadable header: {type(e).__name__}: {e}") from None
-    if not isinstance(update_id, str) or not isinstance(trainer, int) or not _named_pairs(tensors) \
-            or not _named_pairs(pieces) or not isinstance(names, list) or not all(isinstance(n, str) for n in names) \
-            or not isinstance(fingerprint, str):
-        raise DeliveryError("header fields have the wrong types")
-    if inline is not None and not (_named_pairs(inline) and len(inline) == len(tensors)):
-        raise DeliveryError("header field 'inline' must describe each tensor as [dtype, shape]")
-    expected = 1 if inline is None else len(inline)
-    if len(frames) - 1 != expected:
-        raise DeliveryError(f"{len(frames)} frame(s); expected a header and {expected} more")
-    if kind not in PAYLOAD_KINDS:
-        raise DeliveryError(f"unknown payload kind {kind!r}; expected one of {PAYLOAD_KINDS}")
-    return {"update_id": update_id, "trainer_rank": trainer, "rank_map": rank_map, "tensors": tensors,
-            "pieces": pieces, "kind": kind, "names": names, "fingerprint": fingerprint, "inline": inline}
-
-
-def _named_pairs(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str)
-                                           for t in value)

@@ -28,9 +28,12 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque
 from sglang.srt.weight_sync.repeated_layers import LayerSampling, sample_layers
-from sglang.srt.weight_sync.sglang_compat import after_load, after_update, as_tp_rank
+from sglang.srt.weight_sync.apply import refresh_derived
+from sglang.srt.weight_sync.sglang_compat import after_load, after_update, as_tp_rank, initialize_meta_model
 from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece, paused_gc
 from sglang.srt.weight_sync.view_geometry import unit_dim
+
+__all__ = ["CheckpointLayout", "CheckpointSpec", "DerivedTargets", "PIECE_FIELDS", "PlacementGroup", "RankTargets", "as_engine_rank", "build_meta_model", "checkpoint_layout", "derive_engine_rank", "derive_once_per_layer_kind", "derive_rank", "derive_sampled", "entries_to_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +104,10 @@ def build_meta_model(model_config, load_config=None) -> torch.nn.Module:
     """The model exactly as ``DefaultModelLoader`` builds it (architecture, quantisation,
     shared-expert fusion, default dtype), on the meta device."""
     from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    load_config = load_config or LoadConfig()
-    quant_config = _get_quantization_config(model_config, load_config)
     with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-        return _initialize_model(model_config, load_config, quant_config)
+        return initialize_meta_model(model_config, load_config or LoadConfig())
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class RankTargets:
     def to_builtins(self) -> dict:
         """Plain lists, dicts, strings and ints: what the disk cache holds and TP ranks exchange.
 
-        Compact, because a 671B model's rank has ~45k pieces: boxes and index tuples (the
+        Compact, because a large MoE model's rank has tens of thousands of pieces: boxes and index tuples (the
         same for every expert) are stored once and referenced by number, and a target's
         pieces are one flat list of ``PIECE_FIELDS`` entries each."""
         boxes: Dict[Box, int] = {}
@@ -173,7 +173,7 @@ PIECE_FIELDS = 5  # tensor, box, index, offsets, perm (-1: identity)
 def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTargets:
     """Run ``model.load_weights`` and the loader's post-load processing on meta checkpoint
     tensors under the recorder and describe what every tensor of the model now holds; then
-    run what follows an update (``refresh_after_update``, then ``sglang_compat.after_update``)
+    run what follows an update (``apply.refresh_derived``, then ``sglang_compat.after_update``)
     to see which computed tensors SGLang refreshes in place."""
     with paused_gc():
         rec = LoadRecorder()
@@ -189,23 +189,11 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
             after_load(model)
             computed = _computed_tensors(model, rec)
             writes = {n: len(rec.prov(t).entries) for n, (t, _) in computed.items()}
-            refresh_after_update(model)
+            refresh_derived(model)
             after_update(model)
         refreshed = {n for n, (t, _) in computed.items()
                      if _lookup(model, n) is t and len(rec.prov(t).entries) > writes[n]}
         return _describe(model, rec, before, computed, refreshed)
-
-
-def refresh_after_update(model: torch.nn.Module) -> None:
-    """What SGLang runs after writing parameters directly, bypassing their weight loaders
-    (its presharded loader): Gemma norms' ``weight + 1`` and parameter aliases refreshed.
-    Releases before 0.5.23 have no such loader, and their (rule-based) targets hold no
-    computed tensors: nothing to refresh."""
-    from sglang.srt.model_loader import loader
-
-    presharded = getattr(loader, "PreshardedModelLoader", None)
-    if presharded is not None:
-        presharded._rebind_parameter_aliases(model)
 
 
 def _named_tensors(model: torch.nn.Module):
@@ -313,7 +301,7 @@ def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
 @lru_cache(maxsize=None)
 def _piece_shape(sizes: Tuple[int, ...], L: Tuple[Tuple[int, ...], ...]):
     """How a box of ``sizes`` written through the leaf map ``L`` becomes pieces, which depends
-    on neither offset (cached: a 671B rank's ~45k entries come in a few dozen shapes):
+    on neither offset (cached: a rank's many entries come in a few dozen shapes):
     (index dims, the leaf box's sizes, perm or None) for one piece; the dim to enumerate, one
     piece per index, when a dim of extent > 1 is strided, merged or an index dim; None when
     the box has fewer dims than the leaf."""

@@ -1,17 +1,26 @@
 """The engine side of a distributed weight update, called by thin hooks in SGLang.
 
-Per TP rank: receive the shards the trainer rank beside it delivered
-(``receive_shards``), then for each model runner (``apply_shards``): derive
-the source layout from the payload and the target layout from the live model,
-validate everything, agree with every TP rank that nothing is wrong, and only
-then plan and execute, writing parameters in place. A problem on any rank
-(no payload, stale update, unknown name, wrong global shape, uncastable dtype,
-a tensor the delivered shards do not cover) fails the whole update on every
-rank before a single parameter changes, with messages naming tensor and rank.
+Each engine TP rank (its scheduler process) keeps one ``EngineWeightSync``, made on the
+first update and held by the tp worker (0.5.23) or the model runner (older releases);
+it goes with them. The hooks call, on every TP rank:
 
-The engine never dies of an update: every exception in receive, validate, plan
-or apply becomes ``success=False`` with a message, and every wait is bounded by
-the request's ``timeout_s`` (``control_plane``), so the schedulers keep serving.
+1. ``receive_shards(recv_req, owner)`` (tp worker): take this rank's payload from its
+   channel socket, waiting at most ``timeout_s``. Never raises: a problem is this
+   rank's refusal, shared in step 2.
+2. ``apply_shards(model, model_config, received, recv_req)`` (each selected model
+   runner; every rank together): describe the targets from SGLang's own loaders
+   (``target_cache``) and the sources from the payload, validate, then share every
+   rank's problems (``control_plane``, one all-reduce, bounded by
+   ``timeout_s + GRACE_S``). Any problem on any rank refuses the update on every rank
+   before a parameter changes. Then agree on the plan, execute it (``executor``) and
+   refresh what SGLang derives from parameters (``apply``); share the figures.
+3. ``end_of_update(received, recv_req, success, message)`` (scheduler): upstream's
+   closing TP barrier, bounded.
+
+The engine never dies of an update: every exception becomes ``success=False`` with a
+message naming the rank; a failure after writes began is ``mixed`` (the reply's field,
+and ``protocol.MIXED`` in its message). Releases before 0.5.23 have a single hook in
+the model runner: ``update_from_payload`` runs all three steps and the post-load fixups.
 """
 
 from __future__ import annotations
@@ -23,114 +32,309 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from sglang.srt.weight_sync.answer_guard import MIXED
-from sglang.srt.weight_sync.delivery import (
+from sglang.srt.weight_sync.apply import check_buffers, copy_buffers, nonfinite_buffers, nonfinite_tensors
+from sglang.srt.weight_sync.apply import refresh_derived, run_post_load, synchronize
+from sglang.srt.weight_sync.control_plane import GRACE_S, ControlGroup, PeerLost, PlanDisagreement
+from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
+from sglang.srt.weight_sync.derived_targets import DerivedTargets
+from sglang.srt.weight_sync.executor import Subgroups, check_inputs, execute
+from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
+from sglang.srt.weight_sync.planner import CoverageError, Plan, PlanCache
+from sglang.srt.weight_sync.protocol import (
+    CARRIED_FIELDS,
+    DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
+    DISTRIBUTED_LOAD_FORMAT,
+    FIGURES,
+    MIXED,
+    REFUSED,
     DeliveryError,
-    Payload,
-    ShardReceiver,
+    PayloadKind,
+    carried,
     check_timeout,
+    read_control,
+    request_problems,
     resolve_channel,
 )
-from sglang.srt.weight_sync.executor import ExecutionError, agree_on_plan, check_inputs, execute
-from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, CoverageError, PlanCache
-from sglang.srt.weight_sync.sglang_compat import after_update, field_names, subclass_with_field, tp_state
+from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
 from sglang.srt.weight_sync.source_layout import LayoutError
-from sglang.srt.weight_sync.derived_targets import DerivedTargets, refresh_after_update
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
-from sglang.srt.weight_sync.target_layout import ParamTarget
-from sglang.srt.weight_sync.trainer_reshard import check_buffers, copy_buffers, nonfinite_buffers, restrict
-from sglang.srt.weight_sync.control_plane import GRACE_S, PeerLost, barrier, wait
+from sglang.srt.weight_sync.trainer_reshard import restrict
+
+__all__ = ["DISTRIBUTED_LOAD_FORMAT", "EngineWeightSync", "ReceivedShards", "apply_shards", "as_distributed_request",
+           "end_of_update", "engine_targets", "receive_shards", "update_from_payload"]
 
 logger = logging.getLogger(__name__)
 
-# Reserved load_format that routes the existing tensor path (and so existing callers such as
-# verl's HTTP client) to the distributed update; the per-rank payload is then a small dict.
-DISTRIBUTED_LOAD_FORMAT = "distributed_shards"
 # Checkpoint names SGLang's own loaders skip; trainers may send them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
-MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds (a 1-byte bucket took minutes)
-MAX_UPDATE_ID_CHARS = 256
-REFUSED = "distributed weight update refused, no parameter changed: "
-# Flags a tensor-path request and a distributed request share, where the release has them.
-CARRIED_FIELDS = ("flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache")
-
-_receiver: Optional[ShardReceiver] = None
-_plans = PlanCache()
-# (derived targets, live dtypes, the targets with them, their manifest): see _with_live_dtypes
-_layout_memo: Optional[Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]] = None
-
-
-# Our figures, one list entry per engine TP rank, in separate reply fields: the message keeps upstream's text.
-FIGURES = ("bytes_received", "lower_bound_bytes", "peak_staging_bytes")
 
 
 @dataclass
 class ReceivedShards:
     """This rank's payload, or why there is none; after the update, every TP rank's figures
-    (``FIGURES``, summed over the runners the update wrote)."""
+    (``FIGURES``, summed over the runners the update wrote) and whether writes failed midway."""
 
+    sync: "EngineWeightSync"
     payload: Optional[Payload]
     error: Optional[str] = None
     figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    mixed: bool = False
 
     def reply(self, output_cls, success: bool, message: str):
-        """The scheduler's reply: upstream's fields, plus the figures where ``output_cls`` has them
-        (``UpdateWeightsDistributedReqOutput``; the tensor path keeps upstream's struct)."""
-        extra = {k: v for k, v in self.figures.items() if k in getattr(output_cls, "__struct_fields__", ())}
+        """The scheduler's reply: upstream's fields, plus the figures and ``mixed`` where
+        ``output_cls`` has them (``UpdateWeightsDistributedReqOutput``; the tensor path
+        keeps upstream's struct)."""
+        fields = field_names(output_cls)
+        extra = {k: v for k, v in self.figures.items() if k in fields}
+        if "mixed" in fields:
+            extra["mixed"] = self.mixed and not success
         return output_cls(success=success, message=message, **extra)
 
 
-def reply_body(success: bool, message: str, outputs) -> dict:
-    """What ``Engine.update_weights_distributed`` and the HTTP route return: upstream's
-    ``success``/``message`` and the figures of the (single data-parallel) scheduler's reply."""
-    first = outputs[0] if outputs else None
-    return {"success": success, "message": message, **{k: list(getattr(first, k, [])) for k in FIGURES}}
+@dataclass
+class _Validated:
+    """What step 2 found on this rank before any write: its problems, and either the plan
+    to execute (with the shards it reads and the parameters it writes) or a local step."""
+
+    problems: List[str]
+    plan: Optional[Plan] = None
+    shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    local_step: Optional["_LocalStep"] = None
 
 
-def request_problems(req) -> List[str]:
-    """What is wrong with a request's own fields (empty when nothing): checked by the
-    tokenizer manager before any scheduler sees the request, and again by each rank."""
-    problems = []
-    update_id, bucket = getattr(req, "update_id", None), getattr(req, "bucket_bytes", None)
-    if not isinstance(update_id, str) or not 0 < len(update_id) <= MAX_UPDATE_ID_CHARS:
-        problems.append(f"update_id={update_id!r}: must be a non-empty string of at most {MAX_UPDATE_ID_CHARS} "
-                        "characters")
-    try:
-        check_timeout(getattr(req, "timeout_s", None))
-        resolve_channel(getattr(req, "channel", None))
-    except DeliveryError as e:
-        problems.append(str(e))
-    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < MIN_BUCKET_BYTES):
-        problems.append(f"bucket_bytes={bucket!r}: must be None (default {DEFAULT_BUCKET_BYTES}) or an integer "
-                        f">= {MIN_BUCKET_BYTES} (1 MiB)")
-    return problems
+class EngineWeightSync:
+    """One engine TP rank's state across distributed updates: its channel sockets, the
+    derived targets, the targets with live dtypes and their manifest, cached plans, the
+    broadcast subgroups, and the TP group's control collectives. ``close()`` releases the
+    sockets; the owner (tp worker or model runner) going away releases the rest."""
 
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._receiver: Optional[ShardReceiver] = None
+        self.plans = PlanCache()
+        self.targets_memo: Dict[tuple, DerivedTargets] = {}
+        # (derived targets, live dtypes, the targets with them, their manifest): see with_live_dtypes
+        self._layout: Optional[Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]] = None
+        self.subgroups = Subgroups()
+        self._control: Optional[ControlGroup] = None
 
-def receive_shards(recv_req) -> ReceivedShards:
-    """Take this TP rank's payload for ``recv_req.update_id`` from its channel socket.
-    Never raises: whatever goes wrong is this rank's refusal, shared in ``apply_shards``."""
-    global _receiver
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    @classmethod
+    def of(cls, owner) -> "EngineWeightSync":
+        """The weight sync kept on ``owner``, made on first use."""
+        sync = getattr(owner, "_weight_sync", None)
+        if sync is None:
+            sync = owner._weight_sync = cls(tp_state().rank)
+        return sync
 
-    rank = tp_state().rank
-    try:
-        problems = [recv_req.problem] if isinstance(recv_req, _unreadable_request()) else request_problems(recv_req)
+    @property
+    def control(self) -> ControlGroup:
+        """The control collectives over the engine's TP CPU group."""
+        if self._control is None:
+            self._control = ControlGroup(tp_state().cpu_group, "engine")
+        return self._control
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+    # ---------------------------------------------------------------- step 1
+
+    def receive(self, recv_req) -> ReceivedShards:
+        """This rank's payload for ``recv_req.update_id``, or why there is none (never raises)."""
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        try:
+            problems = ([recv_req.problem] if isinstance(recv_req, _unreadable_request())
+                        else request_problems(recv_req))
+            if problems:
+                return ReceivedShards(self, None, f"engine rank {self.rank}: " + "; ".join(problems))
+            monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID (no effect on CPU tensors)
+            if self._receiver is None:
+                self._receiver = ShardReceiver(self.rank)
+            return ReceivedShards(self, self._receiver.receive(recv_req.channel, recv_req.update_id,
+                                                               recv_req.timeout_s))
+        except DeliveryError as e:  # its message names the engine rank
+            return ReceivedShards(self, None, str(e))
+        except Exception as e:  # noqa: BLE001 - the engine never dies of an update
+            logger.exception("engine rank %d: receiving a distributed weight update failed", self.rank)
+            return ReceivedShards(self, None, f"engine rank {self.rank}: receiving the payload failed: "
+                                              f"{type(e).__name__}: {e}")
+
+    # ---------------------------------------------------------------- step 2
+
+    def apply(self, model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
+        """Validate, agree, plan and execute on this rank; every TP rank calls it together.
+        A "params" payload (trainer-side resharding) is only checked and copied in place; a
+        "describe" payload publishes this engine's manifest into the channel."""
+        bound = _timeout(recv_req) + GRACE_S  # every rank waited at most timeout_s for its payload
+        derived, problems = self._derived_targets(model_config, bound)
+        found = self._validate(model, derived, received, recv_req) if derived is not None else _Validated([])
+        try:
+            refusal = self._agree(problems + found.problems, found.plan, bound)
+        except PeerLost as e:
+            return False, f"{REFUSED}engine rank {self.rank}: {e}"
+        if refusal is not None:
+            return False, refusal
+        try:
+            figures = self._write(model, received, found, recv_req, bound)
+        except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
+            logger.exception("engine rank %d: a distributed weight update failed while writing", self.rank)
+            received.mixed = True
+            return False, (
+                f"distributed weight update FAILED after writes began on engine rank {self.rank} "
+                f"({type(e).__name__}: {e}): {MIXED} (some parameters new, some old); "
+                "generation is refused until a distributed weight update succeeds"
+            )
+        for key, values in zip(FIGURES, figures):
+            previous = received.figures.get(key, [0] * self.control.size)
+            received.figures[key] = [a + b for a, b in zip(previous, values)]
+        return True, "Success"  # upstream's text: callers test for it
+
+    def _derived_targets(self, model_config, bound: float) -> Tuple[Optional[DerivedTargets], List[str]]:
+        """Every TP rank's derived targets; on every rank, even one without a payload: the
+        first call is collective (``target_cache``)."""
+        phase = f"exchanging derived targets with the other TP ranks ({self.control.size} ranks)"
+        try:
+            return engine_derived_targets(model_config, self.rank,
+                                          functools.partial(self.control.share_bytes, timeout_s=bound, phase=phase),
+                                          self.targets_memo), []
+        except (ValueError, PeerLost) as e:
+            return None, [f"engine rank {self.rank}: {e}"]
+        except Exception as e:  # noqa: BLE001 - refuses the update, never kills the scheduler
+            logger.exception("engine rank %d: the derived targets could not be assembled", self.rank)
+            return None, [f"engine rank {self.rank}: the derived targets could not be assembled: "
+                          f"{type(e).__name__}: {e}"]
+
+    def _validate(self, model, derived: DerivedTargets, received: ReceivedShards, recv_req) -> _Validated:
+        """This rank's problems with its payload, and the plan (or local step) if there are none."""
+        if received.error:
+            return _Validated([received.error])
+        rank = self.rank
+        try:
+            targets, params, manifest = engine_targets(model, derived, rank, self)
+            if received.payload.kind != PayloadKind.SHARDS:
+                step = _published_layout_step(received.payload, targets, manifest, params, rank, recv_req.channel)
+                return _Validated(step.problems, local_step=step)
+            sources, shards = _sources(received.payload, targets)
+            needed = {r: restrict(targets.for_rank(r), sources, targets.aliases) for r in range(self.control.size)}
+            # needed follows from the manifest and the sources' names: its fingerprint stands for it
+            plan = self.plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                  aliases=targets.aliases, targets_digest=manifest.fingerprint, local_ranks=(rank,))
+            return _Validated(check_inputs(plan, rank, shards, params), plan, shards, params)
+        except (LayoutError, CoverageError, ValueError, KeyError) as e:
+            return _Validated([f"engine rank {rank}: {e}"])
+        except Exception as e:  # noqa: BLE001 - any other fault refuses the update, never kills the scheduler
+            logger.exception("engine rank %d: validating a distributed weight update failed", rank)
+            return _Validated([f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}"])
+
+    def _agree(self, problems: List[str], plan: Optional[Plan], bound: float) -> Optional[str]:
+        """Every rank's problems on every rank, then the plan agreed: the refusal, or None."""
         if problems:
-            return ReceivedShards(None, f"engine rank {rank}: " + "; ".join(problems))
-        monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID (no effect on CPU tensors)
-        if _receiver is None:
-            _receiver = ShardReceiver(rank)
-        return ReceivedShards(_receiver.receive(recv_req.channel, recv_req.update_id, recv_req.timeout_s))
-    except DeliveryError as e:  # its message names the engine rank
-        return ReceivedShards(None, str(e))
-    except Exception as e:  # noqa: BLE001 - the engine never dies of an update
-        logger.exception("engine rank %d: receiving a distributed weight update failed", rank)
-        return ReceivedShards(None, f"engine rank {rank}: receiving the payload failed: {type(e).__name__}: {e}")
+            logger.error("distributed weight update, rank %d: %s", self.rank, "; ".join(problems))
+        everyone = self.control.share_problems(
+            problems, bound, f"sharing problems with the other TP ranks (one is dead or stuck; "
+                             f"{self.control.size} ranks)")
+        if everyone:
+            return REFUSED + "; ".join(everyone)
+        if plan is not None:
+            try:
+                self.control.agree_on_plan(plan.fingerprint, bound, f"rank {self.rank}")
+            except PlanDisagreement as e:
+                return f"{REFUSED}{e}"
+        return None
+
+    def _write(self, model, received: ReceivedShards, found: _Validated, recv_req, bound: float) -> List[List[int]]:
+        """Run the plan (or the local step), refresh derived tensors, share the figures."""
+        if found.local_step is not None:
+            mine = found.local_step.run()
+        else:
+            stats = execute(found.plan, self.rank, found.shards, found.params, group=tp_state().device_group,
+                            subgroups=self.subgroups, timeout_s=bound)
+            synchronize(found.params.values())  # the trainer may reuse what we read once we reply
+            mine = (stats.bytes_received, found.plan.lower_bound_bytes(self.rank), stats.peak_staging_bytes)
+            logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
+                        "staged at most %d", recv_req.update_id, self.rank, *mine)
+        if received.payload.kind != PayloadKind.DESCRIBE:
+            # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
+            # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
+            refresh_derived(model)
+        return self.control.share_figures(mine, bound, f"sharing the update's figures with the other TP ranks "
+                                                       f"({self.control.size} ranks)")
+
+    def with_live_dtypes(self, derived: DerivedTargets,
+                         dtype_of: Dict[str, torch.dtype]) -> Tuple[DerivedTargets, EngineManifest]:
+        """``derived`` with the live dtypes, and its manifest: kept while both stay the same
+        (every update of a run), as making the manifest encodes and hashes every rank's targets."""
+        dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
+        if self._layout is None or self._layout[0] is not derived or self._layout[1] != dtypes:
+            targets = dataclasses.replace(derived, dtype_of=dtype_of)
+            self._layout = (derived, dtypes, targets, EngineManifest.of(targets))
+        return self._layout[2], self._layout[3]
+
+    # ---------------------------------------------------------------- step 3
+
+    def end(self, recv_req, success: bool, message: str) -> Tuple[bool, str]:
+        """Upstream's closing barrier, bounded by the update's bound: a peer that never comes
+        fails the update here, named (every write had ended if it succeeded so far)."""
+        try:
+            self.control.barrier(_timeout(recv_req) + GRACE_S, f"engine rank {self.rank}: at the end of the update")
+        except PeerLost as e:
+            logger.error("distributed weight update %s: %s", recv_req.update_id, e)
+            return False, f"{message}; {e}" if not success else f"distributed weight update failed: {e}"
+        return success, message
+
+
+# -------------------------------------------------------------------- the hooks
+
+
+def receive_shards(recv_req, owner) -> ReceivedShards:
+    """Step 1 on this TP rank, with the weight sync ``owner`` keeps (the tp worker)."""
+    return EngineWeightSync.of(owner).receive(recv_req)
+
+
+def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
+    """Step 2 on this TP rank, for one model runner."""
+    return received.sync.apply(model, model_config, received, recv_req)
+
+
+def end_of_update(received: ReceivedShards, recv_req, success: bool, message: str) -> Tuple[bool, str]:
+    """Step 3: the scheduler's last step of an update on every TP rank."""
+    return received.sync.end(recv_req, success, message)
+
+
+def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
+    """Steps 1-2 on releases whose model runner is the only hook (0.5.10, 0.5.12): it hands
+    over this rank's control payload; the scheduler flushes the cache and runs its barrier
+    as for any tensor update. These releases have no weight-update session whose end would
+    run the model's post-load fixups (MLA's w_kc/w_vc from kv_b_proj), so an update that
+    wrote parameters runs them here (``apply.run_post_load``)."""
+    recv_req = _control_request(lambda: own_payload, {})
+    received = receive_shards(recv_req, runner)
+    success, message = apply_shards(runner.model, runner.model_config, received, recv_req)
+    if not success or received.payload.kind == PayloadKind.DESCRIBE:
+        return success, message
+    try:
+        run_post_load(runner.model)
+    except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
+        logger.exception("engine rank %d: the post-load fixups after a distributed weight update failed",
+                         received.sync.rank)
+        return False, (f"distributed weight update FAILED after writes on engine rank {received.sync.rank}: the "
+                       f"model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters new, "
+                       "tensors computed from them old); generation is refused until a distributed weight "
+                       "update succeeds")
+    return success, message
+
+
+def as_distributed_request(recv_req, deserialize_own_rank):
+    """The distributed request behind a tensor-path request with the reserved load_format."""
+    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
+
+    common = carried(recv_req, field_names(UpdateWeightsDistributedReqInput))
+    return _control_request(lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,59 +343,6 @@ def _unreadable_request():
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
     return subclass_with_field(UpdateWeightsDistributedReqInput, "UnreadableDistributedRequest", "problem", str, "")
-
-
-def _carried(src, dst_cls) -> dict:
-    """The flags of request ``src`` that request type ``dst_cls`` also has on this release."""
-    accepted = field_names(dst_cls)
-    return {f: getattr(src, f) for f in CARRIED_FIELDS if f in accepted and hasattr(src, f)}
-
-
-def as_distributed_request(recv_req, deserialize_own_rank):
-    """The distributed request behind a tensor-path request with the reserved load_format."""
-    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
-
-    common = _carried(recv_req, UpdateWeightsDistributedReqInput)
-    return _control_request(lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common)
-
-
-def as_tensor_request(obj, tp_size: int):
-    """The tensor-path request carrying distributed update ``obj`` to ``tp_size`` engine ranks:
-    each rank's payload is the update's control dict, marked by the reserved load_format."""
-    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    control = {"update_id": obj.update_id, "channel": obj.channel, "timeout_s": obj.timeout_s,
-               "bucket_bytes": obj.bucket_bytes}
-    return UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[MultiprocessingSerializer.serialize(control) for _ in range(tp_size)],
-        load_format=DISTRIBUTED_LOAD_FORMAT,
-        **_carried(obj, UpdateWeightsFromTensorReqInput),
-    )
-
-
-def update_from_payload(model: torch.nn.Module, model_config, own_payload) -> Tuple[bool, str]:
-    """The whole engine side on releases whose model runner is the only hook (0.5.10, 0.5.12):
-    it hands over this rank's control payload; the scheduler flushes the cache as for any update.
-    These releases have no weight-update session whose end would run the model's post-load
-    fixups (MLA's w_kc/w_vc from kv_b_proj), so an update that wrote parameters runs them here,
-    as the derived targets saw them run (``sglang_compat.after_update``)."""
-    recv_req = _control_request(lambda: own_payload, {})
-    received = receive_shards(recv_req)
-    success, message = apply_shards(model, model_config, received, recv_req)
-    if not success or received.payload.kind == "describe":
-        return success, message
-    try:
-        with torch.no_grad():
-            after_update(model)
-    except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
-        logger.exception("engine rank %d: the post-load fixups after a distributed weight update failed",
-                         tp_state().rank)
-        return False, (f"distributed weight update FAILED after writes on engine rank {tp_state().rank}: the "
-                       f"model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters new, "
-                       "tensors computed from them old); generation is refused until a distributed weight "
-                       "update succeeds")
-    return success, message
 
 
 def _control_request(read_control, common: dict):
@@ -216,99 +367,6 @@ def _control_request(read_control, common: dict):
         return _unreadable_request()(update_id="", channel="", problem=problem, **common)
 
 
-def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
-    """Validate, agree, plan and execute on this rank; every TP rank calls it together.
-
-    A "params" payload (trainer-side resharding) is only checked and copied in
-    place; a "describe" payload publishes this engine's manifest into the channel.
-    """
-    par = tp_state()
-    rank, cpu_group, device_group = par.rank, par.cpu_group, par.device_group
-    # every rank waited at most timeout_s for its payload before these collectives
-    bound = _timeout(recv_req) + GRACE_S
-    problems: List[str] = []
-    the_plan, params, shards, local_step = None, {}, {}, None
-    try:  # on every rank, even one without a payload: the first call is collective (target_cache)
-        derived = engine_derived_targets(model_config, rank, functools.partial(
-            _share_bytes, rank=rank, world=par.size, group=cpu_group, timeout_s=bound))
-    except (ValueError, PeerLost) as e:
-        derived = None
-        problems.append(f"engine rank {rank}: {e}")
-    except Exception as e:  # noqa: BLE001 - refuses the update, never kills the scheduler
-        derived = None
-        logger.exception("engine rank %d: the derived targets could not be assembled", rank)
-        problems.append(f"engine rank {rank}: the derived targets could not be assembled: {type(e).__name__}: {e}")
-    if received.error:
-        problems.append(received.error)
-    elif derived is not None:
-        try:
-            targets, params, manifest = engine_targets(model, derived, rank)
-            if received.payload.kind != "shards":
-                local_step = _published_layout_step(received.payload, targets, manifest, params, rank,
-                                                    recv_req.channel)
-                problems += local_step.problems
-            else:
-                sources, shards = _sources(received.payload, targets, rank)
-                needed = {r: restrict(targets.for_rank(r), sources, targets.aliases) for r in range(par.size)}
-                # needed follows from the manifest and the sources' names: its fingerprint stands for it
-                the_plan = _plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
-                                      aliases=targets.aliases, targets_digest=manifest.fingerprint,
-                                      local_ranks=(rank,))
-                problems += check_inputs(the_plan, rank, shards, params)
-        except (LayoutError, CoverageError, ValueError, KeyError) as e:
-            problems.append(f"engine rank {rank}: {e}")
-        except Exception as e:  # noqa: BLE001 - any other fault refuses the update, never kills the scheduler
-            logger.exception("engine rank %d: validating a distributed weight update failed", rank)
-            problems.append(f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}")
-    try:
-        everyone = _share_problems(problems, rank, par.size, cpu_group, bound)
-        if everyone:
-            return False, REFUSED + "; ".join(everyone)
-        if local_step is None:
-            agree_on_plan(the_plan, cpu_group, bound, rank)
-    except ExecutionError as e:
-        return False, f"{REFUSED}{e}"
-    except PeerLost as e:
-        return False, f"{REFUSED}engine rank {rank}: {e}"
-    try:
-        if local_step is not None:
-            mine = local_step.run()
-        else:
-            stats = execute(the_plan, rank, shards, params, group=device_group, timeout_s=bound)
-            mine = (stats.bytes_received, the_plan.lower_bound_bytes(rank), stats.peak_staging_bytes)
-            logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
-                        "staged at most %d", recv_req.update_id, rank, *mine)
-        if received.payload.kind != "describe":
-            # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
-            # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
-            refresh_after_update(model)
-        shared = _share_figures(mine, rank, par.size, cpu_group, bound)
-    except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
-        logger.exception("engine rank %d: a distributed weight update failed while writing", rank)
-        return False, (
-            f"distributed weight update FAILED after writes began on engine rank {rank} "
-            f"({type(e).__name__}: {e}): {MIXED} (some parameters new, some old); "
-            "generation is refused until a distributed weight update succeeds"
-        )
-    for key, values in zip(FIGURES, shared):
-        previous = received.figures.get(key, [0] * par.size)
-        received.figures[key] = [a + b for a, b in zip(previous, values)]
-    return True, "Success"  # upstream's text: callers test for it
-
-
-def end_of_update(recv_req, success: bool, message: str) -> Tuple[bool, str]:
-    """The scheduler's last step of an update on every TP rank: upstream's barrier, bounded by
-    the update's bound, so a rank never waits for a TP peer that died or hangs; a peer that
-    never comes fails the update here, named (every write had ended if it succeeded so far)."""
-    par = tp_state()
-    try:
-        barrier(par.cpu_group, _timeout(recv_req) + GRACE_S, f"engine rank {par.rank}: at the end of the update")
-    except PeerLost as e:
-        logger.error("distributed weight update %s: %s", recv_req.update_id, e)
-        return False, f"{message}; {e}" if not success else f"distributed weight update failed: {e}"
-    return success, message
-
-
 @dataclass
 class _LocalStep:
     """A trainer-side update's local work on this rank, run once every rank agreed;
@@ -322,7 +380,7 @@ def _published_layout_step(payload: Payload, targets: DerivedTargets, manifest: 
                            channel: str) -> _LocalStep:
     """"describe": publish the manifest (nothing is written to the model). "params": check
     the buffers the trainer planned against this engine's manifest, then copy them in place."""
-    if payload.kind == "describe":
+    if payload.kind == PayloadKind.DESCRIBE:
         path = write_manifest(resolve_channel(channel, rank), rank, manifest)
         logger.info("engine rank %d: published the engine layout %s at %s", rank, manifest.fingerprint[:12], path)
         return _LocalStep([], lambda: (0, 0, 0))
@@ -352,8 +410,8 @@ def _published_layout_step(payload: Payload, targets: DerivedTargets, manifest: 
     return _LocalStep(problems, copy)
 
 
-def engine_targets(model: torch.nn.Module, targets: DerivedTargets,
-                   rank: int) -> Tuple[DerivedTargets, Dict[str, torch.Tensor], EngineManifest]:
+def engine_targets(model: torch.nn.Module, targets: DerivedTargets, rank: int,
+                   sync: EngineWeightSync) -> Tuple[DerivedTargets, Dict[str, torch.Tensor], EngineManifest]:
     """This engine's targets, derived from SGLang's own loaders (``target_cache``), checked
     against the live tensors of ``rank``.
 
@@ -374,24 +432,11 @@ def engine_targets(model: torch.nn.Module, targets: DerivedTargets,
                 f"SGLang's loader (derived on meta) writes {target.shape}"
             )
         params[target.name] = param.data  # written in place: CUDA graphs hold this storage
-    live_targets, manifest = _with_live_dtypes(targets, {n: p.dtype for n, p in params.items()})
+    live_targets, manifest = sync.with_live_dtypes(targets, {n: p.dtype for n, p in params.items()})
     return live_targets, params, manifest
 
 
-def _with_live_dtypes(derived: DerivedTargets,
-                      dtype_of: Dict[str, torch.dtype]) -> Tuple[DerivedTargets, EngineManifest]:
-    """``derived`` with the live dtypes, and its manifest: remembered while both stay the
-    same (every update of a run), as making the manifest encodes and hashes every rank's
-    targets (~2.9 s for a TP-256 DeepSeek-V3 engine)."""
-    global _layout_memo
-    dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
-    if _layout_memo is None or _layout_memo[0] is not derived or _layout_memo[1] != dtypes:
-        targets = dataclasses.replace(derived, dtype_of=dtype_of)
-        _layout_memo = (derived, dtypes, targets, EngineManifest.of(targets))
-    return _layout_memo[2], _layout_memo[3]
-
-
-def _sources(payload: Payload, targets: DerivedTargets, rank: int):
+def _sources(payload: Payload, targets: DerivedTargets):
     """Source layout from the payload's specs, and the local buffers it reads (by key);
     refuses names and shapes the model does not have, and tensors SGLang's loader does not
     copy (quantised, computed: an update cannot write them)."""
@@ -410,15 +455,11 @@ def _sources(payload: Payload, targets: DerivedTargets, rank: int):
         if not spec.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
         sources[name] = spec.describe(name, payload.rank_map)
-    _check_finite(payload)
+    bad = nonfinite_tensors(payload.tensors)
+    if bad:
+        raise ValueError(f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
+                         "values (refused: see docs/usage.md)")
     return sources, payload.tensors
-
-
-def _check_finite(payload: Payload) -> None:
-    for key, local in payload.tensors.items():
-        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            raise ValueError(f"tensor {key!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
-                             "values (refused: see docs/usage.md)")
 
 
 def _timeout(recv_req) -> float:
@@ -426,42 +467,3 @@ def _timeout(recv_req) -> float:
         return check_timeout(recv_req.timeout_s)
     except DeliveryError:  # already refused by request_problems; still bound the collectives
         return DEFAULT_TIMEOUT_S
-
-
-def _share_figures(mine: Tuple[int, ...], rank: int, world: int, group, timeout_s: float) -> List[List[int]]:
-    """Each figure of every TP rank, on every rank (one small all-reduce): rank 0 replies for all."""
-    table = torch.zeros(len(mine), world, dtype=torch.int64)
-    table[:, rank] = torch.tensor(mine, dtype=torch.int64)
-    wait(dist.all_reduce(table, group=group, async_op=True), timeout_s,
-         f"sharing the update's figures with the other TP ranks ({world} ranks)")
-    return table.tolist()
-
-
-def _share_bytes(mine: bytes, rank: int, world: int, group, timeout_s: float) -> List[bytes]:
-    """Every TP rank's bytes, in rank order, on every rank: lengths through one all-reduce, then
-    one all-gather of byte tensors (no object gather, no pickle)."""
-    if world == 1:
-        return [mine]
-    lengths = torch.zeros(world, dtype=torch.int64)
-    lengths[rank] = len(mine)
-    phase = f"exchanging derived targets with the other TP ranks ({world} ranks)"
-    wait(dist.all_reduce(lengths, group=group, async_op=True), timeout_s, phase)
-    width = int(lengths.max())
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    gathered = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout_s, phase)
-    return [t[:n].numpy().tobytes() for t, n in zip(gathered, lengths.tolist())]
-
-
-def _share_problems(problems: List[str], rank: int, world: int, group, timeout_s: float) -> List[str]:
-    """Every rank's problems, on every rank, through one small all-reduce (no object gather)."""
-    if problems:
-        logger.error("distributed weight update, rank %d: %s", rank, "; ".join(problems))
-    text = "; ".join(problems).encode()[:MESSAGE_BYTES]
-    table = torch.zeros(world, MESSAGE_BYTES, dtype=torch.uint8)
-    if text:
-        table[rank, : len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    wait(dist.all_reduce(table, group=group, async_op=True), timeout_s,
-         f"sharing problems with the other TP ranks (one is dead or stuck; {world} ranks)")
-    return [bytes(row[row.nonzero().flatten()].tolist()).decode(errors="replace") for row in table if row.any()]

@@ -1,4 +1,4 @@
-"""Execute: run a plan over a process group. The only module that calls torch.distributed.
+"""Execute: run a plan over a process group. The data plane: the only code that moves tensors between ranks.
 
 Every rank runs the same plan. Zero fills and local copies need no
 communication; then each round runs its point-to-point moves as one batch
@@ -19,8 +19,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from sglang.srt.weight_sync.apply import write_region, write_zeros
+from sglang.srt.weight_sync.control_plane import wait
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
-from sglang.srt.weight_sync.control_plane import all_equal, wait
+
+__all__ = ["ExecutionError", "ExecutionStats", "Subgroups", "check_inputs", "execute"]
 
 
 class ExecutionError(RuntimeError):
@@ -42,7 +45,8 @@ class ExecutionStats:
 
 
 class Subgroups:
-    """Broadcast subgroups, created once per rank set and reused across updates.
+    """Broadcast subgroups, created once per rank set and reused across the updates of their
+    owner (the engine's weight sync).
 
     ``new_group`` is collective over the default process group: every rank of
     it creates every subgroup of the plan, members or not, in the plan's
@@ -69,9 +73,6 @@ class Subgroups:
             key = tuple(sorted(to_global(r) for r in ranks))
             if key not in self._groups:
                 self._groups[key] = dist.new_group(list(key))
-
-
-DEFAULT_SUBGROUPS = Subgroups()
 
 
 class _Staging:
@@ -147,33 +148,20 @@ def check_inputs(
     return sorted(set(problems))
 
 
-def agree_on_plan(
-    plan: Plan, group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None, rank: int = 0
-) -> None:
-    """Check, with one tiny all-reduce, that every rank is about to run the same plan.
-
-    Meant for a CPU (gloo) group, like SGLang's own control traffic (``tp_cpu_group``).
-    """
-    if not all_equal(int(plan.fingerprint[:15], 16), group, timeout_s, f"rank {rank}: plan agreement"):
-        raise ExecutionError(
-            f"rank {rank}: the TP ranks computed different plans (this rank's {plan.fingerprint[:15]}): "
-            "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
-        )
-
-
 def execute(
     plan: Plan,
     rank: int,
     shards: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     group: Optional[dist.ProcessGroup] = None,
-    subgroups: Subgroups = DEFAULT_SUBGROUPS,
+    subgroups: Optional[Subgroups] = None,
     timeout_s: Optional[float] = None,
 ) -> ExecutionStats:
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
     -> this rank's tensor) in place. Each round waits at most ``timeout_s`` for its peers
-    (``control_plane.PeerLost``)."""
+    (``control_plane.PeerLost``). ``subgroups``: the owner's broadcast subgroups, reused
+    across updates (None: made for this call, for plans run once)."""
     problems = check_inputs(plan, rank, shards, params)
     if problems:
         raise ExecutionError("; ".join(problems))
@@ -183,13 +171,14 @@ def execute(
 
     stats = ExecutionStats()
     staging = _Staging(stats)
+    subgroups = subgroups if subgroups is not None else Subgroups()
     subgroups.ensure(plan, group, to_global)
 
     for z in plan.zero_fills:
         if z.rank == rank:
-            params[z.param][z.box.slices()].zero_()
+            write_zeros(params[z.param][z.box.slices()])
     for move in plan.local_for(rank):
-        _dest_view(params, move.dests[0], move).copy_(_src_view(shards, move))
+        write_region(_dest_view(params, move.dests[0], move), _src_view(shards, move))
         stats.bytes_copied_locally += move.nbytes
 
     for moves in plan.rounds:
@@ -268,9 +257,7 @@ def _landing(params, dest: Dest, move: Move, staging: _Staging) -> torch.Tensor:
 
 def _finish_landing(params, buf: torch.Tensor, move: Move, dests: List[Dest]) -> None:
     for dest in dests:
-        view = _dest_view(params, dest, move)
-        if view.data_ptr() != buf.data_ptr() or view.shape != buf.shape:
-            view.copy_(buf)
+        write_region(_dest_view(params, dest, move), buf)
 
 
 def _src_view(shards, move: Move) -> torch.Tensor:

@@ -28,6 +28,8 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, Piece, paused_gc
 
+__all__ = ["EngineManifest", "MANIFEST_VERSION", "ManifestError", "fingerprint_int", "manifest_path", "read_manifest", "targets_by_trainer_rank", "write_manifest"]
+
 MANIFEST_VERSION = 1
 _TYPES = {cls.__name__: cls for cls in (ParamTarget, Piece, Box)}
 

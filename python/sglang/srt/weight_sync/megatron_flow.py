@@ -21,13 +21,12 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.delivery import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.megatron_layout import MegatronRank, describe_model_chunks, megatron_sources
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
+from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.source_layout import HoldersSpec
-from sglang.srt.weight_sync.trainer_flow import Flow, Mode, deliver, open_channel, sources_flow
+from sglang.srt.weight_sync.trainer_flow import Flow, Mode, TrainerSync, deliver, sources_flow
 
-_coords: Dict[MegatronRank, Dict[int, MegatronRank]] = {}
+__all__ = ["all_coords", "megatron_flow", "this_rank"]
 
 
 def this_rank() -> MegatronRank:
@@ -38,18 +37,19 @@ def this_rank() -> MegatronRank:
                         ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
 
 
-def all_coords(me: MegatronRank) -> Dict[int, MegatronRank]:
-    """Every trainer rank's coordinates: four integers per rank, all-gathered once."""
-    if me not in _coords:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        mine = torch.tensor([me.tp, me.pp, me.ep, me.etp], dtype=torch.int64, device=device)
-        every = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(every, mine)
-        _coords[me] = {r: MegatronRank(*row) for r, row in enumerate(every.view(-1, 4).tolist())}
-    return _coords[me]
+def all_coords(sync: TrainerSync, me: MegatronRank,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> Dict[int, MegatronRank]:
+    """Every trainer rank's coordinates: four integers per rank, all-gathered once per
+    ``sync`` (they do not change while the trainer runs)."""
+    if me not in sync.megatron_coords:
+        every = sync.world.all_gather_ints([me.tp, me.pp, me.ep, me.etp], timeout_s,
+                                           f"trainer rank {dist.get_rank()}: learning every rank's Megatron coordinates")
+        sync.megatron_coords[me] = {r: MegatronRank(*row) for r, row in enumerate(every)}
+    return sync.megatron_coords[me]
 
 
 def megatron_flow(
+    sync: TrainerSync,
     model_chunks: Sequence[torch.nn.Module],
     hf_vocab: int,
     group_ranks: Sequence[int],
@@ -64,11 +64,11 @@ def megatron_flow(
     Engine-side, this rank's fused buffers go as they are with ``HoldersSpec``s for the
     ranks beside its engine; trainer-side (PP, EP, an engine wider than the ranks beside
     it), one hop straight to the engine's published layout."""
-    chan = open_channel(group_ranks, group)
+    chan = sync.channel(group_ranks, group, timeout_s)
     me = this_rank()
     model, buffers = describe_model_chunks(model_chunks, hf_vocab, me, shared_expert_hf)
     buffers = {k: t.detach() for k, t in buffers.items()}
-    sources = megatron_sources(model, all_coords(me))
+    sources = megatron_sources(model, all_coords(sync, me, timeout_s))
 
     def deliver_beside() -> str:
         mine = set(chan.group_ranks)
@@ -77,4 +77,4 @@ def megatron_flow(
         used = sorted({h.buffer for spec in pieces.values() for h in spec.holders if h.rank == dist.get_rank()})
         return deliver(chan, [(key, buffers[key], None) for key in used], pieces)
 
-    return (yield from sources_flow(chan, sources, buffers, deliver_beside, mode, bucket_bytes, timeout_s))
+    return (yield from sources_flow(sync, chan, sources, buffers, deliver_beside, mode, bucket_bytes, timeout_s))

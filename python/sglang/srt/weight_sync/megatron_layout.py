@@ -5,7 +5,7 @@ model knows: padded vocab, tied embeddings, layer spec) and one rank's parallel
 coordinates (TP, PP, VPP chunks, EP, expert-TP), list every parameter that rank
 holds with the boxes of HF tensors inside it and where each box sits. Any rank
 can describe any other rank this way, so a plan over many trainer ranks needs
-no exchange. Layouts follow ``shared/research/megatron-core-param-layouts.md``:
+no exchange. Layouts (``docs/megatron.md``):
 
 * ``linear_qkv`` interleaves, per query group, q heads, k, v; a rank holds rows
   ``[t*R, (t+1)*R)`` of that, which may cut a group or a head when

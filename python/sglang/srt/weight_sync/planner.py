@@ -26,7 +26,6 @@ import functools
 import hashlib
 import heapq
 import operator
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -35,9 +34,8 @@ import torch
 
 from sglang.srt.weight_sync.box import Box, is_contiguous_region
 from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
+from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
-
-DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 class CoverageError(ValueError):
@@ -181,7 +179,7 @@ class _BoxIndex:
     plan then costs what its own pieces cost, not what the holders of every tensor do."""
 
     __slots__ = ("dim", "boxes", "starts", "max_len", "position", "ranks_of", "_by_rank", "_disjoint",
-                 "_groups", "__weakref__")
+                 "_groups")
 
     def __init__(self, shape: Tuple[int, ...], holders: Iterable[Tuple[int, Box]]):
         by_box: Dict[Box, List[int]] = {}
@@ -269,24 +267,22 @@ class _BoxIndex:
         ]
 
 
-_box_indexes: "weakref.WeakKeyDictionary[MeshGeometry, _BoxIndex]" = weakref.WeakKeyDictionary()
-
-
 def _box_index(source: SourceTensor) -> _BoxIndex:
     """The index of ``source``'s holders: its geometry's, shared, when a mesh describes it."""
     holders = source.holders
     if not isinstance(holders, MeshHolders):
         return _BoxIndex(source.shape, ((h.rank, h.box) for h in holders))
-    index = _box_indexes.get(holders.geometry)
-    if index is None:
-        geometry = holders.geometry
-        index = _box_indexes[geometry] = _BoxIndex(geometry.shape, ((r, box) for r, box, _, _ in geometry.entries))
-    return index
+    slot = holders.geometry.index
+    if not slot:
+        slot.append(_BoxIndex(holders.geometry.shape, ((r, box) for r, box, _, _ in holders.geometry.entries)))
+    return slot[0]
 
 
-def forget_indexes() -> None:
-    """Drop the shared holder indexes (a cold start, for timing)."""
-    _box_indexes.clear()
+def forget_indexes(sources: SourceLayout) -> None:
+    """Drop the holder indexes of ``sources``' geometries (a cold start, for timing)."""
+    for source in sources.values():
+        if isinstance(source.holders, MeshHolders):
+            source.holders.geometry.index.clear()
 
 
 def holder_boxes(source: SourceTensor) -> List[Tuple[Box, Tuple[int, ...]]]:
@@ -381,8 +377,8 @@ def plan(
     name to the target tensor name it carries (tied embeddings). ``fingerprint``:
     the inputs' digest when the caller has it (``PlanCache``), else computed here.
     ``local_ranks``: list local copies for these ranks only (None: all). A rank runs
-    only its own, and in an aligned engine they are most of the moves (DeepSeek-V3 at
-    TP 256: 221,184 of 262,400), so each engine rank lists its own; every rank's held
+    only its own, and in an aligned engine they are most of the moves, so each engine
+    rank lists its own; every rank's held
     bytes are counted either way, and the rounds are the same.
     """
     with paused_gc():

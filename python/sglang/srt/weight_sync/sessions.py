@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 
+__all__ = ["SESSION_UPDATES", "run_in_session", "with_implicit_sessions"]
+
 logger = logging.getLogger(__name__)
 
 # request type name -> the scheduler weight-updater method that needs a session

@@ -12,6 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
 
+__all__ = ["TpState", "after_load", "after_update", "as_tp_rank", "field_names", "initialize_meta_model", "module_globals", "original_hf_config", "parallel_widths", "rebind_parameter_aliases", "server_args_dict", "subclass_with_field", "tp_state"]
+
 
 @dataclass(frozen=True)
 class TpState:
@@ -186,6 +188,25 @@ def after_update(model) -> None:
         model.post_load_weights()
 
 
+def initialize_meta_model(model_config, load_config):
+    """The model as ``DefaultModelLoader`` builds it (architecture, quantisation, shared-expert
+    fusion), under the caller's device and default dtype: SGLang's private loader helpers."""
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+
+    return _initialize_model(model_config, load_config, _get_quantization_config(model_config, load_config))
+
+
+def rebind_parameter_aliases(model) -> None:
+    """What 0.5.23's presharded loader runs after writing parameters directly: parameter
+    aliases and tensors computed from them (Gemma norms' ``weight + 1``) refreshed in
+    place. Older releases have no such loader: nothing to run."""
+    from sglang.srt.model_loader import loader
+
+    presharded = getattr(loader, "PreshardedModelLoader", None)
+    if presharded is not None:
+        presharded._rebind_parameter_aliases(model)
+
+
 def field_names(cls) -> Tuple[str, ...]:
     """Fields of an io_struct request: msgspec Structs since 0.5.23, dataclasses before."""
     if dataclasses.is_dataclass(cls):
@@ -199,17 +220,3 @@ def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
     if dataclasses.is_dataclass(cls):
         return dataclasses.make_dataclass(name, [(field, type_, dataclasses.field(default=default))], bases=(cls,))
     return type(name, (cls,), {"__annotations__": {field: type_}, field: default}, kw_only=True)
-
-
-@contextlib.contextmanager
-def weight_update_session(engine) -> Iterator[None]:
-    """0.5.23 accepts weight updates only between ``begin_weight_update()`` and
-    ``end_weight_update()``; older releases have no session and take them at any time."""
-    if not hasattr(engine, "begin_weight_update"):
-        yield
-        return
-    engine.begin_weight_update()
-    try:
-        yield
-    finally:
-        engine.end_weight_update()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -67,12 +67,14 @@ class MeshGeometry:
     shape: Tuple[int, ...]
     layout: tuple
     entries: Tuple[Tuple[int, Box, Tuple[int, ...], Tuple[int, ...]], ...]
+    # the planner's index of these holders, built on first use and shared with the geometry
+    index: list = field(default_factory=list, compare=False, repr=False)
 
 
 class MeshHolders(SequenceABC):
     """The holders of a tensor a mesh describes, as ``Holder``s made on demand from its
     shared ``MeshGeometry``: describing a tensor costs the same however many ranks hold
-    it (a 1,024-rank trainer describes ~45,000 DeepSeek-V3 tensors per update, a million
+    it (a large trainer describes tens of thousands of tensors per update, millions of
     holders among them), and the planner indexes the geometry once for all its tensors.
     Compares equal to the same holders listed one by one."""
 
@@ -134,8 +136,8 @@ _RANK_TYPES = {int, type(None)}
 
 def _flatten(ranks: NestedRanks) -> Tuple[Tuple[int, ...], Tuple[Optional[int], ...]]:
     """Shape and row-major flat list of a nested list of ranks (None marks an absent rank).
-    Level by level, not rank by rank: every tensor of an update brings its mesh (1,024
-    ranks at scale) to be flattened."""
+    Level by level, not rank by rank: every tensor of an update brings its mesh (up to
+    every trainer rank) to be flattened."""
     if ranks is None or isinstance(ranks, int):
         return (), (ranks,)
     items = list(ranks)

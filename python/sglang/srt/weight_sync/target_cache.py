@@ -34,6 +34,8 @@ from sglang.srt.weight_sync.derived_targets import (
 from sglang.srt.weight_sync.sglang_compat import original_hf_config, parallel_widths, server_args_dict
 from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
 
+__all__ = ["CACHE_DIR_ENV", "Exchange", "FORMAT", "assemble", "cache_dir", "cache_key", "engine_derived_targets", "own_rank_record"]
+
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "SGLANG_WEIGHT_SYNC_CACHE_DIR"
@@ -44,23 +46,23 @@ _VOLATILE = ("port", "host", "addr", "seed", "log", "timeout", "api_key", "url",
 # Every TP rank's bytes, in rank order, on every rank: a collective over the engine's TP group.
 Exchange = Callable[[bytes], Sequence[bytes]]
 
-_memory: Dict[Tuple, DerivedTargets] = {}
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sglang" / "weight_sync")
 
 
-def engine_derived_targets(model_config, rank: int, exchange: Exchange) -> DerivedTargets:
-    """This engine's targets for every TP rank (the published layout), derived at most once.
+def engine_derived_targets(model_config, rank: int, exchange: Exchange,
+                           memo: Optional[Dict[Tuple, DerivedTargets]] = None) -> DerivedTargets:
+    """This engine's targets for every TP rank (the published layout), derived at most once
+    per ``memo`` (the engine's weight sync keeps one; None: none kept).
 
     Every TP rank calls it together: on the first call each derives (or reads from disk)
     its own rank and all join ``exchange``, even a rank whose derivation failed (its
     error travels instead, and every rank raises it), so no rank is left waiting.
     """
+    memo = {} if memo is None else memo
     tp, attn_tp, ep = parallel_widths()[:3]
     memory_key = (id(model_config), tp, attn_tp, ep)
-    cached = _memory.get(memory_key)
+    cached = memo.get(memory_key)
     if cached is not None:
         return cached
     try:
@@ -75,7 +77,7 @@ def engine_derived_targets(model_config, rank: int, exchange: Exchange) -> Deriv
     if errors:
         raise ValueError("; ".join(errors))
     targets = assemble(EngineParallel(tp, attn_tp, ep), records)
-    _memory[memory_key] = targets
+    memo[memory_key] = targets
     return targets
 
 
@@ -88,7 +90,7 @@ def own_rank_record(model_config, rank: int) -> dict:
                     "from SGLang's loaders on meta tensors; cached as %s", rank, model_config.model_path,
                     *parallel_widths()[:3], path)
         start = time.perf_counter()
-        with paused_gc():  # ~1M small objects: the collector's full passes cost 0.5-0.7 s and free nothing
+        with paused_gc():  # millions of small objects: the collector's full passes would free nothing
             checkpoint = checkpoint_layout(original_hf_config(model_config))
             derived = derive_engine_rank(model_config, checkpoint, rank)
             record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
@@ -103,8 +105,7 @@ def own_rank_record(model_config, rank: int) -> dict:
 
 def assemble(parallel: EngineParallel, records: Sequence[dict]) -> DerivedTargets:
     """Every rank's record (rank order) as the engine's targets; with the collector paused, as
-    the ~45k checkpoint shapes would otherwise set it scanning every record just decoded
-    (0.8 s of a 671B model's 1.5 s)."""
+    the many small objects decoded would otherwise set it scanning every record again."""
     for r, record in enumerate(records):
         if record.get("rank") != r:
             raise ValueError(f"engine rank {r} sent the targets of rank {record.get('rank')}")

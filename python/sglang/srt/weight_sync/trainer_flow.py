@@ -17,35 +17,40 @@ sequence of control requests (``update_flow``) that the caller serves with
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Generator, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.delivery import CHANNEL_PREFIX, DEFAULT_TIMEOUT_S, ShardSender, check_timeout, local_shard
+from sglang.srt.weight_sync.control_plane import GRACE_S, ControlGroup
+from sglang.srt.weight_sync.delivery import ShardSender, local_shard
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
-from sglang.srt.weight_sync.trainer_reshard import (  # noqa: F401
-    chunks,
-    first_uncovered,
-    inputs_digest,
-    reshard_to_engines,
-    uncovered,
+from sglang.srt.weight_sync.protocol import (
+    CHANNEL_PREFIX,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    PayloadKind,
+    check_timeout,
 )
-from sglang.srt.weight_sync.control_plane import GRACE_S, all_equal, barrier, broadcast_result, wait
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
+from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks, first_uncovered
+
+__all__ = ["ControlRequest", "Flow", "Mode", "TrainerChannel", "TrainerSync", "UpdateReport", "adrive", "as_reply",
+           "deliver", "delivered_flow", "drive", "prepare_shards", "sources_flow", "update_flow",
+           "update_weights_distributed"]
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "engine", "trainer"]
 Shards = List[Tuple[str, torch.Tensor, MeshSpec]]
+TOKEN_BYTES = 32  # a channel token: uuid4().hex
 
 
 @dataclass
@@ -58,6 +63,7 @@ class TrainerChannel:
     engine_rank: int
     sender: ShardSender
     token: str
+    control: ControlGroup  # the group's control collectives (its barriers, the engine's answer)
     updates: int = 0
     manifest: Optional[EngineManifest] = None  # the engine's published layout, read once
 
@@ -69,52 +75,91 @@ class TrainerChannel:
         self.updates += 1
         return f"{self.token}-{self.updates}"
 
+    def close(self) -> None:
+        """Close the sender and remove the channel directory (with the engine sockets in it):
+        the trainer made it, so the trainer takes it away."""
+        self.sender.close()
+        shutil.rmtree(self.channel, ignore_errors=True)
 
-_channels: Dict[Tuple[int, ...], TrainerChannel] = {}
 
+class TrainerSync:
+    """One trainer process's side of distributed updates: its channels (one per engine TP
+    group), its plans to the engines' layouts, and the world's control collectives.
 
-def open_channel(group_ranks: Sequence[int], group: Optional[dist.ProcessGroup]) -> TrainerChannel:
-    """The channel of an engine TP group (one per process and group, made once).
-
-    Every trainer rank calls this together. The group's first rank draws a
-    token and broadcasts it (a few bytes of control, no payload); every rank
-    makes the private directory on its node and connects to the socket of the
-    engine rank beside it; one small integer all-gather tells every rank all
-    engine groups.
+    Owned by what drives updates (``VerlEngine``, or the engine client that
+    device mesh ``update_weights_distributed`` is called with, see ``TrainerSync.of``); ``close()``
+    releases the channels, and so does the owner's end (a finalizer) or the process's exit.
     """
-    key = tuple(int(r) for r in group_ranks)
-    if key not in _channels:
-        token = [uuid.uuid4().hex if dist.get_rank() == key[0] else None]
-        dist.broadcast_object_list(token, src=key[0], group=group)
-        channel = os.path.join(tempfile.gettempdir(), f"{CHANNEL_PREFIX}{token[0]}")
-        os.makedirs(channel, mode=0o700, exist_ok=True)
-        os.chmod(channel, 0o700)
-        engine_rank = key.index(dist.get_rank())
-        if not _channels:
-            atexit.register(close_channels)
-        _channels[key] = TrainerChannel(
-            channel, key, _engine_groups(key[0], engine_rank), engine_rank, ShardSender(channel, engine_rank), token[0]
-        )
-    return _channels[key]
+
+    def __init__(self) -> None:
+        self._channels: Dict[Tuple[int, ...], TrainerChannel] = {}
+        self.plans = TrainerPlans()
+        self.megatron_coords: Dict[object, dict] = {}  # MegatronRank -> every rank's coordinates
+        self._world: Optional[ControlGroup] = None
+        self._finalizer = weakref.finalize(self, TrainerSync._close_all, self._channels)
+
+    @classmethod
+    def of(cls, owner) -> "TrainerSync":
+        """The ``TrainerSync`` kept on ``owner`` (the device mesh a stateless caller passes
+        every update), made on first use: it lives as long as the mesh whose groups its
+        channels serve. Every rank must pass alike owners (they all keep it, or none does)."""
+        sync = getattr(owner, "_weight_sync", None)
+        if not isinstance(sync, cls):
+            sync = cls()
+            try:
+                owner._weight_sync = sync
+            except AttributeError:  # an object without attributes: the sync lives for this update only
+                pass
+        return sync
+
+    @property
+    def world(self) -> ControlGroup:
+        """Control collectives over every trainer rank (the default group)."""
+        if self._world is None:
+            self._world = ControlGroup(None, "trainer-world")
+        return self._world
+
+    def channel(self, group_ranks: Sequence[int], group: Optional[dist.ProcessGroup],
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> TrainerChannel:
+        """The channel of an engine TP group (made once per group).
+
+        Every trainer rank calls this together. The group's first rank draws a token and
+        broadcasts it (a few bytes of control, no payload); every rank makes the private
+        directory on its node and connects to the socket of the engine rank beside it; one
+        small integer all-gather tells every rank all engine groups.
+        """
+        key = tuple(int(r) for r in group_ranks)
+        if key not in self._channels:
+            me = dist.get_rank()
+            control = ControlGroup(group, "trainer")
+            token = control.broadcast_bytes(uuid.uuid4().hex.encode() if me == key[0] else None, key[0], TOKEN_BYTES,
+                                            timeout_s, f"trainer rank {me}: hearing the channel token from rank "
+                                                       f"{key[0]}").decode()
+            channel = os.path.join(tempfile.gettempdir(), f"{CHANNEL_PREFIX}{token}")
+            os.makedirs(channel, mode=0o700, exist_ok=True)
+            os.chmod(channel, 0o700)
+            engine_rank = key.index(me)
+            every = self.world.all_gather_ints([key[0], engine_rank], timeout_s,
+                                               f"trainer rank {me}: learning every engine's group")
+            self._channels[key] = TrainerChannel(channel, key, _engine_groups(every), engine_rank,
+                                                 ShardSender(channel, engine_rank), token,
+                                                 ControlGroup(group, f"trainer-{token}"))
+        return self._channels[key]
+
+    def close(self) -> None:
+        """Close every channel (idempotent)."""
+        TrainerSync._close_all(self._channels)
+
+    @staticmethod
+    def _close_all(channels: Dict[Tuple[int, ...], TrainerChannel]) -> None:
+        while channels:
+            channels.popitem()[1].close()
 
 
-def close_channels() -> None:
-    """Close this process's senders and remove their channel directories (with the engine
-    sockets in them): the trainer made them, so the trainer takes them away."""
-    while _channels:
-        _, chan = _channels.popitem()
-        chan.sender.close()
-        shutil.rmtree(chan.channel, ignore_errors=True)
-
-
-def _engine_groups(first_rank: int, engine_rank: int) -> Tuple[Tuple[int, ...], ...]:
+def _engine_groups(every: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...]:
     """All engine groups, from each trainer rank's (group's first rank, engine rank)."""
-    device = _collective_device()
-    mine = torch.tensor([first_rank, engine_rank], dtype=torch.int64, device=device)
-    every = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine)
     groups: Dict[int, Dict[int, int]] = {}
-    for rank, (first, index) in enumerate(every.view(-1, 2).tolist()):
+    for rank, (first, index) in enumerate(every):
         groups.setdefault(first, {})[index] = rank
     return tuple(tuple(g[i] for i in sorted(g)) for _, g in sorted(groups.items()))
 
@@ -171,10 +216,12 @@ def _is_dtensor(tensor) -> bool:
 class ControlRequest:
     """What the group's first rank asks the engine to do: take update ``update_id`` from
     ``channel`` (``describe``: publish its layout there instead). ``final``: the last
-    request of this update, after which the engine may flush its cache."""
+    request of this update, after which the engine may flush its cache. ``control``: the
+    group's control collectives, with which ``drive`` hears and shares the answer."""
 
     update_id: str
     channel: str
+    control: ControlGroup = field(compare=False, repr=False)
     describe: bool = False
     final: bool = True
 
@@ -203,6 +250,7 @@ Flow = Generator[ControlRequest, Reply, UpdateReport]
 
 
 def update_flow(
+    sync: TrainerSync,
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     group_ranks: Sequence[int],
     group: Optional[dist.ProcessGroup],
@@ -218,14 +266,15 @@ def update_flow(
     first asks every engine to publish its layout and reads it from the channel.
     Trainer-side rounds wait at most ``timeout_s`` for their peers.
     """
-    chan = open_channel(group_ranks, group)
+    chan = sync.channel(group_ranks, group, timeout_s)
     shards = prepare_shards(named_tensors)
     sources = {name: spec.describe(name) for name, _, spec in shards}
-    return (yield from sources_flow(chan, sources, {n: t for n, t, _ in shards}, lambda: deliver(chan, shards),
+    return (yield from sources_flow(sync, chan, sources, {n: t for n, t, _ in shards}, lambda: deliver(chan, shards),
                                     mode, bucket_bytes, timeout_s))
 
 
 def sources_flow(
+    sync: TrainerSync,
     chan: TrainerChannel,
     sources: SourceLayout,
     local: Mapping[str, torch.Tensor],
@@ -242,12 +291,14 @@ def sources_flow(
     report = UpdateReport(side)
     if side == "engine":
         return (yield from delivered_flow(chan, deliver_beside()))
-    if _anyone(chan.manifest is None, timeout_s):
-        report.described = True
-        chan.manifest = yield from _describe(chan, timeout_s)
     rank, names = dist.get_rank(), sorted(sources)
-    digest = inputs_digest(sources, chan.manifest, chan.engine_groups, bucket_bytes)
-    if not _all_equal(fingerprint_int(digest), timeout_s, f"trainer rank {rank}: checking that every rank plans alike"):
+    if sync.world.any(chan.manifest is None, timeout_s,
+                      f"trainer rank {rank}: agreeing whether the engines' layout must be read"):
+        report.described = True
+        chan.manifest = yield from _describe(sync, chan, timeout_s)
+    digest = sync.plans.inputs_digest(sources, chan.manifest, chan.engine_groups, bucket_bytes)
+    if not sync.world.all_equal(fingerprint_int(digest), timeout_s,
+                                f"trainer rank {rank}: checking that every rank plans alike"):
         raise ValueError(
             f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
             f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
@@ -255,7 +306,7 @@ def sources_flow(
         )
     parts = chunks(chan.manifest, names, bucket_bytes)
     for i, part in enumerate(parts):
-        result = reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
+        result = sync.plans.reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
                                     timeout_s)
         report.chunks += 1
         report.bytes_received += result.stats.bytes_received
@@ -265,9 +316,10 @@ def sources_flow(
         report.update_id = chan.next_update_id()
         _cuda_ipc_ready(result.buffers.values())
         chan.sender.send(report.update_id, rank, chan.rank_map, [(n, t, None) for n, t in result.buffers.items()],
-                         kind="params", names=names, fingerprint=chan.manifest.fingerprint)
+                         kind=PayloadKind.PARAMS, names=names, fingerprint=chan.manifest.fingerprint)
         del result  # the sender keeps the buffers alive until the next chunk replaces them
-        report.success, report.message = yield ControlRequest(report.update_id, chan.channel, final=i == len(parts) - 1)
+        report.success, report.message = yield ControlRequest(report.update_id, chan.channel, chan.control,
+                                                              final=i == len(parts) - 1)
         if not report.success:
             chan.manifest = None  # the engine may have changed its layout: read it again next time
             break
@@ -280,16 +332,17 @@ def sources_flow(
 def delivered_flow(chan: TrainerChannel, update_id: str) -> Flow:
     """The engine-side flow once every rank has delivered under ``update_id``: one request."""
     report = UpdateReport("engine", update_id)
-    report.success, report.message = yield ControlRequest(update_id, chan.channel)
+    report.success, report.message = yield ControlRequest(update_id, chan.channel, chan.control)
     return report
 
 
-def _describe(chan: TrainerChannel, timeout_s: float) -> Generator[ControlRequest, Reply, EngineManifest]:
+def _describe(sync: TrainerSync, chan: TrainerChannel,
+              timeout_s: float) -> Generator[ControlRequest, Reply, EngineManifest]:
     """Ask the engine to publish its layout; every trainer rank reads its engine rank's
     copy, and all must agree (one tiny all-reduce): engines are replicas of one layout."""
     update_id = chan.next_update_id()
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, [], kind="describe")
-    success, message = yield ControlRequest(update_id, chan.channel, describe=True)
+    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE)
+    success, message = yield ControlRequest(update_id, chan.channel, chan.control, describe=True)
     manifest, problem = None, message
     if success:
         try:
@@ -297,30 +350,14 @@ def _describe(chan: TrainerChannel, timeout_s: float) -> Generator[ControlReques
         except ManifestError as e:
             problem = str(e)
     digest = fingerprint_int(manifest.fingerprint) if manifest else 0
-    agreed = _all_equal(digest, timeout_s, f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
+    agreed = sync.world.all_equal(digest, timeout_s,
+                                  f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
     if manifest is None or not agreed:
         raise ManifestError(
             f"trainer rank {dist.get_rank()}: engines did not publish one common layout "
             f"(this rank's engine: {problem if manifest is None else manifest.fingerprint[:12]})"
         )
     return manifest
-
-
-def _all_equal(value: int, timeout_s: float, phase: str) -> bool:
-    """Whether every trainer rank holds the same ``value``."""
-    return all_equal(value, None, timeout_s, phase, device=_collective_device())
-
-
-def _anyone(flag: bool, timeout_s: float) -> bool:
-    """Whether any trainer rank says so (one tiny all-reduce): keeps every rank on one path."""
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
-    wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
-         f"trainer rank {dist.get_rank()}: agreeing whether the engines' layout must be read")
-    return bool(t.item())
-
-
-def _collective_device() -> Optional[torch.device]:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
 
 
 def as_reply(result) -> Reply:
@@ -335,25 +372,26 @@ class _Driver:
     bounded by ``timeout_s`` (the engine waits at most that for payloads, and
     ``timeout_s + GRACE_S`` for its own ranks)."""
 
-    def __init__(self, flow: Flow, group_ranks: Sequence[int], group, request: Optional[ControlRequest],
+    def __init__(self, flow: Flow, group_ranks: Sequence[int], request: Optional[ControlRequest],
                  timeout_s: float) -> None:
-        self.flow, self.group_ranks, self.group, self.timeout_s = flow, group_ranks, group, timeout_s
+        self.flow, self.group_ranks, self.timeout_s = flow, group_ranks, timeout_s
         self.request, self.report = request or next(flow), None
         self.me = dist.get_rank()
         self.leader = self.me == group_ranks[0]
 
     def ready(self) -> bool:
-        barrier(self.group, self.timeout_s, f"trainer rank {self.me}: before the engine reads the payloads")
+        self.request.control.barrier(self.timeout_s, f"trainer rank {self.me}: before the engine reads the payloads")
         return self.leader
 
     def advance(self, reply: Optional[Reply]) -> bool:
         """Hand the reply to the flow; False once the update is over. The barrier comes first
         so that a rank lost meanwhile is named (gloo's monitored barrier); the engine waits at
         most timeout_s for payloads and timeout_s + GRACE_S for its own ranks."""
-        barrier(self.group, 2 * self.timeout_s + GRACE_S, f"trainer rank {self.me}: while the engine applies the update")
-        shared = broadcast_result(reply, self.group_ranks[0], self.group, self.timeout_s,
-                                  f"trainer rank {self.me}: hearing the engine's answer from rank "
-                                  f"{self.group_ranks[0]}")
+        control = self.request.control
+        control.barrier(2 * self.timeout_s + GRACE_S, f"trainer rank {self.me}: while the engine applies the update")
+        shared = control.broadcast_result(reply, self.group_ranks[0], self.timeout_s,
+                                          f"trainer rank {self.me}: hearing the engine's answer from rank "
+                                          f"{self.group_ranks[0]}")
         try:
             self.request = self.flow.send(shared)
             return True
@@ -372,7 +410,7 @@ def drive(
 ) -> UpdateReport:
     """Serve a flow's control requests with ``call`` on the group's first rank (from
     ``request`` when the flow has already been started)."""
-    d = _Driver(flow, group_ranks, group, request, timeout_s)
+    d = _Driver(flow, group_ranks, request, timeout_s)
     while True:
         reply = None
         if d.ready():
@@ -387,7 +425,7 @@ def drive(
 async def adrive(flow: Flow, group_ranks: Sequence[int], group, call, request=None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> UpdateReport:
     """``drive`` with an async ``call``."""
-    d = _Driver(flow, group_ranks, group, request, timeout_s)
+    d = _Driver(flow, group_ranks, request, timeout_s)
     while True:
         reply = None
         if d.ready():
@@ -423,7 +461,7 @@ async def update_weights_distributed(
     peer dies the survivors raise ``control_plane.PeerLost`` naming the phase.
     """
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
-    from sglang.srt.weight_sync.engine_update import as_tensor_request
+    from sglang.srt.weight_sync.protocol import as_tensor_request
     from sglang.srt.weight_sync.source_layout import LayoutError
 
     timeout_s = check_timeout(timeout_s)
@@ -431,7 +469,7 @@ async def update_weights_distributed(
     ranks, group = [int(r) for r in mesh.mesh.tolist()], mesh.get_group()
     reason = f"load_format={load_format!r}" if load_format is not None else None
     if reason is None:
-        flow = update_flow(params_batch, ranks, group, timeout_s=timeout_s)
+        flow = update_flow(TrainerSync.of(device_mesh), params_batch, ranks, group, timeout_s=timeout_s)
         try:
             first = next(flow)
         except LayoutError as e:

@@ -22,15 +22,13 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
-from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, forget_indexes, holder_boxes, sources_digest
+from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, holder_boxes, sources_digest
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
-_PLAN_CAPACITY = 512  # one plan per chunk of a streamed update
-_plans: Dict[str, Plan] = {}
-_digest_memo: Optional[Tuple[SourceLayout, str]] = None
-_targets_memo: Optional[tuple] = None
+__all__ = ["TrainerPlans", "TrainerSideResult", "chunk_digest", "chunks", "first_uncovered", "restrict", "uncovered"]
+
 
 
 def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optional[Box]:
@@ -109,177 +107,109 @@ class TrainerSideResult:
         return self.plan.lower_bound_bytes(rank)
 
 
-def check_sources(sources: SourceLayout, manifest: EngineManifest) -> None:
-    """Raises ``ValueError`` naming a tensor the engine does not have, or of another shape."""
-    expected = manifest.tensor_shapes
-    for name, src in sources.items():
-        canonical = manifest.aliases.get(name, name)
-        if canonical not in expected:
-            raise ValueError(f"unknown tensor {name!r}: the engine's manifest has no such weight")
-        if tuple(src.shape) != tuple(expected[canonical]):
-            raise ValueError(f"tensor {name!r}: global shape {tuple(src.shape)}, "
-                             f"the engine expects {tuple(expected[canonical])}")
+class TrainerPlans:
+    """A trainer's plans to its engines' layouts, with what they are computed from;
+    owned by the trainer's flow (``trainer_flow.TrainerSync``), one per process.
 
-
-def plan_to_engines(
-    sources: SourceLayout,
-    manifest: EngineManifest,
-    engine_groups: Sequence[Sequence[int]],
-    bucket_bytes: int,
-    params: Iterable[str],
-    rank: int,
-) -> Tuple[Plan, List[ParamTarget]]:
-    """``rank``'s part of the plan over the trainer's (default) group to every engine
-    rank's targets among ``params`` (one chunk), and ``rank``'s own targets; cached.
-
-    ``sources`` (any layout: DTensor meshes, Megatron-core holders) are in global
-    trainer ranks; rank k's targets are those of the engine rank beside it. Each rank
-    plans only the moves it sends or receives (``rank_plan``); every rank's part fits
-    the others' (same moves, same rounds), and ``Plan.fingerprint`` is a digest of the
-    inputs that every rank can compare.
+    Plans are kept by (inputs, chunk, rank), at most ``capacity`` (one per chunk of a
+    streamed update); the sources' digest and their targets by engine rank are kept for
+    the running update's sources, which every chunk plans from.
     """
-    params = tuple(params)
-    digest = inputs_digest(sources, manifest, engine_groups, bucket_bytes)
-    key = hashlib.sha256(repr((digest, params, rank)).encode()).hexdigest()
-    plan = _plans.get(key)
-    if plan is None:
-        receivers = chunk_receivers(sources, manifest, engine_groups, params)
-        plan = plan_for_rank(_class_targets(sources, manifest)[0], receivers, rank, bucket_bytes=bucket_bytes,
-                             fingerprint=chunk_digest(digest, params))
-        if len(_plans) >= _PLAN_CAPACITY:
-            _plans.pop(next(iter(_plans)))
-        _plans[key] = plan
-    mine = next((i for g in engine_groups for i, r in enumerate(g) if r == rank), None)
-    by_name = {} if mine is None else _class_targets(sources, manifest)[1][mine]
-    return plan, [by_name[n] for n in params if n in by_name]
 
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._plans: Dict[str, Plan] = {}
+        self._digest: Optional[Tuple[SourceLayout, str]] = None
+        self._targets: Optional[tuple] = None
 
-def forget_plans() -> None:
-    """Drop cached plans, digests and holder indexes (a cold start, for timing)."""
-    global _digest_memo, _targets_memo
-    _plans.clear()
-    forget_indexes()
-    _digest_memo = _targets_memo = None
+    def __len__(self) -> int:
+        return len(self._plans)
 
+    def plan_to_engines(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        bucket_bytes: int,
+        params: Iterable[str],
+        rank: int,
+    ) -> Tuple[Plan, List[ParamTarget]]:
+        """``rank``'s part of the plan over the trainer's (default) group to every engine
+        rank's targets among ``params`` (one chunk), and ``rank``'s own targets; cached.
 
-def chunk_receivers(sources: SourceLayout, manifest: EngineManifest, engine_groups: Sequence[Sequence[int]],
-                    params: Sequence[str]) -> Receivers:
-    """Trainer ranks by the engine rank beside them, each class needing that engine rank's
-    targets among ``params`` (filled from the HF tensors in ``sources``)."""
-    tp = manifest.parallel.tp_size
-    if any(len(g) != tp for g in engine_groups):
-        targets_by_trainer_rank(manifest, engine_groups)  # raises, naming the group size and the engine's TP
-    by_name = _class_targets(sources, manifest)[1]
-    classes = tuple(tuple(d[n] for n in params if n in d) for d in by_name)
-    ranks = tuple(tuple(sorted(g[i] for g in engine_groups)) for i in range(len(by_name)))
-    return Receivers(classes, ranks)
+        ``sources`` (any layout: DTensor meshes, Megatron-core holders) are in global
+        trainer ranks; rank k's targets are those of the engine rank beside it. Each rank
+        plans only the moves it sends or receives (``rank_plan``); every rank's part fits
+        the others' (same moves, same rounds), and ``Plan.fingerprint`` is a digest of the
+        inputs that every rank can compare.
+        """
+        params = tuple(params)
+        digest = self.inputs_digest(sources, manifest, engine_groups, bucket_bytes)
+        key = hashlib.sha256(repr((digest, params, rank)).encode()).hexdigest()
+        plan = self._plans.get(key)
+        if plan is None:
+            receivers = self.chunk_receivers(sources, manifest, engine_groups, params)
+            plan = plan_for_rank(self._class_targets(sources, manifest)[0], receivers, rank,
+                                 bucket_bytes=bucket_bytes, fingerprint=chunk_digest(digest, params))
+            if len(self._plans) >= self.capacity:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        mine = next((i for g in engine_groups for i, r in enumerate(g) if r == rank), None)
+        by_name = {} if mine is None else self._class_targets(sources, manifest)[1][mine]
+        return plan, [by_name[n] for n in params if n in by_name]
 
+    def chunk_receivers(self, sources: SourceLayout, manifest: EngineManifest,
+                        engine_groups: Sequence[Sequence[int]], params: Sequence[str]) -> Receivers:
+        """Trainer ranks by the engine rank beside them, each class needing that engine rank's
+        targets among ``params`` (filled from the HF tensors in ``sources``)."""
+        tp = manifest.parallel.tp_size
+        if any(len(g) != tp for g in engine_groups):
+            targets_by_trainer_rank(manifest, engine_groups)  # raises, naming the group size and the engine's TP
+        by_name = self._class_targets(sources, manifest)[1]
+        classes = tuple(tuple(d[n] for n in params if n in d) for d in by_name)
+        ranks = tuple(tuple(sorted(g[i] for g in engine_groups)) for i in range(len(by_name)))
+        return Receivers(classes, ranks)
 
-def inputs_digest(sources: SourceLayout, manifest: EngineManifest, engine_groups: Sequence[Sequence[int]],
-                  bucket_bytes: int) -> str:
-    """Everything an update's plans depend on, the same on every trainer rank that agrees
-    on the layouts (``sources_digest`` is remembered for the sources of the running update)."""
-    global _digest_memo
-    if _digest_memo is None or _digest_memo[0] is not sources:
-        _digest_memo = (sources, sources_digest(sources))
-    return hashlib.sha256(repr((_digest_memo[1], manifest.fingerprint, [tuple(g) for g in engine_groups],
-                                bucket_bytes)).encode()).hexdigest()
+    def inputs_digest(self, sources: SourceLayout, manifest: EngineManifest,
+                      engine_groups: Sequence[Sequence[int]], bucket_bytes: int) -> str:
+        """Everything an update's plans depend on, the same on every trainer rank that agrees
+        on the layouts (``sources_digest`` is kept for the sources of the running update)."""
+        if self._digest is None or self._digest[0] is not sources:
+            self._digest = (sources, sources_digest(sources))
+        return hashlib.sha256(repr((self._digest[1], manifest.fingerprint, [tuple(g) for g in engine_groups],
+                                    bucket_bytes)).encode()).hexdigest()
+
+    def _class_targets(self, sources: SourceLayout, manifest: EngineManifest):
+        """``sources`` under the names targets use (aliases resolved), and per engine rank its
+        targets by name restricted to those tensors; kept for the running update, as every
+        chunk picks from them."""
+        if self._targets is None or self._targets[0] is not sources or self._targets[1] is not manifest:
+            names = {manifest.aliases.get(n, n) for n in sources}
+            by_name = tuple({t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks)
+            self._targets = (sources, manifest, (_resolve_aliases(sources, manifest.aliases), by_name))
+        return self._targets[2]
+
+    def reshard_to_engines(
+        self,
+        sources: SourceLayout,
+        local: Mapping[str, torch.Tensor],
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        rank: int,
+        bucket_bytes: int,
+        params: Iterable[str],
+        timeout_s: Optional[float] = None,
+    ) -> TrainerSideResult:
+        """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
+        ``local`` (this rank's tensors by holder key). Every trainer rank calls this with
+        the same names and chunk; each round waits at most ``timeout_s`` for its peers."""
+        plan, targets = self.plan_to_engines(sources, manifest, engine_groups, bucket_bytes, params, rank)
+        device = next(iter(local.values())).device if local else torch.device("cpu")
+        buffers = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets}
+        stats = execute(plan, rank, local, buffers, timeout_s=timeout_s)
+        return TrainerSideResult(buffers, stats, plan)
 
 
 def chunk_digest(digest: str, params: Tuple[str, ...]) -> str:
     """The fingerprint of one chunk's plan: the update's ``inputs_digest`` and the chunk's names."""
     return hashlib.sha256(repr((digest, tuple(params))).encode()).hexdigest()
-
-
-def _class_targets(sources: SourceLayout, manifest: EngineManifest):
-    """``sources`` under the names targets use (aliases resolved), and per engine rank its
-    targets by name restricted to those tensors; remembered for the running update, as
-    every chunk picks from them."""
-    global _targets_memo
-    if _targets_memo is None or _targets_memo[0] is not sources or _targets_memo[1] is not manifest:
-        names = {manifest.aliases.get(n, n) for n in sources}
-        by_name = tuple({t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks)
-        _targets_memo = (sources, manifest, (_resolve_aliases(sources, manifest.aliases), by_name))
-    return _targets_memo[2]
-
-
-def reshard_to_engines(
-    sources: SourceLayout,
-    local: Mapping[str, torch.Tensor],
-    manifest: EngineManifest,
-    engine_groups: Sequence[Sequence[int]],
-    rank: int,
-    bucket_bytes: int,
-    params: Iterable[str],
-    timeout_s: Optional[float] = None,
-) -> TrainerSideResult:
-    """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
-    ``local`` (this rank's tensors by holder key). Every trainer rank calls this with
-    the same names and chunk; each round waits at most ``timeout_s`` for its peers."""
-    plan, targets = plan_to_engines(sources, manifest, engine_groups, bucket_bytes, params, rank)
-    device = next(iter(local.values())).device if local else torch.device("cpu")
-    buffers = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets}
-    stats = execute(plan, rank, local, buffers, timeout_s=timeout_s)
-    return TrainerSideResult(buffers, stats, plan)
-
-
-def check_buffers(
-    params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor], rank: int
-) -> List[str]:
-    """Problems with delivered buffers against this engine rank's parameters (empty when fine)."""
-    problems = []
-    for t in targets:
-        buf, param = buffers.get(t.name), params.get(t.name)
-        if buf is None:
-            problems.append(f"engine rank {rank}: no buffer for parameter {t.name!r} from the trainer side")
-        elif param is None:
-            problems.append(f"engine rank {rank}: no parameter {t.name!r}")
-        elif tuple(buf.shape) != tuple(param.shape) or buf.dtype != param.dtype:
-            problems.append(
-                f"engine rank {rank}: parameter {t.name!r} buffer is {tuple(buf.shape)} {buf.dtype}, "
-                f"the parameter is {tuple(param.shape)} {param.dtype}"
-            )
-    return problems
-
-
-def _filled_regions(target: ParamTarget) -> List[Tuple[Tuple[int, ...], Box]]:
-    """Where a buffer holds delivered data: its pieces of this chunk. A parameter whose HF
-    tensors arrive in several chunks (a fused ``gate_up_proj`` split by the trainer's
-    batches) has a buffer of its full shape, the rest of it never written."""
-    return [(p.index, p.dest_box()) for p in target.pieces]
-
-
-def nonfinite_buffers(targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]) -> List[str]:
-    """Parameters whose delivered regions hold NaN or inf (only those regions are read)."""
-    bad = []
-    for t in targets:
-        buf = buffers[t.name]
-        if buf.is_floating_point() and not all(
-                bool(torch.isfinite(buf[index][box.slices()]).all()) for index, box in _filled_regions(t)):
-            bad.append(t.name)
-    return bad
-
-
-def copy_buffers(
-    params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]
-) -> int:
-    """Copy the delivered regions into the parameters in place; returns bytes copied.
-
-    A parameter the update fills whole is copied in one ``copy_``; otherwise only
-    its delivered pieces (and zero fills) are.
-    """
-    copied = 0
-    for t in targets:
-        param, buf = params[t.name], buffers[t.name]
-        regions = _filled_regions(t) + [((), z) for z in t.zeros]
-        if sum(box.numel for _, box in regions) == param.numel():
-            param.copy_(buf)
-            copied += param.numel() * param.element_size()
-            continue
-        for index, box in regions:
-            view = param[index][box.slices()]
-            view.copy_(buf[index][box.slices()])
-            copied += view.numel() * view.element_size()
-    if any(p.is_cuda for p in params.values()):
-        torch.cuda.current_stream().synchronize()  # the trainer may reuse its buffers once we reply
-    return copied

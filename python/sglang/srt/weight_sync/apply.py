@@ -1,0 +1,122 @@
+"""Apply: every write into SGLang's parameters, and the refresh of what SGLang derives from them.
+
+Writes are in place (``copy_`` into the parameter's storage, never a new ``param.data``:
+CUDA graphs hold that storage), cast to the parameter's dtype on the fly. The executor
+lands what it receives through ``write_region``/``write_zeros``; a trainer-side update's
+parameter-shaped buffers are checked and copied by ``check_buffers``/``copy_buffers``.
+After the writes, ``refresh_derived`` refreshes the tensors SGLang's loaders compute from
+parameters (Gemma norms, parameter aliases) and ``run_post_load`` runs the model's
+post-load fixups where the release has no weight-update session to run them (MLA's
+``w_kc``/``w_vc``). Nothing here reads a peer or decides what to write: the plan did.
+"""
+
+from __future__ import annotations
+
+from typing import List, Mapping, Sequence, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
+from sglang.srt.weight_sync.target_layout import ParamTarget
+
+__all__ = ["check_buffers", "copy_buffers", "nonfinite_buffers", "nonfinite_tensors", "refresh_derived",
+           "run_post_load", "synchronize", "write_region", "write_zeros"]
+
+
+def write_region(view: torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src`` into a parameter region ``view`` in place (cast to its dtype); a no-op
+    when ``src`` was received straight into ``view``."""
+    if view.data_ptr() != src.data_ptr() or view.shape != src.shape or view.stride() != src.stride():
+        view.copy_(src)
+
+
+def write_zeros(view: torch.Tensor) -> None:
+    """Zero a parameter region that no checkpoint tensor fills (vocab padding)."""
+    view.zero_()
+
+
+def synchronize(tensors) -> None:
+    """Wait for the copies into ``tensors`` on their device: the trainer may reuse the memory
+    the engine read from once the engine replies."""
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.current_stream().synchronize()
+
+
+def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> List[str]:
+    """Keys of the floating tensors holding NaN or inf (refused before any write)."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def refresh_derived(model: torch.nn.Module) -> None:
+    """Refresh, in place, what SGLang's loaders compute from parameters they write directly
+    (its presharded loader's aliases; Gemma norms' ``weight + 1``)."""
+    rebind_parameter_aliases(model)
+
+
+def run_post_load(model: torch.nn.Module) -> None:
+    """The model's post-load fixups after an update that wrote parameters in place, on
+    releases whose update has no session to run them (``sglang_compat.after_update``)."""
+    with torch.no_grad():
+        after_update(model)
+
+
+def check_buffers(
+    params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor], rank: int
+) -> List[str]:
+    """Problems with delivered buffers against this engine rank's parameters (empty when fine)."""
+    problems = []
+    for t in targets:
+        buf, param = buffers.get(t.name), params.get(t.name)
+        if buf is None:
+            problems.append(f"engine rank {rank}: no buffer for parameter {t.name!r} from the trainer side")
+        elif param is None:
+            problems.append(f"engine rank {rank}: no parameter {t.name!r}")
+        elif tuple(buf.shape) != tuple(param.shape) or buf.dtype != param.dtype:
+            problems.append(
+                f"engine rank {rank}: parameter {t.name!r} buffer is {tuple(buf.shape)} {buf.dtype}, "
+                f"the parameter is {tuple(param.shape)} {param.dtype}"
+            )
+    return problems
+
+
+def _filled_regions(target: ParamTarget) -> List[Tuple[Tuple[int, ...], Box]]:
+    """Where a buffer holds delivered data: its pieces of this chunk. A parameter whose HF
+    tensors arrive in several chunks (a fused ``gate_up_proj`` split by the trainer's
+    batches) has a buffer of its full shape, the rest of it never written."""
+    return [(p.index, p.dest_box()) for p in target.pieces]
+
+
+def nonfinite_buffers(targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]) -> List[str]:
+    """Parameters whose delivered regions hold NaN or inf (only those regions are read)."""
+    bad = []
+    for t in targets:
+        buf = buffers[t.name]
+        if buf.is_floating_point() and not all(
+                bool(torch.isfinite(buf[index][box.slices()]).all()) for index, box in _filled_regions(t)):
+            bad.append(t.name)
+    return bad
+
+
+def copy_buffers(
+    params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]
+) -> int:
+    """Copy the delivered regions into the parameters in place; returns bytes copied.
+
+    A parameter the update fills whole is copied in one ``copy_``; otherwise only
+    its delivered pieces (and zero fills) are.
+    """
+    copied = 0
+    for t in targets:
+        param, buf = params[t.name], buffers[t.name]
+        regions = _filled_regions(t) + [((), z) for z in t.zeros]
+        if sum(box.numel for _, box in regions) == param.numel():
+            param.copy_(buf)
+            copied += param.numel() * param.element_size()
+            continue
+        for index, box in regions:
+            view = param[index][box.slices()]
+            view.copy_(buf[index][box.slices()])
+            copied += view.numel() * view.element_size()
+    synchronize(params.values())
+    return copied
