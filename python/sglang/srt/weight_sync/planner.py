@@ -33,7 +33,7 @@ from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
-from sglang.srt.weight_sync.box import Box, is_contiguous_region
+from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
 
@@ -87,10 +87,6 @@ class Dest:
         return Box(tuple(region.offsets[q] + d for q, d in zip(self.perm, self.delta)),
                    tuple(region.sizes[q] for q in self.perm))
 
-    def contiguous(self, region: Box) -> bool:
-        """Whether the region can be received straight into the parameter."""
-        return self.perm is None and is_contiguous_region(self.shape, self.box(region))
-
 
 @dataclass(frozen=True, slots=True)
 class Move:
@@ -130,9 +126,6 @@ class Move:
         """The region in the coordinates of the source rank's local buffer."""
         return self.holder.buffer_box(self.region)
 
-    def needs_send_staging(self) -> bool:
-        return self.src_dtype != self.dtype or not is_contiguous_region(self.holder.buffer_shape, self.src_box())
-
 
 @dataclass(frozen=True, slots=True)
 class ZeroFill:
@@ -166,9 +159,6 @@ class Plan:
 
     def received_bytes(self, rank: int) -> int:
         return sum(m.nbytes for rnd in self.rounds for m in rnd for d in m.dests if d.rank == rank)
-
-    def ranks(self) -> List[int]:
-        return sorted(self.needed_bytes)
 
     def local_for(self, rank: int) -> List[Move]:
         return [m for m in self.local if m.src == rank]

@@ -37,7 +37,7 @@ import hashlib
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.planner import (
@@ -80,9 +80,6 @@ class Receivers:
             if rank in ranks:
                 return targets
         return ()
-
-    def by_rank(self) -> Dict[int, List[ParamTarget]]:
-        return {r: list(t) for t, ranks in zip(self.classes, self.ranks) for r in ranks}
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -337,7 +334,3 @@ def inputs_digest(sources: SourceLayout, receivers: Receivers, topology: Optiona
         h.update(part.encode())
     return h.hexdigest()
 
-
-def plans_for_ranks(sources: SourceLayout, receivers: Receivers, ranks: Iterable[int], **kwargs) -> Dict[int, Plan]:
-    """``plan_for_rank`` for several ranks (simulator, tests)."""
-    return {r: plan_for_rank(sources, receivers, r, **kwargs) for r in ranks}
