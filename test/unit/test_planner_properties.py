@@ -177,10 +177,10 @@ def test_least_loaded_holder_is_the_minimum_of_the_loads(picks):
     over (bytes sent so far, rank) while loads grow between picks."""
     from collections import defaultdict
 
-    from sglang.srt.weight_sync.planner import _LeastLoaded
+    from sglang.srt.weight_sync.planner import LeastLoaded
 
     sent = defaultdict(int)
-    least = _LeastLoaded(sent)
+    least = LeastLoaded(sent)
     for near, nbytes in picks:
         expected = min(near, key=lambda r: (sent.get(r, 0), r))
         assert least.pick(near) == expected

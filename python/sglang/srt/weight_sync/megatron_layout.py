@@ -36,6 +36,15 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, LayoutError, SourceLayout, SourceTensor
 
+__all__ = [
+    "MegatronModel",
+    "MegatronRank",
+    "describe_model_chunks",
+    "megatron_sources",
+    "qkv_pieces",
+    "rank_params",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class MegatronRank:

@@ -37,6 +37,28 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
 
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "CoverageError",
+    "Dest",
+    "HolderIndex",
+    "LeastLoaded",
+    "Move",
+    "Plan",
+    "PlanCache",
+    "Topology",
+    "ZeroFill",
+    "box_index",
+    "forget_indexes",
+    "holder_boxes",
+    "inputs_fingerprint",
+    "landing",
+    "plan",
+    "resolve_aliases",
+    "sources_digest",
+    "targets_key",
+]
+
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
@@ -167,7 +189,7 @@ class Plan:
 class _BoxIndex:
     """Distinct boxes of a tensor with their holding ranks, indexed by start on one dim;
     ``position[(box, rank)]`` is that holder's place in ``SourceTensor.holders``. Built once
-    per ``MeshGeometry`` (``_box_index``) and shared by every tensor it describes: a rank's
+    per ``MeshGeometry`` (``box_index``) and shared by every tensor it describes: a rank's
     plan then costs what its own pieces cost, not what the holders of every tensor do."""
 
     __slots__ = ("dim", "boxes", "starts", "max_len", "position", "ranks_of", "_by_rank", "_disjoint",
@@ -262,7 +284,7 @@ class _BoxIndex:
 _box_indexes: "weakref.WeakKeyDictionary[MeshGeometry, _BoxIndex]" = weakref.WeakKeyDictionary()
 
 
-def _box_index(source: SourceTensor) -> _BoxIndex:
+def box_index(source: SourceTensor) -> _BoxIndex:
     """The index of ``source``'s holders: its geometry's, shared, when a mesh describes it."""
     holders = source.holders
     if not isinstance(holders, MeshHolders):
@@ -281,17 +303,17 @@ def forget_indexes() -> None:
 
 def holder_boxes(source: SourceTensor) -> List[Tuple[Box, Tuple[int, ...]]]:
     """The distinct non-empty boxes of ``source`` with the ranks holding each."""
-    return _box_index(source).boxes
+    return box_index(source).boxes
 
 
-class _HolderIndex:
+class HolderIndex:
     """One tensor's holders: its ``_BoxIndex`` (``dim``, ``boxes``, ``overlapping``,
     ``disjoint``) and the ``Holder`` behind each (box, rank)."""
 
     __slots__ = ("source", "index", "dim", "boxes")
 
     def __init__(self, source: SourceTensor):
-        self.source, self.index = source, _box_index(source)
+        self.source, self.index = source, box_index(source)
         self.dim, self.boxes = self.index.dim, self.index.boxes
 
     @property
@@ -334,7 +356,7 @@ class _HolderIndex:
         return 3, ranks
 
 
-class _LeastLoaded:
+class LeastLoaded:
     """The holder among ``near`` that has sent the fewest bytes so far (ties: lowest rank),
     from a heap per holder group: loads only grow, so an entry whose load is stale is
     refreshed when it reaches the top, and the first fresh top is the minimum."""
@@ -382,10 +404,10 @@ def plan(
 
 def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, local_ranks) -> Plan:
     topology = topology or Topology()
-    sources = _resolve_aliases(sources, aliases or {})
-    index: Dict[str, _HolderIndex] = {}
+    sources = resolve_aliases(sources, aliases or {})
+    index: Dict[str, HolderIndex] = {}
     sent: Dict[int, int] = defaultdict(int)
-    least_loaded = _LeastLoaded(sent)
+    least_loaded = LeastLoaded(sent)
     needed: Dict[int, int] = {}
     held: Dict[int, int] = {}
     local: List[Move] = []
@@ -407,7 +429,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, l
                     )
                 holders = index.get(piece.tensor)
                 if holders is None:
-                    holders = index[piece.tensor] = _HolderIndex(source)
+                    holders = index[piece.tensor] = HolderIndex(source)
                 nbytes = piece.box.numel * itemsize
                 rank_needed += nbytes
                 own = holders.own_position(piece.box, rank)
@@ -543,7 +565,7 @@ class PlanCache:
         return self._plans[key]
 
 
-def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
+def resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
     """Rename sources sent under an alias (tied ``lm_head.weight``) to the name targets use;
     their holders keep the buffer the shard arrives under. An alias sent alongside its
     target name is redundant and dropped."""

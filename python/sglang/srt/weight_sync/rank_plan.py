@@ -44,18 +44,20 @@ from sglang.srt.weight_sync.planner import (
     DEFAULT_BUCKET_BYTES,
     CoverageError,
     Dest,
+    HolderIndex,
     Move,
     Plan,
     Topology,
     ZeroFill,
-    _HolderIndex,
-    _resolve_aliases,
     landing,
+    resolve_aliases,
     sources_digest,
     targets_key,
 )
 from sglang.srt.weight_sync.source_layout import SourceLayout
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+__all__ = ["Receivers", "plan_for_rank"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class _Planner:
     def __init__(self, sources: SourceLayout, receivers: Receivers, topology: Topology, bucket_bytes: int):
         self.sources, self.receivers, self.topology = sources, receivers, topology
         self.window = max(1, bucket_bytes // 2)
-        self.holders: Dict[str, _HolderIndex] = {}
+        self.holders: Dict[str, HolderIndex] = {}
         self.salt: Dict[str, int] = {}
         self.landing: Dict[int, tuple] = {}  # id(piece) -> where it lands; receivers keep every piece alive
         needs: Dict[str, List[Tuple[int, ParamTarget, Piece]]] = defaultdict(list)
@@ -150,10 +152,10 @@ class _Planner:
             self.base[name], self.row_bytes[name] = offset, size
             offset += size * (src.shape[0] if src.shape else 1)
 
-    def holder_index(self, tensor: str) -> _HolderIndex:
+    def holder_index(self, tensor: str) -> HolderIndex:
         index = self.holders.get(tensor)
         if index is None:
-            index = self.holders[tensor] = _HolderIndex(self.sources[tensor])
+            index = self.holders[tensor] = HolderIndex(self.sources[tensor])
             self.salt[tensor] = zlib.crc32(tensor.encode())
         return index
 
@@ -260,7 +262,7 @@ def plan_for_rank(
     (default: a digest of the inputs) is the same on every rank, for agreement checks."""
     topology = topology or Topology()
     if aliases:
-        sources = _resolve_aliases(sources, aliases)
+        sources = resolve_aliases(sources, aliases)
     pl = _Planner(sources, receivers, topology, bucket_bytes)
     needed = held = 0
     local: List[Move] = []

@@ -33,6 +33,18 @@ from torch.distributed.tensor.placement_types import (
 
 from sglang.srt.weight_sync.box import Box
 
+__all__ = [
+    "Holder",
+    "HoldersSpec",
+    "LayoutError",
+    "MeshGeometry",
+    "MeshHolders",
+    "MeshSpec",
+    "SourceLayout",
+    "SourceTensor",
+    "describe_mesh",
+]
+
 NestedRanks = Union[int, Sequence["NestedRanks"]]
 
 

@@ -20,6 +20,8 @@ import torch
 
 from sglang.srt.weight_sync.box import Box
 
+__all__ = ["EngineParallel", "ModelTargets", "ParamTarget", "Piece", "paused_gc"]
+
 
 @contextmanager
 def paused_gc() -> Iterator[None]:

@@ -22,7 +22,7 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
-from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, forget_indexes, holder_boxes, sources_digest
+from sglang.srt.weight_sync.planner import Plan, forget_indexes, holder_boxes, resolve_aliases, sources_digest
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
@@ -199,7 +199,7 @@ def _class_targets(sources: SourceLayout, manifest: EngineManifest):
     if _targets_memo is None or _targets_memo[0] is not sources or _targets_memo[1] is not manifest:
         names = {manifest.aliases.get(n, n) for n in sources}
         by_name = tuple({t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks)
-        _targets_memo = (sources, manifest, (_resolve_aliases(sources, manifest.aliases), by_name))
+        _targets_memo = (sources, manifest, (resolve_aliases(sources, manifest.aliases), by_name))
     return _targets_memo[2]
 
 
