@@ -69,9 +69,10 @@ def _dtensors(cfg, layout, train_tp, world, targets):
 
 
 def _rank(rank, world, store, scenario, repeats, out_dir):
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.manifest import EngineManifest
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
     from sglang.srt.weight_sync.apply import copy_buffers
+    from sglang.srt.weight_sync.target_layout import EngineParallel
     from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
     from sglang.srt.weight_sync.trainer_flow import prepare_shards
 

@@ -109,11 +109,12 @@ def _rank(rank, world, store, model_dir, out_dir, prompts):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
     from engine import omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync.planner import plan
-    from sglang.srt.weight_sync.source_layout import describe_dtensor
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -147,7 +148,7 @@ def _rank(rank, world, store, model_dir, out_dir, prompts):
     # Bytes for the distributed design, from the plan the engine ran (tests prove executed = planned).
     config = json.loads((Path(model_dir) / "config.json").read_text())
     targets = model_targets_from_config(config, EngineParallel(world), torch.bfloat16)
-    sources = {n: describe_dtensor(n, d) for n, d in dtensors}
+    sources = {n: MeshSpec.of_dtensor(d).describe(n) for n, d in dtensors}
     the_plan = plan(sources, targets.by_rank())
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(dict(rows=rows, planned=the_plan.received_bytes(rank), lower_bound=the_plan.lower_bound_bytes(rank),

@@ -6,10 +6,9 @@ which HF tensors fill it and how it is split over the engine's ranks. The
 numbers are copied from the models' public Hugging Face ``config.json`` files
 (named next to each config). Nothing here allocates a tensor.
 
-Qwen3 models go through the library's ``model_targets_from_config``. DeepSeek-V3
-has no config-driven rules in the library yet, so ``deepseek_v3_targets`` below
-spells them out from the existing rule classes, following SGLang 0.5.23
-``models/deepseek_v2.py``.
+Qwen3 models go through ``hand_rules.model_targets_from_config``. DeepSeek-V3 has
+no config-driven hand rules, so ``deepseek_v3_targets`` below spells them out from
+the rule classes, following SGLang 0.5.23 ``models/deepseek_v2.py``.
 """
 
 from __future__ import annotations
@@ -20,12 +19,9 @@ from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.target_layout import (
-    EngineParallel,
+from benchmark.weight_sync.hand_rules import (
     ExpertsW2,
     ExpertsW13,
-    ModelTargets,
-    ParamTarget,
     Replicated,
     Rule,
     Sharded,
@@ -33,6 +29,7 @@ from sglang.srt.weight_sync.target_layout import (
     Vocab,
     model_targets_from_config,
 )
+from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget
 
 # Qwen/Qwen3-8B config.json (huggingface.co/Qwen/Qwen3-8B/blob/main/config.json); the
 # fields the layout needs. 8.19e9 parameters.

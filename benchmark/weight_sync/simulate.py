@@ -7,7 +7,7 @@ inference are colocated: GPU ``g`` hosts trainer rank ``g`` and one engine rank;
 Planner ranks are GPU ids, so trainer rank ``k`` delivers to the engine rank on
 GPU ``k`` with no network traffic.
 
-Where resharding runs (docs/design.md, "Where resharding runs"), chosen per scenario ("auto"):
+Where resharding runs (``docs/design.md``, "Where resharding runs"), chosen per scenario ("auto"):
 * ``engine``: every engine's own ranks hold every source tensor in full between
   them; one plan per engine over that engine's ranks (sources outside it are
   ignored). All engines are planned; reported numbers are the max over engines,
@@ -72,8 +72,8 @@ Metrics (all per rank, then the max over ranks):
   ``full_tensor``: modelled as the best hierarchical all-gather: bytes no GPU of
   the node holds cross into the node once, spread evenly over the node's NICs
   (``net`` per GPU = node's missing bytes / GPUs per node); everything else a GPU
-  lacks arrives over NVLink; a rank sends as much as it receives (ring). This is
-  the usual rank-0-broadcast model, and it flatters the baseline;
+  lacks arrives over NVLink; a rank sends as much as it receives (ring). This
+  flatters the baseline;
   ``modelled_seconds_flat`` (JSON only) is the flat variant in which every GPU
   pulls all of its node's missing bytes over its own NIC.
   ``rank0_funnel``: rank 0's receive and send set the time.
@@ -100,28 +100,22 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from benchmark.weight_sync.hand_rules import QKV, ExpertsW2, ExpertsW13, Replicated, Sharded, Stacked, Vocab
 from benchmark.weight_sync.models import ModelSpec, get_model
 from sglang.srt.weight_sync.manifest import EngineManifest
-from sglang.srt.weight_sync.planner import DEFAULT_BUCKET_BYTES, Plan, PlanCache, Topology, forget_indexes, plan
-from sglang.srt.weight_sync.source_layout import (
-    SourceLayout,
-    SourceTensor,
-    describe_full,
-    describe_mesh,
-    describe_sharded,
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.planner import (
+    DEFAULT_BUCKET_BYTES,
+    Dest,
+    Move,
+    Plan,
+    PlanCache,
+    Topology,
+    forget_indexes,
+    plan,
 )
-from sglang.srt.weight_sync.target_layout import (
-    QKV,
-    EngineParallel,
-    ExpertsW2,
-    ExpertsW13,
-    ModelTargets,
-    ParamTarget,
-    Replicated,
-    Sharded,
-    Stacked,
-    Vocab,
-)
+from sglang.srt.weight_sync.source_layout import MeshSpec, SourceLayout, SourceTensor, describe_mesh
+from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget
 from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunk_digest, chunks
 
 
@@ -341,16 +335,16 @@ def describe_sources(spec: ModelSpec, targets: ModelTargets, train: TrainLayout)
         if role[0] == "expert" and train.ep:
             ep_rank = role[1] // (num_experts // train.ep)
             holders = [rep * train.ep + ep_rank for rep in range(world // train.ep)]
-            sources[name] = describe_full(name, shape, dtype, holders)
+            sources[name] = MeshSpec.full(shape, dtype, holders).describe(name)
         elif train.kind == "fsdp":
             sources[name] = describe_mesh(name, shape, dtype, fsdp_mesh, fsdp_placements)
         elif role[0] == "rep":
-            sources[name] = describe_full(name, shape, dtype, all_ranks)
+            sources[name] = MeshSpec.full(shape, dtype, all_ranks).describe(name)
         elif role[0] == "shard":
-            sources[name] = describe_sharded(name, shape, dtype, role[1], tp_grid)
+            sources[name] = MeshSpec.sharded(shape, dtype, role[1], tp_grid).describe(name)
         else:  # experts without EP under Megatron: expert TP = TP
             dim = 0 if name.endswith(("gate_proj.weight", "up_proj.weight")) else 1
-            sources[name] = describe_sharded(name, shape, dtype, dim, tp_grid)
+            sources[name] = MeshSpec.sharded(shape, dtype, dim, tp_grid).describe(name)
     return sources
 
 
@@ -384,6 +378,26 @@ def _time(local: float, nvl_in: float, nvl_out: float, net_in: float, net_out: f
     )
 
 
+def is_contiguous_region(shape: Sequence[int], box: Box) -> bool:
+    """Whether ``box`` is one contiguous run of memory in a row-major tensor of ``shape``:
+    past some dim k the box spans whole dims and, before k, it is one index thick."""
+    k = len(shape)
+    while k > 0 and box.sizes[k - 1] == shape[k - 1]:
+        k -= 1
+    return all(s == 1 for s in box.sizes[: max(k - 1, 0)])
+
+
+def lands_contiguous(dest: Dest, region: Box) -> bool:
+    """Whether the executor receives ``region`` straight into the parameter (no staging)."""
+    return dest.perm is None and is_contiguous_region(dest.shape, dest.box(region))
+
+
+def needs_send_staging(move: Move) -> bool:
+    """Whether the executor stages ``move`` to send it: a cast, or a region that is not
+    contiguous in the holder's buffer."""
+    return move.src_dtype != move.dtype or not is_contiguous_region(move.holder.buffer_shape, move.src_box())
+
+
 def distributed_metrics(plans: Sequence[Plan], topology: Topology) -> Dict:
     recv: Dict[int, List[int]] = defaultdict(lambda: [0, 0, 0, 0])
     send: Dict[int, List[int]] = defaultdict(lambda: [0, 0, 0, 0])
@@ -405,17 +419,17 @@ def distributed_metrics(plans: Sequence[Plan], topology: Topology) -> Dict:
                     recv[d.rank][c] += nb
                     classes.add(c)
                     load[d.rank] += nb
-                    if not d.contiguous(m.region):
+                    if not lands_contiguous(d, m.region):
                         stage[d.rank] += nb
                 for c in classes:
                     send[m.src][c] += nb
                 load[m.src] += nb
-                if m.needs_send_staging():
+                if needs_send_staging(m):
                     stage[m.src] += nb
             peak = max(peak, max(load.values(), default=0))
             staging_peak = max(staging_peak, max(stage.values(), default=0))
-    ranks = sorted({r for p in plans for r in p.ranks()})
-    lower = max((p.lower_bound_bytes(r) for p in plans for r in p.ranks()), default=0)
+    ranks = sorted({r for p in plans for r in p.needed_bytes})
+    lower = max((p.lower_bound_bytes(r) for p in plans for r in p.needed_bytes), default=0)
     times = []
     for r in ranks:
         rv, sd = recv[r], send[r]
@@ -533,14 +547,14 @@ def rank_metrics(plans: Mapping[int, Sequence[Plan]], topology: Topology) -> Dic
                     if m.src == r:
                         send[c] += m.nbytes
                         load += m.nbytes
-                        if m.needs_send_staging() and (m.tensor, m.holder.buffer, m.region) not in staged:
+                        if needs_send_staging(m) and (m.tensor, m.holder.buffer, m.region) not in staged:
                             staged.add((m.tensor, m.holder.buffer, m.region))  # the executor casts it once per round
                             stage += m.nbytes
                     for d in m.dests:
                         if d.rank == r:
                             recv[c] += m.nbytes
                             load += m.nbytes
-                            stage += 0 if d.contiguous(m.region) else m.nbytes
+                            stage += 0 if lands_contiguous(d, m.region) else m.nbytes
                 out["peak_bytes_max"] = max(out["peak_bytes_max"], load)
                 out["staging_bytes_max"] = max(out["staging_bytes_max"], stage)
         t = _time(local + recv[SAME_DEVICE], recv[SAME_NODE], send[SAME_NODE], recv[OTHER_NODE], send[OTHER_NODE])

@@ -16,11 +16,12 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param
 from sglang.srt.weight_sync.control_plane import ControlGroup, PlanDisagreement
 from sglang.srt.weight_sync.executor import execute
 from sglang.srt.weight_sync.planner import plan
-from sglang.srt.weight_sync.source_layout import describe_dtensor, describe_sharded
-from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
+from sglang.srt.weight_sync.source_layout import MeshSpec
+from sglang.srt.weight_sync.target_layout import EngineParallel
 
 SENTINEL = 1234.5  # what parameters hold before the update: any miss shows up
 
@@ -105,9 +106,9 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         for name, tensor in full.items():
             dim = megatron_dim(name)
             if dim is None:
-                layout[name] = describe_sharded(name, tensor.shape, tensor.dtype, 0, [[r] for r in range(world)])
+                layout[name] = MeshSpec.sharded(tensor.shape, tensor.dtype, 0, [[r] for r in range(world)]).describe(name)
             else:
-                layout[name] = describe_sharded(name, tensor.shape, tensor.dtype, dim, replicas)
+                layout[name] = MeshSpec.sharded(tensor.shape, tensor.dtype, dim, replicas).describe(name)
             box = layout[name].box_of(rank)
             local[name] = tensor[box.slices()].clone()
         return layout, local
@@ -117,7 +118,7 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         for name, tensor in full.items():
             p = placements if tensor.ndim > int(s.train[-1]) else (Replicate(), Replicate())
             dt = distribute_tensor(tensor, mesh, p, src_data_rank=None)
-            layout[name], local[name] = describe_dtensor(name, dt), dt.to_local()
+            layout[name], local[name] = MeshSpec.of_dtensor(dt).describe(name), dt.to_local()
         return layout, local
     if s.train == "fsdp_tp":
         from torch.distributed.fsdp import fully_shard
@@ -133,7 +134,7 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         fully_shard(module, mesh=mesh["dp"])
         for i, name in enumerate(names):
             dt = getattr(module, f"p{i}")
-            layout[name], local[name] = describe_dtensor(name, dt), dt.to_local()
+            layout[name], local[name] = MeshSpec.of_dtensor(dt).describe(name), dt.to_local()
         strided = [n for i, n in enumerate(names) if "_StridedShard" in type(getattr(module, f"p{i}").placements[0]).__name__]
         assert strided, "FSDP2 over TP gave no _StridedShard placement: the case tests nothing new"
         return layout, local
@@ -151,7 +152,7 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         fully_shard(module, mesh=mesh)
         for i, name in enumerate(names):
             dt = getattr(module, f"p{i}")
-            layout[name], local[name] = describe_dtensor(name, dt), dt.to_local()
+            layout[name], local[name] = MeshSpec.of_dtensor(dt).describe(name), dt.to_local()
         return layout, local
     raise ValueError(s.train)
 

@@ -30,7 +30,8 @@ def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from sglang.srt.weight_sync.manifest import EngineManifest
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
+    from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param
+    from sglang.srt.weight_sync.target_layout import EngineParallel
     from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
     from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
@@ -64,8 +65,9 @@ def _independent_lower_bound(rank: int) -> int:
     """bf16 bytes the engine rank beside ``rank`` needs minus what its Shard(0) rows hold."""
     from torch.distributed.tensor import Shard
 
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.source_layout import MeshSpec
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
     targets = model_targets_from_config(CONFIG, EngineParallel(2), torch.bfloat16)
     shapes, total = targets.tensor_shapes(), 0
@@ -91,7 +93,8 @@ def test_fsdp4_fp32_to_two_bf16_engines_of_tp2_in_one_hop_and_streamed():
 def test_simulator_reports_the_bytes_the_runtime_moves(monkeypatch):
     """One code path: the simulator plans with the shipped planner over the same layouts."""
     from benchmark.weight_sync import models, simulate
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
     monkeypatch.setitem(models.MODELS, "tiny-qwen2", models.ModelSpec("tiny-qwen2", "", CONFIG, model_targets_from_config))
     scenario = simulate.Scenario("tiny-fsdp4-to-2x2", "tiny-qwen2", simulate.TrainLayout("fsdp", 4, dtype=torch.float32),

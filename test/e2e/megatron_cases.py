@@ -115,11 +115,12 @@ def forward_matches_hf(model, model_dir, weights, hf_vocab: int):
 def one_hop_bound(model, hf_config, groups) -> int:
     """Bytes this rank's engine rank lacks from the trainer ranks' own parameters: the
     planner's lower bound from megatron-core's pieces straight to the engine's targets."""
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.megatron_layout import describe_model_chunks, megatron_sources
     from sglang.srt.weight_sync.megatron_flow import all_coords, this_rank
     from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.target_layout import EngineParallel
     from sglang.srt.weight_sync.trainer_flow import TrainerSync
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
 
     desc, _ = describe_model_chunks([model], hf_config.vocab_size, this_rank())
     sources = megatron_sources(desc, all_coords(TrainerSync(), this_rank()))

@@ -33,7 +33,8 @@ FAILURES = {
 
 
 def expected_checksums(config, weights, tp: int, ep: int):
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
+    from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
     targets = model_targets_from_config(config, EngineParallel(tp, moe_ep_size=ep), torch.bfloat16)
     return {r: {t.name: checksum(reference_param(t, weights)) for t in targets.for_rank(r)}

@@ -22,8 +22,9 @@ from update_cases import hsdp_ranks, placements
 def lower_bound(config, layout: str, world: int, tp: int, rank: int) -> int:
     """Bytes trainer ``rank`` must receive: the bf16 pieces of the engine rank beside it
     (engines on contiguous ranks) minus their intersection with this rank's shards."""
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.source_layout import MeshSpec
-    from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+    from sglang.srt.weight_sync.target_layout import EngineParallel
 
     targets = model_targets_from_config(config, EngineParallel(tp), torch.bfloat16)
     shapes = targets.tensor_shapes()

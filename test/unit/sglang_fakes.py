@@ -4,7 +4,7 @@ Nothing here runs a forward pass or touches torch.distributed. A model is
 constructed from a tiny HF checkpoint and fed its full HF tensors through their own ``load_weights`` (then the loader's post-load
 processing, as ``DefaultModelLoader`` runs it), so every parameter ends up sliced by
 SGLang's own weight loaders. The result is SGLang's ground truth for the per-rank
-layout, which ``test_targets_vs_sglang_loaders.py`` compares with our target rules and
+layout, which ``test_hand_rules.py`` compares with the simulator's hand rules and
 ``test_derived_targets.py`` with the derived targets. Any architecture SGLang's registry
 knows is built the way ``DefaultModelLoader`` builds it (``_initialize_model``). With ``"derive": true`` in a job, the worker also derives the
 rank's targets on meta (``weight_sync.derived_targets``) in the same faked rank.

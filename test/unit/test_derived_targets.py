@@ -18,7 +18,7 @@ once (its first and last layer) and renames the first for the others (``repeated
 every model here has a kind of 3 layers or more, so its middle layer is one SGLang's
 loaders never saw while deriving; that derivation must also equal loading every layer.
 
-Where the hand-written rules (``model_targets_from_config``) also describe a config, derived
+Where the simulator's hand-written rules (``benchmark/weight_sync/hand_rules.py``) also describe a config, derived
 and rule targets must be the same pieces and zero boxes.
 """
 
@@ -37,14 +37,12 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 import sglang_fakes  # noqa: E402
+from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import RankTargets  # noqa: E402
 from sglang.srt.weight_sync.repeated_layers import sample_layers  # noqa: E402
-from sglang.srt.weight_sync.target_layout import (  # noqa: E402
-    EngineParallel,
-    model_targets_from_config,
-    reference_param,
-)
+from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
 
 # 3 decoder layers (4 for DeepSeek, whose first is dense): a kind of repeated layer whose middle
 # layer the engine's derivation does not load but renames from the first (``repeated_layers``)

@@ -10,15 +10,19 @@ copies (``_transfer_box``) must add exactly the entries the general path adds, o
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from sglang.srt.weight_sync.derived_targets import entries_to_target
-from sglang.srt.weight_sync.load_recorder import Const, Entry, LoadRecorder, Opaque
-from sglang.srt.weight_sync.target_layout import reference_param
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
+
+from benchmark.weight_sync.hand_rules import reference_param  # noqa: E402
+from sglang.srt.weight_sync.derived_targets import entries_to_target  # noqa: E402
+from sglang.srt.weight_sync.load_recorder import Const, Entry, LoadRecorder, Opaque  # noqa: E402
 
 CASES = 1500
 

@@ -1,18 +1,23 @@
 """The engine's published layout: round trip, integrity, version, and the trainer-side view."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from sglang.srt.weight_sync.manifest import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
+
+from benchmark.weight_sync.hand_rules import model_targets_from_config  # noqa: E402
+from sglang.srt.weight_sync.manifest import (  # noqa: E402
     EngineManifest,
     ManifestError,
     read_manifest,
     targets_by_trainer_rank,
     write_manifest,
 )
-from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config
+from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
 
 CONFIG = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               intermediate_size=96, vocab_size=1000, tie_word_embeddings=True)

@@ -8,6 +8,8 @@ order must give the same plan.
 """
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.planner import CoverageError, plan
 from sglang.srt.weight_sync.source_layout import describe_mesh
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 
 
 @st.composite
@@ -173,10 +177,10 @@ def test_least_loaded_holder_is_the_minimum_of_the_loads(picks):
     over (bytes sent so far, rank) while loads grow between picks."""
     from collections import defaultdict
 
-    from sglang.srt.weight_sync.planner import _LeastLoaded
+    from sglang.srt.weight_sync.planner import LeastLoaded
 
     sent = defaultdict(int)
-    least = _LeastLoaded(sent)
+    least = LeastLoaded(sent)
     for near, nbytes in picks:
         expected = min(near, key=lambda r: (sent.get(r, 0), r))
         assert least.pick(near) == expected
@@ -269,8 +273,8 @@ def test_plan_cache_takes_the_engine_layouts_digest_for_its_targets(monkeypatch)
 
 def test_executor_lands_permuted_pieces_transposed():
     """gpt-oss experts: checkpoint [E, H, 2I] lands as [E, 2I, H]; the executor permutes on the receiving side."""
+    from benchmark.weight_sync.hand_rules import reference_param
     from sglang.srt.weight_sync.executor import execute
-    from sglang.srt.weight_sync.target_layout import reference_param
 
     full = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
     src = {"w": describe_mesh("w", (2, 3, 4), torch.float32, [0], (Replicate(),))}

@@ -17,7 +17,7 @@ from test_planner_properties import check_plan, covers, scenarios
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.planner import CoverageError, Plan, Topology, _box_index, plan
+from sglang.srt.weight_sync.planner import CoverageError, Plan, Topology, box_index, plan
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceTensor, describe_mesh
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
@@ -112,12 +112,12 @@ def test_tensors_of_one_geometry_share_one_holder_index():
     tensor's holders still under its own buffer name; another shape or mesh, another."""
     mesh, places = [[0, 1, 2, 3], [4, 5, 6, 7]], (Replicate(), Shard(0))
     layers = {f"l{i}.w": describe_mesh(f"l{i}.w", (64, 16), torch.bfloat16, mesh, places) for i in range(60)}
-    assert len({id(_box_index(s)) for s in layers.values()}) == 1
+    assert len({id(box_index(s)) for s in layers.values()}) == 1
     assert len({id(s.holders.geometry) for s in layers.values()}) == 1
     assert [h.buffer for h in layers["l7.w"].holders] == ["l7.w"] * 8
     other_shape = describe_mesh("x", (64, 8), torch.bfloat16, mesh, places)
     other_mesh = describe_mesh("y", (64, 16), torch.bfloat16, [[0, 1, 2, 3], [4, 5, 7, 6]], places)
-    assert len({id(_box_index(s)) for s in (layers["l0.w"], other_shape, other_mesh)}) == 3
+    assert len({id(box_index(s)) for s in (layers["l0.w"], other_shape, other_mesh)}) == 3
     need = {r: [ParamTarget(f"p{i}", (32, 16), torch.bfloat16, (Piece(f"l{i}.w", Box((32 * (r % 2), 0), (32, 16)), (), (0, 0)),))
                 for i in range(60)] for r in range(8)}
     p = plan_for_rank(layers, Receivers.of(need), 1)

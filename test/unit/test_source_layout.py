@@ -21,13 +21,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from sglang.srt.weight_sync.planner import sources_digest
-from sglang.srt.weight_sync.source_layout import (
-    LayoutError,
-    SourceTensor,
-    describe_full,
-    describe_mesh,
-    describe_sharded,
-)
+from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec, SourceTensor, describe_mesh
 
 
 def _chunk(t, n, dim, i):
@@ -105,14 +99,14 @@ def test_rank_map_translates_and_drops_ranks_outside_the_group():
 
 
 def test_megatron_explicit_shards_with_dp_replicas():
-    layout = describe_sharded("o_proj", (4, 6), torch.float32, 1, [[0, 1, 2], [3, 4, 5]])
+    layout = MeshSpec.sharded((4, 6), torch.float32, 1, [[0, 1, 2], [3, 4, 5]]).describe("o_proj")
     boxes = {h.rank: (h.box.offsets, h.box.sizes) for h in layout.holders}
     assert boxes[1] == boxes[4] == ((0, 2), (4, 2))
     assert boxes[2] == ((0, 4), (4, 2))
 
 
 def test_full_copies():
-    layout = describe_full("norm", (16,), torch.float32, [0, 3])
+    layout = MeshSpec.full((16,), torch.float32, [0, 3]).describe("norm")
     assert [(h.rank, h.box.sizes) for h in layout.holders] == [(0, (16,)), (3, (16,))]
 
 

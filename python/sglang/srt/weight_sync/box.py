@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import List, Optional, Sequence, Tuple
 
+__all__ = ["Box"]
+
 
 @dataclass(frozen=True, slots=True)
 class Box:
@@ -114,14 +116,3 @@ class Box:
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
 
-
-def is_contiguous_region(shape: Sequence[int], box: Box) -> bool:
-    """Whether ``box`` is one contiguous run of memory in a row-major tensor of ``shape``.
-
-    True when, past some dim k, the box spans whole dims and, before k, it is one
-    index thick; then the region can be received straight into the destination.
-    """
-    k = len(shape)
-    while k > 0 and box.sizes[k - 1] == shape[k - 1]:
-        k -= 1
-    return all(s == 1 for s in box.sizes[: max(k - 1, 0)])

@@ -5,7 +5,8 @@ model knows: padded vocab, tied embeddings, layer spec) and one rank's parallel
 coordinates (TP, PP, VPP chunks, EP, expert-TP), list every parameter that rank
 holds with the boxes of HF tensors inside it and where each box sits. Any rank
 can describe any other rank this way, so a plan over many trainer ranks needs
-no exchange. Layouts (``docs/megatron.md``):
+no exchange. Layouts, as megatron-core builds them (``test_megatron_layout.py`` checks
+them against megatron-core itself):
 
 * ``linear_qkv`` interleaves, per query group, q heads, k, v; a rank holds rows
   ``[t*R, (t+1)*R)`` of that, which may cut a group or a head when
@@ -34,6 +35,15 @@ import torch
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, LayoutError, SourceLayout, SourceTensor
+
+__all__ = [
+    "MegatronModel",
+    "MegatronRank",
+    "describe_model_chunks",
+    "megatron_sources",
+    "qkv_pieces",
+    "rank_params",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,16 +375,6 @@ def megatron_sources(model: MegatronModel, ranks: Mapping[int, MegatronRank]) ->
                 holders.setdefault(piece.tensor, []).append(
                     Holder(r, piece.box, param.buffer, piece.offsets, param.shape))
     return {name: SourceTensor(name, shapes[name][0], shapes[name][1], tuple(hs)) for name, hs in holders.items()}
-
-
-def hf_tensor_names(model: MegatronModel) -> List[str]:
-    """Every HF tensor some rank holds a piece of (each exactly once, sorted)."""
-    names = set()
-    for pp in range(model.pp):
-        for ep in range(model.ep):
-            for param in rank_params(model, MegatronRank(0, pp, ep, 0)):
-                names.update(piece.tensor for piece in param.pieces)
-    return sorted(names)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -32,10 +32,32 @@ from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
-from sglang.srt.weight_sync.box import Box, is_contiguous_region
+from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "CoverageError",
+    "Dest",
+    "HolderIndex",
+    "LeastLoaded",
+    "Move",
+    "Plan",
+    "PlanCache",
+    "Topology",
+    "ZeroFill",
+    "box_index",
+    "forget_indexes",
+    "holder_boxes",
+    "inputs_fingerprint",
+    "landing",
+    "plan",
+    "resolve_aliases",
+    "sources_digest",
+    "targets_key",
+]
 
 
 class CoverageError(ValueError):
@@ -85,10 +107,6 @@ class Dest:
         return Box(tuple(region.offsets[q] + d for q, d in zip(self.perm, self.delta)),
                    tuple(region.sizes[q] for q in self.perm))
 
-    def contiguous(self, region: Box) -> bool:
-        """Whether the region can be received straight into the parameter."""
-        return self.perm is None and is_contiguous_region(self.shape, self.box(region))
-
 
 @dataclass(frozen=True, slots=True)
 class Move:
@@ -128,9 +146,6 @@ class Move:
         """The region in the coordinates of the source rank's local buffer."""
         return self.holder.buffer_box(self.region)
 
-    def needs_send_staging(self) -> bool:
-        return self.src_dtype != self.dtype or not is_contiguous_region(self.holder.buffer_shape, self.src_box())
-
 
 @dataclass(frozen=True, slots=True)
 class ZeroFill:
@@ -165,9 +180,6 @@ class Plan:
     def received_bytes(self, rank: int) -> int:
         return sum(m.nbytes for rnd in self.rounds for m in rnd for d in m.dests if d.rank == rank)
 
-    def ranks(self) -> List[int]:
-        return sorted(self.needed_bytes)
-
     def local_for(self, rank: int) -> List[Move]:
         return [m for m in self.local if m.src == rank]
 
@@ -175,7 +187,7 @@ class Plan:
 class _BoxIndex:
     """Distinct boxes of a tensor with their holding ranks, indexed by start on one dim;
     ``position[(box, rank)]`` is that holder's place in ``SourceTensor.holders``. Built once
-    per ``MeshGeometry`` (``_box_index``) and shared by every tensor it describes: a rank's
+    per ``MeshGeometry`` (``box_index``) and shared by every tensor it describes: a rank's
     plan then costs what its own pieces cost, not what the holders of every tensor do."""
 
     __slots__ = ("dim", "boxes", "starts", "max_len", "position", "ranks_of", "_by_rank", "_disjoint",
@@ -267,7 +279,7 @@ class _BoxIndex:
         ]
 
 
-def _box_index(source: SourceTensor) -> _BoxIndex:
+def box_index(source: SourceTensor) -> _BoxIndex:
     """The index of ``source``'s holders: its geometry's, shared, when a mesh describes it."""
     holders = source.holders
     if not isinstance(holders, MeshHolders):
@@ -287,17 +299,17 @@ def forget_indexes(sources: SourceLayout) -> None:
 
 def holder_boxes(source: SourceTensor) -> List[Tuple[Box, Tuple[int, ...]]]:
     """The distinct non-empty boxes of ``source`` with the ranks holding each."""
-    return _box_index(source).boxes
+    return box_index(source).boxes
 
 
-class _HolderIndex:
+class HolderIndex:
     """One tensor's holders: its ``_BoxIndex`` (``dim``, ``boxes``, ``overlapping``,
     ``disjoint``) and the ``Holder`` behind each (box, rank)."""
 
     __slots__ = ("source", "index", "dim", "boxes")
 
     def __init__(self, source: SourceTensor):
-        self.source, self.index = source, _box_index(source)
+        self.source, self.index = source, box_index(source)
         self.dim, self.boxes = self.index.dim, self.index.boxes
 
     @property
@@ -340,7 +352,7 @@ class _HolderIndex:
         return 3, ranks
 
 
-class _LeastLoaded:
+class LeastLoaded:
     """The holder among ``near`` that has sent the fewest bytes so far (ties: lowest rank),
     from a heap per holder group: loads only grow, so an entry whose load is stale is
     refreshed when it reaches the top, and the first fresh top is the minimum."""
@@ -388,10 +400,10 @@ def plan(
 
 def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, local_ranks) -> Plan:
     topology = topology or Topology()
-    sources = _resolve_aliases(sources, aliases or {})
-    index: Dict[str, _HolderIndex] = {}
+    sources = resolve_aliases(sources, aliases or {})
+    index: Dict[str, HolderIndex] = {}
     sent: Dict[int, int] = defaultdict(int)
-    least_loaded = _LeastLoaded(sent)
+    least_loaded = LeastLoaded(sent)
     needed: Dict[int, int] = {}
     held: Dict[int, int] = {}
     local: List[Move] = []
@@ -413,7 +425,7 @@ def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, l
                     )
                 holders = index.get(piece.tensor)
                 if holders is None:
-                    holders = index[piece.tensor] = _HolderIndex(source)
+                    holders = index[piece.tensor] = HolderIndex(source)
                 nbytes = piece.box.numel * itemsize
                 rank_needed += nbytes
                 own = holders.own_position(piece.box, rank)
@@ -549,7 +561,7 @@ class PlanCache:
         return self._plans[key]
 
 
-def _resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
+def resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> SourceLayout:
     """Rename sources sent under an alias (tied ``lm_head.weight``) to the name targets use;
     their holders keep the buffer the shard arrives under. An alias sent alongside its
     target name is redundant and dropped."""

@@ -37,25 +37,27 @@ import hashlib
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.planner import (
     DEFAULT_BUCKET_BYTES,
     CoverageError,
     Dest,
+    HolderIndex,
     Move,
     Plan,
     Topology,
     ZeroFill,
-    _HolderIndex,
-    _resolve_aliases,
     landing,
+    resolve_aliases,
     sources_digest,
     targets_key,
 )
 from sglang.srt.weight_sync.source_layout import SourceLayout
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+__all__ = ["Receivers", "plan_for_rank"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,6 @@ class Receivers:
             if rank in ranks:
                 return targets
         return ()
-
-    def by_rank(self) -> Dict[int, List[ParamTarget]]:
-        return {r: list(t) for t, ranks in zip(self.classes, self.ranks) for r in ranks}
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -124,7 +123,7 @@ class _Planner:
     def __init__(self, sources: SourceLayout, receivers: Receivers, topology: Topology, bucket_bytes: int):
         self.sources, self.receivers, self.topology = sources, receivers, topology
         self.window = max(1, bucket_bytes // 2)
-        self.holders: Dict[str, _HolderIndex] = {}
+        self.holders: Dict[str, HolderIndex] = {}
         self.salt: Dict[str, int] = {}
         self.landing: Dict[int, tuple] = {}  # id(piece) -> where it lands; receivers keep every piece alive
         needs: Dict[str, List[Tuple[int, ParamTarget, Piece]]] = defaultdict(list)
@@ -153,10 +152,10 @@ class _Planner:
             self.base[name], self.row_bytes[name] = offset, size
             offset += size * (src.shape[0] if src.shape else 1)
 
-    def holder_index(self, tensor: str) -> _HolderIndex:
+    def holder_index(self, tensor: str) -> HolderIndex:
         index = self.holders.get(tensor)
         if index is None:
-            index = self.holders[tensor] = _HolderIndex(self.sources[tensor])
+            index = self.holders[tensor] = HolderIndex(self.sources[tensor])
             self.salt[tensor] = zlib.crc32(tensor.encode())
         return index
 
@@ -263,7 +262,7 @@ def plan_for_rank(
     (default: a digest of the inputs) is the same on every rank, for agreement checks."""
     topology = topology or Topology()
     if aliases:
-        sources = _resolve_aliases(sources, aliases)
+        sources = resolve_aliases(sources, aliases)
     pl = _Planner(sources, receivers, topology, bucket_bytes)
     needed = held = 0
     local: List[Move] = []
@@ -337,7 +336,3 @@ def inputs_digest(sources: SourceLayout, receivers: Receivers, topology: Optiona
         h.update(part.encode())
     return h.hexdigest()
 
-
-def plans_for_ranks(sources: SourceLayout, receivers: Receivers, ranks: Iterable[int], **kwargs) -> Dict[int, Plan]:
-    """``plan_for_rank`` for several ranks (simulator, tests)."""
-    return {r: plan_for_rank(sources, receivers, r, **kwargs) for r in ranks}

@@ -30,6 +30,8 @@ import torch
 
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
+__all__ = ["LayerKind", "LayerSampling", "LayersDiffer", "layer_of", "sample_layers"]
+
 _NUMBERED = re.compile(r"\.(\d+)\.")
 
 # (name, shape, dtype) of a tensor, checkpoint's or engine's.

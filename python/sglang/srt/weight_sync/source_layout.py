@@ -33,6 +33,18 @@ from torch.distributed.tensor.placement_types import (
 
 from sglang.srt.weight_sync.box import Box
 
+__all__ = [
+    "Holder",
+    "HoldersSpec",
+    "LayoutError",
+    "MeshGeometry",
+    "MeshHolders",
+    "MeshSpec",
+    "SourceLayout",
+    "SourceTensor",
+    "describe_mesh",
+]
+
 NestedRanks = Union[int, Sequence["NestedRanks"]]
 
 
@@ -293,6 +305,7 @@ class MeshSpec:
 
     @staticmethod
     def of_dtensor(tensor: DTensor) -> "MeshSpec":
+        """A DTensor's layout from its mesh and placements; its data is never touched."""
         return MeshSpec(tuple(tensor.shape), tensor.dtype, tensor.device_mesh.mesh.tolist(), tuple(tensor.placements))
 
     @staticmethod
@@ -305,6 +318,7 @@ class MeshSpec:
 
     @staticmethod
     def full(shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> "MeshSpec":
+        """Every listed rank holds the whole tensor."""
         return MeshSpec(tuple(shape), dtype, list(ranks), (Replicate(),))
 
     def describe(self, name: str, rank_map: Optional[Mapping[int, int]] = None) -> SourceTensor:
@@ -319,25 +333,6 @@ class MeshSpec:
         shape, dtype, mesh, places = wire
         dt = _dtype_from_wire(dtype)
         return MeshSpec(tuple(int(s) for s in shape), dt, mesh, tuple(_placement_from_wire(p) for p in places))
-
-
-def describe_dtensor(
-    name: str, tensor: DTensor, rank_map: Optional[Mapping[int, int]] = None
-) -> SourceTensor:
-    """Layout of a DTensor from its mesh and placements; its data is never touched."""
-    return MeshSpec.of_dtensor(tensor).describe(name, rank_map)
-
-
-def describe_sharded(
-    name: str, shape: Sequence[int], dtype: torch.dtype, dim: int, ranks: NestedRanks
-) -> SourceTensor:
-    """Megatron-style explicit shards (see ``MeshSpec.sharded``)."""
-    return MeshSpec.sharded(shape, dtype, dim, ranks).describe(name)
-
-
-def describe_full(name: str, shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> SourceTensor:
-    """Every listed rank holds the whole tensor."""
-    return MeshSpec.full(shape, dtype, ranks).describe(name)
 
 
 def _dtype_from_wire(dtype: str) -> torch.dtype:

@@ -22,7 +22,7 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
-from sglang.srt.weight_sync.planner import Plan, _resolve_aliases, holder_boxes, sources_digest
+from sglang.srt.weight_sync.planner import Plan, holder_boxes, resolve_aliases, sources_digest
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
@@ -186,7 +186,7 @@ class TrainerPlans:
         if self._targets is None or self._targets[0] is not sources or self._targets[1] is not manifest:
             names = {manifest.aliases.get(n, n) for n in sources}
             by_name = tuple({t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks)
-            self._targets = (sources, manifest, (_resolve_aliases(sources, manifest.aliases), by_name))
+            self._targets = (sources, manifest, (resolve_aliases(sources, manifest.aliases), by_name))
         return self._targets[2]
 
     def reshard_to_engines(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+__all__ = ["NotAffine", "cstrides", "matvec", "refine", "split_point", "unit_dim", "unravel"]
+
 Vec = Tuple[int, ...]
 
 

@@ -1,4 +1,4 @@
-"""Target rules (``weight_sync.target_layout``) agree with SGLang 0.5.23's own weight loaders.
+"""The simulator's hand rules (``benchmark.weight_sync.hand_rules``) agree with SGLang 0.5.23's weight loaders.
 
 For each tiny model (Llama tied + attention bias, Qwen2 GQA + qkv bias, Qwen3 tied with
 q/k norm and explicit head_dim, Qwen3-MoE with 8 experts), each engine TP size T, each
@@ -32,8 +32,10 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sglang_fakes, also under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 import sglang_fakes  # noqa: E402
-from sglang.srt.weight_sync.target_layout import EngineParallel, model_targets_from_config, reference_param
+from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param  # noqa: E402
+from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
 
 DTYPE = torch.float32
 DETAILED_PROBLEMS = 4  # parameters per failing case whose full layout is spelled out
