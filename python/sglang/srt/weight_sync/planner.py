@@ -399,86 +399,107 @@ def plan(
 
 
 def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, local_ranks) -> Plan:
-    topology = topology or Topology()
-    sources = resolve_aliases(sources, aliases or {})
-    index: Dict[str, HolderIndex] = {}
-    sent: Dict[int, int] = defaultdict(int)
-    least_loaded = LeastLoaded(sent)
-    needed: Dict[int, int] = {}
-    held: Dict[int, int] = {}
-    local: List[Move] = []
-    remote: Dict[Tuple, List[Dest]] = {}
-    zero_fills: List[ZeroFill] = []
-
+    """``plan``'s steps: assign a source to every element of every piece, rank by rank
+    (``_Assignment``), then cut the remote moves into rounds under ``bucket_bytes``."""
+    work = _Assignment(resolve_aliases(sources, aliases or {}), topology or Topology())
     for rank in sorted(targets):
-        rank_needed = rank_held = 0
-        listed = local_ranks is None or rank in local_ranks
-        for target in targets[rank]:
-            for box in target.zeros:
-                zero_fills.append(ZeroFill(rank, target.name, box))
-            itemsize = target.dtype.itemsize
-            for piece in target.pieces:
-                source = sources.get(piece.tensor)
-                if source is None:
-                    raise CoverageError(
-                        f"tensor {piece.tensor!r} (for {target.name} on rank {rank}) has no source on any rank"
-                    )
-                holders = index.get(piece.tensor)
-                if holders is None:
-                    holders = index[piece.tensor] = HolderIndex(source)
-                nbytes = piece.box.numel * itemsize
-                rank_needed += nbytes
-                own = holders.own_position(piece.box, rank)
-                if own is not None:  # held whole on this rank (most pieces when layouts align): a local copy
-                    rank_held += nbytes
-                    if listed:
-                        local.append(Move(piece.tensor, piece.box, source.holders[own], source.dtype, target.dtype,
-                                          (Dest(rank, *landing(target, piece)),)))
-                    continue
-                dest = Dest(rank, *landing(target, piece))
-                remaining = [piece.box]
-                # Boxes held on this rank first, then by their closest holder, then by position.
-                keyed = [(holders.closest(box, ranks, rank, topology), box) for box, ranks in holders.overlapping(piece.box)]
-                keyed.sort(key=lambda k: (k[0][0], k[1].offsets))
-                for (_, near), box in keyed:
-                    next_remaining = []
-                    for rem in remaining:
-                        if box.contains(rem):  # the common case: one holder box covers the piece
-                            region = rem
-                        else:
-                            region = rem.intersect(box)
-                            if region is None:
-                                next_remaining.append(rem)
-                                continue
-                            next_remaining.extend(rem.subtract(box))
-                        # Among the closest holders the least loaded sends, so DP replicas share the work.
-                        src = near[0] if len(near) == 1 else least_loaded.pick(near)
-                        if src == rank:
-                            rank_held += region.numel * itemsize
-                            if listed:
-                                local.append(Move(piece.tensor, region, holders.holder(box, src), source.dtype,
-                                                  target.dtype, (dest,)))
-                        else:
-                            sent[src] += region.numel * itemsize
-                            move_key = (piece.tensor, region, holders.holder(box, src), target.dtype)
-                            remote.setdefault(move_key, []).append(dest)
-                    remaining = next_remaining
-                    if not remaining:
-                        break
-                if remaining:
-                    raise CoverageError(
-                        f"tensor {piece.tensor!r} box {remaining[0]} (for {target.name} on rank {rank}) "
-                        f"is held by no rank; holders: "
-                        + ", ".join(f"rank {h.rank} {h.box}" for h in source.holders[:8])
-                    )
-        needed[rank], held[rank] = rank_needed, rank_held
-
-    moves = [_move(sources[key[0]], key, tuple(dests)) for key, dests in remote.items()]
+        work.assign_rank(rank, targets[rank], listed=local_ranks is None or rank in local_ranks)
+    moves = [_move(work.sources[key[0]], key, tuple(dests)) for key, dests in work.remote.items()]
     rounds = _bucket(moves, bucket_bytes)
     groups = sorted({tuple(sorted(set(m.group))) for rnd in rounds for m in rnd if len({d.rank for d in m.dests}) > 1})
     return Plan(
-        tuple(local), rounds, tuple(zero_fills), tuple(groups), dict(needed), dict(held), bucket_bytes, fingerprint,
+        tuple(work.local), rounds, tuple(work.zero_fills), tuple(groups), dict(work.needed), dict(work.held),
+        bucket_bytes, fingerprint,
     )
+
+
+class _Assignment:
+    """Who sends each element, built piece by piece: local copies (``local``, for the
+    listed ranks), remote regions with their destinations (``remote``, keyed by tensor,
+    region, holder and dtype so that identical needs share one move), zero fills, and
+    per rank the bytes it needs and holds."""
+
+    def __init__(self, sources: SourceLayout, topology: Topology) -> None:
+        self.sources, self.topology = sources, topology
+        self.index: Dict[str, HolderIndex] = {}
+        self.sent: Dict[int, int] = defaultdict(int)
+        self.least_loaded = LeastLoaded(self.sent)
+        self.needed: Dict[int, int] = {}
+        self.held: Dict[int, int] = {}
+        self.local: List[Move] = []
+        self.remote: Dict[Tuple, List[Dest]] = {}
+        self.zero_fills: List[ZeroFill] = []
+
+    def assign_rank(self, rank: int, targets: Sequence[ParamTarget], listed: bool) -> None:
+        """Every piece of ``rank``'s targets; its local copies are listed only when ``listed``."""
+        self.needed[rank] = self.held[rank] = 0
+        for target in targets:
+            self.zero_fills.extend(ZeroFill(rank, target.name, box) for box in target.zeros)
+            for piece in target.pieces:
+                self.assign_piece(rank, target, piece, listed)
+
+    def _holders(self, piece: Piece, target: ParamTarget, rank: int) -> Tuple[SourceTensor, HolderIndex]:
+        source = self.sources.get(piece.tensor)
+        if source is None:
+            raise CoverageError(f"tensor {piece.tensor!r} (for {target.name} on rank {rank}) has no source on any rank")
+        holders = self.index.get(piece.tensor)
+        if holders is None:
+            holders = self.index[piece.tensor] = HolderIndex(source)
+        return source, holders
+
+    def assign_piece(self, rank: int, target: ParamTarget, piece: Piece, listed: bool) -> None:
+        """One piece: a local copy when this rank holds it whole (most pieces when layouts
+        align), else ``_cover``."""
+        source, holders = self._holders(piece, target, rank)
+        nbytes = piece.box.numel * target.dtype.itemsize
+        self.needed[rank] += nbytes
+        own = holders.own_position(piece.box, rank)
+        if own is None:
+            self._cover(rank, target, piece, source, holders, listed)
+            return
+        self.held[rank] += nbytes
+        if listed:
+            self.local.append(Move(piece.tensor, piece.box, source.holders[own], source.dtype, target.dtype,
+                                   (Dest(rank, *landing(target, piece)),)))
+
+    def _cover(self, rank: int, target: ParamTarget, piece: Piece, source: SourceTensor, holders: HolderIndex,
+               listed: bool) -> None:
+        """Cover the piece with holder boxes: those on this rank first, then by their closest
+        holder, then by position; each takes what it covers of the rest (slab subtraction).
+        Among the closest holders of a box the least loaded sends, so DP replicas share the work."""
+        itemsize = target.dtype.itemsize
+        dest = Dest(rank, *landing(target, piece))
+        remaining = [piece.box]
+        keyed = [(holders.closest(box, ranks, rank, self.topology), box) for box, ranks in holders.overlapping(piece.box)]
+        keyed.sort(key=lambda k: (k[0][0], k[1].offsets))
+        for (_, near), box in keyed:
+            next_remaining = []
+            for rem in remaining:
+                if box.contains(rem):  # the common case: one holder box covers the piece
+                    region = rem
+                else:
+                    region = rem.intersect(box)
+                    if region is None:
+                        next_remaining.append(rem)
+                        continue
+                    next_remaining.extend(rem.subtract(box))
+                src = near[0] if len(near) == 1 else self.least_loaded.pick(near)
+                if src == rank:
+                    self.held[rank] += region.numel * itemsize
+                    if listed:
+                        self.local.append(Move(piece.tensor, region, holders.holder(box, src), source.dtype,
+                                               target.dtype, (dest,)))
+                else:
+                    self.sent[src] += region.numel * itemsize
+                    self.remote.setdefault((piece.tensor, region, holders.holder(box, src), target.dtype),
+                                           []).append(dest)
+            remaining = next_remaining
+            if not remaining:
+                return
+        raise CoverageError(
+            f"tensor {piece.tensor!r} box {remaining[0]} (for {target.name} on rank {rank}) "
+            f"is held by no rank; holders: " + ", ".join(f"rank {h.rank} {h.box}" for h in source.holders[:8])
+        )
 
 
 def inputs_fingerprint(
