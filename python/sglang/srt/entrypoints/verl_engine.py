@@ -30,10 +30,6 @@ from sglang.srt.weight_sync.trainer_flow import (
     update_flow,
 )
 
-# How long the mesh's ranks wait for the first rank's engine calls (starting the engine,
-# generating, releasing memory): the process group's own default, now bounded and named.
-ENGINE_CALL_BOUND_S = 1800.0
-
 
 class VerlEngine:
     def __init__(
@@ -170,9 +166,11 @@ class VerlEngine:
 
     def _from_rank0(self, value):
         """Rank 0's (small) result on every rank of the mesh."""
-        return self._control.broadcast_object(value, self._ranks[0], ENGINE_CALL_BOUND_S,
+        return self._control.broadcast_object(value, self._ranks[0], None,
                                               f"trainer rank {dist.get_rank()}: hearing rank {self._ranks[0]}'s result")
 
     def _barrier(self, what: str) -> None:
-        self._control.barrier(ENGINE_CALL_BOUND_S, f"trainer rank {dist.get_rank()}: waiting for rank "
+        """Wait for the first rank's engine call (starting the engine, generating, memory):
+        work of unknown length, so bounded by the mesh group's own timeout, as upstream's."""
+        self._control.barrier(None, f"trainer rank {dist.get_rank()}: waiting for rank "
                                                    f"{self._ranks[0]} ({what})")

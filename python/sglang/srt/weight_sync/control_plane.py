@@ -175,10 +175,18 @@ class ControlGroup:
         wait(dist.broadcast(length, src=src, group=self.group, async_op=True), timeout_s, phase)
         return pickle.loads(self.broadcast_bytes(data, src, int(length.item()), timeout_s, phase))
 
-    def barrier(self, timeout_s: float, phase: str) -> None:
+    def barrier(self, timeout_s: Optional[float], phase: str) -> None:
         """A barrier bounded by ``timeout_s``. On failure the error names the ranks that
         never reached it: each rank marks its arrival in the default group's store first
-        (a dead peer's closed connection makes gloo say only "Connection closed by peer")."""
+        (a dead peer's closed connection makes gloo say only "Connection closed by peer").
+        ``timeout_s=None``: bounded by the group's own timeout only, for waits on work of
+        unknown length outside an update (a peer starting an engine or generating)."""
+        if timeout_s is None:
+            try:
+                wait(dist.barrier(group=self.group, async_op=True), None, phase)
+            except RuntimeError as e:
+                raise PeerLost(f"{phase}: {e}") from None
+            return
         me, tag = dist.get_rank(), ",".join(map(str, self.ranks))
         self._barriers += 1
         prefix = f"weight_sync/{self.name}/barrier/{tag}"
