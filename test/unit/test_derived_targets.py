@@ -29,14 +29,12 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_fakes  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import RankTargets  # noqa: E402
 from sglang.srt.weight_sync.repeated_layers import sample_layers  # noqa: E402

@@ -353,7 +353,7 @@ def test_qkv_worked_examples_from_the_research_notes():
     assert got == [("q", 640, 0, 384), ("k", 0, 384, 128), ("v", 0, 512, 128)]
 
 
-# The cases of shared/research/megatron_verify_layouts.py, here against megatron-core itself.
+# The layout verification cases (megatron_verify_layouts), here against megatron-core itself.
 VERIFY_QKV = [(8, 8, 4, 4), (8, 2, 2, 4), (8, 2, 4, 4), (8, 2, 8, 4), (32, 4, 8, 4), (64, 4, 16, 4), (64, 4, 8, 2),
               (12, 2, 4, 3), (16, 1, 8, 4), (4, 4, 1, 2)]
 
