@@ -24,8 +24,11 @@ install: venv wheel
 	@test -f $(PLANNER) -a ! -L $(PLANNER) || { echo "install: $(PLANNER) is not a regular file" >&2; exit 1; }
 
 # Run from the repo root: python/sglang has no __init__.py, so `import sglang` resolves to the installed wheel.
+# TIER=unit|distributed|e2e|reliability runs one tier (pytest -m, markers from test/conftest.py); the
+# slowest tests are printed at the end.
+TIER ?=
 test: install
-	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider
+	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider $(if $(TIER),-m "$(TIER)")
 
 # The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it):
 # FSDP trainer ranks -> a TP-2 engine through every entry point, verl 0.9.1's own update code

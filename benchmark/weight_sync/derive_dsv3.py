@@ -91,7 +91,7 @@ def _engine_context(model_dir: Path, cache: Path, tp: int, ep: int):
     """This process as an engine of the given layout sees it (default platform, disk cache at
     ``cache``): returns (the installed server args, the model config)."""
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "unit"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "support"))
     import sglang_fakes  # the vllm._custom_ops stand-in for the default platform on a CPU-only machine
 
     sglang_fakes._provide_vllm_rotary_import()

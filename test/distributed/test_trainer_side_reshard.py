@@ -9,15 +9,11 @@ buffers never over it). The simulator, given the same scenario, must report the 
 the runtime moved.
 """
 
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ranks import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 
 CONFIG = dict(model_type="qwen2", hidden_size=128, num_attention_heads=16, num_key_value_heads=2,
               vocab_size=1000, num_hidden_layers=2, intermediate_size=256, tie_word_embeddings=False)

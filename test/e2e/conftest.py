@@ -19,18 +19,9 @@ from pathlib import Path
 
 import pytest
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
-if str(SUPPORT) not in sys.path:
-    sys.path.insert(0, str(SUPPORT))
-ROOT = Path(__file__).resolve().parents[2]  # the repo root, for `benchmark` (the simulator's hand rules)
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))
+from engine import _shm_entries, cleanup_shm
 
-from engine import _shm_entries, cleanup_shm, configure_cpu_env  # noqa: E402
-
-configure_cpu_env()
-
-import tiny_models  # noqa: E402
+import tiny_models
 
 
 @pytest.fixture(scope="session")

@@ -26,13 +26,11 @@ from engine import hf_greedy
 from test_distributed_update import run
 from update_cases import MAX_NEW, new_weights
 
-UNIT = Path(__file__).resolve().parents[1] / "unit"
 STEPS = [("verl", "fsdp", 1), ("utils", "tp", 2)]
 
 
 def sglang_load_checksums(model_dir, weights, tp: int, workdir: Path, ep: int = 1):
     """Per-rank checksums of SGLang's own load of ``weights`` on its CPU engine (faked ranks)."""
-    sys.path.insert(0, str(UNIT))
     import sglang_fakes
 
     tiny_models.write_modified_checkpoint(model_dir, workdir / "new", weights)

@@ -1,26 +1,14 @@
 """Faults and hostile input against a real SGLang engine on CPU.
 
-Like ``test/e2e``, importing this conftest configures the CPU engine environment for
-the pytest process; helpers come from ``test/support`` (and the e2e update cases).
-All tests share one TP-2 engine (``engine`` fixture below, session scope: this
-conftest only serves this folder); each test first sets the weights it checks against.
+Helpers come from ``test/support`` and the e2e update cases (on ``sys.path``, with the CPU
+engine environment, from ``test/conftest.py``). All tests share one TP-2 engine
+(``engine`` fixture below, session scope: this conftest only serves this folder); each
+test first sets the weights it checks against.
 """
-
-import sys
-from pathlib import Path
 
 import pytest
 
-TEST = Path(__file__).resolve().parents[1]
-for folder in (TEST / "support", TEST / "e2e"):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-from engine import configure_cpu_env  # noqa: E402
-
-configure_cpu_env()
-
-from faults import running_engine  # noqa: E402
+from faults import running_engine
 
 
 @pytest.fixture(scope="session")

@@ -24,15 +24,12 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sglang_fakes, also under --import-mode=importlib
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 import sglang_fakes  # noqa: E402
 from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param  # noqa: E402
 from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402

@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 
 from benchmark.weight_sync.hand_rules import reference_param  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import entries_to_target  # noqa: E402

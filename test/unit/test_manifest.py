@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 
 from benchmark.weight_sync.hand_rules import model_targets_from_config  # noqa: E402
 from sglang.srt.weight_sync.manifest import (  # noqa: E402

@@ -22,7 +22,6 @@ from sglang.srt.weight_sync.planner import CoverageError, plan
 from sglang.srt.weight_sync.source_layout import describe_mesh
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
 
 
 @st.composite

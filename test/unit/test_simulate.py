@@ -2,15 +2,11 @@
 the baselines do not, and ``--json`` prints the documented records."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `benchmark`
-
-from benchmark.weight_sync import simulate  # noqa: E402
+from benchmark.weight_sync import simulate  # the repo root is on sys.path (test/conftest.py)
 
 SMALL = "qwen3-8b-tp2-to-tp4"
 REQUIRED_KEYS = {

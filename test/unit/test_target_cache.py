@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sglang_fakes  # noqa: E402
+import sglang_fakes  # test/support: on sys.path (test/conftest.py) and, as a worker, on PYTHONPATH
 
 TINY = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64, num_hidden_layers=2,
             vocab_size=500, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8,

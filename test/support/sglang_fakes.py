@@ -55,7 +55,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 HERE = Path(__file__).resolve().parent
-STUBS = HERE.parent / "support"  # holds the sgl_kernel stand-in package
+STUBS = HERE  # test/support: holds the sgl_kernel stand-in package
 SENTINEL = -1.0  # written into every parameter before loading: "SGLang never wrote this element"
 
 # Config keys whose CPU-engine adjustment we report.
@@ -443,7 +443,7 @@ def worker_env(mode: str) -> Dict[str, str]:
     """Environment for a worker subprocess of ``mode`` ("default" or "cpu")."""
     env = dict(os.environ)
     # Start from a neutral platform even when the pytest process was set up for the CPU
-    # engine (test/e2e/conftest.py sets SGLANG_USE_CPU_ENGINE=1 and puts STUBS on PYTHONPATH).
+    # engine (test/conftest.py sets SGLANG_USE_CPU_ENGINE=1 and puts STUBS on PYTHONPATH).
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != STUBS]
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,43 @@
+"""Paths, the CPU engine environment and the test tiers, for every test under ``test/``.
+
+* ``test/support`` (helpers, fakes and the ``sgl_kernel`` stand-in), ``test/e2e`` (the update
+  cases the reliability tests reuse) and the repository root (``benchmark``) go on
+  ``sys.path``, so test modules import helpers as top-level modules::
+
+      from engine import cpu_engine, engine_greedy, hf_greedy
+      import tiny_models, sglang_fakes
+
+* ``configure_cpu_env()`` runs at import, before any test module imports ``sglang``:
+  ``SGLANG_USE_CPU_ENGINE=1`` and ``test/support`` on ``PYTHONPATH`` for the engine's
+  spawned processes (see ``test/support/engine.py``).
+* Every test gets the marker of its folder (``unit``, ``distributed``, ``e2e``,
+  ``reliability``; registered in ``pytest.ini``): ``pytest test -m unit`` runs one tier,
+  ``make test TIER=unit`` the same.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TEST = Path(__file__).resolve().parent
+ROOT = TEST.parent
+for folder in (TEST / "e2e", TEST / "support"):  # support ends first
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+from engine import configure_cpu_env  # noqa: E402
+
+configure_cpu_env()
+
+TIERS = ("unit", "distributed", "e2e", "reliability")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's tier (``test/<tier>/...``)."""
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(TEST).parts
+        if len(parts) > 1 and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
