@@ -8,7 +8,7 @@ WHEEL := dist/sglang-$(BASE)+dwu1-*.whl
 SITE   = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 PLANNER = $(SITE)/sglang/srt/weight_sync/planner.py
 
-.PHONY: venv wheel install test smoke bench demo clean
+.PHONY: venv wheel install test smoke bench demo lint format pr clean
 
 venv:
 	BASE=$(BASE) VENV=$(VENV) bash scripts/setup_env.sh
@@ -58,6 +58,37 @@ bench: install
 # A real engine on CPU updated by a simulated FSDP trainer, against upstream's path in the same run.
 demo: install
 	$(PY) -m benchmark.weight_sync.demo
+
+# Lint as SGLang's pre-commit does (isort, ruff, ruff-format, codespell; versions pinned in
+# scripts/requirements-lint.txt, settings in .isort.cfg, ruff.toml, .codespellrc), in a venv of
+# its own. `lint` only checks (all four, then fails if any did); `format` applies the fixes in
+# pre-commit's order. patches/ holds diffs of upstream files and is left out.
+LINT_VENV  := .venv-lint
+LINT_PATHS := python test benchmark scripts integrations
+
+$(LINT_VENV)/.ready: scripts/requirements-lint.txt
+	python3 -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q -r scripts/requirements-lint.txt
+	touch $@
+
+lint: $(LINT_VENV)/.ready
+	@rc=0; \
+	$(LINT_VENV)/bin/isort --check-only --diff $(LINT_PATHS) || rc=1; \
+	$(LINT_VENV)/bin/ruff format --check $(LINT_PATHS) || rc=1; \
+	$(LINT_VENV)/bin/ruff check $(LINT_PATHS) || rc=1; \
+	$(LINT_VENV)/bin/codespell $(LINT_PATHS) || rc=1; \
+	if [ $$rc -ne 0 ]; then echo "lint: not clean (make format fixes what formatting can)" >&2; fi; \
+	exit $$rc
+
+format: $(LINT_VENV)/.ready
+	$(LINT_VENV)/bin/isort $(LINT_PATHS)
+	$(LINT_VENV)/bin/ruff check --fix $(LINT_PATHS) || true
+	$(LINT_VENV)/bin/ruff format $(LINT_PATHS)
+
+# The change as a patch series against SGLang 0.5.23's own source tree (scripts/make_pr.py;
+# SGLANG_SRC=<checkout> uses a real git checkout): dist/pr/*.patch.
+pr: $(LINT_VENV)/.ready
+	python3 scripts/make_pr.py --lint-venv $(LINT_VENV)
 
 clean:
 	rm -rf build dist
