@@ -4,7 +4,7 @@ replayed on real index-encoded tensors and on meta tensors under ``LoadRecorder`
 Every element the recorder says comes from a checkpoint element (a piece, possibly permuted),
 a zero or another constant must equal what the real ops produced; every element it does not
 claim must have been computed by arithmetic or never written. And the box fast path for
-copies (``_transfer_box``) must add exactly the entries the general path adds, on every case.
+copies (``Transfers.box``) must add exactly the entries the general path adds, on every case.
 """
 
 from __future__ import annotations
@@ -120,14 +120,14 @@ def one_case(rng: random.Random, fast: bool):
     parameter, leaves, mask of computed elements, fast-path copies taken)."""
     rec = LoadRecorder()
     taken = [0]
-    general_only = rec._transfer_box
+    general_only = rec.transfers.box
 
     def box_path(*args):
         done = fast and general_only(*args)
         taken[0] += done
         return done
 
-    rec._transfer_box = box_path
+    rec.transfers.box = box_path
     leaves, start = {}, 1
     for i in range(3):
         shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
