@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 from benchmark.weight_sync.hand_rules import reference_param  # noqa: E402
+from sglang.srt.weight_sync.box import Box  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import entries_to_target  # noqa: E402
-from sglang.srt.weight_sync.load_recorder import Const, Entry, LoadRecorder, Opaque  # noqa: E402
+from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque  # noqa: E402
 
 CASES = 1500
 
@@ -244,3 +245,16 @@ def test_recorded_elements_equal_real_ops(seed):
             failures.append(f"case {case}: the box fast path recorded {entries}, the general path {general}")
     assert not failures, "\n".join(failures[:5])
     assert fast_copies > CASES // 6, f"the box fast path was taken {fast_copies} times"
+
+
+def test_factories_record_their_fill_value():
+    """``full``, ``new_full`` (whose value is its third argument) and ``scalar_tensor`` record
+    their fill value; an ``.item()`` of a leaf element becomes that element, broadcast."""
+    rec = LoadRecorder()
+    leaf = torch.empty(3, dtype=torch.float64, device="meta")
+    rec.add_leaf("w", leaf)
+    with rec:
+        assert rec.describe(torch.full((2,), 3.0, device="meta")) == [Entry(Box((0,), (2,)), Const(3.0))]
+        assert rec.describe(leaf.new_full((2,), 5.0)) == [Entry(Box((0,), (2,)), Const(5.0))]
+        assert rec.describe(torch.scalar_tensor(4.0, device="meta")) == [Entry(Box((0,), (1,)), Const(4.0))]
+        assert rec.describe(leaf.new_full((2,), leaf[1].item())) == [Entry(Box((0,), (2,)), Leaf("w", (1,), ((0,),)))]

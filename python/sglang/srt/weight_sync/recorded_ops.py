@@ -249,7 +249,8 @@ ALLOCATING: Mapping[Any, AllocatingHandler] = _table(
     ((aten.index_select.default,), _index_select),
     ((aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default), _zeros),
     ((aten.ones.default, aten.ones_like.default, aten.new_ones.default), _ones),
-    ((aten.full.default, aten.full_like.default, aten.new_full.default), _filled(1)),
+    ((aten.full.default, aten.full_like.default), _filled(1)),  # (size | self, fill_value)
+    ((aten.new_full.default,), _filled(2)),  # (self, size, fill_value)
     ((aten.scalar_tensor.default,), _filled(0)),  # (s)
     ((aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
       aten.new_empty_strided.default), _uninitialised),
