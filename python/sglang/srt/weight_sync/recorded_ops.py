@@ -17,6 +17,7 @@ op and the tensors of its output the recorder had not seen (the storages it allo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -113,12 +114,12 @@ def computed_in_place(rec: LoadRecorder, func: Any, inputs: Sequence[torch.Tenso
         rec.mark_computed(rec.prov(t), rec.geom(t), Opaque(func.__name__, deps))
 
 
-IN_PLACE: Mapping[Any, InPlaceHandler] = {
+IN_PLACE: Mapping[Any, InPlaceHandler] = MappingProxyType({
     aten.copy_.default: _copy_,
     aten.fill_.Scalar: _fill_,
     aten.fill_.Tensor: _fill_,
     aten.zero_.default: _zero_,
-}
+})
 
 # ---------------------------------------------------------------------- allocating
 
@@ -236,7 +237,8 @@ def computed(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: Lis
 
 
 def _table(*rows: Tuple[Sequence[Any], AllocatingHandler]) -> Mapping[Any, AllocatingHandler]:
-    return {func: handler for funcs, handler in rows for func in funcs}
+    """A read-only op -> handler table from rows of (ops, their handler)."""
+    return MappingProxyType({func: handler for funcs, handler in rows for func in funcs})
 
 
 ALLOCATING: Mapping[Any, AllocatingHandler] = _table(
