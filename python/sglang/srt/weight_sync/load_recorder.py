@@ -42,7 +42,7 @@ from sglang.srt.weight_sync.provenance import (
     Vec,
     identity,
 )
-from sglang.srt.weight_sync.recorded_ops import OpFacts, broadcast_strides, computed_in_place, tensors_in
+from sglang.srt.weight_sync.recorded_ops import Geometry, OpFacts, broadcast_strides, computed_in_place, tensors_in
 from sglang.srt.weight_sync.transfers import Side, Transfers
 from sglang.srt.weight_sync.view_geometry import NotAffine, cstrides, unravel
 
@@ -55,7 +55,6 @@ aten = torch.ops.aten
 # (exact in float64) that a later ``fill_`` maps back to their source element.
 _SENTINEL_BASE = -(2**50)
 
-Geometry = Tuple[int, Vec, Vec]  # a view: storage offset, sizes, strides
 
 
 def _physical_canon(t: torch.Tensor) -> Vec:

@@ -18,20 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Counter, Dict, FrozenSet, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.provenance import Const, Entry, Opaque
-
-if TYPE_CHECKING:
-    from sglang.srt.weight_sync.load_recorder import LoadRecorder
+from sglang.srt.weight_sync.provenance import Const, Entry, Fill, Opaque, StorageLog, Vec
 
 __all__ = [
     "ALLOCATING",
     "IN_PLACE",
     "OpFacts",
+    "Recorder",
     "broadcast_strides",
     "computed",
     "computed_in_place",
@@ -42,8 +40,35 @@ aten = torch.ops.aten
 
 Args = Tuple[Any, ...]
 Kwargs = Dict[str, Any]
-InPlaceHandler = Callable[["LoadRecorder", Args], None]
-AllocatingHandler = Callable[["LoadRecorder", Any, Args, Kwargs, List[torch.Tensor]], None]
+Geometry = Tuple[int, Vec, Vec]  # a view: storage offset, sizes, strides
+
+
+class Recorder(Protocol):
+    """What the handlers use of ``LoadRecorder`` (a protocol, so that this module need not
+    import it)."""
+
+    opaque_ops: Counter[str]
+
+    def prov(self, t: torch.Tensor) -> StorageLog: ...
+
+    def deps(self, t: torch.Tensor) -> FrozenSet[str]: ...
+
+    def geom(self, t: torch.Tensor) -> Geometry: ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def fill(self, dst: torch.Tensor, value: Fill) -> None: ...
+
+    def scalar_source(self, value: Any) -> Fill: ...
+
+    def transfer(self, dst: Geometry, dst_log: StorageLog, src: Optional[torch.Tensor] = None,
+                 src_geom: Optional[Tuple[int, Vec]] = None, fixed: Optional[Fill] = None) -> None: ...
+
+    def mark_computed(self, dst_log: StorageLog, dst: Geometry, src: Opaque) -> None: ...
+
+
+InPlaceHandler = Callable[[Recorder, Args], None]
+AllocatingHandler = Callable[[Recorder, Any, Args, Kwargs, List[torch.Tensor]], None]
 
 
 def tensors_in(x: Any) -> List[torch.Tensor]:
@@ -79,7 +104,7 @@ def broadcast_strides(src: torch.Tensor, shape: Sequence[int]) -> Tuple[int, ...
     return tuple(out)
 
 
-def _deps(rec: LoadRecorder, tensors: Sequence[torch.Tensor]) -> frozenset:
+def _deps(rec: Recorder, tensors: Sequence[torch.Tensor]) -> frozenset:
     """The leaves ``tensors`` are made of."""
     return frozenset().union(*(rec.deps(t) for t in tensors)) if tensors else frozenset()
 
@@ -87,12 +112,12 @@ def _deps(rec: LoadRecorder, tensors: Sequence[torch.Tensor]) -> frozenset:
 # ---------------------------------------------------------------------- in place
 
 
-def _copy_(rec: LoadRecorder, args: Args) -> None:
+def _copy_(rec: Recorder, args: Args) -> None:
     """``dst.copy_(src)``: the copy every loader ends in."""
     rec.copy(args[0], args[1])
 
 
-def _fill_(rec: LoadRecorder, args: Args) -> None:
+def _fill_(rec: Recorder, args: Args) -> None:
     """``fill_`` with a tensor (copied, broadcast) or a scalar (maybe an ``.item()`` of a leaf)."""
     if isinstance(args[1], torch.Tensor):
         rec.copy(args[0], args[1])
@@ -100,12 +125,12 @@ def _fill_(rec: LoadRecorder, args: Args) -> None:
         rec.fill(args[0], rec.scalar_source(args[1]))
 
 
-def _zero_(rec: LoadRecorder, args: Args) -> None:
+def _zero_(rec: Recorder, args: Args) -> None:
     """``zero_``: zeros."""
     rec.fill(args[0], Const(0.0))
 
 
-def computed_in_place(rec: LoadRecorder, func: Any, inputs: Sequence[torch.Tensor],
+def computed_in_place(rec: Recorder, func: Any, inputs: Sequence[torch.Tensor],
                       written: Sequence[torch.Tensor]) -> None:
     """Any other op writing (some of) its inputs: what it writes is computed from all of them."""
     deps = _deps(rec, inputs)
@@ -124,12 +149,12 @@ IN_PLACE: Mapping[Any, InPlaceHandler] = MappingProxyType({
 # ---------------------------------------------------------------------- allocating
 
 
-def _clone(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _clone(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """A copy of the input (``_to_copy``: maybe in another dtype)."""
     rec.copy(outs[0], args[0])
 
 
-def _copy(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _copy(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """Out-of-place ``copy(self, src)``: ``src`` broadcast to ``self``'s shape."""
     rec.copy(outs[0], args[1])
 
@@ -139,7 +164,7 @@ def _dim(args: Args, kwargs: Kwargs, ndim: int) -> int:
     return (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % ndim
 
 
-def _cat(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _cat(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``cat``: each input copied into its slab along ``dim``."""
     out = outs[0]
     dim = _dim(args, kwargs, out.dim())
@@ -154,7 +179,7 @@ def _cat(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[to
         at += t.shape[dim]
 
 
-def _stack(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _stack(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``stack``: input ``m`` copied into index ``m`` of ``dim``."""
     out = outs[0]
     dim = _dim(args, kwargs, out.dim())
@@ -165,7 +190,7 @@ def _stack(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[
                      rec.prov(out), t, (t.storage_offset(), broadcast_strides(t, sizes)))
 
 
-def _constant_pad_nd(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _constant_pad_nd(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``constant_pad_nd`` (``F.pad``): the value everywhere, then the input (cropped where a
     pad is negative) inside."""
     out, x, pad = outs[0], args[0], list(args[1])
@@ -185,7 +210,7 @@ def _constant_pad_nd(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, o
     rec.transfer((dst_off, tuple(sizes), tuple(out.stride())), rec.prov(out), x, (src_off, tuple(x.stride())))
 
 
-def _index_select(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _index_select(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``index_select`` with a concrete index: one slab copied per index; computed otherwise."""
     x, dim, index = args
     if index.device.type == "meta":
@@ -201,13 +226,13 @@ def _index_select(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs
                      x, (x.storage_offset() + j * x.stride(dim), tuple(src_strides)))
 
 
-def _zeros(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _zeros(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``zeros``, ``zeros_like``, ``new_zeros``: zeros."""
     for t in outs:
         rec.fill(t, Const(0.0))
 
 
-def _ones(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _ones(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``ones``, ``ones_like``, ``new_ones``: ones."""
     for t in outs:
         rec.fill(t, Const(1.0))
@@ -216,7 +241,7 @@ def _ones(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[t
 def _filled(value_at: int) -> AllocatingHandler:
     """A factory whose fill value is argument ``value_at``."""
 
-    def filled(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+    def filled(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
         """``full`` and kin: the fill value (maybe an ``.item()`` of a leaf) everywhere."""
         for t in outs:
             rec.fill(t, rec.scalar_source(args[value_at]))
@@ -224,11 +249,11 @@ def _filled(value_at: int) -> AllocatingHandler:
     return filled
 
 
-def _uninitialised(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _uninitialised(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """``empty`` and kin: nothing written."""
 
 
-def computed(rec: LoadRecorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def computed(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
     """Any other op: its outputs are computed from all its inputs."""
     deps = _deps(rec, tensors_in((args, kwargs)))
     rec.opaque_ops[func.__name__] += 1
