@@ -4,7 +4,7 @@ replayed on real index-encoded tensors and on meta tensors under ``LoadRecorder`
 Every element the recorder says comes from a checkpoint element (a piece, possibly permuted),
 a zero or another constant must equal what the real ops produced; every element it does not
 claim must have been computed by arithmetic or never written. And the box fast path for
-copies (``_transfer_box``) must add exactly the entries the general path adds, on every case.
+copies (``Transfers.box``) must add exactly the entries the general path adds, on every case.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 from benchmark.weight_sync.hand_rules import reference_param  # noqa: E402
+from sglang.srt.weight_sync.box import Box  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import entries_to_target  # noqa: E402
-from sglang.srt.weight_sync.load_recorder import Const, Entry, LoadRecorder, Opaque  # noqa: E402
+from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque  # noqa: E402
 
 CASES = 1500
 
@@ -120,14 +121,14 @@ def one_case(rng: random.Random, fast: bool):
     parameter, leaves, mask of computed elements, fast-path copies taken)."""
     rec = LoadRecorder()
     taken = [0]
-    general_only = rec._transfer_box
+    general_only = rec.transfers.box
 
     def box_path(*args):
         done = fast and general_only(*args)
         taken[0] += done
         return done
 
-    rec._transfer_box = box_path
+    rec.transfers.box = box_path
     leaves, start = {}, 1
     for i in range(3):
         shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
@@ -244,3 +245,16 @@ def test_recorded_elements_equal_real_ops(seed):
             failures.append(f"case {case}: the box fast path recorded {entries}, the general path {general}")
     assert not failures, "\n".join(failures[:5])
     assert fast_copies > CASES // 6, f"the box fast path was taken {fast_copies} times"
+
+
+def test_factories_record_their_fill_value():
+    """``full``, ``new_full`` (whose value is its third argument) and ``scalar_tensor`` record
+    their fill value; an ``.item()`` of a leaf element becomes that element, broadcast."""
+    rec = LoadRecorder()
+    leaf = torch.empty(3, dtype=torch.float64, device="meta")
+    rec.add_leaf("w", leaf)
+    with rec:
+        assert rec.describe(torch.full((2,), 3.0, device="meta")) == [Entry(Box((0,), (2,)), Const(3.0))]
+        assert rec.describe(leaf.new_full((2,), 5.0)) == [Entry(Box((0,), (2,)), Const(5.0))]
+        assert rec.describe(torch.scalar_tensor(4.0, device="meta")) == [Entry(Box((0,), (1,)), Const(4.0))]
+        assert rec.describe(leaf.new_full((2,), leaf[1].item())) == [Entry(Box((0,), (2,)), Leaf("w", (1,), ((0,),)))]

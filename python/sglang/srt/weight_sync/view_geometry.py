@@ -11,13 +11,17 @@ overflows ("carry-free"); when a view dim walks across a canonical dim boundary
 This is all the view tracking needed: PyTorch's own view ops (narrow, select,
 view, reshape, chunk, split, t, transpose, permute, expand, ...) already
 computed offset and strides, so no op chain is ever recorded.
+
+``box_copy`` is the common case worked out once per geometry: a copy between two
+views that are boxes of their storages' canonical shapes, whatever their offsets.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["NotAffine", "cstrides", "matvec", "refine", "split_point", "unit_dim", "unravel"]
+__all__ = ["BoxCopy", "NotAffine", "box_copy", "cstrides", "matvec", "refine", "split_point", "unit_dim", "unravel"]
 
 Vec = Tuple[int, ...]
 
@@ -136,3 +140,51 @@ def split_point(sizes: Sequence[int], sides) -> Tuple[int, int]:
                 return k, cut
     k = next(k for k, n in enumerate(sizes) if n > 1)
     return k, sizes[k] // 2
+
+
+@dataclass(frozen=True, slots=True)
+class BoxCopy:
+    """A copy between two box views of their storages' canonical shapes, whatever their
+    offsets: each iteration dim of extent > 1 walks one canonical dim one step at a time (the
+    source may broadcast instead), so the write is one box, read from one box."""
+
+    box_sizes: Vec  # the destination box's sizes per canonical dim (1 where no dim walks)
+    dst_span: Vec  # per destination canonical dim: how far the copy walks it (extent - 1)
+    src_span: Vec  # likewise per source canonical dim; () for a constant source
+    src_dim: Vec  # per destination canonical dim: the source canonical dim feeding it (-1: none)
+
+
+def _walked_dims(canon: Vec, strides: Sequence[int], broadcast: bool) -> Optional[List[int]]:
+    """The canonical dim each stride walks one step at a time (its mixed-radix digits are a unit
+    vector; -1 for a broadcast stride where allowed), each at most once; else None."""
+    dims: List[int] = []
+    for s in strides:
+        e = -1 if broadcast and s == 0 else unit_dim(unravel(s, canon))
+        if e is None or (e >= 0 and e in dims):
+            return None
+        dims.append(e)
+    return dims
+
+
+def box_copy(dst_canon: Vec, sizes: Vec, dst_strides: Vec, src_canon: Optional[Vec],
+             src_strides: Optional[Vec]) -> Optional[BoxCopy]:
+    """The geometry of copying ``sizes`` elements through ``dst_strides`` over ``dst_canon``
+    from ``src_strides`` over ``src_canon`` (None: a constant) when both views are boxes,
+    else None. Independent of the offsets, so callers memoise it per geometry."""
+    keep = [k for k, n in enumerate(sizes) if n != 1]
+    dims = _walked_dims(dst_canon, [dst_strides[k] for k in keep], broadcast=False)
+    if dims is None:
+        return None
+    src_dims = None
+    if src_canon is not None:
+        src_dims = _walked_dims(src_canon, [src_strides[k] for k in keep], broadcast=True)
+        if src_dims is None:
+            return None
+    box_sizes, src_dim = [1] * len(dst_canon), [-1] * len(dst_canon)
+    src_span = [0] * len(src_canon or ())
+    for j, (k, e) in enumerate(zip(keep, dims)):
+        box_sizes[e] = sizes[k]
+        if src_dims is not None and src_dims[j] >= 0:
+            src_dim[e] = src_dims[j]
+            src_span[src_dims[j]] = sizes[k] - 1
+    return BoxCopy(tuple(box_sizes), tuple(n - 1 for n in box_sizes), tuple(src_span), tuple(src_dim))
