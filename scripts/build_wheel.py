@@ -13,15 +13,16 @@ Steps per base:
   5. set the version to <base>+<label> (sglang/_version.py, dist-info dir name, METADATA);
   6. regenerate RECORD and write dist/sglang-<base>+<label>-<upstream tags>.whl deterministically.
 """
+
 from __future__ import annotations
 
 import argparse
 import ast
 import base64
 import csv
-import io
 import glob
 import hashlib
+import io
 import os
 import platform
 import re
@@ -55,20 +56,33 @@ def upstream_wheel(cache: Path, base: str) -> Path:
         for p in sorted(glob.glob(pattern)):
             tags = Path(p).name[: -len(".whl")].split("-")[2:]
             pytag, _abi, plat = tags[-3:]
-            if pytag in (py, "py3") and (plat == "any" or plat.endswith(platform.machine())):
+            if pytag in (py, "py3") and (
+                plat == "any" or plat.endswith(platform.machine())
+            ):
                 found.append(Path(p))
         return found
 
     if not find():
         cache.mkdir(parents=True, exist_ok=True)
         log(f"downloading sglang=={base} into {cache}")
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-               f"sglang=={base}", "-d", str(cache)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            f"sglang=={base}",
+            "-d",
+            str(cache),
+        ]
         if subprocess.run(cmd).returncode != 0:
             die("pip download of the upstream wheel failed: " + " ".join(cmd))
     found = find()
     if len(found) != 1:
-        die(f"expected exactly one upstream wheel for {py}/{platform.machine()} in {cache}, found {found}")
+        die(
+            f"expected exactly one upstream wheel for {py}/{platform.machine()} in {cache}, found {found}"
+        )
     return found[0]
 
 
@@ -94,14 +108,25 @@ def apply_patches(tree: Path, series: list[Path], base: str) -> None:
     if series and shutil.which("patch") is None:
         die("GNU patch is required to apply patches/series")
     for p in series:
-        base = ["patch", "-p2", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch",
-                "--reject-file=-", "-i", str(p)]
+        base = [
+            "patch",
+            "-p2",
+            "--forward",
+            "--batch",
+            "--fuzz=0",
+            "--no-backup-if-mismatch",
+            "--reject-file=-",
+            "-i",
+            str(p),
+        ]
         # Dry run first so a failing patch leaves the tree untouched and the message is clear.
         for extra in (["--dry-run"], []):
             r = subprocess.run(base + extra, cwd=tree, capture_output=True, text=True)
             if r.returncode != 0:
-                die(f"patch {p.relative_to(ROOT)} does not apply cleanly to sglang {base}:\n"
-                    f"{r.stdout}{r.stderr}")
+                die(
+                    f"patch {p.relative_to(ROOT)} does not apply cleanly to sglang {base}:\n"
+                    f"{r.stdout}{r.stderr}"
+                )
         log(f"applied {p.relative_to(ROOT)}")
 
 
@@ -117,8 +142,10 @@ def copy_sources(src: Path, tree: Path) -> list[str]:
             rel = "sglang/" + s.relative_to(src).as_posix()
             d = tree / rel
             if d.exists() or d.is_symlink():
-                die(f"{s.relative_to(ROOT)} would overwrite {rel} which exists in the upstream wheel "
-                    f"(or is created by a patch); change upstream files only through patches/")
+                die(
+                    f"{s.relative_to(ROOT)} would overwrite {rel} which exists in the upstream wheel "
+                    f"(or is created by a patch); change upstream files only through patches/"
+                )
             d.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(s, d)  # follows symlinks: the wheel gets the content
             added.append(rel)
@@ -129,13 +156,27 @@ def set_version(tree: Path, old_info: str, version: str, label: str) -> str:
     # sglang/version.py re-exports sglang/_version.py (setuptools-scm output); only the latter holds the string.
     vfile = tree / "sglang/_version.py"
     text = vfile.read_text()
-    old_tuple = re.search(r"^__version_tuple__ = version_tuple = (.*)$", text, flags=re.M)
+    old_tuple = re.search(
+        r"^__version_tuple__ = version_tuple = (.*)$", text, flags=re.M
+    )
     if old_tuple is None:
         die(f"no version tuple in {vfile.relative_to(tree)}")
-    new_tuple = (*ast.literal_eval(old_tuple.group(1)), label)  # e.g. (0, 5, 10, 'post1', 'dwu1')
-    new, n1 = re.subn(r"^__version__ = version = .*$", f"__version__ = version = {version!r}", text, flags=re.M)
-    new, n2 = re.subn(r"^__version_tuple__ = version_tuple = .*$",
-                      f"__version_tuple__ = version_tuple = {new_tuple!r}", new, flags=re.M)
+    new_tuple = (
+        *ast.literal_eval(old_tuple.group(1)),
+        label,
+    )  # e.g. (0, 5, 10, 'post1', 'dwu1')
+    new, n1 = re.subn(
+        r"^__version__ = version = .*$",
+        f"__version__ = version = {version!r}",
+        text,
+        flags=re.M,
+    )
+    new, n2 = re.subn(
+        r"^__version_tuple__ = version_tuple = .*$",
+        f"__version_tuple__ = version_tuple = {new_tuple!r}",
+        new,
+        flags=re.M,
+    )
     if (n1, n2) != (1, 1):
         die(f"unexpected layout of {vfile.relative_to(tree)}; cannot set the version")
     vfile.write_text(new)
@@ -143,8 +184,12 @@ def set_version(tree: Path, old_info: str, version: str, label: str) -> str:
     new_info = f"sglang-{version}.dist-info"
     (tree / old_info).rename(tree / new_info)
     meta = tree / new_info / "METADATA"
-    head, sep, body = meta.read_text().partition("\n\n")  # headers end at the first blank line
-    head, n = re.subn(r"^Version: .*$", f"Version: {version}", head, count=1, flags=re.M)
+    head, sep, body = meta.read_text().partition(
+        "\n\n"
+    )  # headers end at the first blank line
+    head, n = re.subn(
+        r"^Version: .*$", f"Version: {version}", head, count=1, flags=re.M
+    )
     if n != 1:
         die("no Version: header in METADATA")
     meta.write_text(head + sep + body)
@@ -152,19 +197,27 @@ def set_version(tree: Path, old_info: str, version: str, label: str) -> str:
 
 
 def wheel_tags(tree: Path, info: str) -> str:
-    tags = [ln.split(":", 1)[1].strip() for ln in (tree / info / "WHEEL").read_text().splitlines()
-            if ln.startswith("Tag:")]
+    tags = [
+        ln.split(":", 1)[1].strip()
+        for ln in (tree / info / "WHEEL").read_text().splitlines()
+        if ln.startswith("Tag:")
+    ]
     if len(tags) != 1:
         die(f"expected one Tag: in WHEEL, found {tags}")
     return tags[0]
 
 
 def record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return (
+        "sha256="
+        + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
 
 
 def write_wheel(tree: Path, info: str, out: Path, modes: dict[str, int]) -> None:
-    files = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file())
+    files = sorted(
+        p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file()
+    )
     record = f"{info}/RECORD"
     files = [f for f in files if f != record]
     # Package files first, dist-info last, RECORD at the very end (as wheel builders do).
@@ -172,6 +225,7 @@ def write_wheel(tree: Path, info: str, out: Path, modes: dict[str, int]) -> None
     rows = []
     tmp = out.with_suffix(".tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+
         def add(name: str, data: bytes) -> None:
             zi = zipfile.ZipInfo(name, ZIP_DATE)
             zi.compress_type = zipfile.ZIP_DEFLATED
@@ -183,7 +237,9 @@ def write_wheel(tree: Path, info: str, out: Path, modes: dict[str, int]) -> None
             rows.append((f, record_hash(data), str(len(data))))
             add(f, data)
         rows.append((record, "", ""))
-        buf = io.StringIO()  # RECORD is CSV: some upstream file names contain commas and must be quoted
+        buf = (
+            io.StringIO()
+        )  # RECORD is CSV: some upstream file names contain commas and must be quoted
         csv.writer(buf, lineterminator="\n").writerows(rows)
         add(record, buf.getvalue().encode())
     tmp.replace(out)
@@ -202,7 +258,11 @@ def build(base: str, label: str, build_dir: Path, dist_dir: Path) -> Path:
     tree.mkdir(parents=True)
     with zipfile.ZipFile(src_whl) as z:
         z.extractall(tree)
-        modes = {i.filename: (i.external_attr >> 16) & 0o777 for i in z.infolist() if not i.is_dir()}
+        modes = {
+            i.filename: (i.external_attr >> 16) & 0o777
+            for i in z.infolist()
+            if not i.is_dir()
+        }
     old_info = f"sglang-{base}.dist-info"
     if not (tree / old_info).is_dir():
         die(f"{src_whl.name} has no {old_info}")
@@ -212,7 +272,10 @@ def build(base: str, label: str, build_dir: Path, dist_dir: Path) -> Path:
     added = copy_sources(ROOT / "python" / "sglang", tree)
     log(f"added {len(added)} files from python/sglang/")
     info = set_version(tree, old_info, version, label)
-    modes = {(info + k[len(old_info):] if k.startswith(old_info + "/") else k): v for k, v in modes.items()}
+    modes = {
+        (info + k[len(old_info) :] if k.startswith(old_info + "/") else k): v
+        for k, v in modes.items()
+    }
 
     dist_dir.mkdir(parents=True, exist_ok=True)
     # one wheel per base in dist/, so `pip install dist/sglang-<base>+*.whl` is unambiguous
@@ -224,15 +287,27 @@ def build(base: str, label: str, build_dir: Path, dist_dir: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--label", default="dwu1", help="local version label (default: dwu1)")
-    ap.add_argument("--base", action="append", choices=BASES,
-                    help="SGLang release to build on (repeatable; default: all of " + ", ".join(BASES) + ")")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--label", default="dwu1", help="local version label (default: dwu1)"
+    )
+    ap.add_argument(
+        "--base",
+        action="append",
+        choices=BASES,
+        help="SGLang release to build on (repeatable; default: all of "
+        + ", ".join(BASES)
+        + ")",
+    )
     ap.add_argument("--build-dir", type=Path, default=ROOT / "build")
     ap.add_argument("--dist-dir", type=Path, default=ROOT / "dist")
     args = ap.parse_args()
     if not re.fullmatch(r"[a-z0-9]+(\.[a-z0-9]+)*", args.label):
-        die(f"invalid local version label {args.label!r} (lower-case alphanumerics and dots)")
+        die(
+            f"invalid local version label {args.label!r} (lower-case alphanumerics and dots)"
+        )
     for base in args.base or BASES:
         print(build(base, args.label, args.build_dir, args.dist_dir))
 

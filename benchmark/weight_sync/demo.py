@@ -39,7 +39,9 @@ from pathlib import Path
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 warnings.simplefilter("ignore")
 
-SUPPORT = Path(__file__).resolve().parents[2] / "test" / "support"  # CPU engine set-up, tiny models
+SUPPORT = (
+    Path(__file__).resolve().parents[2] / "test" / "support"
+)  # CPU engine set-up, tiny models
 sys.path.insert(0, str(SUPPORT))
 
 from engine import configure_cpu_env  # noqa: E402
@@ -49,8 +51,14 @@ configure_cpu_env()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-MODEL = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
-             num_hidden_layers=4, vocab_size=8192)
+MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    vocab_size=8192,
+)
 STEPS = 3
 # This model's logits reach ~20, where a bf16 ulp is 0.125: the tests' 0.25 margin (tuned for the tiny
 # models' ~8-10) is 2 ulps here, and SGLang's CPU kernels and HF round differently. 1.0 is 8 ulps.
@@ -61,13 +69,19 @@ def _weights(model_dir, step):
     import tiny_models
 
     ckpt = tiny_models.load_checkpoint(model_dir)
-    return {n: (t.float() + 0.2 * tiny_models.random_like(t, seed=step * 1000 + i).float()).to(t.dtype)
-            for i, (n, t) in enumerate(sorted(ckpt.items()))}
+    return {
+        n: (
+            t.float() + 0.2 * tiny_models.random_like(t, seed=step * 1000 + i).float()
+        ).to(t.dtype)
+        for i, (n, t) in enumerate(sorted(ckpt.items()))
+    }
 
 
 def _upstream_update(verl, dtensors, rank):
     """SGLang 0.5.23's gathered path, as weight_sync.utils.update_weights does it."""
-    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+    from sglang.srt.model_executor.model_runner_components.weight_updater import (
+        LocalSerializedTensor,
+    )
     from sglang.srt.utils import MultiprocessingSerializer
 
     received = peak = 0
@@ -82,7 +96,10 @@ def _upstream_update(verl, dtensors, rank):
     gathered = [None, None] if rank == 0 else None
     dist.gather_object(handles, gathered, dst=0)
     if rank == 0:
-        named = [(group[0][0], LocalSerializedTensor(values=[h for _, h in group])) for group in zip(*gathered)]
+        named = [
+            (group[0][0], LocalSerializedTensor(values=[h for _, h in group]))
+            for group in zip(*gathered)
+        ]
         engine = verl._engine
         engine.begin_weight_update()
         ok, message = engine.update_weights_from_tensor(named, flush_cache=True)
@@ -99,38 +116,58 @@ def _progress_while(label: str, every: float = 10.0) -> threading.Event:
     def tick():
         while not done.wait(every):
             print(f"{label} ... {time.perf_counter() - t0:.0f} s", flush=True)
-        print(f"{label.replace('starting', 'ready')} after {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"{label.replace('starting', 'ready')} after {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
 
     threading.Thread(target=tick, daemon=True).start()
     return done
 
 
 def _rank(rank, world, store, model_dir, out_dir, prompts):
+    from engine import omp_bind
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from benchmark.weight_sync.hand_rules import model_targets_from_config
-    from engine import omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync.planner import plan
     from sglang.srt.weight_sync.source_layout import MeshSpec
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(world)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world
+    )
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     started = _progress_while("      engine starting") if rank == 0 else None
-    verl = VerlEngine(mesh, model_path=str(model_dir), device="cpu", attention_backend="torch_native",
-                      skip_tokenizer_init=True, mem_fraction_static=0.05, max_total_tokens=4096,
-                      disable_cuda_graph=True, random_seed=0, log_level="error")
+    verl = VerlEngine(
+        mesh,
+        model_path=str(model_dir),
+        device="cpu",
+        attention_backend="torch_native",
+        skip_tokenizer_init=True,
+        mem_fraction_static=0.05,
+        max_total_tokens=4096,
+        disable_cuda_graph=True,
+        random_seed=0,
+        log_level="error",
+    )
     if started is not None:
         started.set()
-        print(f"[3/4] pushing {STEPS} training steps, each through both designs", flush=True)
+        print(
+            f"[3/4] pushing {STEPS} training steps, each through both designs",
+            flush=True,
+        )
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     rows = {"distributed": [], "upstream": []}
     for step in range(1, STEPS + 1):
         weights = _weights(model_dir, step)
-        dtensors = [(n, distribute_tensor(t, mesh, (Shard(0),), src_data_rank=None)) for n, t in sorted(weights.items())]
+        dtensors = [
+            (n, distribute_tensor(t, mesh, (Shard(0),), src_data_rank=None))
+            for n, t in sorted(weights.items())
+        ]
         for design in ("distributed", "upstream"):
             dist.barrier()
             t0 = time.perf_counter()
@@ -140,76 +177,168 @@ def _rank(rank, world, store, model_dir, out_dir, prompts):
             else:
                 received, peak = _upstream_update(verl, dtensors, rank)
             seconds = time.perf_counter() - t0
-            generation = [o["output_ids"] for o in verl.generate(input_ids=prompts[step], sampling_params=params)]
-            rows[design].append(dict(step=step, seconds=seconds, received=received, peak=peak, generation=generation))
+            generation = [
+                o["output_ids"]
+                for o in verl.generate(input_ids=prompts[step], sampling_params=params)
+            ]
+            rows[design].append(
+                dict(
+                    step=step,
+                    seconds=seconds,
+                    received=received,
+                    peak=peak,
+                    generation=generation,
+                )
+            )
         if rank == 0:
-            print(f"      step {step}: distributed {rows['distributed'][-1]['seconds']:.2f} s, "
-                  f"upstream {rows['upstream'][-1]['seconds']:.2f} s", flush=True)
+            print(
+                f"      step {step}: distributed {rows['distributed'][-1]['seconds']:.2f} s, "
+                f"upstream {rows['upstream'][-1]['seconds']:.2f} s",
+                flush=True,
+            )
     # Bytes for the distributed design, from the plan the engine ran (tests prove executed = planned).
     config = json.loads((Path(model_dir) / "config.json").read_text())
     targets = model_targets_from_config(config, EngineParallel(world), torch.bfloat16)
     sources = {n: MeshSpec.of_dtensor(d).describe(n) for n, d in dtensors}
     the_plan = plan(sources, targets.by_rank())
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(dict(rows=rows, planned=the_plan.received_bytes(rank), lower_bound=the_plan.lower_bound_bytes(rank),
-                       staging_cap=the_plan.bucket_bytes), f)
+        json.dump(
+            dict(
+                rows=rows,
+                planned=the_plan.received_bytes(rank),
+                lower_bound=the_plan.lower_bound_bytes(rank),
+                staging_cap=the_plan.bucket_bytes,
+            ),
+            f,
+        )
     dist.barrier()
     verl.shutdown()
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     import tiny_models
+    import torch.multiprocessing as mp
     from engine import hf_greedy, stable_prompts
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        model_dir, _ = tiny_models.make_tiny_model("qwen2", Path(tmp) / "qwen2", **MODEL)
-        n_params = sum(t.numel() for t in tiny_models.load_checkpoint(model_dir).values())
-        print(f"model: Qwen2-shaped, {n_params / 1e6:.1f} M params (bf16); SGLang engine TP 2 on CPU; "
-              f"trainer: 2 ranks holding FSDP2 Shard(0) DTensors", flush=True)
-        print(f"[1/4] choosing prompts whose greedy path has no bf16 near-tie (top-2 logit gap >= {MIN_MARGIN} "
-              "at every step, HF transformers)", flush=True)
-        prompts = {s: stable_prompts([(model_dir, _weights(model_dir, s))], 2, 8, min_margin=MIN_MARGIN,
-                                     vocab_size=MODEL["vocab_size"])
-                   for s in range(1, STEPS + 1)}
-        print("[2/4] starting 2 trainer ranks (gloo) and the SGLang engine (about a minute on CPU)", flush=True)
-        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), model_dir, tmp, prompts), nprocs=2)
+        model_dir, _ = tiny_models.make_tiny_model(
+            "qwen2", Path(tmp) / "qwen2", **MODEL
+        )
+        n_params = sum(
+            t.numel() for t in tiny_models.load_checkpoint(model_dir).values()
+        )
+        print(
+            f"model: Qwen2-shaped, {n_params / 1e6:.1f} M params (bf16); SGLang engine TP 2 on CPU; "
+            f"trainer: 2 ranks holding FSDP2 Shard(0) DTensors",
+            flush=True,
+        )
+        print(
+            f"[1/4] choosing prompts whose greedy path has no bf16 near-tie (top-2 logit gap >= {MIN_MARGIN} "
+            "at every step, HF transformers)",
+            flush=True,
+        )
+        prompts = {
+            s: stable_prompts(
+                [(model_dir, _weights(model_dir, s))],
+                2,
+                8,
+                min_margin=MIN_MARGIN,
+                vocab_size=MODEL["vocab_size"],
+            )
+            for s in range(1, STEPS + 1)
+        }
+        print(
+            "[2/4] starting 2 trainer ranks (gloo) and the SGLang engine (about a minute on CPU)",
+            flush=True,
+        )
+        mp.spawn(
+            _rank,
+            args=(2, os.path.join(tmp, "store"), model_dir, tmp, prompts),
+            nprocs=2,
+        )
         ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(2)]
-        print("[4/4] comparing the engine's greedy generation with HF transformers after every update", flush=True)
-        expected = {s: hf_greedy(model_dir, prompts[s], 8, weights=_weights(model_dir, s)) for s in prompts}
+        print(
+            "[4/4] comparing the engine's greedy generation with HF transformers after every update",
+            flush=True,
+        )
+        expected = {
+            s: hf_greedy(model_dir, prompts[s], 8, weights=_weights(model_dir, s))
+            for s in prompts
+        }
         table = []
         for design in ("distributed", "upstream"):
             rows = ranks[0]["rows"][design]
-            equal = sum(got == want for row in rows for got, want in zip(row["generation"], expected[row["step"]]))
+            equal = sum(
+                got == want
+                for row in rows
+                for got, want in zip(row["generation"], expected[row["step"]])
+            )
             if design == "distributed":
                 received = max(r["planned"] for r in ranks)
                 transient = 0  # the trainer keeps its shards; the engine stages at most the bucket cap
-                bound = "yes" if all(r["planned"] == r["lower_bound"] for r in ranks) else "NO"
+                bound = (
+                    "yes"
+                    if all(r["planned"] == r["lower_bound"] for r in ranks)
+                    else "NO"
+                )
             else:
                 received = max(r["rows"][design][-1]["received"] for r in ranks)
                 transient = max(r["rows"][design][-1]["peak"] for r in ranks)
-                bound = "yes" if all(r["rows"][design][-1]["received"] == r["lower_bound"] for r in ranks) else "no"
-            table.append((design, statistics.median(r["seconds"] for r in rows), received, transient, bound,
-                          equal, sum(len(expected[row["step"]]) for row in rows)))
+                bound = (
+                    "yes"
+                    if all(
+                        r["rows"][design][-1]["received"] == r["lower_bound"]
+                        for r in ranks
+                    )
+                    else "no"
+                )
+            table.append(
+                (
+                    design,
+                    statistics.median(r["seconds"] for r in rows),
+                    received,
+                    transient,
+                    bound,
+                    equal,
+                    sum(len(expected[row["step"]]) for row in rows),
+                )
+            )
         print()
-        print(f"{'design':<12} {'s/update':>9} {'MiB received':>13} {'transient MiB':>14} {'= lower':>8} "
-              f"{'greedy = HF':>12}")
-        print(f"{'':<12} {'(median)':>9} {'/rank':>13} {'/trainer rank':>14} {'bound':>8} "
-              f"{'(prompts)':>12}")
+        print(
+            f"{'design':<12} {'s/update':>9} {'MiB received':>13} {'transient MiB':>14} {'= lower':>8} "
+            f"{'greedy = HF':>12}"
+        )
+        print(
+            f"{'':<12} {'(median)':>9} {'/rank':>13} {'/trainer rank':>14} {'bound':>8} "
+            f"{'(prompts)':>12}"
+        )
         for design, seconds, received, transient, bound, equal, total in table:
-            print(f"{design:<12} {seconds:>9.3f} {received / 2**20:>13.2f} {transient / 2**20:>14.2f} {bound:>8} "
-                  f"{f'{equal}/{total}':>12}")
+            print(
+                f"{design:<12} {seconds:>9.3f} {received / 2**20:>13.2f} {transient / 2**20:>14.2f} {bound:>8} "
+                f"{f'{equal}/{total}':>12}"
+            )
         (_, d_s, d_b, *_), (_, u_s, u_b, *_) = table
-        print(f"\nupstream / distributed: {u_s / d_s:.1f}x the time, {u_b / max(d_b, 1):.1f}x the bytes "
-              f"({STEPS} steps x 2 prompts x 8 tokens; {time.perf_counter() - t0:.0f} s in all)")
-        differ = [(row["step"], i) for row, other in zip(ranks[0]["rows"]["distributed"], ranks[0]["rows"]["upstream"])
-                  for i, (got, want) in enumerate(zip(row["generation"], other["generation"])) if got != want]
+        print(
+            f"\nupstream / distributed: {u_s / d_s:.1f}x the time, {u_b / max(d_b, 1):.1f}x the bytes "
+            f"({STEPS} steps x 2 prompts x 8 tokens; {time.perf_counter() - t0:.0f} s in all)"
+        )
+        differ = [
+            (row["step"], i)
+            for row, other in zip(
+                ranks[0]["rows"]["distributed"], ranks[0]["rows"]["upstream"]
+            )
+            for i, (got, want) in enumerate(zip(row["generation"], other["generation"]))
+            if got != want
+        ]
         if differ:
-            raise SystemExit(f"greedy generation after the distributed update differs from the one after SGLang's "
-                             f"own load of the same weights (step, prompt): {differ}")
-        print("greedy generation after the distributed update = after SGLang's own load, every step and prompt")
+            raise SystemExit(
+                f"greedy generation after the distributed update differs from the one after SGLang's "
+                f"own load of the same weights (step, prompt): {differ}"
+            )
+        print(
+            "greedy generation after the distributed update = after SGLang's own load, every step and prompt"
+        )
 
 
 if __name__ == "__main__":

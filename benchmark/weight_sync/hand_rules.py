@@ -23,7 +23,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, Piece
+from sglang.srt.weight_sync.target_layout import (
+    EngineParallel,
+    ModelTargets,
+    ParamTarget,
+    Piece,
+)
 
 __all__ = [
     "DEFAULT_VOCAB_PADDING",
@@ -86,9 +91,13 @@ class Replicated:
     def tensors(self) -> Dict[str, Tuple[int, ...]]:
         return {self.tensor: self.shape}
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         box = Box.full(self.shape)
-        return ParamTarget(self.param, self.shape, dtype, (Piece(self.tensor, box, (), box.offsets),))
+        return ParamTarget(
+            self.param, self.shape, dtype, (Piece(self.tensor, box, (), box.offsets),)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +113,18 @@ class Sharded:
     def tensors(self) -> Dict[str, Tuple[int, ...]]:
         return {self.tensor: self.shape}
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         r, t = group_of(parallel, self.group, rank)
         size = _divide(self.shape[self.dim], t, f"{self.param} dim {self.dim}")
         box = _shard_box(self.shape, self.dim, r * size, size)
-        return ParamTarget(self.param, box.sizes, dtype, (Piece(self.tensor, box, (), (0,) * box.ndim),))
+        return ParamTarget(
+            self.param,
+            box.sizes,
+            dtype,
+            (Piece(self.tensor, box, (), (0,) * box.ndim),),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +139,9 @@ class Stacked:
     def tensors(self) -> Dict[str, Tuple[int, ...]]:
         return dict(self.parts)
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         r, t = group_of(parallel, self.group, rank)
         pieces, row = [], 0
         for tensor, shape in self.parts:
@@ -159,11 +177,15 @@ class QKV:
             self.v: (self.num_kv_heads * dv,) + self.trailing,
         }
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         r, t = group_of(parallel, self.group, rank)
         nh = _divide(self.num_heads, t, f"{self.param} q heads")
         if t >= self.num_kv_heads:
-            replicas = _divide(t, self.num_kv_heads, f"{self.param} kv heads {self.num_kv_heads} into")
+            replicas = _divide(
+                t, self.num_kv_heads, f"{self.param} kv heads {self.num_kv_heads} into"
+            )
             nkv, kv_index = 1, r // replicas
         else:
             nkv, kv_index = _divide(self.num_kv_heads, t, f"{self.param} kv heads"), r
@@ -178,7 +200,9 @@ class QKV:
             Piece(self.k, k_box, (), (nh * d,) + zeros),
             Piece(self.v, v_box, (), ((nh + nkv) * d,) + zeros),
         )
-        return ParamTarget(self.param, ((nh + nkv) * d + nkv * dv,) + self.trailing, dtype, pieces)
+        return ParamTarget(
+            self.param, ((nh + nkv) * d + nkv * dv,) + self.trailing, dtype, pieces
+        )
 
 
 def padded_vocab_size(vocab: int, tp: int, padding: int = DEFAULT_VOCAB_PADDING) -> int:
@@ -203,7 +227,9 @@ class Vocab:
     def tensors(self) -> Dict[str, Tuple[int, ...]]:
         return {self.tensor: self.shape}
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         r, t = group_of(parallel, self.group, rank)
         vocab = self.shape[0]
         per_rank = padded_vocab_size(vocab, t, self.padding) // t
@@ -233,20 +259,30 @@ class ExpertsW13:
 
     def tensors(self) -> Dict[str, Tuple[int, ...]]:
         shape = (self.intermediate, self.hidden)
-        return {f.format(e=e): shape for e in range(self.num_experts) for f in (self.gate, self.up)}
+        return {
+            f.format(e=e): shape
+            for e in range(self.num_experts)
+            for f in (self.gate, self.up)
+        }
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         ep, n_ep = group_of(parallel, "moe_ep", rank)
         tp, n_tp = group_of(parallel, "moe_tp", rank)
         local = _divide(self.num_experts, n_ep, f"{self.param} experts over EP")
-        rows = _divide(self.intermediate, n_tp, f"{self.param} intermediate over MoE-TP")
+        rows = _divide(
+            self.intermediate, n_tp, f"{self.param} intermediate over MoE-TP"
+        )
         box = Box((tp * rows, 0), (rows, self.hidden))
         pieces = []
         for j in range(local):
             e = ep * local + j
             pieces.append(Piece(self.gate.format(e=e), box, (j,), (0, 0)))
             pieces.append(Piece(self.up.format(e=e), box, (j,), (rows, 0)))
-        return ParamTarget(self.param, (local, 2 * rows, self.hidden), dtype, tuple(pieces))
+        return ParamTarget(
+            self.param, (local, 2 * rows, self.hidden), dtype, tuple(pieces)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,16 +296,24 @@ class ExpertsW2:
     hidden: int
 
     def tensors(self) -> Dict[str, Tuple[int, ...]]:
-        return {self.down.format(e=e): (self.hidden, self.intermediate) for e in range(self.num_experts)}
+        return {
+            self.down.format(e=e): (self.hidden, self.intermediate)
+            for e in range(self.num_experts)
+        }
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget:
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget:
         ep, n_ep = group_of(parallel, "moe_ep", rank)
         tp, n_tp = group_of(parallel, "moe_tp", rank)
         local = _divide(self.num_experts, n_ep, f"{self.param} experts over EP")
-        cols = _divide(self.intermediate, n_tp, f"{self.param} intermediate over MoE-TP")
+        cols = _divide(
+            self.intermediate, n_tp, f"{self.param} intermediate over MoE-TP"
+        )
         box = Box((0, tp * cols), (self.hidden, cols))
         pieces = tuple(
-            Piece(self.down.format(e=ep * local + j), box, (j,), (0, 0)) for j in range(local)
+            Piece(self.down.format(e=ep * local + j), box, (j,), (0, 0))
+            for j in range(local)
         )
         return ParamTarget(self.param, (local, self.hidden, cols), dtype, pieces)
 
@@ -305,56 +349,135 @@ def model_targets_from_config(
     attn_group = "attn_tp" if model_type in ("qwen3", "qwen3_moe") else "tp"
     qkv_bias = model_type == "qwen2" or bool(_cfg(config, "attention_bias", False))
     o_bias = model_type != "qwen2" and bool(_cfg(config, "attention_bias", False))
-    tied = bool(_cfg(config, "tie_word_embeddings", False)) and model_type != "qwen3_moe"
+    tied = (
+        bool(_cfg(config, "tie_word_embeddings", False)) and model_type != "qwen3_moe"
+    )
     experts = 0
     if model_type == "qwen3_moe":
         # transformers 5 writes the expert count as num_local_experts; its config object aliases num_experts.
-        experts = _cfg(config, "num_experts", None) or _cfg(config, "num_local_experts", None)
+        experts = _cfg(config, "num_experts", None) or _cfg(
+            config, "num_local_experts", None
+        )
         if not experts:
-            raise ValueError("qwen3_moe config has neither num_experts nor num_local_experts")
-        if _cfg(config, "mlp_only_layers", None) or (_cfg(config, "decoder_sparse_step", 1) or 1) != 1:
+            raise ValueError(
+                "qwen3_moe config has neither num_experts nor num_local_experts"
+            )
+        if (
+            _cfg(config, "mlp_only_layers", None)
+            or (_cfg(config, "decoder_sparse_step", 1) or 1) != 1
+        ):
             raise ValueError(
                 "qwen3_moe with mlp_only_layers or decoder_sparse_step != 1 is not supported: SGLang 0.5.23 "
                 "builds every layer sparse and never loads those layers' dense weights"
             )
 
-    embed_group = "tp" if model_type == "llama" else "attn_tp"  # Qwen embeds on attn_tp under DP attention
-    rules: List[Rule] = [Vocab("model.embed_tokens.weight", "model.embed_tokens.weight", (vocab, hidden), group=embed_group)]
+    embed_group = (
+        "tp" if model_type == "llama" else "attn_tp"
+    )  # Qwen embeds on attn_tp under DP attention
+    rules: List[Rule] = [
+        Vocab(
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+            (vocab, hidden),
+            group=embed_group,
+        )
+    ]
     for layer in range(_cfg(config, "num_hidden_layers")):
         p = f"model.layers.{layer}"
         a = f"{p}.self_attn"
-        for kind, trailing, enabled in (("weight", (hidden,), True), ("bias", (), qkv_bias)):
+        for kind, trailing, enabled in (
+            ("weight", (hidden,), True),
+            ("bias", (), qkv_bias),
+        ):
             if enabled:
                 rules.append(
-                    QKV(f"{a}.qkv_proj.{kind}", f"{a}.q_proj.{kind}", f"{a}.k_proj.{kind}", f"{a}.v_proj.{kind}",
-                        heads, kv_heads, head_dim, trailing, group=attn_group)
+                    QKV(
+                        f"{a}.qkv_proj.{kind}",
+                        f"{a}.q_proj.{kind}",
+                        f"{a}.k_proj.{kind}",
+                        f"{a}.v_proj.{kind}",
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        trailing,
+                        group=attn_group,
+                    )
                 )
-        rules.append(Sharded(f"{a}.o_proj.weight", f"{a}.o_proj.weight", (hidden, heads * head_dim), 1, attn_group))
+        rules.append(
+            Sharded(
+                f"{a}.o_proj.weight",
+                f"{a}.o_proj.weight",
+                (hidden, heads * head_dim),
+                1,
+                attn_group,
+            )
+        )
         if o_bias:
             rules.append(Replicated(f"{a}.o_proj.bias", f"{a}.o_proj.bias", (hidden,)))
         if model_type in ("qwen3", "qwen3_moe"):
-            rules += [Replicated(f"{a}.{n}.weight", f"{a}.{n}.weight", (head_dim,)) for n in ("q_norm", "k_norm")]
-        rules += [Replicated(f"{p}.{n}.weight", f"{p}.{n}.weight", (hidden,)) for n in ("input_layernorm", "post_attention_layernorm")]
+            rules += [
+                Replicated(f"{a}.{n}.weight", f"{a}.{n}.weight", (head_dim,))
+                for n in ("q_norm", "k_norm")
+            ]
+        rules += [
+            Replicated(f"{p}.{n}.weight", f"{p}.{n}.weight", (hidden,))
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
         m = f"{p}.mlp"
         if experts:
             inter = _cfg(config, "moe_intermediate_size")
-            rules.append(Replicated(f"{m}.gate.weight", f"{m}.gate.weight", (experts, hidden)))
-            rules.append(ExpertsW13(f"{m}.experts.w13_weight", m + ".experts.{e}.gate_proj.weight", m + ".experts.{e}.up_proj.weight", experts, inter, hidden))
-            rules.append(ExpertsW2(f"{m}.experts.w2_weight", m + ".experts.{e}.down_proj.weight", experts, inter, hidden))
+            rules.append(
+                Replicated(f"{m}.gate.weight", f"{m}.gate.weight", (experts, hidden))
+            )
+            rules.append(
+                ExpertsW13(
+                    f"{m}.experts.w13_weight",
+                    m + ".experts.{e}.gate_proj.weight",
+                    m + ".experts.{e}.up_proj.weight",
+                    experts,
+                    inter,
+                    hidden,
+                )
+            )
+            rules.append(
+                ExpertsW2(
+                    f"{m}.experts.w2_weight",
+                    m + ".experts.{e}.down_proj.weight",
+                    experts,
+                    inter,
+                    hidden,
+                )
+            )
         else:
             inter = _cfg(config, "intermediate_size")
-            rules.append(Stacked(f"{m}.gate_up_proj.weight", ((f"{m}.gate_proj.weight", (inter, hidden)), (f"{m}.up_proj.weight", (inter, hidden)))))
-            rules.append(Sharded(f"{m}.down_proj.weight", f"{m}.down_proj.weight", (hidden, inter), 1))
+            rules.append(
+                Stacked(
+                    f"{m}.gate_up_proj.weight",
+                    (
+                        (f"{m}.gate_proj.weight", (inter, hidden)),
+                        (f"{m}.up_proj.weight", (inter, hidden)),
+                    ),
+                )
+            )
+            rules.append(
+                Sharded(
+                    f"{m}.down_proj.weight", f"{m}.down_proj.weight", (hidden, inter), 1
+                )
+            )
     rules.append(Replicated("model.norm.weight", "model.norm.weight", (hidden,)))
     aliases = {}
     if tied:
         aliases["lm_head.weight"] = "model.embed_tokens.weight"
     else:
-        rules.append(Vocab("lm_head.weight", "lm_head.weight", (vocab, hidden), group="tp"))
+        rules.append(
+            Vocab("lm_head.weight", "lm_head.weight", (vocab, hidden), group="tp")
+        )
     return ModelTargets(tuple(rules), parallel, dtype, aliases)
 
 
-def reference_param(target: ParamTarget, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def reference_param(
+    target: ParamTarget, full: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
     """The parameter a rank should end with, built by slicing full HF tensors (tests, checks);
     zero boxes and regions no piece covers are zero."""
     out = torch.zeros(target.shape, dtype=target.dtype)

@@ -29,7 +29,11 @@ from benchmark.weight_sync.hand_rules import (
     Vocab,
     model_targets_from_config,
 )
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget
+from sglang.srt.weight_sync.target_layout import (
+    EngineParallel,
+    ModelTargets,
+    ParamTarget,
+)
 
 # Qwen/Qwen3-8B config.json (huggingface.co/Qwen/Qwen3-8B/blob/main/config.json); the
 # fields the layout needs. 8.19e9 parameters.
@@ -117,30 +121,72 @@ def deepseek_v3_targets(
     h = config["hidden_size"]
     heads = config["num_attention_heads"]
     q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
-    nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    nope, rope, v_dim = (
+        config["qk_nope_head_dim"],
+        config["qk_rope_head_dim"],
+        config["v_head_dim"],
+    )
     vocab = config["vocab_size"]
     experts = config["n_routed_experts"]
     moe_inter = config["moe_intermediate_size"]
     shared_inter = moe_inter * config["n_shared_experts"]
     inter = config["intermediate_size"]
 
-    rules: List[Rule] = [Vocab("model.embed_tokens.weight", "model.embed_tokens.weight", (vocab, h), group="attn_tp")]
+    rules: List[Rule] = [
+        Vocab(
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+            (vocab, h),
+            group="attn_tp",
+        )
+    ]
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         a = f"{p}.self_attn"
         rules += [
             Stacked(
                 f"{a}.fused_qkv_a_proj_with_mqa.weight",
-                ((f"{a}.q_a_proj.weight", (q_lora, h)), (f"{a}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h))),
+                (
+                    (f"{a}.q_a_proj.weight", (q_lora, h)),
+                    (f"{a}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h)),
+                ),
                 group="replicated",
             ),
-            Replicated(f"{a}.q_a_layernorm.weight", f"{a}.q_a_layernorm.weight", (q_lora,)),
-            Sharded(f"{a}.q_b_proj.weight", f"{a}.q_b_proj.weight", (heads * (nope + rope), q_lora), 0, "attn_tp"),
-            Replicated(f"{a}.kv_a_layernorm.weight", f"{a}.kv_a_layernorm.weight", (kv_lora,)),
-            Sharded(f"{a}.kv_b_proj.weight", f"{a}.kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), 0, "attn_tp"),
-            Sharded(f"{a}.o_proj.weight", f"{a}.o_proj.weight", (h, heads * v_dim), 1, "attn_tp"),
-            Replicated(f"{p}.input_layernorm.weight", f"{p}.input_layernorm.weight", (h,)),
-            Replicated(f"{p}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm.weight", (h,)),
+            Replicated(
+                f"{a}.q_a_layernorm.weight", f"{a}.q_a_layernorm.weight", (q_lora,)
+            ),
+            Sharded(
+                f"{a}.q_b_proj.weight",
+                f"{a}.q_b_proj.weight",
+                (heads * (nope + rope), q_lora),
+                0,
+                "attn_tp",
+            ),
+            Replicated(
+                f"{a}.kv_a_layernorm.weight", f"{a}.kv_a_layernorm.weight", (kv_lora,)
+            ),
+            Sharded(
+                f"{a}.kv_b_proj.weight",
+                f"{a}.kv_b_proj.weight",
+                (heads * (nope + v_dim), kv_lora),
+                0,
+                "attn_tp",
+            ),
+            Sharded(
+                f"{a}.o_proj.weight",
+                f"{a}.o_proj.weight",
+                (h, heads * v_dim),
+                1,
+                "attn_tp",
+            ),
+            Replicated(
+                f"{p}.input_layernorm.weight", f"{p}.input_layernorm.weight", (h,)
+            ),
+            Replicated(
+                f"{p}.post_attention_layernorm.weight",
+                f"{p}.post_attention_layernorm.weight",
+                (h,),
+            ),
         ]
         m = f"{p}.mlp"
         if layer < config["first_k_dense_replace"]:
@@ -148,10 +194,26 @@ def deepseek_v3_targets(
         else:
             rules += [
                 Replicated(f"{m}.gate.weight", f"{m}.gate.weight", (experts, h)),
-                Replicated(f"{m}.gate.e_score_correction_bias", f"{m}.gate.e_score_correction_bias", (experts,)),
-                ExpertsW13(f"{m}.experts.w13_weight", m + ".experts.{e}.gate_proj.weight",
-                           m + ".experts.{e}.up_proj.weight", experts, moe_inter, h),
-                ExpertsW2(f"{m}.experts.w2_weight", m + ".experts.{e}.down_proj.weight", experts, moe_inter, h),
+                Replicated(
+                    f"{m}.gate.e_score_correction_bias",
+                    f"{m}.gate.e_score_correction_bias",
+                    (experts,),
+                ),
+                ExpertsW13(
+                    f"{m}.experts.w13_weight",
+                    m + ".experts.{e}.gate_proj.weight",
+                    m + ".experts.{e}.up_proj.weight",
+                    experts,
+                    moe_inter,
+                    h,
+                ),
+                ExpertsW2(
+                    f"{m}.experts.w2_weight",
+                    m + ".experts.{e}.down_proj.weight",
+                    experts,
+                    moe_inter,
+                    h,
+                ),
             ]
             rules += _dense_mlp(f"{m}.shared_experts", shared_inter, h)
     rules.append(Replicated("model.norm.weight", "model.norm.weight", (h,)))
@@ -161,9 +223,16 @@ def deepseek_v3_targets(
 
 def _dense_mlp(prefix: str, inter: int, h: int) -> List[Rule]:
     return [
-        Stacked(f"{prefix}.gate_up_proj.weight",
-                ((f"{prefix}.gate_proj.weight", (inter, h)), (f"{prefix}.up_proj.weight", (inter, h)))),
-        Sharded(f"{prefix}.down_proj.weight", f"{prefix}.down_proj.weight", (h, inter), 1),
+        Stacked(
+            f"{prefix}.gate_up_proj.weight",
+            (
+                (f"{prefix}.gate_proj.weight", (inter, h)),
+                (f"{prefix}.up_proj.weight", (inter, h)),
+            ),
+        ),
+        Sharded(
+            f"{prefix}.down_proj.weight", f"{prefix}.down_proj.weight", (h, inter), 1
+        ),
     ]
 
 
@@ -181,7 +250,9 @@ class ModelSpec:
     build: Callable[[Mapping, EngineParallel, torch.dtype], ModelTargets]
     param_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
 
-    def targets(self, parallel: EngineParallel, dtype: torch.dtype = torch.bfloat16) -> ModelTargets:
+    def targets(
+        self, parallel: EngineParallel, dtype: torch.dtype = torch.bfloat16
+    ) -> ModelTargets:
         return self.build(self.config, parallel, dtype)
 
     def for_rank(self, targets: ModelTargets, rank: int) -> List[ParamTarget]:
@@ -217,10 +288,20 @@ class ModelSpec:
 
 
 MODELS: Dict[str, ModelSpec] = {
-    "Qwen3-8B": ModelSpec("Qwen3-8B", "Qwen/Qwen3-8B", QWEN3_8B, model_targets_from_config),
-    "Qwen3-235B-A22B": ModelSpec("Qwen3-235B-A22B", "Qwen/Qwen3-235B-A22B", QWEN3_235B_A22B, model_targets_from_config),
+    "Qwen3-8B": ModelSpec(
+        "Qwen3-8B", "Qwen/Qwen3-8B", QWEN3_8B, model_targets_from_config
+    ),
+    "Qwen3-235B-A22B": ModelSpec(
+        "Qwen3-235B-A22B",
+        "Qwen/Qwen3-235B-A22B",
+        QWEN3_235B_A22B,
+        model_targets_from_config,
+    ),
     "DeepSeek-V3-671B": ModelSpec(
-        "DeepSeek-V3-671B", "deepseek-ai/DeepSeek-V3", DEEPSEEK_V3, deepseek_v3_targets,
+        "DeepSeek-V3-671B",
+        "deepseek-ai/DeepSeek-V3",
+        DEEPSEEK_V3,
+        deepseek_v3_targets,
         param_dtypes={"e_score_correction_bias": torch.float32},
     ),
 }

@@ -100,10 +100,18 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from benchmark.weight_sync.hand_rules import QKV, ExpertsW2, ExpertsW13, Replicated, Sharded, Stacked, Vocab
+from benchmark.weight_sync.hand_rules import (
+    QKV,
+    ExpertsW2,
+    ExpertsW13,
+    Replicated,
+    Sharded,
+    Stacked,
+    Vocab,
+)
 from benchmark.weight_sync.models import ModelSpec, get_model
-from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import (
     DEFAULT_BUCKET_BYTES,
     Dest,
@@ -114,13 +122,23 @@ from sglang.srt.weight_sync.planner import (
     forget_indexes,
     plan,
 )
-from sglang.srt.weight_sync.source_layout import MeshSpec, SourceLayout, SourceTensor, describe_mesh
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget
+from sglang.srt.weight_sync.source_layout import (
+    MeshSpec,
+    SourceLayout,
+    SourceTensor,
+    describe_mesh,
+)
+from sglang.srt.weight_sync.target_layout import (
+    EngineParallel,
+    ModelTargets,
+    ParamTarget,
+)
 from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunk_digest, chunks
 
 
-
-def plan_to_engines(plans: TrainerPlans, sources, manifest, groups, bucket_bytes, part, rank):
+def plan_to_engines(
+    plans: TrainerPlans, sources, manifest, groups, bucket_bytes, part, rank
+):
     """``rank``'s plan of one chunk, as the runtime makes it (``TrainerPlans.plan_to_engines``)."""
     return plans.plan_to_engines(sources, manifest, groups, bucket_bytes, part, rank)
 
@@ -169,9 +187,13 @@ class TrainLayout:
         if self.kind == "megatron":
             s = f"Megatron TP{self.tp} x DP{self.world // self.tp}"
         else:
-            s = f"FSDP Shard(0) x{self.world // self.hsdp}" + (f" x HSDP{self.hsdp}" if self.hsdp > 1 else "")
+            s = f"FSDP Shard(0) x{self.world // self.hsdp}" + (
+                f" x HSDP{self.hsdp}" if self.hsdp > 1 else ""
+            )
         if self.ep:
-            s += f", experts EP{self.ep}" + (f" x {self.world // self.ep} replicas" if self.world > self.ep else "")
+            s += f", experts EP{self.ep}" + (
+                f" x {self.world // self.ep} replicas" if self.world > self.ep else ""
+            )
         return f"{s} ({dt})"
 
 
@@ -214,64 +236,72 @@ class Scenario:
 # Default scenarios. GPU counts are colocated (trainer and engines on the same GPUs).
 SCENARIOS: Tuple[Scenario, ...] = (
     Scenario(
-        "qwen3-8b-tp2-to-tp4", "Qwen3-8B",
+        "qwen3-8b-tp2-to-tp4",
+        "Qwen3-8B",
         TrainLayout("megatron", 8, tp=2),
         InferLayout(EngineParallel(4), engines=2),
         why="one node; shards shrink 2x on TP 2->4, each engine spans two whole training TP "
-            "groups, so the engine-side plan covers everything; GQA kv heads split 8/4",
+        "groups, so the engine-side plan covers everything; GQA kv heads split 8/4",
     ),
     Scenario(
-        "qwen3-8b-tp4-to-tp4", "Qwen3-8B",
+        "qwen3-8b-tp4-to-tp4",
+        "Qwen3-8B",
         TrainLayout("megatron", 8, tp=4),
         InferLayout(EngineParallel(4), engines=2),
         why="aligned layouts (fused qkv/gate_up per component, same vocab split): "
-            "should move 0 bytes, only device-local copies",
+        "should move 0 bytes, only device-local copies",
     ),
     Scenario(
-        "qwen3-8b-fsdp8-to-tp2", "Qwen3-8B",
+        "qwen3-8b-fsdp8-to-tp2",
+        "Qwen3-8B",
         TrainLayout("fsdp", 8, dtype=torch.float32),
         InferLayout(EngineParallel(2), engines=4),
         why="verl-style FSDP2 over the node (fp32 shards) feeding 4 small TP2 engines: one "
-            "engine's 2 GPUs hold 1/4 of the model, so the plan runs trainer-side",
+        "engine's 2 GPUs hold 1/4 of the model, so the plan runs trainer-side",
     ),
     Scenario(
-        "qwen3-235b-tp4ep64-to-tp8ep8", "Qwen3-235B-A22B",
+        "qwen3-235b-tp4ep64-to-tp8ep8",
+        "Qwen3-235B-A22B",
         TrainLayout("megatron", 64, tp=4, ep=64),
         InferLayout(EngineParallel(8, moe_ep_size=8), engines=8),
         why="8 nodes; Megatron TP4 (4 kv heads) x DP16 with EP64 (2 experts/GPU, ~11 GB bf16 "
-            "weights per GPU); 8 one-node engines TP8/EP8 (16 experts/GPU, ~59 GB): "
-            "kv heads replicated x2, experts scattered over all nodes -> trainer-side",
+        "weights per GPU); 8 one-node engines TP8/EP8 (16 experts/GPU, ~59 GB): "
+        "kv heads replicated x2, experts scattered over all nodes -> trainer-side",
     ),
     Scenario(
-        "dsv3-tp8ep256-to-tp256", "DeepSeek-V3-671B",
+        "dsv3-tp8ep256-to-tp256",
+        "DeepSeek-V3-671B",
         TrainLayout("megatron", 256, tp=8, ep=256),
         InferLayout(EngineParallel(256, attn_tp_size=8, moe_ep_size=256), engines=1),
         why="32 nodes; Megatron TP8 (in-node) x DP32 for attention/dense/shared/vocab with EP256 "
-            "(1 expert/layer/GPU): ~4.8e9 params (~9.7 GB bf16) per GPU. One wide-EP engine: "
-            "TP256 with DP attention (attn_tp 8) and EP256 (the DeepEP-style deployment). "
-            "Experts and attention align; dense MLP/shared experts/lm_head go TP8->TP256 in-node",
+        "(1 expert/layer/GPU): ~4.8e9 params (~9.7 GB bf16) per GPU. One wide-EP engine: "
+        "TP256 with DP attention (attn_tp 8) and EP256 (the DeepEP-style deployment). "
+        "Experts and attention align; dense MLP/shared experts/lm_head go TP8->TP256 in-node",
     ),
     Scenario(
-        "dsv3-tp8ep256-to-8x32", "DeepSeek-V3-671B",
+        "dsv3-tp8ep256-to-8x32",
+        "DeepSeek-V3-671B",
         TrainLayout("megatron", 256, tp=8, ep=256),
         InferLayout(EngineParallel(32, attn_tp_size=8, moe_ep_size=32), engines=8),
         why="same trainer; 8 engines x 32 GPUs (4 nodes, TP32, attn_tp 8, EP32; ~42 GB/GPU), the "
-            "hardest case: each engine needs all 256 experts, which live on "
-            "all 32 nodes -> trainer-side plan over 256 ranks, experts cross the network",
+        "hardest case: each engine needs all 256 experts, which live on "
+        "all 32 nodes -> trainer-side plan over 256 ranks, experts cross the network",
     ),
     Scenario(
-        "dsv3-fsdp256-to-8x32", "DeepSeek-V3-671B",
+        "dsv3-fsdp256-to-8x32",
+        "DeepSeek-V3-671B",
         TrainLayout("fsdp", 256, ep=256, dtype=torch.float32),
         InferLayout(EngineParallel(32, attn_tp_size=8, moe_ep_size=32), engines=8),
         why="the planner's stress case: FSDP2 Shard(0) of every non-expert tensor over 256 ranks means every "
-            "replicated target (norms, router, MLA q_a/kv_a) is assembled from 256 slivers on every rank",
+        "replicated target (norms, router, MLA q_a/kv_a) is assembled from 256 slivers on every rank",
     ),
     Scenario(
-        "dsv3-tp8ep256-1024-to-32x32", "DeepSeek-V3-671B",
+        "dsv3-tp8ep256-1024-to-32x32",
+        "DeepSeek-V3-671B",
         TrainLayout("megatron", 1024, tp=8, ep=256),
         InferLayout(EngineParallel(32, attn_tp_size=8, moe_ep_size=32), engines=32),
         why="128 nodes: the 8 x TP32 case at four times the world (TP8 x DP128, EP256 x 4 expert replicas, "
-            "32 engines): a rank's plan should cost what it did at 256 ranks",
+        "32 engines): a rank's plan should cost what it did at 256 ranks",
     ),
 )
 
@@ -295,8 +325,14 @@ def tensor_roles(targets: ModelTargets) -> Dict[str, Tuple[Tuple[int, ...], Tupl
     out: Dict[str, Tuple[Tuple[int, ...], Tuple]] = {}
     for rule in targets.rules:
         if isinstance(rule, (ExpertsW13, ExpertsW2)):
-            fmts = (rule.gate, rule.up) if isinstance(rule, ExpertsW13) else (rule.down,)
-            shape = (rule.intermediate, rule.hidden) if isinstance(rule, ExpertsW13) else (rule.hidden, rule.intermediate)
+            fmts = (
+                (rule.gate, rule.up) if isinstance(rule, ExpertsW13) else (rule.down,)
+            )
+            shape = (
+                (rule.intermediate, rule.hidden)
+                if isinstance(rule, ExpertsW13)
+                else (rule.hidden, rule.intermediate)
+            )
             for e in range(rule.num_experts):
                 for f in fmts:
                     out[f.format(e=e)] = (shape, ("expert", e))
@@ -316,16 +352,25 @@ def tensor_roles(targets: ModelTargets) -> Dict[str, Tuple[Tuple[int, ...], Tupl
     return out
 
 
-def describe_sources(spec: ModelSpec, targets: ModelTargets, train: TrainLayout) -> SourceLayout:
+def describe_sources(
+    spec: ModelSpec, targets: ModelTargets, train: TrainLayout
+) -> SourceLayout:
     """Every HF tensor's holders under ``train`` (metadata only)."""
     world = train.world
     all_ranks = list(range(world))
-    num_experts = next((r.num_experts for r in targets.rules if isinstance(r, ExpertsW13)), 0)
+    num_experts = next(
+        (r.num_experts for r in targets.rules if isinstance(r, ExpertsW13)), 0
+    )
     if train.kind == "megatron":
-        tp_grid = [[dp * train.tp + i for i in range(train.tp)] for dp in range(world // train.tp)]
+        tp_grid = [
+            [dp * train.tp + i for i in range(train.tp)]
+            for dp in range(world // train.tp)
+        ]
     elif train.kind == "fsdp":
         shard = world // train.hsdp
-        fsdp_mesh = [[rep * shard + i for i in range(shard)] for rep in range(train.hsdp)]
+        fsdp_mesh = [
+            [rep * shard + i for i in range(shard)] for rep in range(train.hsdp)
+        ]
         fsdp_placements = (Replicate(), Shard(0))
     else:
         raise ValueError(f"unknown training layout kind {train.kind!r}")
@@ -337,11 +382,15 @@ def describe_sources(spec: ModelSpec, targets: ModelTargets, train: TrainLayout)
             holders = [rep * train.ep + ep_rank for rep in range(world // train.ep)]
             sources[name] = MeshSpec.full(shape, dtype, holders).describe(name)
         elif train.kind == "fsdp":
-            sources[name] = describe_mesh(name, shape, dtype, fsdp_mesh, fsdp_placements)
+            sources[name] = describe_mesh(
+                name, shape, dtype, fsdp_mesh, fsdp_placements
+            )
         elif role[0] == "rep":
             sources[name] = MeshSpec.full(shape, dtype, all_ranks).describe(name)
         elif role[0] == "shard":
-            sources[name] = MeshSpec.sharded(shape, dtype, role[1], tp_grid).describe(name)
+            sources[name] = MeshSpec.sharded(shape, dtype, role[1], tp_grid).describe(
+                name
+            )
         else:  # experts without EP under Megatron: expert TP = TP
             dim = 0 if name.endswith(("gate_proj.weight", "up_proj.weight")) else 1
             sources[name] = MeshSpec.sharded(shape, dtype, dim, tp_grid).describe(name)
@@ -350,7 +399,9 @@ def describe_sources(spec: ModelSpec, targets: ModelTargets, train: TrainLayout)
 
 def _restrict(sources: SourceLayout, lo: int, hi: int) -> SourceLayout:
     return {
-        n: SourceTensor(s.name, s.shape, s.dtype, tuple(h for h in s.holders if lo <= h.rank < hi))
+        n: SourceTensor(
+            s.name, s.shape, s.dtype, tuple(h for h in s.holders if lo <= h.rank < hi)
+        )
         for n, s in sources.items()
     }
 
@@ -368,7 +419,9 @@ def engine_covers(sources: SourceLayout, lo: int, hi: int) -> bool:
 # ------------------------------------------------------------------------ metrics
 
 
-def _time(local: float, nvl_in: float, nvl_out: float, net_in: float, net_out: float) -> float:
+def _time(
+    local: float, nvl_in: float, nvl_out: float, net_in: float, net_out: float
+) -> float:
     return max(
         local / HBM_COPY_BYTES_PER_S,
         nvl_in / NVLINK_BYTES_PER_S,
@@ -395,7 +448,9 @@ def lands_contiguous(dest: Dest, region: Box) -> bool:
 def needs_send_staging(move: Move) -> bool:
     """Whether the executor stages ``move`` to send it: a cast, or a region that is not
     contiguous in the holder's buffer."""
-    return move.src_dtype != move.dtype or not is_contiguous_region(move.holder.buffer_shape, move.src_box())
+    return move.src_dtype != move.dtype or not is_contiguous_region(
+        move.holder.buffer_shape, move.src_box()
+    )
 
 
 def distributed_metrics(plans: Sequence[Plan], topology: Topology) -> Dict:
@@ -429,15 +484,27 @@ def distributed_metrics(plans: Sequence[Plan], topology: Topology) -> Dict:
             peak = max(peak, max(load.values(), default=0))
             staging_peak = max(staging_peak, max(stage.values(), default=0))
     ranks = sorted({r for p in plans for r in p.needed_bytes})
-    lower = max((p.lower_bound_bytes(r) for p in plans for r in p.needed_bytes), default=0)
+    lower = max(
+        (p.lower_bound_bytes(r) for p in plans for r in p.needed_bytes), default=0
+    )
     times = []
     for r in ranks:
         rv, sd = recv[r], send[r]
-        times.append(_time(local[r] + rv[SAME_DEVICE], rv[SAME_NODE], sd[SAME_NODE], rv[OTHER_NODE], sd[OTHER_NODE]))
+        times.append(
+            _time(
+                local[r] + rv[SAME_DEVICE],
+                rv[SAME_NODE],
+                sd[SAME_NODE],
+                rv[OTHER_NODE],
+                sd[OTHER_NODE],
+            )
+        )
     return {
         "bytes_received_max": max((sum(recv[r]) for r in ranks), default=0),
         "bytes_sent_max": max((sum(send[r]) for r in ranks), default=0),
-        "network_bytes_received_max": max((recv[r][OTHER_NODE] for r in ranks), default=0),
+        "network_bytes_received_max": max(
+            (recv[r][OTHER_NODE] for r in ranks), default=0
+        ),
         "lower_bound_bytes_max": lower,
         "peak_bytes_max": peak,
         "staging_bytes_max": staging_peak,
@@ -460,13 +527,18 @@ def _full_batches_peak(sources: SourceLayout, bucket_bytes: int) -> int:
 
 
 def baseline_metrics(
-    sources: SourceLayout, needed: Mapping[int, int], node_of: Mapping[int, int], bucket_bytes: int
+    sources: SourceLayout,
+    needed: Mapping[int, int],
+    node_of: Mapping[int, int],
+    bucket_bytes: int,
 ) -> Dict[str, Dict]:
     """``full_tensor`` and ``rank0_funnel`` over all trainer ranks. ``needed[g]`` is what
     the engine rank on GPU ``g`` needs, in its dtype."""
     full = 0
     held: Dict[int, int] = defaultdict(int)
-    in_node: Dict[int, int] = defaultdict(int)  # node -> bytes of distinct boxes held on that node
+    in_node: Dict[int, int] = defaultdict(
+        int
+    )  # node -> bytes of distinct boxes held on that node
     for s in sources.values():
         isz = s.dtype.itemsize
         full += prod(s.shape) * isz
@@ -494,7 +566,9 @@ def baseline_metrics(
         ft_times.append(_time(needed[g], nvl, nvl, net, net))
         # Flat: each GPU pulls every byte its node lacks over its own NIC.
         flat_net = full - in_node[node_of[g]]
-        flat_times.append(_time(needed[g], recv - flat_net, recv - flat_net, flat_net, flat_net))
+        flat_times.append(
+            _time(needed[g], recv - flat_net, recv - flat_net, flat_net, flat_net)
+        )
     full_tensor = {
         "bytes_received_max": max(ft_recv),
         "bytes_sent_max": max(ft_recv),
@@ -510,13 +584,21 @@ def baseline_metrics(
     nvl_out = sum(needed[g] for g in gpus if g != r0 and node_of[g] == node_of[r0])
     net_out = sum(needed[g] for g in gpus if node_of[g] != node_of[r0])
     funnel = {
-        "bytes_received_max": max([nvl_in + net_in] + [needed[g] for g in gpus if g != r0]),
+        "bytes_received_max": max(
+            [nvl_in + net_in] + [needed[g] for g in gpus if g != r0]
+        ),
         "bytes_sent_max": nvl_out + net_out,
-        "network_bytes_received_max": max([net_in] + [needed[g] for g in gpus if node_of[g] != node_of[r0]]),
+        "network_bytes_received_max": max(
+            [net_in] + [needed[g] for g in gpus if node_of[g] != node_of[r0]]
+        ),
         "peak_bytes_max": peak,
         "modelled_seconds": _time(needed[r0], nvl_in, nvl_out, net_in, net_out),
     }
-    return {"full_tensor": full_tensor, "rank0_funnel": funnel, "full_model_bytes": full}
+    return {
+        "full_tensor": full_tensor,
+        "rank0_funnel": funnel,
+        "full_model_bytes": full,
+    }
 
 
 # ------------------------------------------------------------------------ running
@@ -547,8 +629,13 @@ def rank_metrics(plans: Mapping[int, Sequence[Plan]], topology: Topology) -> Dic
                     if m.src == r:
                         send[c] += m.nbytes
                         load += m.nbytes
-                        if needs_send_staging(m) and (m.tensor, m.holder.buffer, m.region) not in staged:
-                            staged.add((m.tensor, m.holder.buffer, m.region))  # the executor casts it once per round
+                        if (
+                            needs_send_staging(m)
+                            and (m.tensor, m.holder.buffer, m.region) not in staged
+                        ):
+                            staged.add(
+                                (m.tensor, m.holder.buffer, m.region)
+                            )  # the executor casts it once per round
                             stage += m.nbytes
                     for d in m.dests:
                         if d.rank == r:
@@ -557,10 +644,22 @@ def rank_metrics(plans: Mapping[int, Sequence[Plan]], topology: Topology) -> Dic
                             stage += 0 if lands_contiguous(d, m.region) else m.nbytes
                 out["peak_bytes_max"] = max(out["peak_bytes_max"], load)
                 out["staging_bytes_max"] = max(out["staging_bytes_max"], stage)
-        t = _time(local + recv[SAME_DEVICE], recv[SAME_NODE], send[SAME_NODE], recv[OTHER_NODE], send[OTHER_NODE])
-        for key, value in (("bytes_received_max", sum(recv)), ("bytes_sent_max", sum(send)),
-                           ("network_bytes_received_max", recv[OTHER_NODE]), ("lower_bound_bytes_max", lower),
-                           ("rounds", rounds), ("moves", moves), ("modelled_seconds", t)):
+        t = _time(
+            local + recv[SAME_DEVICE],
+            recv[SAME_NODE],
+            send[SAME_NODE],
+            recv[OTHER_NODE],
+            send[OTHER_NODE],
+        )
+        for key, value in (
+            ("bytes_received_max", sum(recv)),
+            ("bytes_sent_max", sum(send)),
+            ("network_bytes_received_max", recv[OTHER_NODE]),
+            ("lower_bound_bytes_max", lower),
+            ("rounds", rounds),
+            ("moves", moves),
+            ("modelled_seconds", t),
+        ):
             out[key] = max(out[key], value)
     return dict(out)
 
@@ -570,8 +669,12 @@ def sample_ranks(world: int, limit: int = 32) -> List[int]:
     return list(range(world)) if world <= limit else [0, world // 2, world - 1]
 
 
-def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 ranks: Optional[Sequence[int]] = None, global_baseline: bool = False) -> List[Dict]:
+def run_scenario(
+    scenario: Scenario,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ranks: Optional[Sequence[int]] = None,
+    global_baseline: bool = False,
+) -> List[Dict]:
     """Simulate one scenario; one result dict per design. Trainer-side scenarios plan
     with the runtime's entry point, rank by rank, for ``ranks`` (default ``sample_ranks``);
     ``global_baseline`` also times the plan every rank used to compute (``global_plan_seconds``):
@@ -583,7 +686,9 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     size, engines = scenario.infer.size, scenario.infer.engines
     world = scenario.gpus
     if size * engines != world:
-        raise ValueError(f"{scenario.name}: {engines} engines x {size} ranks != {world} trainer ranks")
+        raise ValueError(
+            f"{scenario.name}: {engines} engines x {size} ranks != {world} trainer ranks"
+        )
     model_targets = spec.targets(scenario.infer.parallel)
     per_engine_rank = [spec.for_rank(model_targets, i) for i in range(size)]
     sources = describe_sources(spec, model_targets, scenario.train)
@@ -591,10 +696,20 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     topology = Topology(device_of={g: g for g in range(world)}, node_of=node_of)
     mode = scenario.mode
     if mode == "auto":
-        mode = "engine" if all(engine_covers(sources, e * size, (e + 1) * size) for e in range(engines)) else "trainer"
+        mode = (
+            "engine"
+            if all(
+                engine_covers(sources, e * size, (e + 1) * size) for e in range(engines)
+            )
+            else "trainer"
+        )
     # The engine publishes this (trainer side) or keys its plan cache with its fingerprint (engine side).
-    manifest = EngineManifest.of_ranks(scenario.infer.parallel, per_engine_rank, model_targets.aliases,
-                                       model_targets.tensor_shapes())
+    manifest = EngineManifest.of_ranks(
+        scenario.infer.parallel,
+        per_engine_rank,
+        model_targets.aliases,
+        model_targets.tensor_shapes(),
+    )
     describe_seconds = time.perf_counter() - t0
 
     # Planned as the runtime plans: without a topology (the runtime is not told which
@@ -607,47 +722,79 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             lo = e * size
             srcs = sources if engines == 1 else _restrict(sources, lo, lo + size)
             needs = {lo + i: per_engine_rank[i] for i in range(size)}
-            forget_indexes(srcs)  # each engine from a cold start, as its first update pays
+            forget_indexes(
+                srcs
+            )  # each engine from a cold start, as its first update pays
             wall, cpu = time.perf_counter(), time.process_time()
-            PlanCache().get(srcs, needs, bucket_bytes=bucket_bytes, aliases=model_targets.aliases,
-                            targets_digest=manifest.fingerprint, local_ranks=(lo,))
+            PlanCache().get(
+                srcs,
+                needs,
+                bucket_bytes=bucket_bytes,
+                aliases=model_targets.aliases,
+                targets_digest=manifest.fingerprint,
+                local_ranks=(lo,),
+            )
             timed[lo] = (time.perf_counter() - wall, time.process_time() - cpu)
             # The same plan with every rank's local copies listed, for the figures; timed
             # with global_baseline as every engine rank planned before (its cache key hashed
             # every rank's targets on each update).
             forget_indexes(srcs)
             wall, cpu = time.perf_counter(), time.process_time()
-            plans.append(PlanCache().get(srcs, needs, bucket_bytes=bucket_bytes, aliases=model_targets.aliases))
+            plans.append(
+                PlanCache().get(
+                    srcs,
+                    needs,
+                    bucket_bytes=bucket_bytes,
+                    aliases=model_targets.aliases,
+                )
+            )
             whole.append((time.perf_counter() - wall, time.process_time() - cpu))
         if global_baseline:
             extra["global_plan_seconds"], extra["global_plan_cpu_seconds"] = max(whole)
         dist = distributed_metrics(plans, topology)
         measured: object = "all"
-        timed_how = ("each engine rank plans its whole engine, listing its own local copies (its plan cache's "
-                     "first update, as engine rank 0 runs it); the slowest engine")
+        timed_how = (
+            "each engine rank plans its whole engine, listing its own local copies (its plan cache's "
+            "first update, as engine rank 0 runs it); the slowest engine"
+        )
     elif mode == "trainer":
         groups = [tuple(range(e * size, (e + 1) * size)) for e in range(engines)]
         parts = chunks(manifest, list(sources), bucket_bytes)
         measured = list(ranks) if ranks is not None else sample_ranks(world)
         by_rank = {}
         for r in measured:
-            forget_indexes(sources)  # each rank from a cold start (new plans too), as the first update pays
+            forget_indexes(
+                sources
+            )  # each rank from a cold start (new plans too), as the first update pays
             plans = TrainerPlans()
             wall, cpu = time.perf_counter(), time.process_time()
-            by_rank[r] = [plan_to_engines(plans, sources, manifest, groups, bucket_bytes, part, r)[0]
-                          for part in parts]
+            by_rank[r] = [
+                plan_to_engines(
+                    plans, sources, manifest, groups, bucket_bytes, part, r
+                )[0]
+                for part in parts
+            ]
             timed[r] = (time.perf_counter() - wall, time.process_time() - cpu)
         forget_indexes(sources)
         if global_baseline:
             wall, cpu = time.perf_counter(), time.process_time()
             every = [list(targets) for targets in manifest.ranks]
-            digest = TrainerPlans().inputs_digest(sources, manifest, groups, bucket_bytes)
+            digest = TrainerPlans().inputs_digest(
+                sources, manifest, groups, bucket_bytes
+            )
             for part in parts:
                 wanted = set(part)
                 # fingerprinted as the rank-local path fingerprints a chunk (the inputs' digest)
-                plan(sources, {g: [t for t in every[g % size] if t.name in wanted] for g in range(world)},
-                     bucket_bytes=bucket_bytes, aliases=model_targets.aliases,
-                     fingerprint=chunk_digest(digest, part))
+                plan(
+                    sources,
+                    {
+                        g: [t for t in every[g % size] if t.name in wanted]
+                        for g in range(world)
+                    },
+                    bucket_bytes=bucket_bytes,
+                    aliases=model_targets.aliases,
+                    fingerprint=chunk_digest(digest, part),
+                )
             extra["global_plan_seconds"] = time.perf_counter() - wall
             extra["global_plan_cpu_seconds"] = time.process_time() - cpu
         dist = rank_metrics(by_rank, topology)
@@ -676,16 +823,33 @@ def run_scenario(scenario: Scenario, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         "describe_seconds": describe_seconds,
     }
     slowest = max(timed.values())
-    rows = [dict(common, design="distributed", plan_seconds=slowest[0], plan_seconds_per_rank=slowest[0],
-                 plan_cpu_seconds=max(c for _, c in timed.values()),
-                 plan_seconds_by_rank={str(r): w for r, (w, _) in timed.items()}, plan_timing=timed_how,
-                 metrics_ranks=measured, **extra, **dist)]
+    rows = [
+        dict(
+            common,
+            design="distributed",
+            plan_seconds=slowest[0],
+            plan_seconds_per_rank=slowest[0],
+            plan_cpu_seconds=max(c for _, c in timed.values()),
+            plan_seconds_by_rank={str(r): w for r, (w, _) in timed.items()},
+            plan_timing=timed_how,
+            metrics_ranks=measured,
+            **extra,
+            **dist,
+        )
+    ]
     for design in ("full_tensor", "rank0_funnel"):
         rows.append(
-            dict(common, design=design, plan_seconds=None, plan_seconds_per_rank=None, plan_cpu_seconds=None,
-                 staging_bytes_max=None,
-                 rounds=None, moves=None,
-                 **base[design])
+            dict(
+                common,
+                design=design,
+                plan_seconds=None,
+                plan_seconds_per_rank=None,
+                plan_cpu_seconds=None,
+                staging_bytes_max=None,
+                rounds=None,
+                moves=None,
+                **base[design],
+            )
         )
     keys = list(dict.fromkeys(k for r in rows for k in r))  # one schema for every row
     return [{k: r.get(k) for k in keys} for r in rows]
@@ -725,7 +889,9 @@ def format_table(rows: Sequence[Dict], scenarios: Sequence[Scenario]) -> str:
         group = [r for r in rows if r["scenario"] == name]
         first = group[0]
         sc = by_name.get(name)
-        out.append(f"== {name}: {first['model']}, {first['gpus']} GPUs, plan {first['mode']}-side over {first['ranks']} ranks")
+        out.append(
+            f"== {name}: {first['model']}, {first['gpus']} GPUs, plan {first['mode']}-side over {first['ranks']} ranks"
+        )
         out.append(f"   train: {first['train']}; infer: {first['infer']}")
         if sc and sc.why:
             out.append(f"   why: {sc.why}")
@@ -745,44 +911,80 @@ def format_table(rows: Sequence[Dict], scenarios: Sequence[Scenario]) -> str:
                 f"{_fmt_s(r['modelled_seconds']):>10}"
             )
         dist = group[0]
-        by_rank = ", ".join(f"rank {r} {w:.2f} s" for r, w in dist["plan_seconds_by_rank"].items())
+        by_rank = ", ".join(
+            f"rank {r} {w:.2f} s" for r, w in dist["plan_seconds_by_rank"].items()
+        )
         if dist["mode"] == "trainer":
-            out.append(f"   distributed (figures of ranks {dist['metrics_ranks']}): up to {dist['moves']} moves in "
-                       f"{dist['rounds']} rounds per rank; plan per rank ({dist['plan_timing']}): {by_rank}; "
-                       f"CPU at most {dist['plan_cpu_seconds']:.2f} s")
+            out.append(
+                f"   distributed (figures of ranks {dist['metrics_ranks']}): up to {dist['moves']} moves in "
+                f"{dist['rounds']} rounds per rank; plan per rank ({dist['plan_timing']}): {by_rank}; "
+                f"CPU at most {dist['plan_cpu_seconds']:.2f} s"
+            )
             if dist.get("global_plan_seconds") is not None:
-                out.append(f"   before (whole-world planner.plan on every rank): wall {dist['global_plan_seconds']:.2f} s, "
-                           f"CPU {dist['global_plan_cpu_seconds']:.2f} s")
+                out.append(
+                    f"   before (whole-world planner.plan on every rank): wall {dist['global_plan_seconds']:.2f} s, "
+                    f"CPU {dist['global_plan_cpu_seconds']:.2f} s"
+                )
         else:
-            out.append(f"   distributed: {dist['moves']} moves in {dist['rounds']} rounds; plan per rank "
-                       f"({dist['plan_timing']}): wall {dist['plan_seconds']:.2f} s, CPU {dist['plan_cpu_seconds']:.2f} s")
+            out.append(
+                f"   distributed: {dist['moves']} moves in {dist['rounds']} rounds; plan per rank "
+                f"({dist['plan_timing']}): wall {dist['plan_seconds']:.2f} s, CPU {dist['plan_cpu_seconds']:.2f} s"
+            )
             if dist.get("global_plan_seconds") is not None:
-                out.append(f"   before (every rank's local copies listed, every rank's targets hashed for the cache "
-                           f"key): wall {dist['global_plan_seconds']:.2f} s, CPU {dist['global_plan_cpu_seconds']:.2f} s")
+                out.append(
+                    f"   before (every rank's local copies listed, every rank's targets hashed for the cache "
+                    f"key): wall {dist['global_plan_seconds']:.2f} s, CPU {dist['global_plan_cpu_seconds']:.2f} s"
+                )
         out.append("")
     return "\n".join(out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", action="append", help="run only this scenario (repeatable)")
-    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
-    parser.add_argument("--global-baseline", action="append", default=[], metavar="SCENARIO",
-                        help="also time the plan every rank used to compute, for this scenario (repeatable): "
-                             "trainer side the whole world's (it took 538 s for dsv3-fsdp256-to-8x32), engine side "
-                             "the whole engine's with every rank's local copies and targets hashed for its cache key")
-    parser.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_BYTES >> 20, help="bucket cap per rank per round")
+    parser.add_argument(
+        "--scenario", action="append", help="run only this scenario (repeatable)"
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the scenarios and exit"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON list instead of a table"
+    )
+    parser.add_argument(
+        "--global-baseline",
+        action="append",
+        default=[],
+        metavar="SCENARIO",
+        help="also time the plan every rank used to compute, for this scenario (repeatable): "
+        "trainer side the whole world's (it took 538 s for dsv3-fsdp256-to-8x32), engine side "
+        "the whole engine's with every rank's local copies and targets hashed for its cache key",
+    )
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=DEFAULT_BUCKET_BYTES >> 20,
+        help="bucket cap per rank per round",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for s in SCENARIOS + EXTRA_SCENARIOS:
             extra = "  (not in the default run)" if s in EXTRA_SCENARIOS else ""
-            print(f"{s.name:<32} {s.model:<18} {s.gpus:>4} GPUs  train {s.train.label()}; infer {s.infer.label()}{extra}")
+            print(
+                f"{s.name:<32} {s.model:<18} {s.gpus:>4} GPUs  train {s.train.label()}; infer {s.infer.label()}{extra}"
+            )
         return 0
-    scenarios = [get_scenario(n) for n in args.scenario] if args.scenario else list(SCENARIOS)
+    scenarios = (
+        [get_scenario(n) for n in args.scenario] if args.scenario else list(SCENARIOS)
+    )
     rows: List[Dict] = []
     for s in scenarios:
-        rows.extend(run_scenario(s, bucket_bytes=args.bucket_mib << 20, global_baseline=s.name in args.global_baseline))
+        rows.extend(
+            run_scenario(
+                s,
+                bucket_bytes=args.bucket_mib << 20,
+                global_baseline=s.name in args.global_baseline,
+            )
+        )
         if not args.json:
             print(f"... {s.name} done", file=sys.stderr)
     if args.json:

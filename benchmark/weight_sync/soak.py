@@ -43,9 +43,14 @@ def _sample(step: int) -> dict:
         except psutil.Error:
             pass
     me = psutil.Process()
-    return dict(update=step, engine_rss_mib=round(rss / 2**20, 1), engine_fds=fds,
-                own_rss_mib=round(me.memory_info().rss / 2**20, 1), own_fds=me.num_fds(),
-                dev_shm_files=len(os.listdir("/dev/shm")))
+    return dict(
+        update=step,
+        engine_rss_mib=round(rss / 2**20, 1),
+        engine_fds=fds,
+        own_rss_mib=round(me.memory_info().rss / 2**20, 1),
+        own_fds=me.num_fds(),
+        dev_shm_files=len(os.listdir("/dev/shm")),
+    )
 
 
 async def _loaded(eng, channel, shards_of, updates, concurrency, prompts, max_new):
@@ -67,13 +72,20 @@ async def _loaded(eng, channel, shards_of, updates, concurrency, prompts, max_ne
     times = []
     for u in range(updates):
         start = time.monotonic()
-        success, message = await update_async(eng, channel, f"loaded-{u}", shards_of(u), timeout_s=60)
+        success, message = await update_async(
+            eng, channel, f"loaded-{u}", shards_of(u), timeout_s=60
+        )
         times.append(time.monotonic() - start)
         assert success, message
     stop = True
     await asyncio.gather(*workers)
-    return dict(updates=updates, generations=done, bad_generations=len(failed),
-                update_s_median=round(sorted(times)[len(times) // 2], 4), update_s_max=round(max(times), 4))
+    return dict(
+        updates=updates,
+        generations=done,
+        bad_generations=len(failed),
+        update_s_median=round(sorted(times)[len(times) // 2], 4),
+        update_s_max=round(max(times), 4),
+    )
 
 
 def main() -> None:
@@ -88,10 +100,13 @@ def main() -> None:
     import tiny_models
     from engine import cpu_engine
     from faults import TP, full_shards, generate_async, update_async
-    from sglang.srt.weight_sync.protocol import make_channel
     from update_cases import new_weights
 
-    model_dir, _ = tiny_models.make_tiny_model("qwen2", Path(tempfile.mkdtemp()) / "qwen2")
+    from sglang.srt.weight_sync.protocol import make_channel
+
+    model_dir, _ = tiny_models.make_tiny_model(
+        "qwen2", Path(tempfile.mkdtemp()) / "qwen2"
+    )
     weight_sets = [full_shards(new_weights(model_dir, seed)) for seed in (1, 2)]
     prompts = [[5, 17, 42, 7], [300, 2, 9, 11], [77, 1, 3, 120]]
     samples, result = [], {}
@@ -101,29 +116,61 @@ def main() -> None:
         start = time.monotonic()
         for u in range(1, args.updates + 1):
             success, message = eng.loop.run_until_complete(
-                update_async(eng, channel, f"soak-{u}", [weight_sets[u % 2]] * TP, timeout_s=60))
+                update_async(
+                    eng, channel, f"soak-{u}", [weight_sets[u % 2]] * TP, timeout_s=60
+                )
+            )
             assert success, f"update {u}: {message}"
             if u % args.every == 0:
                 samples.append(_sample(u))
-                Path(args.out).write_text(json.dumps(dict(result, samples=samples), indent=1))  # partial
+                Path(args.out).write_text(
+                    json.dumps(dict(result, samples=samples), indent=1)
+                )  # partial
                 print(f"{u} updates, {time.monotonic() - start:.0f}s", file=sys.stderr)
-        result["sequential_s_per_update"] = round((time.monotonic() - start) / max(args.updates, 1), 4)
-        loaded = eng.loop.run_until_complete(_loaded(
-            eng, channel, lambda u: [weight_sets[u % 2]] * TP, args.loaded, args.concurrency, prompts, 8))
+        result["sequential_s_per_update"] = round(
+            (time.monotonic() - start) / max(args.updates, 1), 4
+        )
+        loaded = eng.loop.run_until_complete(
+            _loaded(
+                eng,
+                channel,
+                lambda u: [weight_sets[u % 2]] * TP,
+                args.loaded,
+                args.concurrency,
+                prompts,
+                8,
+            )
+        )
         final = weight_sets[(args.loaded - 1) % 2]
-        after = [eng.loop.run_until_complete(generate_async(eng.tokenizer_manager, p, 8))["output_ids"] for p in prompts]
+        after = [
+            eng.loop.run_until_complete(generate_async(eng.tokenizer_manager, p, 8))[
+                "output_ids"
+            ]
+            for p in prompts
+        ]
         # the same weights again, through a fresh update with nothing in flight: output must not change
-        assert eng.loop.run_until_complete(update_async(eng, channel, "final", [final] * TP, timeout_s=60))[0]
-        again = [eng.loop.run_until_complete(generate_async(eng.tokenizer_manager, p, 8))["output_ids"] for p in prompts]
+        assert eng.loop.run_until_complete(
+            update_async(eng, channel, "final", [final] * TP, timeout_s=60)
+        )[0]
+        again = [
+            eng.loop.run_until_complete(generate_async(eng.tokenizer_manager, p, 8))[
+                "output_ids"
+            ]
+            for p in prompts
+        ]
         loaded["output_after_equals_final_model"] = after == again
         result["loaded"] = loaded
         samples.append(_sample(args.updates + args.loaded + 1))
     result["samples"] = samples
-    print(f"{'update':>7} {'engine RSS MiB':>15} {'engine fds':>11} {'own RSS MiB':>12} {'own fds':>8} "
-          f"{'/dev/shm':>9}")
+    print(
+        f"{'update':>7} {'engine RSS MiB':>15} {'engine fds':>11} {'own RSS MiB':>12} {'own fds':>8} "
+        f"{'/dev/shm':>9}"
+    )
     for s in samples:
-        print(f"{s['update']:>7} {s['engine_rss_mib']:>15} {s['engine_fds']:>11} {s['own_rss_mib']:>12} "
-              f"{s['own_fds']:>8} {s['dev_shm_files']:>9}")
+        print(
+            f"{s['update']:>7} {s['engine_rss_mib']:>15} {s['engine_fds']:>11} {s['own_rss_mib']:>12} "
+            f"{s['own_fds']:>8} {s['dev_shm_files']:>9}"
+        )
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -27,23 +27,49 @@ SENTINEL = 1234.5  # what parameters hold before the update: any miss shows up
 
 
 def qwen2(**overrides):
-    cfg = dict(model_type="qwen2", hidden_size=128, num_attention_heads=16, num_key_value_heads=2,
-               vocab_size=1000, num_hidden_layers=2, intermediate_size=256, tie_word_embeddings=False)
+    cfg = dict(
+        model_type="qwen2",
+        hidden_size=128,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    )
     cfg.update(overrides)
     return cfg
 
 
 def llama_tied(**overrides):
-    cfg = dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-               vocab_size=500, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=True)
+    cfg = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=500,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
     cfg.update(overrides)
     return cfg
 
 
 def qwen3_moe(**overrides):
-    cfg = dict(model_type="qwen3_moe", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-               vocab_size=512, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
-               num_experts=8, tie_word_embeddings=False)
+    cfg = dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        tie_word_embeddings=False,
+    )
     cfg.update(overrides)
     return cfg
 
@@ -71,11 +97,15 @@ class Scenario:
         return self.world or max(self.train_tp, self.infer_tp)
 
     def __str__(self) -> str:
-        return (f"{self.config['model_type']}-{self.train}{self.train_tp}-tp{self.infer_tp}-ep{self.moe_ep}-"
-                f"{str(self.train_dtype)[6:]}to{str(self.engine_dtype)[6:]}")
+        return (
+            f"{self.config['model_type']}-{self.train}{self.train_tp}-tp{self.infer_tp}-ep{self.moe_ep}-"
+            f"{str(self.train_dtype)[6:]}to{str(self.engine_dtype)[6:]}"
+        )
 
 
-def full_tensors(shapes: Dict[str, Tuple[int, ...]], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+def full_tensors(
+    shapes: Dict[str, Tuple[int, ...]], dtype: torch.dtype
+) -> Dict[str, torch.Tensor]:
     """The same random full tensors on every rank (seeded by name)."""
     out = {}
     for name, shape in sorted(shapes.items()):
@@ -106,9 +136,13 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         for name, tensor in full.items():
             dim = megatron_dim(name)
             if dim is None:
-                layout[name] = MeshSpec.sharded(tensor.shape, tensor.dtype, 0, [[r] for r in range(world)]).describe(name)
+                layout[name] = MeshSpec.sharded(
+                    tensor.shape, tensor.dtype, 0, [[r] for r in range(world)]
+                ).describe(name)
             else:
-                layout[name] = MeshSpec.sharded(tensor.shape, tensor.dtype, dim, replicas).describe(name)
+                layout[name] = MeshSpec.sharded(
+                    tensor.shape, tensor.dtype, dim, replicas
+                ).describe(name)
             box = layout[name].box_of(rank)
             local[name] = tensor[box.slices()].clone()
         return layout, local
@@ -116,9 +150,16 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         mesh = init_device_mesh("cpu", (world // t, t), mesh_dim_names=("dp", "tp"))
         placements = (Replicate(), Shard(int(s.train[-1])))
         for name, tensor in full.items():
-            p = placements if tensor.ndim > int(s.train[-1]) else (Replicate(), Replicate())
+            p = (
+                placements
+                if tensor.ndim > int(s.train[-1])
+                else (Replicate(), Replicate())
+            )
             dt = distribute_tensor(tensor, mesh, p, src_data_rank=None)
-            layout[name], local[name] = MeshSpec.of_dtensor(dt).describe(name), dt.to_local()
+            layout[name], local[name] = (
+                MeshSpec.of_dtensor(dt).describe(name),
+                dt.to_local(),
+            )
         return layout, local
     if s.train == "fsdp_tp":
         from torch.distributed.fsdp import fully_shard
@@ -129,14 +170,25 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         for i, name in enumerate(names):
             dim = megatron_dim(name)
             place = Replicate() if dim is None or dim >= full[name].ndim else Shard(dim)
-            tp_param = distribute_tensor(full[name].clone(), mesh["tp"], (place,), src_data_rank=None)
+            tp_param = distribute_tensor(
+                full[name].clone(), mesh["tp"], (place,), src_data_rank=None
+            )
             module.register_parameter(f"p{i}", torch.nn.Parameter(tp_param))
         fully_shard(module, mesh=mesh["dp"])
         for i, name in enumerate(names):
             dt = getattr(module, f"p{i}")
-            layout[name], local[name] = MeshSpec.of_dtensor(dt).describe(name), dt.to_local()
-        strided = [n for i, n in enumerate(names) if "_StridedShard" in type(getattr(module, f"p{i}").placements[0]).__name__]
-        assert strided, "FSDP2 over TP gave no _StridedShard placement: the case tests nothing new"
+            layout[name], local[name] = (
+                MeshSpec.of_dtensor(dt).describe(name),
+                dt.to_local(),
+            )
+        strided = [
+            n
+            for i, n in enumerate(names)
+            if "_StridedShard" in type(getattr(module, f"p{i}").placements[0]).__name__
+        ]
+        assert strided, (
+            "FSDP2 over TP gave no _StridedShard placement: the case tests nothing new"
+        )
         return layout, local
     if s.train in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import fully_shard
@@ -144,7 +196,9 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         if s.train == "fsdp":
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         else:
-            mesh = init_device_mesh("cpu", s.hsdp_shape, mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                "cpu", s.hsdp_shape, mesh_dim_names=("replicate", "shard")
+            )
         names = sorted(full)
         module = torch.nn.Module()
         for i, name in enumerate(names):
@@ -152,7 +206,10 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         fully_shard(module, mesh=mesh)
         for i, name in enumerate(names):
             dt = getattr(module, f"p{i}")
-            layout[name], local[name] = MeshSpec.of_dtensor(dt).describe(name), dt.to_local()
+            layout[name], local[name] = (
+                MeshSpec.of_dtensor(dt).describe(name),
+                dt.to_local(),
+            )
         return layout, local
     raise ValueError(s.train)
 
@@ -162,8 +219,13 @@ def run(rank: int, world: int, s: Scenario) -> dict:
         s.config, EngineParallel(s.infer_tp, moe_ep_size=s.moe_ep), s.engine_dtype
     )
     full = full_tensors(targets_all.tensor_shapes(), s.train_dtype)
-    if targets_all.aliases:  # tied: the trainer sends lm_head.weight, the engine needs the embedding
-        full = {("lm_head.weight" if n == "model.embed_tokens.weight" else n): v for n, v in full.items()}
+    if (
+        targets_all.aliases
+    ):  # tied: the trainer sends lm_head.weight, the engine needs the embedding
+        full = {
+            ("lm_head.weight" if n == "model.embed_tokens.weight" else n): v
+            for n, v in full.items()
+        }
     layout, local = _train_shards(s, rank, full)
     # Engine-side when the engine spans the trainer's groups; otherwise trainer-side: rank k ends
     # with what engine rank k % infer_tp needs.
@@ -180,12 +242,20 @@ def run(rank: int, world: int, s: Scenario) -> dict:
         expected = reference_param(t, reference)
         if not torch.equal(params[t.name], expected):
             bad = (params[t.name] != expected).nonzero()[:3].tolist()
-            raise AssertionError(f"{s} rank {rank}: {t.name} differs from SGLang's slicing at {bad}")
+            raise AssertionError(
+                f"{s} rank {rank}: {t.name} differs from SGLang's slicing at {bad}"
+            )
     dist.barrier()
     return dict(
-        received=stats.bytes_received, lower_bound=p.lower_bound_bytes(rank), planned=p.received_bytes(rank),
-        peak=stats.peak_staging_bytes, largest_round=stats.largest_round_bytes, bucket=s.bucket_bytes,
-        fingerprint=p.fingerprint, broadcasts=stats.broadcasts, p2p=stats.p2p_ops,
+        received=stats.bytes_received,
+        lower_bound=p.lower_bound_bytes(rank),
+        planned=p.received_bytes(rank),
+        peak=stats.peak_staging_bytes,
+        largest_round=stats.largest_round_bytes,
+        bucket=s.bucket_bytes,
+        fingerprint=p.fingerprint,
+        broadcasts=stats.broadcasts,
+        p2p=stats.p2p_ops,
     )
 
 

@@ -9,51 +9,80 @@ buffers never over it). The simulator, given the same scenario, must report the 
 the runtime moved.
 """
 
-
 import torch
 import torch.distributed as dist
-
 from ranks import run_ranks
 
-CONFIG = dict(model_type="qwen2", hidden_size=128, num_attention_heads=16, num_key_value_heads=2,
-              vocab_size=1000, num_hidden_layers=2, intermediate_size=256, tie_word_embeddings=False)
+CONFIG = dict(
+    model_type="qwen2",
+    hidden_size=128,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    tie_word_embeddings=False,
+)
 GROUPS = ((0, 1), (2, 3))
-SMALL_CAP = 144 << 10  # above the largest parameter (lm_head, 128 KiB per rank), ~1/4 of a rank's model
+SMALL_CAP = (
+    144 << 10
+)  # above the largest parameter (lm_head, 128 KiB per rank), ~1/4 of a rank's model
 
 
 def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from benchmark.weight_sync.hand_rules import (
+        model_targets_from_config,
+        reference_param,
+    )
     from sglang.srt.weight_sync.manifest import EngineManifest
-    from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param
     from sglang.srt.weight_sync.target_layout import EngineParallel
-    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
     from sglang.srt.weight_sync.trainer_flow import prepare_shards
+    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
 
     targets = model_targets_from_config(CONFIG, EngineParallel(2), torch.bfloat16)
     manifest = EngineManifest.of(targets)
     mesh = init_device_mesh("cpu", (world,))
-    full = {n: torch.randn(s, generator=torch.Generator().manual_seed(i))
-            for i, (n, s) in enumerate(sorted(targets.tensor_shapes().items()))}
-    shards = prepare_shards([(n, distribute_tensor(t, mesh, (Shard(0),), src_data_rank=None)) for n, t in full.items()])
-    sources, local = {n: spec.describe(n) for n, _, spec in shards}, {n: t for n, t, _ in shards}
+    full = {
+        n: torch.randn(s, generator=torch.Generator().manual_seed(i))
+        for i, (n, s) in enumerate(sorted(targets.tensor_shapes().items()))
+    }
+    shards = prepare_shards(
+        [
+            (n, distribute_tensor(t, mesh, (Shard(0),), src_data_rank=None))
+            for n, t in full.items()
+        ]
+    )
+    sources, local = (
+        {n: spec.describe(n) for n, _, spec in shards},
+        {n: t for n, t, _ in shards},
+    )
     out = dict(received=0, lower_bound=0, peak_staging=0, peak_buffers=0, chunks=0)
     plans = TrainerPlans()
     written = set()
     for part in chunks(manifest, list(full), bucket_bytes):
-        result = plans.reshard_to_engines(sources, local, manifest, GROUPS, rank, bucket_bytes, part)
+        result = plans.reshard_to_engines(
+            sources, local, manifest, GROUPS, rank, bucket_bytes, part
+        )
         for name, buf in result.buffers.items():
             want = next(t for t in manifest.ranks[rank % 2] if t.name == name)
-            assert torch.equal(buf, reference_param(want, full)), f"rank {rank}: {name} differs from SGLang's slicing"
+            assert torch.equal(buf, reference_param(want, full)), (
+                f"rank {rank}: {name} differs from SGLang's slicing"
+            )
             written.add(name)
         out["chunks"] += 1
         out["received"] += result.stats.bytes_received
         out["lower_bound"] += result.lower_bound_bytes(rank)
         out["peak_staging"] = max(out["peak_staging"], result.stats.peak_staging_bytes)
-        out["peak_buffers"] = max(out["peak_buffers"], sum(b.nbytes for b in result.buffers.values()))
+        out["peak_buffers"] = max(
+            out["peak_buffers"], sum(b.nbytes for b in result.buffers.values())
+        )
         dist.barrier()
-    assert written == {t.name for t in manifest.ranks[rank % 2]}, f"rank {rank}: parameters left unwritten"
+    assert written == {t.name for t in manifest.ranks[rank % 2]}, (
+        f"rank {rank}: parameters left unwritten"
+    )
     return out
 
 
@@ -69,7 +98,11 @@ def _independent_lower_bound(rank: int) -> int:
     shapes, total = targets.tensor_shapes(), 0
     for t in targets.for_rank(rank % 2):
         for p in t.pieces:
-            held = MeshSpec(shapes[p.tensor], torch.float32, [0, 1, 2, 3], (Shard(0),)).describe(p.tensor).box_of(rank)
+            held = (
+                MeshSpec(shapes[p.tensor], torch.float32, [0, 1, 2, 3], (Shard(0),))
+                .describe(p.tensor)
+                .box_of(rank)
+            )
             overlap = held.intersect(p.box)
             total += (p.box.numel - (overlap.numel if overlap else 0)) * 2
     return total
@@ -81,9 +114,14 @@ def test_fsdp4_fp32_to_two_bf16_engines_of_tp2_in_one_hop_and_streamed():
     for rank in range(4):
         expected = _independent_lower_bound(rank)
         for r in (whole[rank], streamed[rank]):
-            assert r["received"] == r["lower_bound"] == expected, f"rank {rank}: {r}, lower bound {expected}"
+            assert r["received"] == r["lower_bound"] == expected, (
+                f"rank {rank}: {r}, lower bound {expected}"
+            )
         assert whole[rank]["chunks"] == 1 and streamed[rank]["chunks"] > 3
-        assert 0 < streamed[rank]["peak_staging"] <= SMALL_CAP and streamed[rank]["peak_buffers"] <= SMALL_CAP
+        assert (
+            0 < streamed[rank]["peak_staging"] <= SMALL_CAP
+            and streamed[rank]["peak_buffers"] <= SMALL_CAP
+        )
 
 
 def test_simulator_reports_the_bytes_the_runtime_moves(monkeypatch):
@@ -92,10 +130,20 @@ def test_simulator_reports_the_bytes_the_runtime_moves(monkeypatch):
     from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
-    monkeypatch.setitem(models.MODELS, "tiny-qwen2", models.ModelSpec("tiny-qwen2", "", CONFIG, model_targets_from_config))
-    scenario = simulate.Scenario("tiny-fsdp4-to-2x2", "tiny-qwen2", simulate.TrainLayout("fsdp", 4, dtype=torch.float32),
-                                 simulate.InferLayout(EngineParallel(2), engines=2))
-    row = next(r for r in simulate.run_scenario(scenario) if r["design"] == "distributed")
+    monkeypatch.setitem(
+        models.MODELS,
+        "tiny-qwen2",
+        models.ModelSpec("tiny-qwen2", "", CONFIG, model_targets_from_config),
+    )
+    scenario = simulate.Scenario(
+        "tiny-fsdp4-to-2x2",
+        "tiny-qwen2",
+        simulate.TrainLayout("fsdp", 4, dtype=torch.float32),
+        simulate.InferLayout(EngineParallel(2), engines=2),
+    )
+    row = next(
+        r for r in simulate.run_scenario(scenario) if r["design"] == "distributed"
+    )
     runtime = run_ranks(4, _one_hop, simulate.DEFAULT_BUCKET_BYTES)
     assert row["mode"] == "trainer"
     assert row["bytes_received_max"] == max(r["received"] for r in runtime)

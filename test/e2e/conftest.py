@@ -13,15 +13,11 @@ Helpers live in ``test/support`` and are imported as top-level modules::
     import tiny_models
 """
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-from engine import _shm_entries, cleanup_shm
-
 import tiny_models
+from engine import _shm_entries, cleanup_shm
 
 
 @pytest.fixture(scope="session")

@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny_models
+import torch
 from engine import hf_greedy
 from test_distributed_update import run
 from update_cases import MAX_NEW, new_weights
@@ -34,11 +33,26 @@ def sglang_load_checksums(model_dir, weights, tp: int, workdir: Path, ep: int = 
     import sglang_fakes
 
     tiny_models.write_modified_checkpoint(model_dir, workdir / "new", weights)
-    job = {"mode": "cpu", "workdir": str(workdir), "checksums": True, "configs": {"new": None},
-           "cases": [[f"r{r}", "new", tp, r, ep] for r in range(tp)]}
+    job = {
+        "mode": "cpu",
+        "workdir": str(workdir),
+        "checksums": True,
+        "configs": {"new": None},
+        "cases": [[f"r{r}", "new", tp, r, ep] for r in range(tp)],
+    }
     (workdir / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, sglang_fakes.__file__, str(workdir / "job.json"), str(workdir / "out.pt")],
-                          env=sglang_fakes.worker_env("cpu"), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            sglang_fakes.__file__,
+            str(workdir / "job.json"),
+            str(workdir / "out.pt"),
+        ],
+        env=sglang_fakes.worker_env("cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(workdir / "out.pt", weights_only=False)["results"]
     for r in range(tp):
@@ -47,19 +61,34 @@ def sglang_load_checksums(model_dir, weights, tp: int, workdir: Path, ep: int = 
 
 
 def check_models_update(kind: str, tmp_path, generate: bool = True, **engine_kwargs):
-    model_dir, _, prompts, (records,) = run(kind, 2, 2, STEPS, tmp_path, generate=generate, **engine_kwargs)
+    model_dir, _, prompts, (records,) = run(
+        kind, 2, 2, STEPS, tmp_path, generate=generate, **engine_kwargs
+    )
     for record in records[1:]:
         assert record.get("success", True), record.get("message")
         seed = record["step"][2]
         weights = new_weights(model_dir, seed)
-        expected = sglang_load_checksums(model_dir, weights, 2, tmp_path / f"load-{seed}",
-                                         engine_kwargs.get("ep_size", 1))
+        expected = sglang_load_checksums(
+            model_dir,
+            weights,
+            2,
+            tmp_path / f"load-{seed}",
+            engine_kwargs.get("ep_size", 1),
+        )
         for r in range(2):
-            wrong = sorted(n for n in expected[r] if record["checksums"][r].get(n) != expected[r][n])
-            assert not wrong, f"{kind} {record['step']}: rank {r} differs from SGLang's own load: {wrong[:5]}"
+            wrong = sorted(
+                n
+                for n in expected[r]
+                if record["checksums"][r].get(n) != expected[r][n]
+            )
+            assert not wrong, (
+                f"{kind} {record['step']}: rank {r} differs from SGLang's own load: {wrong[:5]}"
+            )
         if generate:
             reference = hf_greedy(model_dir, prompts[seed], MAX_NEW, weights=weights)
-            assert record["generation"] == reference, f"{kind} {record['step']}: generation differs from HF"
+            assert record["generation"] == reference, (
+                f"{kind} {record['step']}: generation differs from HF"
+            )
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "phi3"])
@@ -80,7 +109,9 @@ def test_gpt_oss_update_parameters(tmp_path):
     loads gpt-oss when asked for its CPU attention backend (``intel_amx``, which falls back to
     torch_native on a machine without AMX, as here) but cannot run it (torch_native has no
     attention sinks), so no generation: every rank's parameters must equal SGLang's own load."""
-    check_models_update("gpt_oss", tmp_path, generate=False, attention_backend="intel_amx")
+    check_models_update(
+        "gpt_oss", tmp_path, generate=False, attention_backend="intel_amx"
+    )
 
 
 def test_cpu_padded_heads_update(tmp_path):

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-import torch
-
 import tiny_models
+import torch
 from engine import WORKER_ENGINE_ARGS, stable_prompts
 from ranks import run_ranks
 from test_verl_release import _free_ports, _params_at_tp1, _wait_healthy, check_server
@@ -47,35 +46,67 @@ def areal_job(rank: int, world: int, job: dict) -> list:
     from areal.engine.core.distributed import init_custom_process_group
     from areal.engine.sglang_remote import RemoteSGLangEngine
     from areal.utils import name_resolve, names
+
     from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
     model_dir, (port, group_port) = job["model_dir"], job["ports"]
-    server = HttpServerEngineAdapter(model_path=model_dir, tp_size=1, host="127.0.0.1", port=port,
-                                     **WORKER_ENGINE_ARGS)
+    server = HttpServerEngineAdapter(
+        model_path=model_dir,
+        tp_size=1,
+        host="127.0.0.1",
+        port=port,
+        **WORKER_ENGINE_ARGS,
+    )
     records = []
     try:
         _wait_healthy(port)
         experiment, trial = "weight-sync", "areal"
-        name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=job["name_resolve"]))
-        client = RemoteSGLangEngine(InferenceEngineConfig(
-            experiment_name=experiment, trial_name=trial, fileroot=job["fileroot"], backend="sglang:d1t1"))
+        name_resolve.reconfigure(
+            NameResolveConfig(type="nfs", nfs_record_root=job["name_resolve"])
+        )
+        client = RemoteSGLangEngine(
+            InferenceEngineConfig(
+                experiment_name=experiment,
+                trial_name=trial,
+                fileroot=job["fileroot"],
+                backend="sglang:d1t1",
+            )
+        )
         client.initialize(addr=[f"127.0.0.1:{port}"])
         group = None
         for version, (kind, seed) in enumerate(job["steps"], start=1):
             weights = new_weights(model_dir, seed)
             if kind == "xccl":
-                meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1t1"),
-                                        nccl_master_address="127.0.0.1", nccl_master_port=group_port,
-                                        nccl_group_name="update_weight_group")
-                if group is None:  # FSDPEngine._init_weight_update_from_distributed, rank 0
+                meta = WeightUpdateMeta(
+                    type="xccl",
+                    gen_allocation=ModelAllocation.from_str("sglang:d1t1"),
+                    nccl_master_address="127.0.0.1",
+                    nccl_master_port=group_port,
+                    nccl_group_name="update_weight_group",
+                )
+                if (
+                    group is None
+                ):  # FSDPEngine._init_weight_update_from_distributed, rank 0
                     joined = client.init_weights_update_group(meta)
-                    group = init_custom_process_group(backend="gloo", world_size=2,
-                                                      init_method=f"tcp://127.0.0.1:{group_port}", rank=0,
-                                                      group_name="update_weight_group")
+                    group = init_custom_process_group(
+                        backend="gloo",
+                        world_size=2,
+                        init_method=f"tcp://127.0.0.1:{group_port}",
+                        rank=0,
+                        group_name="update_weight_group",
+                    )
                     joined.result()
-                named = [(n, t) for n, t in sorted(weights.items())]  # the engine's dtype, as AReaL casts
-                specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
-                         for n, t in named]
+                named = [
+                    (n, t) for n, t in sorted(weights.items())
+                ]  # the engine's dtype, as AReaL casts
+                specs = [
+                    ParamSpec(
+                        name=n,
+                        shape=tuple(t.shape),
+                        dtype=str(t.dtype).split("torch.")[1],
+                    )
+                    for n, t in named
+                ]
                 applied = client.update_weights_from_distributed(meta, specs)
                 for _, tensor in named:
                     torch.distributed.broadcast(tensor, src=0, group=group)
@@ -86,14 +117,25 @@ def areal_job(rank: int, world: int, job: dict) -> list:
                 client.pause_generation()
                 applied = client.update_weights_from_disk(meta)
                 tiny_models.write_modified_checkpoint(model_dir, meta.path, weights)
-                name_resolve.add(names.update_weights_from_disk(experiment, trial, version),
-                                 str(datetime.now().timestamp()), keepalive_ttl=120)
+                name_resolve.add(
+                    names.update_weights_from_disk(experiment, trial, version),
+                    str(datetime.now().timestamp()),
+                    keepalive_ttl=120,
+                )
                 applied.result()
                 client.continue_generation()
             params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-            out = server.generate(input_ids=job["prompts"][seed], sampling_params=params)
-            records.append(dict(kind=kind, seed=seed, generation=[o["output_ids"] for o in out],
-                                params=_params_at_tp1(port, list(weights))))
+            out = server.generate(
+                input_ids=job["prompts"][seed], sampling_params=params
+            )
+            records.append(
+                dict(
+                    kind=kind,
+                    seed=seed,
+                    generation=[o["output_ids"] for o in out],
+                    params=_params_at_tp1(port, list(weights)),
+                )
+            )
         client.destroy()
     finally:
         server.shutdown()
@@ -102,10 +144,23 @@ def areal_job(rank: int, world: int, job: dict) -> list:
 
 def test_areal_updates_a_tp1_server(tmp_path):
     model_dir, config = tiny_models.make_tiny_model("llama", tmp_path / "llama")
-    prompts = {seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW) for _, seed in STEPS}
-    job = dict(model_dir=str(model_dir), ports=_free_ports(2), steps=STEPS, prompts=prompts,
-               name_resolve=str(tmp_path / "name_resolve"), fileroot=str(tmp_path / "files"))
-    [records] = run_ranks(1, areal_job, job, timeout=500, start_method="spawn")  # inside pytest's 600 s
+    prompts = {
+        seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW)
+        for _, seed in STEPS
+    }
+    job = dict(
+        model_dir=str(model_dir),
+        ports=_free_ports(2),
+        steps=STEPS,
+        prompts=prompts,
+        name_resolve=str(tmp_path / "name_resolve"),
+        fileroot=str(tmp_path / "files"),
+    )
+    [records] = run_ranks(
+        1, areal_job, job, timeout=500, start_method="spawn"
+    )  # inside pytest's 600 s
     assert [(r["kind"], r["seed"]) for r in records] == list(STEPS)
     for record in records:
-        check_server(record, model_dir, config, 1, prompts, f"AReaL {record['kind']} update")
+        check_server(
+            record, model_dir, config, 1, prompts, f"AReaL {record['kind']} update"
+        )

@@ -13,15 +13,28 @@ message naming tensor and rank, leaving the old weights serving.
 from __future__ import annotations
 
 import pytest
-import sglang
-import torch
-
 import tiny_models
+import torch
 from engine import hf_greedy, stable_prompts
 from ranks import run_ranks
-from update_cases import BAD_NAME, GATHERING_CHECKER, MAX_NEW, checksum, engine_job, new_weights
+from update_cases import (
+    BAD_NAME,
+    GATHERING_CHECKER,
+    MAX_NEW,
+    checksum,
+    engine_job,
+    new_weights,
+)
 
-UPDATES = [("verl", "fsdp", 1), ("verl", "tp", 2), ("verl", "full", 3), ("utils", "fsdp", 4), ("engine", "tp", 5)]
+import sglang
+
+UPDATES = [
+    ("verl", "fsdp", 1),
+    ("verl", "tp", 2),
+    ("verl", "full", 3),
+    ("utils", "fsdp", 4),
+    ("engine", "tp", 5),
+]
 FAILURES = {
     "unknown_name": f"unknown tensor '{BAD_NAME}'",
     "wrong_shape": "global shape",
@@ -33,12 +46,19 @@ FAILURES = {
 
 
 def expected_checksums(config, weights, tp: int, ep: int):
-    from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param
+    from benchmark.weight_sync.hand_rules import (
+        model_targets_from_config,
+        reference_param,
+    )
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
-    targets = model_targets_from_config(config, EngineParallel(tp, moe_ep_size=ep), torch.bfloat16)
-    return {r: {t.name: checksum(reference_param(t, weights)) for t in targets.for_rank(r)}
-            for r in range(tp)}
+    targets = model_targets_from_config(
+        config, EngineParallel(tp, moe_ep_size=ep), torch.bfloat16
+    )
+    return {
+        r: {t.name: checksum(reference_param(t, weights)) for t in targets.for_rank(r)}
+        for r in range(tp)
+    }
 
 
 def check_update(record, model_dir, config, seed, tp, prompts, ep=1):
@@ -48,59 +68,111 @@ def check_update(record, model_dir, config, seed, tp, prompts, ep=1):
     for r in range(tp):
         got = {n: record["checksums"][r][n] for n in expected[r]}
         wrong = sorted(n for n in expected[r] if got[n] != expected[r][n])
-        assert not wrong, f"{record['step']}: engine rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
+        assert not wrong, (
+            f"{record['step']}: engine rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
+        )
     if prompts is None:
         return
     reference = hf_greedy(model_dir, prompts[seed], MAX_NEW, weights=weights)
-    assert record["generation"] == reference, f"{record['step']}: generation differs from HF transformers"
+    assert record["generation"] == reference, (
+        f"{record['step']}: generation differs from HF transformers"
+    )
 
 
-def run(kind, tp, world, steps, tmp_path, generate=True, reports_dir=None, **engine_kwargs):
+def run(
+    kind, tp, world, steps, tmp_path, generate=True, reports_dir=None, **engine_kwargs
+):
     """Run the steps; each weight set gets prompts whose greedy path has no bf16 near-tie
     for it, which makes exact comparison with HF meaningful. With ``reports_dir`` every
     rank writes its update reports there (``update_cases._write_report``)."""
     model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
-    seeds = sorted({seed for kind_, _, seed in steps if kind_ not in ("fail", "verl_bad", "memory")})
+    seeds = sorted(
+        {
+            seed
+            for kind_, _, seed in steps
+            if kind_ not in ("fail", "verl_bad", "memory")
+        }
+    )
     prompts = None
     if generate:
-        prompts = {s: stable_prompts([(model_dir, new_weights(model_dir, s))], 3, MAX_NEW) for s in seeds}
+        prompts = {
+            s: stable_prompts([(model_dir, new_weights(model_dir, s))], 3, MAX_NEW)
+            for s in seeds
+        }
         prompts["start"] = stable_prompts([model_dir], 3, MAX_NEW)
     forbidden_log = tmp_path / "forbidden-calls"
     forbidden_log.mkdir()
-    job = dict(model_dir=model_dir, tp=tp, steps=steps, engine_kwargs=engine_kwargs, prompts=prompts or {"start": None},
-               generate=generate, forbidden_log=str(forbidden_log), reports_dir=reports_dir)
-    results = [r for r in run_ranks(world, engine_job, job, timeout=600, start_method="spawn") if r]
+    job = dict(
+        model_dir=model_dir,
+        tp=tp,
+        steps=steps,
+        engine_kwargs=engine_kwargs,
+        prompts=prompts or {"start": None},
+        generate=generate,
+        forbidden_log=str(forbidden_log),
+        reports_dir=reports_dir,
+    )
+    results = [
+        r
+        for r in run_ranks(world, engine_job, job, timeout=600, start_method="spawn")
+        if r
+    ]
     for records in results:
         for record in records[1:]:
-            assert record["forbidden_calls"] == 0, f"{record['step']}: full_tensor/gather_object called during the update"
+            assert record["forbidden_calls"] == 0, (
+                f"{record['step']}: full_tensor/gather_object called during the update"
+            )
     # the recorder is live in the engine's processes: it saw the weight checker's gathers (only
     # 0.5.23's checker gathers objects; older releases read the parameters without any)
     if tp > 1 and sglang.__version__.split("+")[0] in GATHERING_CHECKER:
-        assert any(f.read_text() for f in forbidden_log.iterdir()), "forbidden-call recorder is not active"
+        assert any(f.read_text() for f in forbidden_log.iterdir()), (
+            "forbidden-call recorder is not active"
+        )
     return model_dir, config, prompts, results
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
-    fails = [("fail", kind, 10 + i) for i, kind in enumerate(FAILURES) if tp > 1 or kind != "missing"]
+    fails = [
+        ("fail", kind, 10 + i)
+        for i, kind in enumerate(FAILURES)
+        if tp > 1 or kind != "missing"
+    ]
     steps = UPDATES + fails + [("verl", "fsdp", 20), ("memory", "release_resume", 20)]
     model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
     last_good = None
     for record in records[1:]:
         kind, arg, seed = record["step"]
         if kind == "memory":
-            assert record["generation"] == last_good["generation"] and record["checksums"] == last_good["checksums"]
+            assert (
+                record["generation"] == last_good["generation"]
+                and record["checksums"] == last_good["checksums"]
+            )
         elif kind == "fail":
-            assert record["success"] is False and FAILURES[arg] in record["message"], record["message"]
+            assert record["success"] is False and FAILURES[arg] in record["message"], (
+                record["message"]
+            )
             assert "no parameter changed" in record["message"]
-            assert record["generation"] == last_good["generation"], f"{arg}: old weights no longer serving"
-            assert record["checksums"] == last_good["checksums"], f"{arg}: a parameter changed"
+            assert record["generation"] == last_good["generation"], (
+                f"{arg}: old weights no longer serving"
+            )
+            assert record["checksums"] == last_good["checksums"], (
+                f"{arg}: a parameter changed"
+            )
         else:
             assert record.get("success", True), record.get("message")
-            if kind in ("utils", "engine"):  # upstream's reply text; the figures in their own fields
+            if kind in (
+                "utils",
+                "engine",
+            ):  # upstream's reply text; the figures in their own fields
                 assert record["message"] == "Success", record["message"]
-            if kind == "engine":  # every engine rank received exactly the bytes it lacked
-                assert len(record["bytes_received"]) == tp and record["bytes_received"] == record["lower_bound_bytes"]
+            if (
+                kind == "engine"
+            ):  # every engine rank received exactly the bytes it lacked
+                assert (
+                    len(record["bytes_received"]) == tp
+                    and record["bytes_received"] == record["lower_bound_bytes"]
+                )
             check_update(record, model_dir, config, seed, tp, prompts)
             last_good = record
 
@@ -143,12 +215,20 @@ def test_verl_engine_http_server_backend(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     steps = [("verl", "fsdp", 1), ("verl_bad", "fsdp", 2)]
-    model_dir, config, prompts, (records,) = run("qwen2", 2, 2, steps, tmp_path, backend="server", port=port)
+    model_dir, config, prompts, (records,) = run(
+        "qwen2", 2, 2, steps, tmp_path, backend="server", port=port
+    )
     good, bad = records[1:]
     check_update(good, model_dir, config, 1, 2, prompts)
-    assert bad["success"] is False and f"unknown tensor '{BAD_NAME}'" in bad["message"], bad["message"]
-    assert bad["generation"] == good["generation"], "the refused update changed what the server generates"
-    assert bad["checksums"] == good["checksums"], "the refused update changed a parameter"
+    assert (
+        bad["success"] is False and f"unknown tensor '{BAD_NAME}'" in bad["message"]
+    ), bad["message"]
+    assert bad["generation"] == good["generation"], (
+        "the refused update changed what the server generates"
+    )
+    assert bad["checksums"] == good["checksums"], (
+        "the refused update changed a parameter"
+    )
 
 
 def test_moe_expert_parallel_parameters(tmp_path):
@@ -157,7 +237,17 @@ def test_moe_expert_parallel_parameters(tmp_path):
     checked here, bit for bit; generation with EP needs a GPU."""
     engine_kwargs = {"ep_size": 2}
     steps = [("verl", "fsdp", 1), ("utils", "tp", 2)]
-    model_dir, config, prompts, (records,) = run("qwen3_moe", 2, 2, steps, tmp_path, generate=False, **engine_kwargs)
+    model_dir, config, prompts, (records,) = run(
+        "qwen3_moe", 2, 2, steps, tmp_path, generate=False, **engine_kwargs
+    )
     for record in records[1:]:
         assert record.get("success", True), record.get("message")
-        check_update(record, model_dir, config, record["step"][2], 2, prompts, engine_kwargs.get("ep_size", 1))
+        check_update(
+            record,
+            model_dir,
+            config,
+            record["step"][2],
+            2,
+            prompts,
+            engine_kwargs.get("ep_size", 1),
+        )

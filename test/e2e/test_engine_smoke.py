@@ -7,9 +7,14 @@ changes what it generates to match HF with the same new ``lm_head``.
 import time
 
 import pytest
-
 import tiny_models
-from engine import cpu_engine, engine_greedy, greedy_mismatches, hf_greedy, stable_prompts
+from engine import (
+    cpu_engine,
+    engine_greedy,
+    greedy_mismatches,
+    hf_greedy,
+    stable_prompts,
+)
 
 MAX_NEW = 8
 
@@ -20,10 +25,10 @@ def qwen2(tiny_model):
     lm_head = tiny_models.load_checkpoint(path)["lm_head.weight"]
     new_lm_head = tiny_models.random_like(lm_head, seed=1)
     # Prompts whose greedy path has no bf16 near-tie, with either lm_head: exact comparison is robust.
-    prompts = stable_prompts([path, (path, {"lm_head.weight": new_lm_head})], count=3, max_new_tokens=MAX_NEW)
+    prompts = stable_prompts(
+        [path, (path, {"lm_head.weight": new_lm_head})], count=3, max_new_tokens=MAX_NEW
+    )
     return path, lm_head, new_lm_head, prompts
-
-
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
@@ -31,7 +36,10 @@ def engine(request, qwen2):
     path = qwen2[0]
     with cpu_engine(path, tp_size=request.param) as eng:
         yield eng
-    print(f"tp{request.param} timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in eng.test_timings.items()))
+    print(
+        f"tp{request.param} timings: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in eng.test_timings.items())
+    )
 
 
 def test_greedy_matches_hf(engine, qwen2):
@@ -48,11 +56,15 @@ def test_greedy_matches_hf(engine, qwen2):
 def test_upstream_lm_head_update_matches_hf(engine, qwen2):
     path, lm_head, new_lm_head, prompts = qwen2
     before = engine_greedy(engine, prompts, MAX_NEW)
-    expected = hf_greedy(path, prompts, MAX_NEW, weights={"lm_head.weight": new_lm_head})
+    expected = hf_greedy(
+        path, prompts, MAX_NEW, weights={"lm_head.weight": new_lm_head}
+    )
     assert expected != before, "the new lm_head should change greedy decoding"
 
     assert tuple(engine.begin_weight_update()) == (True, "Success")
-    ok, msg = engine.update_weights_from_tensor([("lm_head.weight", new_lm_head.clone())])
+    ok, msg = engine.update_weights_from_tensor(
+        [("lm_head.weight", new_lm_head.clone())]
+    )
     assert ok, msg
     assert tuple(engine.end_weight_update()) == (True, "Success")
     assert engine_greedy(engine, prompts, MAX_NEW) == expected

@@ -20,7 +20,6 @@ engine ranks' reply figures; trainer-side, each trainer rank's report.
 from __future__ import annotations
 
 import pytest
-
 import tiny_models
 from engine import hf_greedy, stable_prompts
 from megatron_cases import megatron_job
@@ -31,7 +30,10 @@ from update_cases import MAX_NEW, new_weights
 SEED = 7
 
 
-@pytest.mark.parametrize("tp,pp,engine_tp,padded_vocab", [(2, 1, 2, 520), (2, 1, 1, 512), (2, 2, 2, 520), (2, 2, 1, 512)])
+@pytest.mark.parametrize(
+    "tp,pp,engine_tp,padded_vocab",
+    [(2, 1, 2, 520), (2, 1, 1, 512), (2, 2, 2, 520), (2, 2, 1, 512)],
+)
 def test_megatron_gpt_updates_engine(tp, pp, engine_tp, padded_vocab, tmp_path):
     check_megatron_flow("qwen2", tp, pp, 1, engine_tp, padded_vocab, tmp_path)
 
@@ -50,22 +52,47 @@ def check_megatron_flow(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
     prompts = stable_prompts([(model_dir, weights)], 3, MAX_NEW)
     forbidden_log = tmp_path / "forbidden-calls"
     forbidden_log.mkdir()
-    job = dict(kind=kind, model_dir=model_dir, tp=tp, pp=pp, ep=ep, engine_tp=engine_tp, padded_vocab=padded_vocab,
-               seed=SEED, prompts=prompts, forbidden_log=str(forbidden_log))
+    job = dict(
+        kind=kind,
+        model_dir=model_dir,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        engine_tp=engine_tp,
+        padded_vocab=padded_vocab,
+        seed=SEED,
+        prompts=prompts,
+        forbidden_log=str(forbidden_log),
+    )
     records = run_ranks(world, megatron_job, job, timeout=900, start_method="spawn")
     reference = hf_greedy(model_dir, prompts, MAX_NEW, weights=weights)
     expected = expected_checksums(config, weights, engine_tp, 1)
     for rank, record in enumerate(records):
         if record["forward_max_diff"] is not None:
-            assert record["forward_max_diff"] < 1e-4, f"rank {rank}: megatron-core logits differ from HF's"
+            assert record["forward_max_diff"] < 1e-4, (
+                f"rank {rank}: megatron-core logits differ from HF's"
+            )
         assert record["success"], f"rank {rank}: {record['message']}"
         assert record["message"] == "Success", record["message"]
-        assert record["forbidden_calls"] == 0, f"rank {rank}: full_tensor/gather_object called during the update"
-        assert record["generation"] == reference, f"rank {rank}: generation differs from HF transformers"
+        assert record["forbidden_calls"] == 0, (
+            f"rank {rank}: full_tensor/gather_object called during the update"
+        )
+        assert record["generation"] == reference, (
+            f"rank {rank}: generation differs from HF transformers"
+        )
         if record["leader"]:
-            wrong = sorted(n for r in expected for n in expected[r] if record["checksums"][r][n] != expected[r][n])
-            assert not wrong, f"engine of rank {rank}: parameters differ from SGLang's slicing: {wrong[:5]}"
-    assert sum(r["forward_max_diff"] is not None for r in records) == world // pp, "no last stage checked its logits"
+            wrong = sorted(
+                n
+                for r in expected
+                for n in expected[r]
+                if record["checksums"][r][n] != expected[r][n]
+            )
+            assert not wrong, (
+                f"engine of rank {rank}: parameters differ from SGLang's slicing: {wrong[:5]}"
+            )
+    assert sum(r["forward_max_diff"] is not None for r in records) == world // pp, (
+        "no last stage checked its logits"
+    )
     modes = {r["mode"] for r in records}
     assert len(modes) == 1, modes
     moved = []
@@ -78,6 +105,8 @@ def check_megatron_flow(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
             received = record["trainer_received"]
             assert received == record["trainer_bound"], f"rank {rank}: {record}"
         moved.append((received, record["one_hop_bound"]))
-    print(f"{kind} TP {tp} x PP {pp} x EP {ep} -> engine TP {engine_tp}, {modes.pop()}-side: "
-          f"(bytes received by each rank, one-hop bound) {moved}")
+    print(
+        f"{kind} TP {tp} x PP {pp} x EP {ep} -> engine TP {engine_tp}, {modes.pop()}-side: "
+        f"(bytes received by each rank, one-hop bound) {moved}"
+    )
     assert all(m == bound for m, bound in moved), moved

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import torch
-
 from test_distributed_update import check_update, run
 from update_cases import hsdp_ranks, placements
 
@@ -32,17 +31,26 @@ def lower_bound(config, layout: str, world: int, tp: int, rank: int) -> int:
     total = 0
     for target in targets.for_rank(rank % tp):
         for piece in target.pieces:
-            spec = MeshSpec(shapes[piece.tensor], torch.float32, mesh, placements(piece.tensor, layout))
+            spec = MeshSpec(
+                shapes[piece.tensor],
+                torch.float32,
+                mesh,
+                placements(piece.tensor, layout),
+            )
             held = spec.describe(piece.tensor).box_of(rank)
             overlap = held.intersect(piece.box) if held is not None else None
-            total += (piece.box.numel - (overlap.numel if overlap else 0)) * target.dtype.itemsize
+            total += (
+                piece.box.numel - (overlap.numel if overlap else 0)
+            ) * target.dtype.itemsize
     return total
 
 
 def reports(tmp_path, world: int):
     out = {}
     for rank in range(world):
-        for line in (tmp_path / "reports" / f"rank{rank}.jsonl").read_text().splitlines():
+        for line in (
+            (tmp_path / "reports" / f"rank{rank}.jsonl").read_text().splitlines()
+        ):
             r = json.loads(line)
             out[(tuple(r["step"]), rank)] = r
     return out
@@ -53,10 +61,13 @@ def check_bytes(tmp_path, config, steps, world: int, tp: int):
     for step in steps:
         for rank in range(world):
             r = got[(tuple(step), rank)]
-            assert r["mode"] == "trainer", f"{step}: resharding ran on the {r['mode']} side"
+            assert r["mode"] == "trainer", (
+                f"{step}: resharding ran on the {r['mode']} side"
+            )
             expected = lower_bound(config, step[1], world, tp, rank)
             assert r["bytes_received"] == expected, (
-                f"{step}: trainer rank {rank} received {r['bytes_received']} bytes, lower bound {expected}")
+                f"{step}: trainer rank {rank} received {r['bytes_received']} bytes, lower bound {expected}"
+            )
             assert r["lower_bound_bytes"] == expected
             assert expected > 0
 
@@ -64,8 +75,15 @@ def check_bytes(tmp_path, config, steps, world: int, tp: int):
 def run_and_check(tmp_path, world: int, tp: int, steps, **engine_kwargs):
     """Every engine bit-exact and generating as HF after every step; verl steps at the lower bound."""
     (tmp_path / "reports").mkdir()
-    model_dir, config, prompts, engines = run("qwen2", tp, world, steps, tmp_path, reports_dir=str(tmp_path / "reports"),
-                                              **engine_kwargs)
+    model_dir, config, prompts, engines = run(
+        "qwen2",
+        tp,
+        world,
+        steps,
+        tmp_path,
+        reports_dir=str(tmp_path / "reports"),
+        **engine_kwargs,
+    )
     assert len(engines) == world // tp
     for records in engines:
         for record in records[1:]:
@@ -77,9 +95,13 @@ def test_four_trainer_ranks_to_two_engines_of_tp2(tmp_path):
     """FSDP Shard(0) over 4 ranks in fp32, HSDP 2 x 2 (replicas interleaved, so both DP
     replicas send) and training TP 4, each into two bf16 engines of TP 2 on contiguous
     ranks (engines shared by the three layouts)."""
-    run_and_check(tmp_path, 4, 2, [("verl", "fsdp32", 1), ("verl", "hsdp", 2), ("verl", "tp", 3)])
+    run_and_check(
+        tmp_path, 4, 2, [("verl", "fsdp32", 1), ("verl", "hsdp", 2), ("verl", "tp", 3)]
+    )
     described = [r["described"] for (step, _), r in reports(tmp_path, 4).items()]
-    assert described.count(True) == 4, "the engines' layout is asked for once per channel, on the first update"
+    assert described.count(True) == 4, (
+        "the engines' layout is asked for once per channel, on the first update"
+    )
 
 
 def test_fsdp2_to_two_engines_of_tp1_streams_a_model_larger_than_the_cap(tmp_path):
@@ -92,8 +114,16 @@ def test_fsdp2_to_two_engines_of_tp1_streams_a_model_larger_than_the_cap(tmp_pat
     steps = [("verl", "fsdp", 1), ("utils", "fsdp", 2), ("verl", "fsdp32", 3)]
     run_and_check(tmp_path, 2, 1, steps, weight_sync_bucket_bytes=cap)
     for (step, rank), r in reports(tmp_path, 2).items():
-        assert r["chunks"] >= 5, f"{step} rank {rank}: {r['chunks']} chunks for a model 5x the cap"
-        assert 0 < r["peak_buffer_bytes"] <= cap, f"{step} rank {rank}: buffers {r['peak_buffer_bytes']} over the cap"
-        assert r["peak_staging_bytes"] <= cap, f"{step} rank {rank}: staging {r['peak_staging_bytes']} over the cap"
+        assert r["chunks"] >= 5, (
+            f"{step} rank {rank}: {r['chunks']} chunks for a model 5x the cap"
+        )
+        assert 0 < r["peak_buffer_bytes"] <= cap, (
+            f"{step} rank {rank}: buffers {r['peak_buffer_bytes']} over the cap"
+        )
+        assert r["peak_staging_bytes"] <= cap, (
+            f"{step} rank {rank}: staging {r['peak_staging_bytes']} over the cap"
+        )
         if step[1] == "fsdp32":
-            assert r["peak_staging_bytes"] > 0, "an fp32 trainer's shards are cast in staging buffers"
+            assert r["peak_staging_bytes"] > 0, (
+                "an fp32 trainer's shards are cast in staging buffers"
+            )

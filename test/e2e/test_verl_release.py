@@ -41,15 +41,19 @@ import subprocess
 import time
 from pathlib import Path
 
-import torch
-
 import tiny_models
+import torch
 from engine import WORKER_ENGINE_ARGS, hf_greedy, stable_prompts
 from ranks import run_ranks
 from test_distributed_update import expected_checksums
 from update_cases import MAX_NEW, checksum, new_weights
 
-PATCH = Path(__file__).resolve().parents[2] / "integrations" / "verl" / "0001-fsdp-rollout-local-shards.patch"
+PATCH = (
+    Path(__file__).resolve().parents[2]
+    / "integrations"
+    / "verl"
+    / "0001-fsdp-rollout-local-shards.patch"
+)
 STEPS = [("stock", 1), ("patched", 2)]
 
 
@@ -79,14 +83,28 @@ def _verl_sources(tmp_path: Path) -> dict:
     import verl
 
     assert verl.__version__ == "0.9.1", verl.__version__
-    src = Path(verl.__file__).parent / "workers" / "engine" / "fsdp" / "transformer_impl.py"
+    src = (
+        Path(verl.__file__).parent
+        / "workers"
+        / "engine"
+        / "fsdp"
+        / "transformer_impl.py"
+    )
     copy = tmp_path / "verl" / "workers" / "engine" / "fsdp"
     copy.mkdir(parents=True)
     shutil.copy(src, copy)
-    applied = subprocess.run(["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(PATCH)],
-                             capture_output=True, text=True)
-    assert applied.returncode == 0, f"{PATCH.name} does not apply to verl 0.9.1:\n{applied.stdout}{applied.stderr}"
-    return {"stock": src.read_text(), "patched": (copy / "transformer_impl.py").read_text()}
+    applied = subprocess.run(
+        ["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(PATCH)],
+        capture_output=True,
+        text=True,
+    )
+    assert applied.returncode == 0, (
+        f"{PATCH.name} does not apply to verl 0.9.1:\n{applied.stdout}{applied.stderr}"
+    )
+    return {
+        "stock": src.read_text(),
+        "patched": (copy / "transformer_impl.py").read_text(),
+    }
 
 
 def _verl_producer(source: str, params: dict, model_type: str):
@@ -96,23 +114,53 @@ def _verl_producer(source: str, params: dict, model_type: str):
     import importlib.util
     from types import SimpleNamespace
 
+    import verl
     from torch.distributed.tensor import DTensor
 
-    import verl
-
-    engine = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "FSDPEngine")
-    method = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "get_per_tensor_param")
-    branch = next(n.orelse for n in ast.walk(method) if isinstance(n, ast.If) and any(
-        isinstance(s, ast.Assign) and getattr(s.targets[0], "id", None) == "per_tensor_param" for s in n.orelse))
-    code = compile(ast.Module(body=branch, type_ignores=[]), "verl/workers/engine/fsdp/transformer_impl.py", "exec")
+    engine = next(
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.ClassDef) and n.name == "FSDPEngine"
+    )
+    method = next(
+        n
+        for n in engine.body
+        if isinstance(n, ast.FunctionDef) and n.name == "get_per_tensor_param"
+    )
+    branch = next(
+        n.orelse
+        for n in ast.walk(method)
+        if isinstance(n, ast.If)
+        and any(
+            isinstance(s, ast.Assign)
+            and getattr(s.targets[0], "id", None) == "per_tensor_param"
+            for s in n.orelse
+        )
+    )
+    code = compile(
+        ast.Module(body=branch, type_ignores=[]),
+        "verl/workers/engine/fsdp/transformer_impl.py",
+        "exec",
+    )
     utils = Path(verl.__file__).parent / "workers" / "engine" / "fsdp" / "utils.py"
     spec = importlib.util.spec_from_file_location("verl_fsdp_engine_utils", utils)
     fsdp_utils = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fsdp_utils)  # the file alone: its package __init__ is the heavy import
-    scope = dict(os=os, DTensor=DTensor, params=params, get_device_id=lambda: "cpu",
-                 unfuse_moe_params=fsdp_utils.unfuse_moe_params,
-                 self=SimpleNamespace(_qat_enabled=False,
-                                      model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type))))
+    spec.loader.exec_module(
+        fsdp_utils
+    )  # the file alone: its package __init__ is the heavy import
+    scope = dict(
+        os=os,
+        DTensor=DTensor,
+        params=params,
+        get_device_id=lambda: "cpu",
+        unfuse_moe_params=fsdp_utils.unfuse_moe_params,
+        self=SimpleNamespace(
+            _qat_enabled=False,
+            model_config=SimpleNamespace(
+                hf_config=SimpleNamespace(model_type=model_type)
+            ),
+        ),
+    )
     exec(code, scope)
     return scope["per_tensor_param"]
 
@@ -123,7 +171,10 @@ def _wait_healthy(port: int, timeout: float = 900) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+            if (
+                requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
+                == 200
+            ):
                 return
         except requests.RequestException:
             pass
@@ -138,22 +189,27 @@ def verl_job(rank: int, world: int, job: dict):
 
     import ray
     import torch.distributed as dist
+    from engine import omp_bind
+    from ranks import gathers_allowed
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
-
-    from engine import omp_bind
-    from ranks import gathers_allowed
     from update_cases import _checksums, _forbidden_calls
 
     tp, model_dir = job["tp"], job["model_dir"]
     port = job["ports"][rank // tp]
     leader = rank % tp == 0
-    cores = omp_bind(world).split("|")  # each trainer rank's server ranks on their own core(s)
-    os.environ.update(RANK=str(rank), RAY_LOCAL_WORLD_SIZE=str(world), SGLANG_TEST_FORBIDDEN_LOG=job["forbidden_log"],
-                      SGLANG_TEST_FIGURES_LOG=job["figures_log"],
-                      SGLANG_CPU_OMP_THREADS_BIND="|".join(cores[rank:rank + tp]))
+    cores = omp_bind(world).split(
+        "|"
+    )  # each trainer rank's server ranks on their own core(s)
+    os.environ.update(
+        RANK=str(rank),
+        RAY_LOCAL_WORLD_SIZE=str(world),
+        SGLANG_TEST_FORBIDDEN_LOG=job["forbidden_log"],
+        SGLANG_TEST_FIGURES_LOG=job["figures_log"],
+        SGLANG_CPU_OMP_THREADS_BIND="|".join(cores[rank : rank + tp]),
+    )
     trainer_lines = []  # this rank's "received ... (lower bound ...)" of trainer-side updates
 
     class _TrainerFigures(logging.Handler):
@@ -168,60 +224,113 @@ def verl_job(rank: int, world: int, job: dict):
     if leader:
         from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
-        server = HttpServerEngineAdapter(model_path=model_dir, tp_size=tp, host="127.0.0.1", port=port,
-                                         **WORKER_ENGINE_ARGS)
+        server = HttpServerEngineAdapter(
+            model_path=model_dir,
+            tp_size=tp,
+            host="127.0.0.1",
+            port=port,
+            **WORKER_ENGINE_ARGS,
+        )
     records = []
     try:  # the server is shut down whatever fails from here on
-        _wait_healthy(port)  # over HTTP, not a gloo barrier: the server may take minutes to start here
+        _wait_healthy(
+            port
+        )  # over HTTP, not a gloo barrier: the server may take minutes to start here
 
-        from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+        from verl.workers.config import (
+            CheckpointEngineConfig,
+            HFModelConfig,
+            RolloutConfig,
+        )
         from verl.workers.rollout.sglang_rollout import sglang_rollout
 
         actor = _ServerActor(port)
-        ray.get_actor = lambda name: actor  # stand-in: the Ray actor of this rank's server ("sglang_server_<replica>_0")
-        sglang_rollout.get_device_id = lambda: "cpu"  # stand-in: verl has no CPU platform
-        config = RolloutConfig(name="sglang", mode="async", tensor_model_parallel_size=tp,
-                               checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
-        mesh = init_device_mesh("cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
-        adapter = sglang_rollout.ServerAdapter(config, HFModelConfig(path=model_dir), mesh)
+        ray.get_actor = lambda name: (
+            actor
+        )  # stand-in: the Ray actor of this rank's server ("sglang_server_<replica>_0")
+        sglang_rollout.get_device_id = lambda: (
+            "cpu"
+        )  # stand-in: verl has no CPU platform
+        config = RolloutConfig(
+            name="sglang",
+            mode="async",
+            tensor_model_parallel_size=tp,
+            checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1),
+        )
+        mesh = init_device_mesh(
+            "cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp")
+        )
+        adapter = sglang_rollout.ServerAdapter(
+            config, HFModelConfig(path=model_dir), mesh
+        )
 
         for step, (kind, seed) in enumerate(job["steps"], start=1):
-            model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-            model.load_state_dict({n: t.float() for n, t in new_weights(model_dir, seed).items()}, strict=False)
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, torch_dtype=torch.float32
+            )
+            model.load_state_dict(
+                {n: t.float() for n, t in new_weights(model_dir, seed).items()},
+                strict=False,
+            )
             fsdp_mesh = init_device_mesh("cpu", (world,))
             for layer in model.model.layers:
                 fully_shard(layer, mesh=fsdp_mesh)
             fully_shard(model, mesh=fsdp_mesh)
-            checkpoint = list(new_weights(model_dir, seed))  # a tied lm_head is not in it
+            checkpoint = list(
+                new_weights(model_dir, seed)
+            )  # a tied lm_head is not in it
             # Elements of each tensor verl sends that this rank does not hold. verl also sends the tied
             # lm_head.weight (in its last bucket): the engine writes it into the embedding it aliases, so
             # the embedding's missing half counts twice, once per call that names it.
-            missing = {n: p.numel() - p.to_local().numel() for n, p in model.state_dict().items()
-                       if isinstance(p, DTensor)}
+            missing = {
+                n: p.numel() - p.to_local().numel()
+                for n, p in model.state_dict().items()
+                if isinstance(p, DTensor)
+            }
             gathered = sum(missing.values()) * 4  # by full_tensor() per entry, fp32
             before = _forbidden_calls(job["forbidden_log"])
             del trainer_lines[:]
             os.environ["VERL_ROLLOUT_LOCAL_SHARDS"] = "1" if kind == "patched" else "0"
-            produced = _verl_producer(job["verl_sources"][kind], model.state_dict(), model.config.model_type)
+            produced = _verl_producer(
+                job["verl_sources"][kind], model.state_dict(), model.config.model_type
+            )
             update = adapter.update_weights(produced, global_steps=step)
             if kind == "stock":
                 with gathers_allowed():
                     asyncio.run(update)
             else:
-                asyncio.run(update)  # trainer ranks refuse full_tensor/gather_object here
+                asyncio.run(
+                    update
+                )  # trainer ranks refuse full_tensor/gather_object here
             dist.barrier()
-            record = dict(kind=kind, seed=seed, engine_forbidden=_forbidden_calls(job["forbidden_log"]) - before,
-                          full_tensor_bytes=gathered if kind == "stock" else 0,
-                          trainer_received=[list(line) for line in trainer_lines],
-                          trainer_lower_bound=sum(missing.values()) * 2)  # bf16 engine: the one beside, TP 1
+            record = dict(
+                kind=kind,
+                seed=seed,
+                engine_forbidden=_forbidden_calls(job["forbidden_log"]) - before,
+                full_tensor_bytes=gathered if kind == "stock" else 0,
+                trainer_received=[list(line) for line in trainer_lines],
+                trainer_lower_bound=sum(missing.values()) * 2,
+            )  # bf16 engine: the one beside, TP 1
             if leader:
-                params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-                out = server.generate(input_ids=job["prompts"][seed], sampling_params=params)
+                params = {
+                    "max_new_tokens": MAX_NEW,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                }
+                out = server.generate(
+                    input_ids=job["prompts"][seed], sampling_params=params
+                )
                 record["generation"] = [o["output_ids"] for o in out]
-                record["params"] = _checksums(server) if tp > 1 else _params_at_tp1(port, checkpoint)
+                record["params"] = (
+                    _checksums(server) if tp > 1 else _params_at_tp1(port, checkpoint)
+                )
                 record["steps_reported"] = list(actor.steps)
                 seen = {row[0] for r in records for row in r["figures"]}
-                record["figures"] = [row for row in _figures(Path(job["figures_log"])) if row[0] not in seen]
+                record["figures"] = [
+                    row
+                    for row in _figures(Path(job["figures_log"]))
+                    if row[0] not in seen
+                ]
             records.append(record)
     finally:
         dist.barrier()
@@ -237,14 +346,21 @@ def _params_at_tp1(port: int, names) -> dict:
 
     out = {}
     for name in names:
-        reply = requests.post(f"http://127.0.0.1:{port}/get_weights_by_name",
-                              json={"name": name, "truncate_size": 1 << 30}, timeout=60)
-        assert reply.status_code == 200, f"/get_weights_by_name {name}: {reply.status_code} {reply.text[:200]}"
+        reply = requests.post(
+            f"http://127.0.0.1:{port}/get_weights_by_name",
+            json={"name": name, "truncate_size": 1 << 30},
+            timeout=60,
+        )
+        assert reply.status_code == 200, (
+            f"/get_weights_by_name {name}: {reply.status_code} {reply.text[:200]}"
+        )
         out[name] = checksum(torch.tensor(reply.json(), dtype=torch.float32))
     return {0: out}
 
 
-def check_server(record: dict, model_dir, config, tp: int, prompts: dict, what: str) -> None:
+def check_server(
+    record: dict, model_dir, config, tp: int, prompts: dict, what: str
+) -> None:
     """A server after the update of ``record["seed"]``'s weights: every rank's parameters
     (``record["params"]``: ``_checksums`` at TP > 1, ``_params_at_tp1`` at TP 1) equal
     SGLang's slicing bit for bit, and greedy generation equals HF transformers'."""
@@ -252,12 +368,19 @@ def check_server(record: dict, model_dir, config, tp: int, prompts: dict, what: 
     if tp > 1:
         expected = expected_checksums(config, weights, tp, 1)
     else:
-        expected = {0: {n: checksum(t.to(torch.bfloat16).float()) for n, t in weights.items()}}
+        expected = {
+            0: {n: checksum(t.to(torch.bfloat16).float()) for n, t in weights.items()}
+        }
     for r in range(tp):
-        wrong = sorted(n for n in expected[r] if record["params"][r][n] != expected[r][n])
-        assert not wrong, f"{what}: rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
-    assert record["generation"] == hf_greedy(model_dir, prompts[record["seed"]], MAX_NEW, weights=weights), (
-        f"{what}: generation differs from HF transformers")
+        wrong = sorted(
+            n for n in expected[r] if record["params"][r][n] != expected[r][n]
+        )
+        assert not wrong, (
+            f"{what}: rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
+        )
+    assert record["generation"] == hf_greedy(
+        model_dir, prompts[record["seed"]], MAX_NEW, weights=weights
+    ), f"{what}: generation differs from HF transformers"
 
 
 def _figures(directory: Path):
@@ -297,28 +420,54 @@ def _give_tokenizer(model_dir: Path, tmp_path: Path) -> None:
     it builds none); nothing here uses it."""
     from transformers import AutoTokenizer
 
-    qwen2_dir, _ = tiny_models.make_tiny_model("qwen2", tmp_path / "tokenizer", vocab_size=2048)
+    qwen2_dir, _ = tiny_models.make_tiny_model(
+        "qwen2", tmp_path / "tokenizer", vocab_size=2048
+    )
     AutoTokenizer.from_pretrained(qwen2_dir).save_pretrained(model_dir)
 
 
 def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
     """verl's stock and patched steps against ``world // tp`` servers of TP ``tp``; checks
     parameters and generation of every server after every step; returns every rank's records."""
-    model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind, vocab_size=2048)
+    model_dir, config = tiny_models.make_tiny_model(
+        kind, tmp_path / kind, vocab_size=2048
+    )
     _give_tokenizer(model_dir, tmp_path)
-    prompts = {seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW, vocab_size=2048)
-               for _, seed in STEPS}
+    prompts = {
+        seed: stable_prompts(
+            [(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW, vocab_size=2048
+        )
+        for _, seed in STEPS
+    }
     for name in ("forbidden", "figures"):
         (tmp_path / name).mkdir()
-    job = dict(model_dir=str(model_dir), tp=tp, ports=_free_ports(world // tp), steps=STEPS, prompts=prompts,
-               verl_sources=_verl_sources(tmp_path), forbidden_log=str(tmp_path / "forbidden"),
-               figures_log=str(tmp_path / "figures"))
+    job = dict(
+        model_dir=str(model_dir),
+        tp=tp,
+        ports=_free_ports(world // tp),
+        steps=STEPS,
+        prompts=prompts,
+        verl_sources=_verl_sources(tmp_path),
+        forbidden_log=str(tmp_path / "forbidden"),
+        figures_log=str(tmp_path / "figures"),
+    )
     results = run_ranks(world, verl_job, job, timeout=1500, start_method="spawn")
     for server in range(world // tp):
         for step, record in enumerate(results[server * tp], start=1):
-            check_server(record, model_dir, config, tp, prompts, f"{record['kind']}: server {server}")
-            assert record["steps_reported"][-1] == step  # verl's leader reported the step after its flush
-        assert results[server * tp][1]["engine_forbidden"] == 0, "the engine called full_tensor/gather_object"
+            check_server(
+                record,
+                model_dir,
+                config,
+                tp,
+                prompts,
+                f"{record['kind']}: server {server}",
+            )
+            assert (
+                record["steps_reported"][-1] == step
+            )  # verl's leader reported the step after its flush
+        assert results[server * tp][1]["engine_forbidden"] == 0, (
+            "the engine called full_tensor/gather_object"
+        )
     return results
 
 
@@ -326,14 +475,25 @@ def test_verl_server_adapter_update_weights(tmp_path):
     """One server of TP 2 fed by FSDP2 over its two ranks: the engine reshards."""
     results = _run_verl(tmp_path, "qwen2", tp=2)
     stock, patched = leader = results[0]
-    for record in leader:  # every engine rank of every bucket received exactly the bytes it lacked
-        assert record["figures"] and all(received == lower for _, _, received, lower, _ in record["figures"]), record
-    gathered = [r[0]["full_tensor_bytes"] for r in results]  # trainer ranks refused full_tensor in the patched step
-    moved = {kind: sum(row[2] for row in record["figures"]) for kind, record in zip(("stock", "patched"), leader)}
+    for record in (
+        leader
+    ):  # every engine rank of every bucket received exactly the bytes it lacked
+        assert record["figures"] and all(
+            received == lower for _, _, received, lower, _ in record["figures"]
+        ), record
+    gathered = [
+        r[0]["full_tensor_bytes"] for r in results
+    ]  # trainer ranks refused full_tensor in the patched step
+    moved = {
+        kind: sum(row[2] for row in record["figures"])
+        for kind, record in zip(("stock", "patched"), leader)
+    }
     assert moved["stock"] == 0 < moved["patched"] and all(gathered), (moved, gathered)
-    print(f"verl 0.9.1, FSDP2 2 ranks -> SGLang TP 2: stock producer: full_tensor() all-gathered {gathered} bytes "
-          f"into the trainer ranks, engine ranks received 0; patched: no full_tensor, engine ranks received "
-          f"{moved['patched']} bytes in all (= lower bound), {len(patched['figures'])} (rank, bucket) records")
+    print(
+        f"verl 0.9.1, FSDP2 2 ranks -> SGLang TP 2: stock producer: full_tensor() all-gathered {gathered} bytes "
+        f"into the trainer ranks, engine ranks received 0; patched: no full_tensor, engine ranks received "
+        f"{moved['patched']} bytes in all (= lower bound), {len(patched['figures'])} (rank, bucket) records"
+    )
 
 
 def test_verl_server_adapter_two_servers_of_tp1(tmp_path):
@@ -343,12 +503,26 @@ def test_verl_server_adapter_two_servers_of_tp1(tmp_path):
     ``lm_head.weight`` names the embedding a second time); the servers only copy."""
     results = _run_verl(tmp_path, "llama", tp=1)
     for rank, (stock, patched) in enumerate(results):
-        assert stock["full_tensor_bytes"] > 0 and not stock["trainer_received"], stock["trainer_received"]
-        assert patched["trainer_received"], f"rank {rank}: the patched step did not reshard on the trainer side"
+        assert stock["full_tensor_bytes"] > 0 and not stock["trainer_received"], stock[
+            "trainer_received"
+        ]
+        assert patched["trainer_received"], (
+            f"rank {rank}: the patched step did not reshard on the trainer side"
+        )
         received = sum(r for r, _ in patched["trainer_received"])
-        assert all(r == lower for r, lower in patched["trainer_received"]), patched["trainer_received"]
-        assert received == patched["trainer_lower_bound"] > 0, (rank, received, patched["trainer_lower_bound"])
-        assert not patched.get("figures") or all(row[2] == 0 for row in patched["figures"]), patched["figures"]
-    print("verl 0.9.1, FSDP2 2 ranks -> 2 SGLang servers of TP 1: stock producer: full_tensor() all-gathered "
-          f"{[r[0]['full_tensor_bytes'] for r in results]} bytes; patched: trainer-side one hop, trainer ranks "
-          f"received {[sum(x for x, _ in r[1]['trainer_received']) for r in results]} bytes (= lower bound)")
+        assert all(r == lower for r, lower in patched["trainer_received"]), patched[
+            "trainer_received"
+        ]
+        assert received == patched["trainer_lower_bound"] > 0, (
+            rank,
+            received,
+            patched["trainer_lower_bound"],
+        )
+        assert not patched.get("figures") or all(
+            row[2] == 0 for row in patched["figures"]
+        ), patched["figures"]
+    print(
+        "verl 0.9.1, FSDP2 2 ranks -> 2 SGLang servers of TP 1: stock producer: full_tensor() all-gathered "
+        f"{[r[0]['full_tensor_bytes'] for r in results]} bytes; patched: trainer-side one hop, trainer ranks "
+        f"received {[sum(x for x, _ in r[1]['trainer_received']) for r in results]} bytes (= lower bound)"
+    )

@@ -30,8 +30,12 @@ def new_weights(model_dir, seed: int) -> Dict[str, torch.Tensor]:
     import tiny_models
 
     ckpt = tiny_models.load_checkpoint(model_dir)
-    return {n: (t.float() + 0.2 * tiny_models.random_like(t, seed=seed * 1000 + i).float()).to(t.dtype)
-            for i, (n, t) in enumerate(sorted(ckpt.items()))}
+    return {
+        n: (
+            t.float() + 0.2 * tiny_models.random_like(t, seed=seed * 1000 + i).float()
+        ).to(t.dtype)
+        for i, (n, t) in enumerate(sorted(ckpt.items()))
+    }
 
 
 def _row_parallel(name: str) -> bool:
@@ -57,7 +61,9 @@ def hsdp_ranks(world: int) -> List[List[int]]:
     return [list(range(r, world, world // 2)) for r in range(world // 2)]
 
 
-def as_layout(weights: Dict[str, torch.Tensor], layout: str, mesh) -> List[Tuple[str, torch.Tensor]]:
+def as_layout(
+    weights: Dict[str, torch.Tensor], layout: str, mesh
+) -> List[Tuple[str, torch.Tensor]]:
     """How a trainer holds them: "fsdp" (FSDP2-style Shard(0) DTensors; "fsdp32" the same in
     fp32, as FSDP2 keeps its sharded parameters), "hsdp" (Shard(0) within each of 2 replicas),
     "tp" (Megatron-style DTensors: Shard(0) column, Shard(1) row, norms replicated) or "full"
@@ -70,7 +76,14 @@ def as_layout(weights: Dict[str, torch.Tensor], layout: str, mesh) -> List[Tuple
             out.append((name, t))
             continue
         t = t.float() if layout == "fsdp32" else t
-        out.append((name, distribute_tensor(t, mesh, placements(name, layout), src_data_rank=None)))
+        out.append(
+            (
+                name,
+                distribute_tensor(
+                    t, mesh, placements(name, layout), src_data_rank=None
+                ),
+            )
+        )
     return out
 
 
@@ -82,7 +95,9 @@ class VerlLikeClient:
         self._engine = engine
 
     async def update_weights_from_tensor(self, req):
-        return await self._engine.tokenizer_manager.update_weights_from_tensor(req, None)
+        return await self._engine.tokenizer_manager.update_weights_from_tensor(
+            req, None
+        )
 
     async def flush_cache(self):
         return await self._engine.tokenizer_manager.flush_cache()
@@ -104,11 +119,19 @@ def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:
 
     out: Dict[int, Dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as directory:
-        engine.save_sharded_model(params={"path": directory, "pattern": None, "max_size": None})
-        for f in sorted(os.listdir(directory)):  # model-rank-{rank}-part-{part}.safetensors
+        engine.save_sharded_model(
+            params={"path": directory, "pattern": None, "max_size": None}
+        )
+        for f in sorted(
+            os.listdir(directory)
+        ):  # model-rank-{rank}-part-{part}.safetensors
             rank = int(f.split("-")[2])
             out.setdefault(rank, {}).update(
-                {n: checksum(t) for n, t in load_file(os.path.join(directory, f)).items()})
+                {
+                    n: checksum(t)
+                    for n, t in load_file(os.path.join(directory, f)).items()
+                }
+            )
     return out
 
 
@@ -124,6 +147,7 @@ def _checksums(engine) -> Dict[int, Dict[str, str]]:
     (0.5.23 replies (ok, message, ranks, extra), 0.5.12 (ok, message, ranks))."""
     import msgspec
     import requests
+
     import sglang
 
     if sglang.__version__.split("+")[0] in NO_CHECKSUMS:
@@ -133,37 +157,62 @@ def _checksums(engine) -> Dict[int, Dict[str, str]]:
 
     if hasattr(engine, "tokenizer_manager"):
         ok, message, ranks = engine.loop.run_until_complete(
-            engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
+            engine.tokenizer_manager.check_weights(
+                CheckWeightsReqInput(action="checksum"), None
+            )
         )[:3]
     else:  # HttpServerEngineAdapter: the server's /weights_checker route
-        body = requests.post(f"{engine.server_args.url()}/weights_checker", json={"action": "checksum"}).json()
+        body = requests.post(
+            f"{engine.server_args.url()}/weights_checker", json={"action": "checksum"}
+        ).json()
         ok, message, ranks = body["success"], body["message"], body.get("ranks")
     assert ok, message
     infos = []
     while ranks:  # one entry per rank (and runner role), possibly nested in lists
         item = ranks.pop()
         ranks.extend(item) if isinstance(item, list) else infos.append(item)
-    infos = [msgspec.to_builtins(r) for r in infos]  # 0.5.23: msgspec ChecksumInfo; 0.5.12: plain dicts
+    infos = [
+        msgspec.to_builtins(r) for r in infos
+    ]  # 0.5.23: msgspec ChecksumInfo; 0.5.12: plain dicts
     # one target runner per rank; parallelism_info is one entry per runner role on 0.5.23, a single one on 0.5.12
     par = [i["parallelism_info"] for i in infos]
-    return {(p[0] if isinstance(p, list) else p)["tp_rank"]: i["checksums"] for p, i in zip(par, infos)}
+    return {
+        (p[0] if isinstance(p, list) else p)["tp_rank"]: i["checksums"]
+        for p, i in zip(par, infos)
+    }
 
 
 def _forbidden_calls(log_dir: str) -> int:
     """Calls of full_tensor/gather_object/all_gather_object recorded so far by any process."""
-    return sum(len(open(os.path.join(log_dir, f)).readlines()) for f in os.listdir(log_dir))
+    return sum(
+        len(open(os.path.join(log_dir, f)).readlines()) for f in os.listdir(log_dir)
+    )
 
 
 def _generate(verl, prompts) -> List[List[int]]:
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-    return [o["output_ids"] for o in verl.generate(input_ids=prompts, sampling_params=params)]
+    return [
+        o["output_ids"]
+        for o in verl.generate(input_ids=prompts, sampling_params=params)
+    ]
 
 
-def _direct(verl, ranks, group, shards, update_id=None, request_id=None, timeout_s=120.0, send=True):
+def _direct(
+    verl,
+    ranks,
+    group,
+    shards,
+    update_id=None,
+    request_id=None,
+    timeout_s=120.0,
+    send=True,
+):
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
     ``Engine.update_weights_distributed``; returns its reply (success, message and the
     figures per engine rank) on every rank."""
-    chan = verl._sync.channel(ranks, group)  # the channel the VerlEngine's own updates use
+    chan = verl._sync.channel(
+        ranks, group
+    )  # the channel the VerlEngine's own updates use
     update_id = update_id or chan.next_update_id()
     if send:
         chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
@@ -178,7 +227,9 @@ def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
     result = None
     if dist.get_rank() == ranks[0]:
         with weight_update_session(verl._engine):
-            result = verl._engine.update_weights_distributed(update_id, chan.channel, timeout_s=timeout_s)
+            result = verl._engine.update_weights_distributed(
+                update_id, chan.channel, timeout_s=timeout_s
+            )
     box = [result]
     dist.broadcast_object_list(box, src=ranks[0], group=group)
     return box[0]
@@ -192,16 +243,37 @@ def _bad_shards(kind: str, weights, mesh) -> list:
     shards = prepare_shards(as_layout(weights, "fsdp", mesh))
     name, local, spec = shards[0]
     if kind == "unknown_name":
-        shards.append((BAD_NAME, local, MeshSpec(spec.shape, spec.dtype, spec.mesh, spec.placements)))
+        shards.append(
+            (
+                BAD_NAME,
+                local,
+                MeshSpec(spec.shape, spec.dtype, spec.mesh, spec.placements),
+            )
+        )
     elif kind == "wrong_shape":
         shape = (spec.shape[0] + dist.get_world_size(),) + tuple(spec.shape[1:])
-        shards[0] = (name, torch.cat([local, local[:1]]), MeshSpec(shape, spec.dtype, spec.mesh, spec.placements))
+        shards[0] = (
+            name,
+            torch.cat([local, local[:1]]),
+            MeshSpec(shape, spec.dtype, spec.mesh, spec.placements),
+        )
     elif kind == "bad_dtype":
-        shards[0] = (name, local.to(torch.int32), MeshSpec(spec.shape, torch.int32, spec.mesh, spec.placements))
-    elif kind == "not_covered":  # claims a second holder (rank 99) that is not beside the engine
+        shards[0] = (
+            name,
+            local.to(torch.int32),
+            MeshSpec(spec.shape, torch.int32, spec.mesh, spec.placements),
+        )
+    elif (
+        kind == "not_covered"
+    ):  # claims a second holder (rank 99) that is not beside the engine
         from torch.distributed.tensor import Shard
 
-        full = MeshSpec(spec.shape, spec.dtype, list(range(dist.get_world_size())) + [99], (Shard(0),))
+        full = MeshSpec(
+            spec.shape,
+            spec.dtype,
+            list(range(dist.get_world_size())) + [99],
+            (Shard(0),),
+        )
         box = full.describe(name).box_of(dist.get_rank())
         shards[0] = (name, weights[name][box.slices()].clone(), full)
     return shards
@@ -213,35 +285,67 @@ def _write_report(job: dict, rank: int, step, report) -> None:
 
     if job.get("reports_dir"):
         with open(os.path.join(job["reports_dir"], f"rank{rank}.jsonl"), "a") as f:
-            f.write(json.dumps(dict(step=list(step), mode=report.mode, bytes_received=report.bytes_received,
-                                    lower_bound_bytes=report.lower_bound_bytes,
-                                    peak_staging_bytes=report.peak_staging_bytes,
-                                    peak_buffer_bytes=report.peak_buffer_bytes, chunks=report.chunks,
-                                    described=report.described)) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        step=list(step),
+                        mode=report.mode,
+                        bytes_received=report.bytes_received,
+                        lower_bound_bytes=report.lower_bound_bytes,
+                        peak_staging_bytes=report.peak_staging_bytes,
+                        peak_buffer_bytes=report.peak_buffer_bytes,
+                        chunks=report.chunks,
+                        described=report.described,
+                    )
+                )
+                + "\n"
+            )
 
 
 def engine_job(rank: int, world: int, job: dict) -> dict:
+    from engine import WORKER_ENGINE_ARGS, omp_bind, weight_update_session
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from engine import WORKER_ENGINE_ARGS, omp_bind
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync import utils as weight_sync_utils
-    from engine import weight_update_session
 
-    tp = job["tp"]  # engines of `tp` ranks side by side; the trainer's mesh spans the whole world
-    os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job["forbidden_log"]  # read by the engine's processes (sitecustomize)
+    tp = job[
+        "tp"
+    ]  # engines of `tp` ranks side by side; the trainer's mesh spans the whole world
+    os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job[
+        "forbidden_log"
+    ]  # read by the engine's processes (sitecustomize)
     if tp > 1:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
-    meshes = {"hsdp": DeviceMesh("cpu", hsdp_ranks(world), mesh_dim_names=("replicate", "shard"))} if world >= 4 else {}
-    engines = init_device_mesh("cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+    meshes = (
+        {
+            "hsdp": DeviceMesh(
+                "cpu", hsdp_ranks(world), mesh_dim_names=("replicate", "shard")
+            )
+        }
+        if world >= 4
+        else {}
+    )
+    engines = init_device_mesh(
+        "cpu", (world // tp, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp")
+    )
     engine_mesh = engines["infer_tp"]
     group, ranks = engine_mesh.get_group(), [int(r) for r in engine_mesh.mesh.tolist()]
     leader = rank == ranks[0]
-    verl = VerlEngine(engine_mesh, model_path=str(job["model_dir"]),
-                      **{**WORKER_ENGINE_ARGS, **job.get("engine_kwargs", {})})
-    prompts = job["prompts"]["start"]  # per weight set: no bf16 near-tie on their greedy paths
-    generate = (lambda: _generate(verl, prompts)) if job.get("generate", True) else (lambda: None)  # noqa: E731
+    verl = VerlEngine(
+        engine_mesh,
+        model_path=str(job["model_dir"]),
+        **{**WORKER_ENGINE_ARGS, **job.get("engine_kwargs", {})},
+    )
+    prompts = job["prompts"][
+        "start"
+    ]  # per weight set: no bf16 near-tie on their greedy paths
+    generate = (
+        (lambda: _generate(verl, prompts))
+        if job.get("generate", True)
+        else (lambda: None)
+    )  # noqa: E731
     records = [dict(step="start", generation=generate())]
     try:
         for step in job["steps"]:
@@ -250,15 +354,22 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             calls_before = _forbidden_calls(job["forbidden_log"])
             if kind == "verl":
                 report = verl.update_weights_from_tensor(
-                    as_layout(new_weights(job["model_dir"], seed), arg, meshes.get(arg, mesh)))
+                    as_layout(
+                        new_weights(job["model_dir"], seed), arg, meshes.get(arg, mesh)
+                    )
+                )
                 record["success"] = True
                 _write_report(job, rank, step, report)
-            elif kind == "memory":  # VerlEngine's other duties: the same model must come back
+            elif (
+                kind == "memory"
+            ):  # VerlEngine's other duties: the same model must come back
                 verl.release_memory_occupation()
                 verl.resume_memory_occupation()
                 verl.flush_cache()
                 record["success"] = True
-            elif kind == "verl_bad":  # a refused update raises on every rank, whatever the backend
+            elif (
+                kind == "verl_bad"
+            ):  # a refused update raises on every rank, whatever the backend
                 bad = as_layout(new_weights(job["model_dir"], seed), arg, mesh)
                 bad.append((BAD_NAME, bad[0][1]))
                 try:
@@ -268,8 +379,12 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                     record["success"], record["message"] = False, str(e)
             elif kind == "utils":
                 client = VerlLikeClient(verl._engine) if leader else None
-                params = as_layout(new_weights(job["model_dir"], seed), arg, mesh)  # DTensors on the trainer's mesh
-                call = weight_sync_utils.update_weights(client, params, "infer_tp", engines, flush_cache=False)
+                params = as_layout(
+                    new_weights(job["model_dir"], seed), arg, mesh
+                )  # DTensors on the trainer's mesh
+                call = weight_sync_utils.update_weights(
+                    client, params, "infer_tp", engines, flush_cache=False
+                )
                 if leader:
                     with weight_update_session(verl._engine):
                         out = verl._engine.loop.run_until_complete(call)
@@ -280,21 +395,36 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             elif kind == "engine":
                 from sglang.srt.weight_sync.trainer_flow import prepare_shards
 
-                shards = prepare_shards(as_layout(new_weights(job["model_dir"], seed), arg, mesh))
+                shards = prepare_shards(
+                    as_layout(new_weights(job["model_dir"], seed), arg, mesh)
+                )
                 record.update(_direct(verl, ranks, group, shards))
             elif kind == "fail":
                 weights = new_weights(job["model_dir"], seed)
                 shards = _bad_shards(arg, weights, mesh)
                 if arg == "missing":
-                    record.update(_direct(verl, ranks, group, shards, timeout_s=3, send=rank != 1))
+                    record.update(
+                        _direct(verl, ranks, group, shards, timeout_s=3, send=rank != 1)
+                    )
                 elif arg == "stale":
-                    record.update(_direct(
-                        verl, ranks, group, shards, update_id="stale-1", request_id="stale-2", timeout_s=3))
+                    record.update(
+                        _direct(
+                            verl,
+                            ranks,
+                            group,
+                            shards,
+                            update_id="stale-1",
+                            request_id="stale-2",
+                            timeout_s=3,
+                        )
+                    )
                 else:
                     record.update(_direct(verl, ranks, group, shards))
             else:
                 raise ValueError(kind)
-            record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - calls_before
+            record["forbidden_calls"] = (
+                _forbidden_calls(job["forbidden_log"]) - calls_before
+            )
             if kind not in ("fail", "verl_bad", "memory") and job.get("generate", True):
                 prompts = job["prompts"][seed]
             record["generation"] = generate()

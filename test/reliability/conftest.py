@@ -7,7 +7,6 @@ test first sets the weights it checks against.
 """
 
 import pytest
-
 from faults import running_engine
 
 

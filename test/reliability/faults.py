@@ -6,9 +6,8 @@ import contextlib
 import time
 from typing import Dict, List, Sequence, Tuple
 
-import torch
-
 import tiny_models
+import torch
 from engine import cpu_engine
 from update_cases import _checksums
 
@@ -30,16 +29,28 @@ def state(eng) -> Dict[int, Dict[str, str]]:
     return _checksums(eng)
 
 
-def generate(eng, prompts: Sequence[Sequence[int]], max_new: int = 4) -> List[List[int]]:
+def generate(
+    eng, prompts: Sequence[Sequence[int]], max_new: int = 4
+) -> List[List[int]]:
     params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
-    return [o["output_ids"] for o in eng.generate(input_ids=[list(p) for p in prompts], sampling_params=params)]
+    return [
+        o["output_ids"]
+        for o in eng.generate(
+            input_ids=[list(p) for p in prompts], sampling_params=params
+        )
+    ]
 
 
-def full_shards(weights: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor, object]]:
+def full_shards(
+    weights: Dict[str, torch.Tensor],
+) -> List[Tuple[str, torch.Tensor, object]]:
     """Every tensor whole, held by both trainer ranks (what each rank sends)."""
     from sglang.srt.weight_sync.source_layout import MeshSpec
 
-    return [(n, t, MeshSpec.full(t.shape, t.dtype, list(range(TP)))) for n, t in sorted(weights.items())]
+    return [
+        (n, t, MeshSpec.full(t.shape, t.dtype, list(range(TP))))
+        for n, t in sorted(weights.items())
+    ]
 
 
 def send(channel: str, update_id: str, per_rank: Sequence[list]) -> list:
@@ -106,7 +117,9 @@ def _arrange_death(when: str) -> None:
 
     if when == "before_delivery":
         os._exit(1)
-    if when == "after_delivery":  # past the barrier that says every payload is on its way
+    if (
+        when == "after_delivery"
+    ):  # past the barrier that says every payload is on its way
         real = trainer_flow.barrier
 
         def barrier_then_die(*args, **kwargs):
@@ -114,7 +127,9 @@ def _arrange_death(when: str) -> None:
             os._exit(1)
 
         trainer_flow.barrier = barrier_then_die
-    if when == "mid_update":  # entering trainer-side resharding: its peers wait for this rank's rows
+    if (
+        when == "mid_update"
+    ):  # entering trainer-side resharding: its peers wait for this rank's rows
         from sglang.srt.weight_sync import trainer_reshard
 
         def execute_then_die(*args, **kwargs):
@@ -133,22 +148,40 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from sglang.srt.weight_sync import trainer_flow
     from update_cases import as_layout, new_weights
 
-    os.environ["TMPDIR"] = job["tmp"]  # the channel directories go there (forked ranks share the server's env)
+    from sglang.srt.weight_sync import trainer_flow
+
+    os.environ["TMPDIR"] = job[
+        "tmp"
+    ]  # the channel directories go there (forked ranks share the server's env)
     tempfile.tempdir = None
-    mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+    mesh = init_device_mesh(
+        "cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp")
+    )
     layout = "fsdp"
-    if job["when"] == "mid_update":  # FSDP shards resharded on the trainer side: rank 0 needs rows of rank 1
-        trainer_flow.update_flow = functools.partial(trainer_flow.update_flow, mode="trainer")
+    if (
+        job["when"] == "mid_update"
+    ):  # FSDP shards resharded on the trainer side: rank 0 needs rows of rank 1
+        trainer_flow.update_flow = functools.partial(
+            trainer_flow.update_flow, mode="trainer"
+        )
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 
     def update(seed):
-        weights = as_layout(new_weights(job["model_dir"], seed), layout, mesh["infer_tp"])
-        return asyncio.run(trainer_flow.update_weights_distributed(
-            client, weights, "infer_tp", mesh, fallback=None, timeout_s=job["timeout_s"]))
+        weights = as_layout(
+            new_weights(job["model_dir"], seed), layout, mesh["infer_tp"]
+        )
+        return asyncio.run(
+            trainer_flow.update_weights_distributed(
+                client,
+                weights,
+                "infer_tp",
+                mesh,
+                fallback=None,
+                timeout_s=job["timeout_s"],
+            )
+        )
 
     first = update(1)
     dist.barrier()
@@ -165,7 +198,9 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     return dict(first=first, elapsed=elapsed, outcome=outcome)
 
 
-def run_trainers(eng, world: int, job: dict, deadline_s: float = 300) -> Tuple[Dict[int, dict], List[str]]:
+def run_trainers(
+    eng, world: int, job: dict, deadline_s: float = 300
+) -> Tuple[Dict[int, dict], List[str]]:
     """Run ``trainer_job`` on ``world`` gloo ranks (forked from the preloaded fork server: no
     engine starts in them) while this process serves rank 0's engine requests; returns the
     results of the ranks that lived (dead ranks give none) and the channel directories left
@@ -181,13 +216,19 @@ def run_trainers(eng, world: int, job: dict, deadline_s: float = 300) -> Tuple[D
     with tempfile.TemporaryDirectory() as tmp:
         job = dict(job, requests=requests, answers=answers, tmp=tmp)
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store, trainer_job, (job,), results))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, store, trainer_job, (job,), results)
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out, end = {}, time.monotonic() + deadline_s
         try:
-            while time.monotonic() < end and (any(p.is_alive() for p in procs) or not results.empty()):
+            while time.monotonic() < end and (
+                any(p.is_alive() for p in procs) or not results.empty()
+            ):
                 try:
                     req = requests.get(timeout=0.2)
                 except queue.Empty:
@@ -195,8 +236,13 @@ def run_trainers(eng, world: int, job: dict, deadline_s: float = 300) -> Tuple[D
                 else:
                     eng.begin_weight_update()
                     try:
-                        answers.put(eng.loop.run_until_complete(
-                            eng.tokenizer_manager.update_weights_from_tensor(req, None)))
+                        answers.put(
+                            eng.loop.run_until_complete(
+                                eng.tokenizer_manager.update_weights_from_tensor(
+                                    req, None
+                                )
+                            )
+                        )
                     finally:
                         eng.end_weight_update()
                 with contextlib.suppress(queue.Empty):
@@ -220,15 +266,23 @@ async def generate_async(tm, prompt: Sequence[int], max_new: int) -> dict:
     """One greedy generation through the tokenizer manager; its last output."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    obj = GenerateReqInput(input_ids=list(prompt), sampling_params={"max_new_tokens": max_new, "temperature": 0.0,
-                                                                   "ignore_eos": True})
+    obj = GenerateReqInput(
+        input_ids=list(prompt),
+        sampling_params={
+            "max_new_tokens": max_new,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     out = None
     async for out in tm.generate_request(obj, None):
         pass
     return out
 
 
-async def update_async(eng, channel: str, update_id: str, per_rank: Sequence[list], **kwargs) -> Tuple[bool, str]:
+async def update_async(
+    eng, channel: str, update_id: str, per_rank: Sequence[list], **kwargs
+) -> Tuple[bool, str]:
     """``update`` from within the engine's loop (so generation can run beside it)."""
     from sglang.srt.managers.io_struct import (
         BeginWeightUpdateReqInput,
@@ -242,7 +296,11 @@ async def update_async(eng, channel: str, update_id: str, per_rank: Sequence[lis
         await tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
         try:
             reply = await tm.update_weights_distributed(
-                UpdateWeightsDistributedReqInput(update_id=update_id, channel=channel, **kwargs), None)
+                UpdateWeightsDistributedReqInput(
+                    update_id=update_id, channel=channel, **kwargs
+                ),
+                None,
+            )
             return reply["success"], reply["message"]
         finally:
             await tm.end_weight_update(EndWeightUpdateReqInput(), None)

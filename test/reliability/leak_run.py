@@ -16,13 +16,19 @@ configure_cpu_env()
 
 def main(model_root: str) -> None:
     from faults import TP, full_shards, generate, running_engine, update
-    from sglang.srt.weight_sync.protocol import make_channel
     from update_cases import new_weights
+
+    from sglang.srt.weight_sync.protocol import make_channel
 
     with running_engine(Path(model_root)) as (eng, model_dir, _):
         for i in range(3):  # three channels, as three trainer groups would have
-            success, message, _ = update(eng, make_channel(), f"leak-{i}",
-                                         [full_shards(new_weights(model_dir, i + 1))] * TP, timeout_s=60)
+            success, message, _ = update(
+                eng,
+                make_channel(),
+                f"leak-{i}",
+                [full_shards(new_weights(model_dir, i + 1))] * TP,
+                timeout_s=60,
+            )
             assert success, message
         assert len(generate(eng, [[5, 17, 42, 7]])[0]) == 4
     print("LEAK-RUN-DONE", flush=True)

@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 import zmq
-
 from faults import TP, engine_fds, full_shards, generate, state, update
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
@@ -33,7 +32,9 @@ def baseline(engine):
 
     eng, model_dir, config = engine
     weights = new_weights(model_dir, 1)
-    success, message, _ = update(eng, make_channel(), "good-1", [full_shards(weights)] * TP, timeout_s=60)
+    success, message, _ = update(
+        eng, make_channel(), "good-1", [full_shards(weights)] * TP, timeout_s=60
+    )
     assert success, message
     checks = state(eng)
     assert checks == expected_checksums(config, weights, TP, 1)
@@ -42,7 +43,9 @@ def baseline(engine):
 
 def assert_unchanged(eng, baseline):
     assert state(eng) == baseline["state"], "a parameter changed"
-    assert generate(eng, PROMPTS) == baseline["generation"], "the engine no longer serves the old weights"
+    assert generate(eng, PROMPTS) == baseline["generation"], (
+        "the engine no longer serves the old weights"
+    )
 
 
 def _channel():
@@ -89,17 +92,25 @@ def _bad_channels(tmp_path):
 def test_bad_fields_and_channels_are_refused_at_once(engine, baseline, tmp_path):
     eng, model_dir, _ = engine
     weights = full_shards(new_weights(model_dir, 2))
-    cases = [(dict(timeout_s=-1), "timeout_s=-1"), (dict(timeout_s=2_147_484), "timeout_s=2147484"),
-             (dict(timeout_s=float("nan")), "timeout_s=nan"), (dict(bucket_bytes=1), "bucket_bytes=1"),
-             (dict(bucket_bytes=-1), "bucket_bytes=-1")]
+    cases = [
+        (dict(timeout_s=-1), "timeout_s=-1"),
+        (dict(timeout_s=2_147_484), "timeout_s=2147484"),
+        (dict(timeout_s=float("nan")), "timeout_s=nan"),
+        (dict(bucket_bytes=1), "bucket_bytes=1"),
+        (dict(bucket_bytes=-1), "bucket_bytes=-1"),
+    ]
     for kwargs, text in cases:
-        success, message, took = update(eng, _channel(), f"bad-{text}", [weights] * TP, **kwargs)
+        success, message, took = update(
+            eng, _channel(), f"bad-{text}", [weights] * TP, **kwargs
+        )
         assert not success and text in message and "refused" in message, message
         assert took < 5, f"{text}: refused after {took:.1f}s"
     for text, channel in _bad_channels(tmp_path).items():
         if channel is None:
             continue
-        success, message, took = update(eng, channel, f"bad-channel-{len(text)}", timeout_s=30)
+        success, message, took = update(
+            eng, channel, f"bad-channel-{len(text)}", timeout_s=30
+        )
         assert not success and "channel" in message and text in message, (text, message)
         assert took < 5, f"{text}: refused after {took:.1f}s"
     assert_unchanged(eng, baseline)
@@ -112,13 +123,16 @@ def test_a_non_socket_file_in_the_channel_is_never_replaced(engine, baseline):
     with open(victim, "w") as f:
         f.write("precious")
     success, message, _ = update(eng, channel, "victim", timeout_s=5)
-    assert not success and "which is not a socket; refusing to replace it" in message, message
+    assert not success and "which is not a socket; refusing to replace it" in message, (
+        message
+    )
     assert open(victim).read() == "precious"
     assert_unchanged(eng, baseline)
 
 
 def _push_when_bound(channel: str, rank: int, messages, delay: float = 0.3):
     """Another process's view: push raw frames into engine rank ``rank``'s socket once it exists."""
+
     def run():
         path = os.path.join(channel, f"tp{rank}.sock")
         deadline = time.monotonic() + 30
@@ -155,20 +169,31 @@ def test_garbage_and_blocked_pickles_pushed_into_the_socket(engine, baseline):
     def header(update_id, rank):
         import json
 
-        return json.dumps({"update_id": update_id, "trainer_rank": rank, "rank_map": [[0, 0], [1, 1]],
-                           "tensors": [["model.norm.weight", spec]], "pieces": []}).encode()
+        return json.dumps(
+            {
+                "update_id": update_id,
+                "trainer_rank": rank,
+                "rank_map": [[0, 0], [1, 1]],
+                "tensors": [["model.norm.weight", spec]],
+                "pieces": [],
+            }
+        ).encode()
 
     channel = _channel()
     garbage = [[b"\x00\xffgarbage"], [b"not json", b"x"], [b'{"update_id": 1}', b"x"]]
     threads = [_push_when_bound(channel, r, garbage) for r in range(TP)]
     success, message, took = update(eng, channel, "garbage", timeout_s=3)
-    assert not success and "engine rank 0: no payload for update 'garbage'" in message, message
+    assert (
+        not success and "engine rank 0: no payload for update 'garbage'" in message
+    ), message
     assert "malformed message" in message and took < 3 + 5
     channel = _channel()
     evil = [[header("evil", r), pickle.dumps(_Evil())] for r in range(TP)]
     threads += [_push_when_bound(channel, r, [evil[r]]) for r in range(TP)]
     success, message, took = update(eng, channel, "evil", timeout_s=10)
-    assert not success and "cannot read the shards of trainer rank 0" in message, message
+    assert not success and "cannot read the shards of trainer rank 0" in message, (
+        message
+    )
     assert not os.path.exists("/tmp/sglang-weights-pwned")
     for t in threads:
         t.join(10)
@@ -181,16 +206,22 @@ def test_reserved_tensor_format_with_unreadable_control_payloads(engine, baselin
     from sglang.srt.weight_sync.engine_update import DISTRIBUTED_LOAD_FORMAT
 
     eng, _, _ = engine
-    cases = {"lacks ['update_id']": MultiprocessingSerializer.serialize({"channel": _channel()}),
-             "unreadable 'distributed_shards' control payload": b"\x80garbage",
-             "not a dict": MultiprocessingSerializer.serialize(["a", "list"])}
+    cases = {
+        "lacks ['update_id']": MultiprocessingSerializer.serialize(
+            {"channel": _channel()}
+        ),
+        "unreadable 'distributed_shards' control payload": b"\x80garbage",
+        "not a dict": MultiprocessingSerializer.serialize(["a", "list"]),
+    }
     for text, payload in cases.items():
-        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload] * TP,
-                                              load_format=DISTRIBUTED_LOAD_FORMAT)
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[payload] * TP, load_format=DISTRIBUTED_LOAD_FORMAT
+        )
         eng.begin_weight_update()
         try:
             success, message = eng.loop.run_until_complete(
-                eng.tokenizer_manager.update_weights_from_tensor(req, None))
+                eng.tokenizer_manager.update_weights_from_tensor(req, None)
+            )
         finally:
             eng.end_weight_update()
         assert not success and text in message and "engine rank 1" in message, message
@@ -209,19 +240,39 @@ def test_tensor_policy_nonfinite_duplicates_zero_dim_buffers(engine, baseline):
     inf[name] = weights[name].clone()
     inf[name][0, 0] = float("-inf")
     full = full_shards(weights)
-    zero_d = ("model.norm.weight", torch.tensor(1.0), MeshSpec.full((), torch.float32, [0, 1]))
+    zero_d = (
+        "model.norm.weight",
+        torch.tensor(1.0),
+        MeshSpec.full((), torch.float32, [0, 1]),
+    )
     without_norm = [s for s in full if s[0] != "model.norm.weight"]
-    buffer = ("model.layers.0.self_attn.k_cache_scale", torch.ones(1), MeshSpec.full((1,), torch.float32, [0, 1]))
+    buffer = (
+        "model.layers.0.self_attn.k_cache_scale",
+        torch.ones(1),
+        MeshSpec.full((1,), torch.float32, [0, 1]),
+    )
     cases = {
-        f"tensor {name!r}: the shard from trainer rank 0 holds NaN or inf": [full_shards(nan)] * TP,
-        f"tensor {name!r}: the shard from trainer rank 1 holds NaN or inf": [full, full_shards(inf)],
+        f"tensor {name!r}: the shard from trainer rank 0 holds NaN or inf": [
+            full_shards(nan)
+        ]
+        * TP,
+        f"tensor {name!r}: the shard from trainer rank 1 holds NaN or inf": [
+            full,
+            full_shards(inf),
+        ],
         "delivered twice by trainer rank 0": [full + full[:1], full],
         "tensor 'model.norm.weight': global shape ()": [without_norm + [zero_d]] * TP,
-        "unknown tensor 'model.layers.0.self_attn.k_cache_scale'": [full + [buffer]] * TP,
+        "unknown tensor 'model.layers.0.self_attn.k_cache_scale'": [full + [buffer]]
+        * TP,
     }
     for i, (text, per_rank) in enumerate(cases.items()):
-        success, message, _ = update(eng, _channel(), f"policy-{i}", per_rank, timeout_s=30)
-        assert not success and text in message and "no parameter changed" in message, (text, message)
+        success, message, _ = update(
+            eng, _channel(), f"policy-{i}", per_rank, timeout_s=30
+        )
+        assert not success and text in message and "no parameter changed" in message, (
+            text,
+            message,
+        )
     assert_unchanged(eng, baseline)
 
 
@@ -229,13 +280,18 @@ def test_replayed_update_id_is_refused(engine, baseline):
     eng, model_dir, config = engine
     channel = _channel()
     weights = new_weights(model_dir, 4)
-    success, message, _ = update(eng, channel, "once", [full_shards(weights)] * TP, timeout_s=30)
+    success, message, _ = update(
+        eng, channel, "once", [full_shards(weights)] * TP, timeout_s=30
+    )
     assert success, message
     updated = state(eng)
     assert updated == expected_checksums(config, weights, TP, 1)
     replay = full_shards(new_weights(model_dir, 1))
     success, message, took = update(eng, channel, "once", [replay] * TP, timeout_s=30)
-    assert not success and "update id 'once' was already consumed; a replay is refused" in message, message
+    assert (
+        not success
+        and "update id 'once' was already consumed; a replay is refused" in message
+    ), message
     assert took < 5 and state(eng) == updated
     # back to the baseline for the other tests (a fresh id)
     success, message, _ = update(eng, channel, "back", [replay] * TP, timeout_s=30)
@@ -254,8 +310,13 @@ def test_one_socket_per_resolved_channel_and_a_bounded_number(engine, baseline):
         assert not update(eng, _channel(), f"fill-{i}", timeout_s=0.1)[0]
     channel = _channel()
     parent, name = os.path.split(channel)
-    spellings = [channel, channel + "/", os.path.join(parent, ".", name), os.path.join(channel, "..", name),
-                 os.path.join(channel, ".", "")]
+    spellings = [
+        channel,
+        channel + "/",
+        os.path.join(parent, ".", name),
+        os.path.join(channel, "..", name),
+        os.path.join(channel, ".", ""),
+    ]
     assert not update(eng, channel, "warm", timeout_s=0.1)[0]
     fds = engine_fds()
     for i, spelled in enumerate(spellings * 2):

@@ -10,7 +10,6 @@ each engine rank's executor writes its parameters, then raises.
 from __future__ import annotations
 
 import pytest
-
 from faults import TP, full_shards, generate, state, update
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
@@ -21,10 +20,18 @@ PROMPTS = [[5, 17, 42, 7]]
 def _update(eng, update_id, model_dir, seed):
     from sglang.srt.weight_sync.protocol import make_channel
 
-    return update(eng, make_channel(), update_id, [full_shards(new_weights(model_dir, seed))] * TP, timeout_s=60)
+    return update(
+        eng,
+        make_channel(),
+        update_id,
+        [full_shards(new_weights(model_dir, seed))] * TP,
+        timeout_s=60,
+    )
 
 
-def test_failure_after_writes_refuses_generation_until_an_update_succeeds(engine, fault_dir):
+def test_failure_after_writes_refuses_generation_until_an_update_succeeds(
+    engine, fault_dir
+):
     eng, model_dir, config = engine
     success, message, _ = _update(eng, "mixed-1", model_dir, 1)
     assert success, message
@@ -32,13 +39,21 @@ def test_failure_after_writes_refuses_generation_until_an_update_succeeds(engine
         (fault_dir / f"fail_after_writes.rank{rank}").touch()
     success, message, _ = _update(eng, "mixed-2", model_dir, 2)
     assert success is False
-    assert "FAILED after writes began on engine rank" in message and "the weights are now MIXED" in message, message
+    assert (
+        "FAILED after writes began on engine rank" in message
+        and "the weights are now MIXED" in message
+    ), message
     assert "fault injected by the test" in message, message
     assert not list(fault_dir.iterdir()), "an engine rank did not reach its fault"
-    with pytest.raises(ValueError, match=r"generation refused until a distributed weight update succeeds: "
-                                         r"distributed weight update 'mixed-2': .*MIXED"):
+    with pytest.raises(
+        ValueError,
+        match=r"generation refused until a distributed weight update succeeds: "
+        r"distributed weight update 'mixed-2': .*MIXED",
+    ):
         generate(eng, PROMPTS)
     success, message, _ = _update(eng, "mixed-3", model_dir, 3)
     assert success, message
     assert state(eng) == expected_checksums(config, new_weights(model_dir, 3), TP, 1)
-    assert len(generate(eng, PROMPTS)[0]) == 4, "the engine does not serve again after a successful update"
+    assert len(generate(eng, PROMPTS)[0]) == 4, (
+        "the engine does not serve again after a successful update"
+    )

@@ -21,13 +21,27 @@ from pathlib import Path
 def test_an_engine_life_leaks_nothing(tmp_path):
     script = Path(__file__).with_name("leak_run.py")
     env = dict(os.environ, PYTHONWARNINGS="default")
-    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                         timeout=400, env=env, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0 and "LEAK-RUN-DONE" in run.stdout, run.stderr[-4000:]
-    registered = sum(int(n) for n in re.findall(r"resource_tracker: There appear to be (\d+) leaked", run.stderr))
+    registered = sum(
+        int(n)
+        for n in re.findall(
+            r"resource_tracker: There appear to be (\d+) leaked", run.stderr
+        )
+    )
     already_gone = re.findall(r"resource_tracker: '([^']+)': \[Errno 2\]", run.stderr)
     assert registered == len(already_gone), (
         f"the resource tracker had to remove {registered - len(already_gone)} leaked object(s):\n"
-        + "\n".join(line for line in run.stderr.splitlines() if "resource_tracker" in line))
+        + "\n".join(
+            line for line in run.stderr.splitlines() if "resource_tracker" in line
+        )
+    )
     ours = [n for n in already_gone if not n.startswith(("/sgl_shm_mq_", "/mp-"))]
     assert not ours, f"objects of ours left registered: {ours}"

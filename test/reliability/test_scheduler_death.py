@@ -25,57 +25,81 @@ import time
 
 import psutil
 import pytest
-
 from faults import TP
 
 TIMEOUT_S = 5.0  # also the margin by which the host's answer beats its peers' own bound (2 * timeout + grace)
-PHASES = ("before the engine reads the payloads", "while the engine applies the update", "hearing the engine's answer")
-SLACK_S = 10.0  # process start/exit and the 1 s watchdog poll, on a loaded 2-core machine
+PHASES = (
+    "before the engine reads the payloads",
+    "while the engine applies the update",
+    "hearing the engine's answer",
+)
+SLACK_S = (
+    10.0  # process start/exit and the 1 s watchdog poll, on a loaded 2-core machine
+)
 
 
 def verl_job(rank: int, world: int, job: dict) -> dict:
     """A good update, then (once the test has injured the engine) the next one; how it ended."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from engine import DEFAULT_ENGINE_ARGS, omp_bind
-    from sglang.srt.entrypoints.verl_engine import VerlEngine
+    from torch.distributed.device_mesh import init_device_mesh
     from update_cases import as_layout, new_weights
+
+    from sglang.srt.entrypoints.verl_engine import VerlEngine
 
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(TP)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    verl = VerlEngine(mesh["tp"], weight_sync_timeout_s=TIMEOUT_S, model_path=job["model_dir"],
-                      **DEFAULT_ENGINE_ARGS)
-    first = verl.update_weights_from_tensor(as_layout(new_weights(job["model_dir"], 1), "fsdp", mesh)).success
+    verl = VerlEngine(
+        mesh["tp"],
+        weight_sync_timeout_s=TIMEOUT_S,
+        model_path=job["model_dir"],
+        **DEFAULT_ENGINE_ARGS,
+    )
+    first = verl.update_weights_from_tensor(
+        as_layout(new_weights(job["model_dir"], 1), "fsdp", mesh)
+    ).success
     if rank == 0:
         job["ready"].put(os.getpid())
     job["go"].get(timeout=300)
     start = time.monotonic()
     try:
-        verl.update_weights_from_tensor(as_layout(new_weights(job["model_dir"], 2), "fsdp", mesh))
+        verl.update_weights_from_tensor(
+            as_layout(new_weights(job["model_dir"], 2), "fsdp", mesh)
+        )
         outcome = "returned"
     except Exception as e:  # noqa: BLE001 - how it failed is what the test checks
         outcome = f"{type(e).__name__}: {e}"
     elapsed = time.monotonic() - start
     generation = None
-    if rank == 0 and job["fault"] == "hung":  # on the host only: VerlEngine.generate would broadcast the error
+    if (
+        rank == 0 and job["fault"] == "hung"
+    ):  # on the host only: VerlEngine.generate would broadcast the error
         start = time.monotonic()
         try:
-            verl._engine.generate(input_ids=[[5, 17, 42, 7]], sampling_params={"max_new_tokens": 2})
+            verl._engine.generate(
+                input_ids=[[5, 17, 42, 7]], sampling_params={"max_new_tokens": 2}
+            )
             generation = ("served", time.monotonic() - start)
         except ValueError as e:
             generation = (f"ValueError: {e}", time.monotonic() - start)
     start = time.monotonic()
     if rank == 0:
         verl.shutdown()  # the engine's processes, the stopped scheduler included
-    return dict(first=first, elapsed=elapsed, outcome=outcome, generation=generation,
-                shutdown_s=time.monotonic() - start)
+    return dict(
+        first=first,
+        elapsed=elapsed,
+        outcome=outcome,
+        generation=generation,
+        shutdown_s=time.monotonic() - start,
+    )
 
 
 def _schedulers(host_pid: int) -> dict:
     """The engine's processes under the host, by the names SGLang gives them."""
     procs = {}
     for child in psutil.Process(host_pid).children(recursive=True):
-        m = re.search(r"sglang::(scheduler_TP\d|detokenizer)", " ".join(child.cmdline()))
+        m = re.search(
+            r"sglang::(scheduler_TP\d|detokenizer)", " ".join(child.cmdline())
+        )
         if m:
             procs[m.group(1)] = child
     return procs
@@ -95,20 +119,31 @@ def run(model_dir, fault: str):
     job = dict(model_dir=str(model_dir), ready=ready, go=go, fault=fault)
     out, engine = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, TP, os.path.join(tmp, "store"), verl_job, (job,), results))
-                 for r in range(TP)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, TP, os.path.join(tmp, "store"), verl_job, (job,), results),
+            )
+            for r in range(TP)
+        ]
         for p in procs:
             p.start()
         try:
             host = ready.get(timeout=300)
             engine = _schedulers(host)
-            assert set(engine) == {"scheduler_TP0", "scheduler_TP1", "detokenizer"}, engine
+            assert set(engine) == {"scheduler_TP0", "scheduler_TP1", "detokenizer"}, (
+                engine
+            )
             victim = engine["scheduler_TP1"]
             victim.send_signal(signal.SIGKILL if fault == "died" else signal.SIGSTOP)
             for _ in procs:
                 go.put(True)
             end = time.monotonic() + 2 * TIMEOUT_S + 30 + 60
-            while len(out) < TP and time.monotonic() < end and any(p.is_alive() for p in procs):
+            while (
+                len(out) < TP
+                and time.monotonic() < end
+                and any(p.is_alive() for p in procs)
+            ):
                 try:
                     rank, ok, value = results.get(timeout=1)
                 except queue.Empty:
@@ -146,14 +181,21 @@ def test_hung_scheduler_gets_an_answer_within_the_bound(model_dir):
     for rank, result in out.items():
         assert result["first"] is True
         outcome = result["outcome"]
-        assert result["elapsed"] < bound + SLACK_S, f"rank {rank} took {result['elapsed']:.1f}s (bound {bound}s)"
+        assert result["elapsed"] < bound + SLACK_S, (
+            f"rank {rank} took {result['elapsed']:.1f}s (bound {bound}s)"
+        )
         assert outcome.startswith("RuntimeError: weight update"), outcome
-        assert f"no answer from the engine within {bound:g}s to distributed weight update" in outcome, outcome
+        assert (
+            f"no answer from the engine within {bound:g}s to distributed weight update"
+            in outcome
+        ), outcome
         assert "waiting for its schedulers to receive and apply it" in outcome, outcome
         assert "an engine rank did not answer" in outcome, outcome
     refusal, seconds = out[0]["generation"]
-    assert refusal.startswith("ValueError: generation refused: the engine has not answered distributed weight "
-                              "update"), refusal
+    assert refusal.startswith(
+        "ValueError: generation refused: the engine has not answered distributed weight "
+        "update"
+    ), refusal
     assert "restart the engine" in refusal and seconds < 5, (refusal, seconds)
 
 
@@ -168,5 +210,9 @@ def test_dead_scheduler_takes_the_engine_down_and_the_survivor_is_told(model_dir
     assert survivor["first"] is True
     assert survivor["elapsed"] < 2 * TIMEOUT_S + GRACE_S + SLACK_S, survivor
     outcome = survivor["outcome"]
-    assert outcome.startswith("PeerLost: trainer rank 1: ") and any(p in outcome for p in PHASES), outcome
-    assert re.search(r"\b[Rr]anks? \[?0\b", outcome), f"the missing rank is not named: {outcome}"
+    assert outcome.startswith("PeerLost: trainer rank 1: ") and any(
+        p in outcome for p in PHASES
+    ), outcome
+    assert re.search(r"\b[Rr]anks? \[?0\b", outcome), (
+        f"the missing rank is not named: {outcome}"
+    )

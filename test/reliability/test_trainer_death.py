@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from faults import TP, generate, run_trainers, state
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
@@ -30,19 +29,29 @@ CASES = {
 def test_trainer_rank_dies(engine, when):
     eng, model_dir, config = engine
     phase, bound = CASES[when]
-    survivors, left = run_trainers(eng, TP, dict(model_dir=model_dir, timeout_s=TIMEOUT_S, die_rank=1, when=when))
-    assert not left, f"channel directories left after the survivor closed its channels: {left}"
+    survivors, left = run_trainers(
+        eng, TP, dict(model_dir=model_dir, timeout_s=TIMEOUT_S, die_rank=1, when=when)
+    )
+    assert not left, (
+        f"channel directories left after the survivor closed its channels: {left}"
+    )
     assert list(survivors) == [0], f"only rank 0 survives, got {sorted(survivors)}"
     survivor = survivors[0]
     assert survivor["first"][0] is True, survivor["first"]
-    assert survivor["elapsed"] < bound, f"{when}: the survivor took {survivor['elapsed']:.1f}s (bound {bound}s)"
+    assert survivor["elapsed"] < bound, (
+        f"{when}: the survivor took {survivor['elapsed']:.1f}s (bound {bound}s)"
+    )
     outcome = survivor["outcome"]
     assert outcome.startswith("PeerLost: ") and phase in outcome, outcome
-    assert re.search(r"\b[Rr]anks? \[?1\b", outcome), f"the missing rank is not named: {outcome}"
+    assert re.search(r"\b[Rr]anks? \[?1\b", outcome), (
+        f"the missing rank is not named: {outcome}"
+    )
     before = expected_checksums(config, new_weights(model_dir, 1), TP, 1)
     after = expected_checksums(config, new_weights(model_dir, 2), TP, 1)
     now = state(eng)
-    if when == "after_delivery":  # the engine may have read both payloads before rank 1 died
+    if (
+        when == "after_delivery"
+    ):  # the engine may have read both payloads before rank 1 died
         assert now in (before, after), "the weights are mixed"
     else:
         assert now == before, "a parameter changed"

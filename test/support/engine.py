@@ -122,14 +122,23 @@ def check_cpu_env() -> None:
     if str(SUPPORT_DIR) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         problems.append(f"{SUPPORT_DIR} (the sgl_kernel stand-in) is not on PYTHONPATH")
     if problems:
-        raise RuntimeError("the CPU engine environment is not configured: " + "; ".join(problems)
-                           + ". Call test/support/engine.py:configure_cpu_env() first.")
-    early = [name for name in _CPU_FLAG_MODULES
-             if getattr(sys.modules.get(name), "_is_cpu", None) is False]
+        raise RuntimeError(
+            "the CPU engine environment is not configured: "
+            + "; ".join(problems)
+            + ". Call test/support/engine.py:configure_cpu_env() first."
+        )
+    early = [
+        name
+        for name in _CPU_FLAG_MODULES
+        if getattr(sys.modules.get(name), "_is_cpu", None) is False
+    ]
     if early:
-        warnings.warn(f"{early} were imported before SGLANG_USE_CPU_ENGINE=1 was set, so this process "
-                      "runs their non-CPU branches (the engine's own processes are unaffected). Call "
-                      "configure_cpu_env() before importing sglang (test/e2e/conftest.py does).", stacklevel=3)
+        warnings.warn(
+            f"{early} were imported before SGLANG_USE_CPU_ENGINE=1 was set, so this process "
+            "runs their non-CPU branches (the engine's own processes are unaffected). Call "
+            "configure_cpu_env() before importing sglang (test/e2e/conftest.py does).",
+            stacklevel=3,
+        )
 
 
 @contextlib.contextmanager
@@ -158,7 +167,7 @@ def omp_bind(tp_size: int) -> str:
     cores = sorted(os.sched_getaffinity(0))
     if tp_size <= len(cores):
         per = len(cores) // tp_size
-        groups = [cores[i * per:(i + 1) * per] for i in range(tp_size)]
+        groups = [cores[i * per : (i + 1) * per] for i in range(tp_size)]
     else:
         groups = [[cores[i % len(cores)]] for i in range(tp_size)]
     return "|".join(",".join(map(str, g)) for g in groups)
@@ -195,12 +204,12 @@ def _shm_in_use(exclude_pids=()) -> set:
                 except OSError:
                     continue
                 if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/"):].split(" ")[0])
+                    used.add(target[len("/dev/shm/") :].split(" ")[0])
             with open(proc / "maps") as f:
                 for line in f:
                     i = line.find("/dev/shm/")
                     if i >= 0:
-                        used.add(line[i + len("/dev/shm/"):].strip().split(" ")[0])
+                        used.add(line[i + len("/dev/shm/") :].strip().split(" ")[0])
         except (OSError, PermissionError):
             continue
     return used
@@ -225,7 +234,9 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def cleanup_shm(before: Mapping[str, float], started_at: float, engine_pids: Sequence[int] = ()) -> List[str]:
+def cleanup_shm(
+    before: Mapping[str, float], started_at: float, engine_pids: Sequence[int] = ()
+) -> List[str]:
     """Remove /dev/shm files that appeared after ``before`` was taken and that nobody uses.
 
     A file is removed only if it was not in ``before``, is not older than ``started_at``,
@@ -235,7 +246,11 @@ def cleanup_shm(before: Mapping[str, float], started_at: float, engine_pids: Seq
     running engine of another test session keeps its files. Returns the removed names.
     """
     removed = []
-    candidates = {n: m for n, m in _shm_entries().items() if n not in before and m >= started_at - 1}
+    candidates = {
+        n: m
+        for n, m in _shm_entries().items()
+        if n not in before and m >= started_at - 1
+    }
     if not candidates:
         return removed
     in_use = _shm_in_use(exclude_pids={os.getpid()})
@@ -243,7 +258,12 @@ def cleanup_shm(before: Mapping[str, float], started_at: float, engine_pids: Seq
         if name in in_use:
             continue
         pid = _pid_in_name(name)
-        if pid is not None and pid != os.getpid() and pid not in engine_pids and _pid_alive(pid):
+        if (
+            pid is not None
+            and pid != os.getpid()
+            and pid not in engine_pids
+            and _pid_alive(pid)
+        ):
             continue
         try:
             (SHM_DIR / name).unlink()
@@ -307,7 +327,12 @@ def _kill_only(pids: Sequence[int]) -> Iterator[None]:
         if parent_pid is None or parent_pid == os.getpid():
             _kill([p for p in _with_descendants(pids) if p != skip_pid])
             return None
-        return original(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+        return original(
+            parent_pid,
+            include_parent=include_parent,
+            skip_pid=skip_pid,
+            wait_timeout=wait_timeout,
+        )
 
     engine_module.kill_process_tree = scoped
     try:
@@ -316,7 +341,9 @@ def _kill_only(pids: Sequence[int]) -> Iterator[None]:
         engine_module.kill_process_tree = original
 
 
-def _launch_sigquit_handler(signum, frame):  # passed as Engine(custom_sigquit_handler=...)
+def _launch_sigquit_handler(
+    signum, frame
+):  # passed as Engine(custom_sigquit_handler=...)
     # Upstream's default kills the whole process tree (pytest included). During startup the
     # engine itself notices the dead scheduler and raises RuntimeError; nothing to do here.
     logger.error("SIGQUIT from an engine process during startup (a scheduler failed)")
@@ -351,7 +378,9 @@ class _EngineMonitor:
 
         self.engine, self.pids, self.interval = engine, list(pids), interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-engine-monitor", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="cpu-engine-monitor", daemon=True
+        )
         self._thread.start()
 
     def check(self) -> bool:
@@ -362,7 +391,9 @@ class _EngineMonitor:
         if not dead:
             return False
         self.engine._test_engine_died = dead
-        logger.error("engine process(es) %s died; killing the engine's other processes", dead)
+        logger.error(
+            "engine process(es) %s died; killing the engine's other processes", dead
+        )
         with contextlib.suppress(Exception):
             watchdog = self.engine.tokenizer_manager._subprocess_watchdog
             if watchdog is not None:
@@ -394,30 +425,42 @@ def _install_running_sigquit_handler(engine, monitor: _EngineMonitor) -> None:
 
     class _TestSignalHandler(base):
         def running_phase_sigquit_handler(self, signum=None, frame=None):
-            logger.error("SIGQUIT from an engine process: a scheduler or the detokenizer died")
-            if not monitor.check():  # a SIGQUIT without a dead process: treat the engine as dead
+            logger.error(
+                "SIGQUIT from an engine process: a scheduler or the detokenizer died"
+            )
+            if (
+                not monitor.check()
+            ):  # a SIGQUIT without a dead process: treat the engine as dead
                 engine._test_engine_died = True
                 _kill(_with_descendants(monitor.pids))
                 with contextlib.suppress(Exception):
                     engine.loop.stop()
 
     tm.signal_handler_class = _TestSignalHandler
-    if tm.event_loop is not None:  # handle loop already created: swap the installed handler now
+    if (
+        tm.event_loop is not None
+    ):  # handle loop already created: swap the installed handler now
         handler = _TestSignalHandler(tm)
         with contextlib.suppress(Exception):
-            tm.event_loop.add_signal_handler(signal.SIGQUIT, handler.running_phase_sigquit_handler)
+            tm.event_loop.add_signal_handler(
+                signal.SIGQUIT, handler.running_phase_sigquit_handler
+            )
 
 
 def _guard(engine, monitor: _EngineMonitor, method):
     def call(*args, **kwargs):
         if monitor.check():
-            raise EngineDied(f"the engine is dead (process(es) {engine._test_engine_died} died earlier); "
-                             "see the log above")
+            raise EngineDied(
+                f"the engine is dead (process(es) {engine._test_engine_died} died earlier); "
+                "see the log above"
+            )
         try:
             return method(*args, **kwargs)
         except RuntimeError as e:
             if monitor.check():
-                raise EngineDied(f"an engine process died during {method.__name__}: {e}") from e
+                raise EngineDied(
+                    f"an engine process died during {method.__name__}: {e}"
+                ) from e
             raise
 
     call.__name__ = method.__name__
@@ -443,12 +486,24 @@ DEFAULT_ENGINE_ARGS = dict(
 # The same, for engines that tests start in worker processes, whose warnings would only add noise.
 WORKER_ENGINE_ARGS = {**DEFAULT_ENGINE_ARGS, "log_level": "error"}
 
-_GUARDED = ("generate", "begin_weight_update", "end_weight_update", "update_weights_from_tensor",
-            "update_weights_from_distributed", "update_weights_from_disk", "flush_cache")
+_GUARDED = (
+    "generate",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "update_weights_from_disk",
+    "flush_cache",
+)
 
 
 @contextlib.contextmanager
-def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str, str]] = None, **kwargs):
+def cpu_engine(
+    model_dir: PathLike,
+    tp_size: int = 1,
+    env: Optional[Mapping[str, str]] = None,
+    **kwargs,
+):
     """Start ``sglang.Engine`` on CPU for ``model_dir`` at ``tp_size``, yield it, shut it down.
 
     ``kwargs`` override ``DEFAULT_ENGINE_ARGS`` (any ``ServerArgs`` field). The engine's
@@ -465,8 +520,13 @@ def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str,
     before = _shm_entries()
     started_at = time.time()
     own_children = set(_children())
-    args = {**DEFAULT_ENGINE_ARGS, "model_path": str(model_dir), "tp_size": tp_size,
-            "custom_sigquit_handler": _launch_sigquit_handler, **kwargs}
+    args = {
+        **DEFAULT_ENGINE_ARGS,
+        "model_path": str(model_dir),
+        "tp_size": tp_size,
+        "custom_sigquit_handler": _launch_sigquit_handler,
+        **kwargs,
+    }
     env = dict(env or {})
     if tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
         env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp_size)
@@ -474,7 +534,11 @@ def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str,
     def new_children() -> List[int]:
         # Children that appeared while the engine started are the engine's (schedulers,
         # detokenizer), except multiprocessing's resource tracker, which is shared.
-        return [p for p in _children() if p not in own_children and p != _resource_tracker_pid()]
+        return [
+            p
+            for p in _children()
+            if p not in own_children and p != _resource_tracker_pid()
+        ]
 
     engine = monitor = None
     pids: List[int] = []
@@ -484,7 +548,9 @@ def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str,
             with _env(env):  # read by the spawned schedulers at startup
                 engine = sglang.Engine(**args)
         except BaseException:
-            _kill(new_children())  # a failed start may leave some ranks or the detokenizer running
+            _kill(
+                new_children()
+            )  # a failed start may leave some ranks or the detokenizer running
             raise
         engine.test_timings = {"start_s": time.perf_counter() - t0}
         engine._test_engine_died = False
@@ -501,7 +567,9 @@ def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str,
             monitor.stop()
         if engine is not None:
             try:
-                with _kill_only(pids):  # upstream would kill every child of this process
+                with _kill_only(
+                    pids
+                ):  # upstream would kill every child of this process
                     engine.shutdown()
             except Exception:  # noqa: BLE001 - a dead engine may fail to shut down cleanly
                 logger.exception("engine.shutdown() failed; killing its processes")
@@ -520,13 +588,20 @@ def cpu_engine(model_dir: PathLike, tp_size: int = 1, env: Optional[Mapping[str,
 
 def engine_greedy(engine, prompts: Prompts, max_new_tokens: int) -> List[List[int]]:
     """Greedy (temperature 0) continuation of each prompt (token ids), ignoring EOS."""
-    out = engine.generate(input_ids=[list(map(int, p)) for p in prompts],
-                          sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0,
-                                           "ignore_eos": True})
+    out = engine.generate(
+        input_ids=[list(map(int, p)) for p in prompts],
+        sampling_params={
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     return [list(map(int, o["output_ids"])) for o in out]
 
 
-def load_hf_model(model_dir: PathLike, weights: Optional[Mapping[str, torch.Tensor]] = None):
+def load_hf_model(
+    model_dir: PathLike, weights: Optional[Mapping[str, torch.Tensor]] = None
+):
     """HF ``AutoModelForCausalLM`` of ``model_dir`` (bf16, eval), with ``weights`` (HF checkpoint
     names, e.g. ``{"lm_head.weight": t}``) replacing checkpoint tensors first.
 
@@ -537,12 +612,16 @@ def load_hf_model(model_dir: PathLike, weights: Optional[Mapping[str, torch.Tens
 
     transformers.utils.logging.disable_progress_bar()
     if not weights:
-        return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.bfloat16
+        ).eval()
     from tiny_models import write_modified_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="hf_modified_") as tmp:
         write_modified_checkpoint(model_dir, tmp, weights)
-        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.bfloat16
+        ).eval()
 
 
 def _as_hf_model(model, weights):
@@ -556,9 +635,15 @@ def _as_hf_model(model, weights):
 def _routers(model) -> List[Tuple[torch.nn.Module, int]]:
     """MoE router modules (``mlp.gate`` returning ``(router_logits, ...)``) and their top-k."""
     top_k = getattr(model.config, "num_experts_per_tok", None)
-    return [(m, getattr(m, "top_k", top_k)) for name, m in model.named_modules()
-            if name.endswith("mlp.gate") and top_k and hasattr(m, "weight") and m.weight.dim() == 2
-            and m.weight.shape[0] == getattr(model.config, "num_experts", -1)]
+    return [
+        (m, getattr(m, "top_k", top_k))
+        for name, m in model.named_modules()
+        if name.endswith("mlp.gate")
+        and top_k
+        and hasattr(m, "weight")
+        and m.weight.dim() == 2
+        and m.weight.shape[0] == getattr(model.config, "num_experts", -1)
+    ]
 
 
 @torch.no_grad()
@@ -582,11 +667,16 @@ def _greedy(model, prompts: Prompts, max_new_tokens: int):
         for row, i in enumerate(current):
             router_margin[i] = min(router_margin[i], float(gap[row]))
 
-    handles = [m.register_forward_hook(lambda mod, a, o, k=k: hook(mod, a, o, k)) for m, k in _routers(model)]
+    handles = [
+        m.register_forward_hook(lambda mod, a, o, k=k: hook(mod, a, o, k))
+        for m, k in _routers(model)
+    ]
     try:
         for idx in by_len.values():
             current[:] = idx
-            ids = torch.tensor([list(map(int, prompts[i])) for i in idx], dtype=torch.long)
+            ids = torch.tensor(
+                [list(map(int, prompts[i])) for i in idx], dtype=torch.long
+            )
             out = model(input_ids=ids, use_cache=True)
             for step in range(max_new_tokens):
                 logits = out.logits[:, -1].float()
@@ -596,15 +686,23 @@ def _greedy(model, prompts: Prompts, max_new_tokens: int):
                     tokens[i].append(int(nxt[row]))
                     margins[i].append(float(top.values[row, 0] - top.values[row, 1]))
                 if step + 1 < max_new_tokens:
-                    out = model(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+                    out = model(
+                        input_ids=nxt[:, None],
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                    )
     finally:
         for h in handles:
             h.remove()
     return tokens, margins, router_margin
 
 
-def hf_greedy(model, prompts: Prompts, max_new_tokens: int,
-              weights: Optional[Mapping[str, torch.Tensor]] = None) -> List[List[int]]:
+def hf_greedy(
+    model,
+    prompts: Prompts,
+    max_new_tokens: int,
+    weights: Optional[Mapping[str, torch.Tensor]] = None,
+) -> List[List[int]]:
     """HF greedy continuation (token ids) of each prompt, with a KV cache, EOS ignored.
 
     ``model`` is a checkpoint directory (optionally with ``weights`` replacing some of its
@@ -614,8 +712,12 @@ def hf_greedy(model, prompts: Prompts, max_new_tokens: int,
     return _greedy(_as_hf_model(model, weights), prompts, max_new_tokens)[0]
 
 
-def hf_greedy_margins(model, prompts: Prompts, max_new_tokens: int,
-                      weights: Optional[Mapping[str, torch.Tensor]] = None) -> List[List[float]]:
+def hf_greedy_margins(
+    model,
+    prompts: Prompts,
+    max_new_tokens: int,
+    weights: Optional[Mapping[str, torch.Tensor]] = None,
+) -> List[List[float]]:
     """Top-1 minus top-2 logit (fp32) at each HF greedy step: how close each step is to a tie.
 
     Useful to tell a real mismatch from a bf16 near-tie when engine and HF disagree.
@@ -623,8 +725,13 @@ def hf_greedy_margins(model, prompts: Prompts, max_new_tokens: int,
     return _greedy(_as_hf_model(model, weights), prompts, max_new_tokens)[1]
 
 
-def greedy_mismatches(model, prompts: Prompts, outputs: Sequence[Sequence[int]], tol: float = 0.25,
-                      weights: Optional[Mapping[str, torch.Tensor]] = None) -> List[str]:
+def greedy_mismatches(
+    model,
+    prompts: Prompts,
+    outputs: Sequence[Sequence[int]],
+    tol: float = 0.25,
+    weights: Optional[Mapping[str, torch.Tensor]] = None,
+) -> List[str]:
     """Teacher-forced check of greedy ``outputs`` (e.g. the engine's) against HF, tolerant to bf16 ties.
 
     Feeds HF each prompt followed by its output and requires, at every step, that the
@@ -641,19 +748,29 @@ def greedy_mismatches(model, prompts: Prompts, outputs: Sequence[Sequence[int]],
             if not out:
                 continue
             ids = torch.tensor([list(map(int, prompt)) + out[:-1]], dtype=torch.long)
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:].float()
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
             for step, token in enumerate(out):
                 best = int(logits[step].argmax())
                 gap = float(logits[step, best] - logits[step, token])
                 if gap > tol:
-                    problems.append(f"prompt {i} step {step}: token {token} is {gap:.3f} below HF's best "
-                                    f"{best} (logit {float(logits[step, best]):.3f})")
+                    problems.append(
+                        f"prompt {i} step {step}: token {token} is {gap:.3f} below HF's best "
+                        f"{best} (logit {float(logits[step, best]):.3f})"
+                    )
     return problems
 
 
-def stable_prompts(models: Sequence, count: int, max_new_tokens: int, min_margin: float = 0.25,
-                   prompt_len: int = 6, vocab_size: int = 512, seed: int = 0, max_tries: int = 8192,
-                   min_router_margin: float = 0.05) -> List[List[int]]:
+def stable_prompts(
+    models: Sequence,
+    count: int,
+    max_new_tokens: int,
+    min_margin: float = 0.25,
+    prompt_len: int = 6,
+    vocab_size: int = 512,
+    seed: int = 0,
+    max_tries: int = 8192,
+    min_router_margin: float = 0.05,
+) -> List[List[int]]:
     """``count`` seeded random prompts on which exact greedy comparison with HF is robust.
 
     A prompt qualifies if, for every model in ``models``, HF's greedy continuation has a
@@ -671,7 +788,10 @@ def stable_prompts(models: Sequence, count: int, max_new_tokens: int, min_margin
     Each entry of ``models`` is a checkpoint directory, a ``(directory, weights)`` pair or a
     loaded HF model.
     """
-    loaded = [load_hf_model(*m) if isinstance(m, tuple) else _as_hf_model(m, None) for m in models]
+    loaded = [
+        load_hf_model(*m) if isinstance(m, tuple) else _as_hf_model(m, None)
+        for m in models
+    ]
     g = torch.Generator().manual_seed(seed)
     chosen: List[List[int]] = []
     tried = 0
@@ -682,12 +802,18 @@ def stable_prompts(models: Sequence, count: int, max_new_tokens: int, min_margin
         for m in loaded:
             _, margins, router = _greedy(m, batch, max_new_tokens)
             for j in range(len(batch)):
-                ok[j] = ok[j] and min(margins[j]) >= min_margin and router[j] >= min_router_margin
+                ok[j] = (
+                    ok[j]
+                    and min(margins[j]) >= min_margin
+                    and router[j] >= min_router_margin
+                )
         chosen += [p for p, good in zip(batch, ok) if good]
         if len(chosen) >= count:
             return chosen[:count]
-    raise RuntimeError(f"only {len(chosen)} of {count} prompts with margins >= {min_margin} (router "
-                       f"{min_router_margin}) in {tried} tries; try a shorter prompt_len or max_new_tokens")
+    raise RuntimeError(
+        f"only {len(chosen)} of {count} prompts with margins >= {min_margin} (router "
+        f"{min_router_margin}) in {tried} tries; try a shorter prompt_len or max_new_tokens"
+    )
 
 
 @contextlib.contextmanager

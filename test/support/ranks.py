@@ -35,7 +35,9 @@ def gathers_allowed():
     import torch.distributed.distributed_c10d as c10d
     from torch.distributed.tensor import DTensor
 
-    refusing = {name: getattr(dist, name) for name in ("gather_object", "all_gather_object")}
+    refusing = {
+        name: getattr(dist, name) for name in ("gather_object", "all_gather_object")
+    }
     refusing["full_tensor"] = DTensor.full_tensor
     DTensor.full_tensor = _ORIGINALS["full_tensor"]
     for name in ("gather_object", "all_gather_object"):
@@ -79,7 +81,10 @@ def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=120),
         )
         forbid_gathers()
@@ -103,7 +108,13 @@ def _context(start_method: str):
     return ctx
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, start_method: str = "forkserver") -> List[Any]:
+def run_ranks(
+    world: int,
+    fn: Callable,
+    *args: Any,
+    timeout: float = 300,
+    start_method: str = "forkserver",
+) -> List[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; raises with every failing rank's traceback.
 
     After the first failure the others get a few seconds to report, then are killed,
@@ -113,7 +124,10 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, start_
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, results)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, store, fn, args, results))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out, failures = {}, []
@@ -122,7 +136,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, start_
                 try:
                     rank, ok, value = results.get(timeout=10 if failures else timeout)
                 except queue.Empty:  # the rest are stuck behind a failure or a hang
-                    failures.append(f"ranks {sorted(set(range(world)) - set(out))} gave no answer")
+                    failures.append(
+                        f"ranks {sorted(set(range(world)) - set(out))} gave no answer"
+                    )
                     break
                 if ok:
                     out[rank] = value

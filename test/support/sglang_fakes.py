@@ -50,24 +50,33 @@ import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
 HERE = Path(__file__).resolve().parent
 STUBS = HERE  # test/support: holds the sgl_kernel stand-in package
-SENTINEL = -1.0  # written into every parameter before loading: "SGLang never wrote this element"
+SENTINEL = (
+    -1.0
+)  # written into every parameter before loading: "SGLang never wrote this element"
 
 # Config keys whose CPU-engine adjustment we report.
-ADJUSTED_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim")
-
+ADJUSTED_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "head_dim",
+)
 
 
 # ----------------------------------------------------------------------------------------------
 # Index encoding: every element of every HF tensor gets a distinct positive value.
 
 
-def index_encoded(shapes: Sequence[Tuple[str, Sequence[int]]]) -> Dict[str, torch.Tensor]:
+def index_encoded(
+    shapes: Sequence[Tuple[str, Sequence[int]]],
+) -> Dict[str, torch.Tensor]:
     """Full HF tensors whose elements are 1, 2, 3, ... in (sorted name, row-major) order.
 
     float32 holds every integer below 2**24 exactly, so values survive any copy
@@ -76,10 +85,16 @@ def index_encoded(shapes: Sequence[Tuple[str, Sequence[int]]]) -> Dict[str, torc
     out, offset = {}, 1
     for name, shape in sorted((n, tuple(s)) for n, s in shapes):
         numel = math.prod(shape)
-        out[name] = (torch.arange(numel, dtype=torch.float64) + offset).to(torch.float32).reshape(shape)
+        out[name] = (
+            (torch.arange(numel, dtype=torch.float64) + offset)
+            .to(torch.float32)
+            .reshape(shape)
+        )
         offset += numel
     if offset >= 2**24:
-        raise ValueError(f"{offset} elements do not fit float32 exactly; use a smaller config")
+        raise ValueError(
+            f"{offset} elements do not fit float32 exactly; use a smaller config"
+        )
     return out
 
 
@@ -102,7 +117,9 @@ def describe_value(value: float, full: Dict[str, torch.Tensor]) -> str:
     return f"{value!r} (not an HF element)"
 
 
-def describe_layout(param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs: int = 24) -> str:
+def describe_layout(
+    param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs: int = 24
+) -> str:
     """Where each block of ``param`` came from, as runs of HF rows and columns.
 
     E.g. ``[0][0:32, 0:64] <- experts.4.gate_proj.weight[0:32, 0:64]; [0][32:64, 0:64] <- zero``:
@@ -124,7 +141,9 @@ def describe_layout(param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs
     ids = torch.where(v == 0, -1, torch.where(v == SENTINEL, -2, ids))
     vi = v.to(torch.int64)
     # a new segment starts where the source tensor changes or the HF elements stop being consecutive
-    breaks = (ids[:, 1:] != ids[:, :-1]) | ((ids[:, 1:] >= 0) & (vi[:, 1:] != vi[:, :-1] + 1))
+    breaks = (ids[:, 1:] != ids[:, :-1]) | (
+        (ids[:, 1:] >= 0) & (vi[:, 1:] != vi[:, :-1] + 1)
+    )
     ids_l, vi_l, breaks_l = ids.tolist(), vi.tolist(), breaks.tolist()
 
     def segments(i):
@@ -143,10 +162,18 @@ def describe_layout(param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs
         outer, r = divmod(i, nrows)
         segs = segments(i)
         prev = runs[-1] if runs else None
-        if prev and prev[0] == outer and len(prev[3]) == len(segs) and all(
-            (a[0], a[2], a[3]) == (b[0], b[2], b[3])
-            and (a[0] < 0 or b[1] == a[1] + (r - prev[1]) * full[names[a[0]]].shape[-1])
-            for a, b in zip(prev[3], segs)
+        if (
+            prev
+            and prev[0] == outer
+            and len(prev[3]) == len(segs)
+            and all(
+                (a[0], a[2], a[3]) == (b[0], b[2], b[3])
+                and (
+                    a[0] < 0
+                    or b[1] == a[1] + (r - prev[1]) * full[names[a[0]]].shape[-1]
+                )
+                for a, b in zip(prev[3], segs)
+            )
         ):
             prev[2] = r + 1
         else:
@@ -154,7 +181,9 @@ def describe_layout(param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs
     parts = []
     for outer, a, b, segs in runs:
         for tid, value, c0, c1 in segs:
-            where = (f"[{outer}]" if lead else "") + (f"[{a}:{b}, {c0}:{c1}]" if param.dim() > 1 else f"[{c0}:{c1}]")
+            where = (f"[{outer}]" if lead else "") + (
+                f"[{a}:{b}, {c0}:{c1}]" if param.dim() > 1 else f"[{c0}:{c1}]"
+            )
             if tid == -1:
                 parts.append(f"{where} <- zero")
             elif tid == -2:
@@ -184,7 +213,9 @@ def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1, **server_arg
     from sglang.srt.weight_sync.sglang_compat import parallel_widths, tp_state
 
     with published_layout(tp_size, moe_ep_size, server_args):
-        assert parallel_widths() == (tp_size, tp_size, moe_ep_size, 1, 1, 1), parallel_widths()
+        assert parallel_widths() == (tp_size, tp_size, moe_ep_size, 1, 1, 1), (
+            parallel_widths()
+        )
         with as_engine_rank(rank):
             assert tp_state().rank == rank
             yield
@@ -201,7 +232,9 @@ def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
     except ImportError:
         pass
     else:
-        installed = get_context().override_server_args(tp_size=tp_size, ep_size=moe_ep_size, **server_args)
+        installed = get_context().override_server_args(
+            tp_size=tp_size, ep_size=moe_ep_size, **server_args
+        )
         installed.install()
         try:
             yield
@@ -218,18 +251,32 @@ def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
 
     args = object.__new__(server_args_module.ServerArgs)
     for f in dataclasses.fields(args):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = (
+            f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else f.default
+        )
         setattr(args, f.name, None if default is dataclasses.MISSING else default)
     for name, value in dict(server_args, tp_size=tp_size, ep_size=moe_ep_size).items():
         setattr(args, name, value)
     published = {
         server_args_module: dict(_global_server_args=args),
-        parallel_state: dict(_TP=PlacementGroup(0, tp_size), _ATTN_TP=PlacementGroup(0, tp_size),
-                             _ATTN_CP=PlacementGroup(0, 1), _MOE_DP=PlacementGroup(0, 1),
-                             _MOE_EP=PlacementGroup(0, moe_ep_size),
-                             _MOE_TP=PlacementGroup(0, tp_size // moe_ep_size), _PP=PlacementGroup(0, 1)),
-        dp_attention: dict(_ATTN_DP_SIZE=1, _LOCAL_ATTN_DP_SIZE=1, _ATTN_DP_RANK=0, _LOCAL_ATTN_DP_RANK=0,
-                           _ENABLE_DP_ATTENTION_FLAG=False),
+        parallel_state: dict(
+            _TP=PlacementGroup(0, tp_size),
+            _ATTN_TP=PlacementGroup(0, tp_size),
+            _ATTN_CP=PlacementGroup(0, 1),
+            _MOE_DP=PlacementGroup(0, 1),
+            _MOE_EP=PlacementGroup(0, moe_ep_size),
+            _MOE_TP=PlacementGroup(0, tp_size // moe_ep_size),
+            _PP=PlacementGroup(0, 1),
+        ),
+        dp_attention: dict(
+            _ATTN_DP_SIZE=1,
+            _LOCAL_ATTN_DP_SIZE=1,
+            _ATTN_DP_RANK=0,
+            _LOCAL_ATTN_DP_RANK=0,
+            _ENABLE_DP_ATTENTION_FLAG=False,
+        ),
     }
     with module_globals(published):
         yield
@@ -279,8 +326,11 @@ def _save_checkpoint(spec: dict, directory: Path) -> dict:
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             shapes += [(name, list(f.get_slice(name).get_shape())) for name in f.keys()]
-    return {"dir": str(directory), "config": json.loads((directory / "config.json").read_text()),
-            "tensors": sorted(shapes)}
+    return {
+        "dir": str(directory),
+        "config": json.loads((directory / "config.json").read_text()),
+        "tensors": sorted(shapes),
+    }
 
 
 def sglang_model_config(directory: Path, mode: str, tp_size: int):
@@ -299,9 +349,13 @@ def sglang_model_config(directory: Path, mode: str, tp_size: int):
         from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
 
         before = {k: getattr(model_config.hf_config, k, None) for k in ADJUSTED_KEYS}
-        model_config = adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(), tp_size)
+        model_config = adjust_config_with_unaligned_cpu_tp(
+            model_config, LoadConfig(), tp_size
+        )
         after = {k: getattr(model_config.hf_config, k, None) for k in ADJUSTED_KEYS}
-        changes = {k: (before[k], after[k]) for k in ADJUSTED_KEYS if before[k] != after[k]}
+        changes = {
+            k: (before[k], after[k]) for k in ADJUSTED_KEYS if before[k] != after[k]
+        }
     return model_config, changes
 
 
@@ -311,7 +365,9 @@ def _build(model_config, dtype: torch.dtype = torch.float32):
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     with set_default_torch_dtype(dtype):
-        return _initialize_model(model_config, LoadConfig(), None)  # as DefaultModelLoader builds it
+        return _initialize_model(
+            model_config, LoadConfig(), None
+        )  # as DefaultModelLoader builds it
 
 
 def _computed(model) -> Dict[str, torch.Tensor]:
@@ -321,7 +377,9 @@ def _computed(model) -> Dict[str, torch.Tensor]:
     out = {}
     for mname, module in model.named_modules():
         tensors = list(module.named_buffers(recurse=False))
-        tensors += [(a, v) for a, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        tensors += [
+            (a, v) for a, v in vars(module).items() if isinstance(v, torch.Tensor)
+        ]
         for attr, val in tensors:
             if val.numel() and val.untyped_storage().data_ptr() not in owned:
                 out[f"{mname}.{attr}" if mname else attr] = val
@@ -337,7 +395,9 @@ def _load(model, full) -> None:
     after_load(model)
 
 
-def load_rank(model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+def load_rank(
+    model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+):
     """SGLang's parameters on the current (faked) engine rank after ``load_weights`` of the full
     tensors, and the tensors loading computes from them (MLA's w_kc/w_vc, Gemma's weight + 1)."""
     model = _build(model_config, dtype)
@@ -346,9 +406,16 @@ def load_rank(model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = 
             p.fill_(SENTINEL)
     before = {n: t.clone() for n, t in _computed(model).items()}
     _load(model, full)
-    computed = {n: t.detach().clone() for n, t in _computed(model).items()
-                if n not in before or not torch.equal(before[n], t)}
-    return model, {name: p.detach().clone() for name, p in model.named_parameters()}, computed
+    computed = {
+        n: t.detach().clone()
+        for n, t in _computed(model).items()
+        if n not in before or not torch.equal(before[n], t)
+    }
+    return (
+        model,
+        {name: p.detach().clone() for name, p in model.named_parameters()},
+        computed,
+    )
 
 
 def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -394,12 +461,22 @@ def run_job(job: dict, out_path: str) -> None:
     if mode == "default":
         _provide_vllm_rotary_import()
     import sglang.srt.utils as sgl_utils
-    from sglang.srt.weight_sync.derived_targets import build_meta_model, checkpoint_layout, derive_rank, derive_sampled
+    from sglang.srt.weight_sync.derived_targets import (
+        build_meta_model,
+        checkpoint_layout,
+        derive_rank,
+        derive_sampled,
+    )
     from sglang.srt.weight_sync.repeated_layers import sample_layers
 
-    platform = {"is_cpu": bool(sgl_utils.is_cpu()), "is_cuda": bool(sgl_utils.is_cuda())}
+    platform = {
+        "is_cpu": bool(sgl_utils.is_cpu()),
+        "is_cuda": bool(sgl_utils.is_cuda()),
+    }
     if platform["is_cpu"] != (mode == "cpu"):
-        raise RuntimeError(f"mode {mode!r} but SGLang sees is_cpu()={platform['is_cpu']}")
+        raise RuntimeError(
+            f"mode {mode!r} but SGLang sees is_cpu()={platform['is_cpu']}"
+        )
 
     checkpoints, results = {}, {}
     workdir = Path(job["workdir"])
@@ -409,34 +486,58 @@ def run_job(job: dict, out_path: str) -> None:
     for case_id, cfg_id, tp_size, rank, ep, *extra in job["cases"]:
         try:
             with fake_engine_rank(tp_size, rank, ep, **(extra[0] if extra else {})):
-                model_config, changes = sglang_model_config(workdir / cfg_id, mode, tp_size)
-                if job.get("checksums"):  # SGLang's own load of the saved checkpoint, in its dtype
+                model_config, changes = sglang_model_config(
+                    workdir / cfg_id, mode, tp_size
+                )
+                if job.get(
+                    "checksums"
+                ):  # SGLang's own load of the saved checkpoint, in its dtype
                     from safetensors.torch import load_file
+
                     from sglang.srt.managers.mm_utils import tensor_hash
 
                     full = load_file(str(workdir / cfg_id / "model.safetensors"))
                     _, params, _ = load_rank(model_config, full, model_config.dtype)
-                    results[case_id] = {"checksums": {n: f"{tensor_hash(p):016x}" for n, p in params.items()}}
+                    results[case_id] = {
+                        "checksums": {
+                            n: f"{tensor_hash(p):016x}" for n, p in params.items()
+                        }
+                    }
                     continue
                 full = index_encoded(checkpoints[cfg_id]["tensors"])
                 model, params, computed = load_rank(model_config, full)
-                results[case_id] = {"params": params, "computed": computed, "config_changes": changes}
+                results[case_id] = {
+                    "params": params,
+                    "computed": computed,
+                    "config_changes": changes,
+                }
                 if job.get("derive"):
                     import transformers
 
-                    layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(workdir / cfg_id))
+                    layout = checkpoint_layout(
+                        transformers.AutoConfig.from_pretrained(workdir / cfg_id)
+                    )
                     results[case_id]["layout"] = layout
                     # the engine's derivation (repeated layers loaded once), without its fallback to
                     # deriving every layer, and that fallback itself
                     sampling = sample_layers(layout.tensors)
-                    results[case_id]["derived"] = (derive_sampled(build_meta_model(model_config), layout, sampling)
-                                                   if sampling else derive_rank(build_meta_model(model_config), layout))
-                    results[case_id]["every_layer"] = derive_rank(build_meta_model(model_config), layout)
+                    results[case_id]["derived"] = (
+                        derive_sampled(build_meta_model(model_config), layout, sampling)
+                        if sampling
+                        else derive_rank(build_meta_model(model_config), layout)
+                    )
+                    results[case_id]["every_layer"] = derive_rank(
+                        build_meta_model(model_config), layout
+                    )
                     if computed:
-                        results[case_id]["refresh_problems"] = refresh_check(model, model_config, full)
+                        results[case_id]["refresh_problems"] = refresh_check(
+                            model, model_config, full
+                        )
         except Exception:  # reported per case by the test
             results[case_id] = {"error": traceback.format_exc()}
-    torch.save({"checkpoints": checkpoints, "results": results, "platform": platform}, out_path)
+    torch.save(
+        {"checkpoints": checkpoints, "results": results, "platform": platform}, out_path
+    )
 
 
 def worker_env(mode: str) -> Dict[str, str]:
@@ -445,7 +546,11 @@ def worker_env(mode: str) -> Dict[str, str]:
     # Start from a neutral platform even when the pytest process was set up for the CPU
     # engine (test/conftest.py sets SGLANG_USE_CPU_ENGINE=1 and puts STUBS on PYTHONPATH).
     env.pop("SGLANG_USE_CPU_ENGINE", None)
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != STUBS]
+    path = [
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and Path(p).resolve() != STUBS
+    ]
     env.setdefault("OMP_NUM_THREADS", "1")
     env["TRANSFORMERS_VERBOSITY"] = "error"
     if mode == "cpu":

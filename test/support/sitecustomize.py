@@ -49,7 +49,9 @@ if _FIGURES_DIR:
     class _FigureRecorder(_logging.Handler):
         def emit(self, record):
             if "received %d bytes (lower bound %d)" in str(record.msg):
-                with open(os.path.join(_FIGURES_DIR, f"{os.getpid()}.jsonl"), "a") as log:
+                with open(
+                    os.path.join(_FIGURES_DIR, f"{os.getpid()}.jsonl"), "a"
+                ) as log:
                     log.write(_json.dumps(list(record.args)) + "\n")
 
     _figures_logger = _logging.getLogger("sglang.srt.weight_sync.engine_update")
@@ -69,7 +71,9 @@ if _FAULT_DIR:
             flag = os.path.join(_FAULT_DIR, f"fail_after_writes.rank{args[1]}")
             if os.path.exists(flag):
                 os.unlink(flag)
-                raise RuntimeError(f"engine rank {args[1]}: fault injected by the test after its writes")
+                raise RuntimeError(
+                    f"engine rank {args[1]}: fault injected by the test after its writes"
+                )
             return stats
 
         return call

@@ -47,55 +47,158 @@ INIT_RANGE = 0.2
 # The HF config of each tiny model (``transformers.AutoConfig.for_model(**spec)``).
 SPECS: Dict[str, dict] = {
     # GQA 8 q / 4 kv heads, head_dim 16, untied lm_head (the Qwen2 default).
-    "qwen2": dict(model_type="qwen2", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=256, tie_word_embeddings=False),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    ),
     # q/k RMSNorm, explicit head_dim 32 (q_proj out 256 != hidden 128), untied.
-    "qwen3": dict(model_type="qwen3", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=32, intermediate_size=256, tie_word_embeddings=False),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    ),
     # Tied embeddings: the checkpoint has no lm_head.weight.
-    "llama": dict(model_type="llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=16, intermediate_size=256, tie_word_embeddings=True),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=256,
+        tie_word_embeddings=True,
+    ),
     # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers): 8 experts, top-2.
-    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                      head_dim=16, intermediate_size=256, moe_intermediate_size=128, num_experts=8,
-                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                      tie_word_embeddings=False),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
     # Architectures only the derived targets describe (weight_sync.derived_targets).
     # Three layers: the engine's derivation loads the first and last, and renames the first for the middle one.
-    "mistral": dict(model_type="mistral", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                    head_dim=16, intermediate_size=256, tie_word_embeddings=False, num_hidden_layers=3),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+    ),
     # Gemma norms: SGLang keeps weight + 1 in a buffer that an update must refresh.
-    "gemma2": dict(model_type="gemma2", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=16, intermediate_size=256, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=16,
-                   sliding_window=64, tie_word_embeddings=True),
+    "gemma2": dict(
+        model_type="gemma2",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=256,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=16,
+        sliding_window=64,
+        tie_word_embeddings=True,
+    ),
     # The checkpoint fuses qkv_proj and gate_up_proj.
-    "phi3": dict(model_type="phi3", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                 intermediate_size=256, tie_word_embeddings=False),
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    ),
     # DeepSeek-V3-shaped: MLA (q_lora, kv_b_proj -> w_kc/w_vc), a dense first layer, then three
     # with routed experts plus a shared expert (the middle one renamed from the first by the derivation).
-    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=128, num_attention_heads=8, num_key_value_heads=8,
-                        intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
-                        num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=4, q_lora_rank=64,
-                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
-                        topk_group=1,
-                        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-                        # SGLang's CPU engine builds MLA rope only as deepseek_yarn; factor 1 is plain rope
-                        rope_scaling=dict(rope_type="yarn", factor=1.0, original_max_position_embeddings=512,
-                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-                        tie_word_embeddings=False),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        num_hidden_layers=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        # SGLang's CPU engine builds MLA rope only as deepseek_yarn; factor 1 is plain rope
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=1.0,
+            original_max_position_embeddings=512,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        tie_word_embeddings=False,
+    ),
     # gpt-oss: attention sinks, a sliding and a full layer, experts stored fused in the
     # checkpoint ([E, H, 2I] gate_up interleaved, [E, I, H] down) that SGLang loads transposed.
-    "gpt_oss": dict(model_type="gpt_oss", hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
-                    head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
-                    sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                    tie_word_embeddings=False),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    ),
     # One kv head: SGLang's CPU engine pads heads at TP 2 (adjust_config_with_unaligned_cpu_tp).
-    "llama_kv1": dict(model_type="llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=1,
-                      head_dim=16, intermediate_size=256, tie_word_embeddings=False),
+    "llama_kv1": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    ),
 }
 
-COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-              initializer_range=INIT_RANGE, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=VOCAB,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=INIT_RANGE,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def tiny_config(kind: str, **overrides):
@@ -110,7 +213,9 @@ def tiny_config(kind: str, **overrides):
     return config
 
 
-def make_tiny_model(kind: str, directory: PathLike, seed: int = 0, **overrides) -> Tuple[Path, object]:
+def make_tiny_model(
+    kind: str, directory: PathLike, seed: int = 0, **overrides
+) -> Tuple[Path, object]:
     """Create tiny model ``kind`` with weights seeded by ``seed`` and ``save_pretrained`` it to ``directory``.
 
     Returns ``(directory, config)``. The same (kind, seed, overrides) gives bit-identical weights.
@@ -128,14 +233,18 @@ def make_tiny_model(kind: str, directory: PathLike, seed: int = 0, **overrides) 
                     param.normal_(1.0, 0.1)
                 else:
                     param.normal_(0.0, 0.1)
-            elif bool((param == param.flatten()[0]).all()):  # e.g. gpt-oss expert biases [E, 2I], zeros
+            elif bool(
+                (param == param.flatten()[0]).all()
+            ):  # e.g. gpt-oss expert biases [E, 2I], zeros
                 param.normal_(0.0, 0.1)
     model = model.to(torch.bfloat16).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     written = json.loads((directory / "config.json").read_text())
     if written.get("dtype", written.get("torch_dtype")) != "bfloat16":
-        raise AssertionError(f"{directory}/config.json does not say bfloat16: {written}")
+        raise AssertionError(
+            f"{directory}/config.json does not say bfloat16: {written}"
+        )
     return directory, config
 
 
@@ -172,8 +281,12 @@ def load_checkpoint(directory: PathLike) -> Dict[str, torch.Tensor]:
     return out
 
 
-def write_modified_checkpoint(src: PathLike, dst: PathLike, weights: Mapping[str, torch.Tensor],
-                              allow_new: bool = False) -> Path:
+def write_modified_checkpoint(
+    src: PathLike,
+    dst: PathLike,
+    weights: Mapping[str, torch.Tensor],
+    allow_new: bool = False,
+) -> Path:
     """Copy checkpoint ``src`` to ``dst`` with the tensors in ``weights`` replaced (HF names).
 
     Each replacement must match the original's shape; it is cast to the original's dtype.
@@ -187,7 +300,9 @@ def write_modified_checkpoint(src: PathLike, dst: PathLike, weights: Mapping[str
     for name, value in weights.items():
         if name in tensors:
             if tuple(value.shape) != tuple(tensors[name].shape):
-                raise ValueError(f"{name}: shape {tuple(value.shape)} != checkpoint {tuple(tensors[name].shape)}")
+                raise ValueError(
+                    f"{name}: shape {tuple(value.shape)} != checkpoint {tuple(tensors[name].shape)}"
+                )
             tensors[name] = value.detach().to("cpu", tensors[name].dtype).contiguous()
         elif allow_new:
             tensors[name] = value.detach().to("cpu").contiguous()
@@ -195,13 +310,19 @@ def write_modified_checkpoint(src: PathLike, dst: PathLike, weights: Mapping[str
             raise KeyError(f"{name} is not in the checkpoint at {src}")
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name != "model.safetensors.index.json"
+        ):
             (dst / f.name).write_bytes(f.read_bytes())
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
 
-def random_like(tensor: torch.Tensor, seed: int, std: Optional[float] = None) -> torch.Tensor:
+def random_like(
+    tensor: torch.Tensor, seed: int, std: Optional[float] = None
+) -> torch.Tensor:
     """A seeded random tensor with ``tensor``'s shape and dtype (std defaults to ``tensor``'s)."""
     g = torch.Generator().manual_seed(seed)
     scale = float(tensor.float().std()) if std is None else std

@@ -19,8 +19,18 @@ import pytest
 
 import sglang.srt.managers.io_struct as io
 from sglang.srt.weight_sync import answer_guard
-from sglang.srt.weight_sync.answer_guard import bound_answers, distributed_update, refuse_generation_if_unsafe
-from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S, GRACE_S, MIXED, answer_bound_s, as_tensor_request
+from sglang.srt.weight_sync.answer_guard import (
+    bound_answers,
+    distributed_update,
+    refuse_generation_if_unsafe,
+)
+from sglang.srt.weight_sync.protocol import (
+    DEFAULT_TIMEOUT_S,
+    GRACE_S,
+    MIXED,
+    answer_bound_s,
+    as_tensor_request,
+)
 
 BOUND_S = 0.3
 
@@ -44,8 +54,10 @@ class FakeManager:
     def __init__(self):
         for name in (*answer_guard.UPDATES, *answer_guard.SESSIONS):
             setattr(self, f"{name}_communicator", FakeCommunicator())
-        self.inner = {name: getattr(self, f"{name}_communicator") for name in
-                      (*answer_guard.UPDATES, *answer_guard.SESSIONS)}
+        self.inner = {
+            name: getattr(self, f"{name}_communicator")
+            for name in (*answer_guard.UPDATES, *answer_guard.SESSIONS)
+        }
 
 
 @pytest.fixture
@@ -57,7 +69,9 @@ def manager(monkeypatch):
 
 
 def distributed(update_id="u1", timeout_s=5.0):
-    return io.UpdateWeightsDistributedReqInput(update_id=update_id, channel="/tmp/x", timeout_s=timeout_s)
+    return io.UpdateWeightsDistributedReqInput(
+        update_id=update_id, channel="/tmp/x", timeout_s=timeout_s
+    )
 
 
 def test_bound_is_timeout_plus_grace():
@@ -65,19 +79,27 @@ def test_bound_is_timeout_plus_grace():
 
 
 def test_upstream_hooks_install_it():
-    from sglang.srt.managers import tokenizer_control_mixin as tcm
     import inspect
 
-    assert "bound_answers(self)" in inspect.getsource(tcm.TokenizerControlMixin.init_communicators)
+    from sglang.srt.managers import tokenizer_control_mixin as tcm
+
+    assert "bound_answers(self)" in inspect.getsource(
+        tcm.TokenizerControlMixin.init_communicators
+    )
 
 
 def test_wrapper_delegates_what_it_does_not_bound(manager):
-    assert manager.update_weights_distributed_communicator.handle_recv(1) == ("handled", 1)
+    assert manager.update_weights_distributed_communicator.handle_recv(1) == (
+        "handled",
+        1,
+    )
 
 
 def test_an_answer_within_the_bound_passes_through(manager):
     async def go():
-        call = asyncio.ensure_future(manager.update_weights_distributed_communicator(distributed()))
+        call = asyncio.ensure_future(
+            manager.update_weights_distributed_communicator(distributed())
+        )
         await asyncio.sleep(0.05)
         manager.inner["update_weights_distributed"].answer.set_result(["ok"])
         return await call
@@ -91,37 +113,63 @@ def test_no_answer_fails_within_the_bound_then_refuses_until_the_late_answer(man
         reply = await manager.update_weights_distributed_communicator(distributed("u7"))
         elapsed = time.monotonic() - start
         # while u7 is unanswered: updates (either form) and session calls are refused at once
-        later = await manager.update_weights_from_tensor_communicator(as_tensor_request(distributed("u8"), 2))
+        later = await manager.update_weights_from_tensor_communicator(
+            as_tensor_request(distributed("u8"), 2)
+        )
         end = await manager.end_weight_update_communicator(io.EndWeightUpdateReqInput())
         sent = {k: len(c.calls) for k, c in manager.inner.items()}
-        manager.inner["update_weights_distributed"].answer.set_result(["late"])  # the scheduler answers late
+        manager.inner["update_weights_distributed"].answer.set_result(
+            ["late"]
+        )  # the scheduler answers late
         await asyncio.sleep(0)
-        after = asyncio.ensure_future(manager.end_weight_update_communicator(io.EndWeightUpdateReqInput()))
+        after = asyncio.ensure_future(
+            manager.end_weight_update_communicator(io.EndWeightUpdateReqInput())
+        )
         await asyncio.sleep(0.05)
         manager.inner["end_weight_update"].answer.set_result(["ended"])
         return reply, elapsed, later, end, sent, await after
 
     reply, elapsed, later, end, sent, after = asyncio.run(go())
-    assert BOUND_S - 0.005 <= elapsed < BOUND_S + 0.5  # asyncio's timer was seen firing 34 us early
+    assert (
+        BOUND_S - 0.005 <= elapsed < BOUND_S + 0.5
+    )  # asyncio's timer was seen firing 34 us early
     [r] = reply
     assert isinstance(r, io.UpdateWeightsDistributedReqOutput) and r.success is False
-    assert "no answer from the engine within 0.3s to distributed weight update 'u7'" in r.message
+    assert (
+        "no answer from the engine within 0.3s to distributed weight update 'u7'"
+        in r.message
+    )
     assert "waiting for its schedulers to receive and apply it" in r.message
     assert "an engine rank did not answer" in r.message
     [l] = later
     assert isinstance(l, io.UpdateWeightsFromTensorReqOutput) and not l.success
-    assert "'u8' refused" in l.message and "has not answered distributed weight update 'u7'" in l.message
+    assert (
+        "'u8' refused" in l.message
+        and "has not answered distributed weight update 'u7'" in l.message
+    )
     [e] = end
-    assert isinstance(e, io.EndWeightUpdateReqOutput) and not e.success and "'u7'" in e.message
-    assert sent == {"update_weights_distributed": 1, "update_weights_from_tensor": 0,
-                    "begin_weight_update": 0, "end_weight_update": 0}, "a refused call reached a scheduler"
+    assert (
+        isinstance(e, io.EndWeightUpdateReqOutput)
+        and not e.success
+        and "'u7'" in e.message
+    )
+    assert sent == {
+        "update_weights_distributed": 1,
+        "update_weights_from_tensor": 0,
+        "begin_weight_update": 0,
+        "end_weight_update": 0,
+    }, "a refused call reached a scheduler"
     assert after == ["ended"], "calls go through again once the late answer came"
 
 
 def test_other_tensor_updates_keep_upstreams_wait(manager):
     async def go():
-        req = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"], load_format=None)
-        call = asyncio.ensure_future(manager.update_weights_from_tensor_communicator(req))
+        req = io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[b"x"], load_format=None
+        )
+        call = asyncio.ensure_future(
+            manager.update_weights_from_tensor_communicator(req)
+        )
         await asyncio.sleep(BOUND_S + 0.2)
         assert not call.done(), "a non-distributed update was bounded"
         manager.inner["update_weights_from_tensor"].answer.set_result(["fine"])
@@ -134,7 +182,12 @@ def test_reserved_format_request_is_read_for_its_id_and_timeout():
     req = as_tensor_request(distributed("u3", timeout_s=9.5), 2)
     assert distributed_update(req) == ("u3", 9.5)
     assert distributed_update(distributed("u4", 3.0)) == ("u4", 3.0)
-    assert distributed_update(io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"])) is None
+    assert (
+        distributed_update(
+            io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"])
+        )
+        is None
+    )
 
 
 class Evil:
@@ -142,17 +195,28 @@ class Evil:
         return (print, ("loaded",))
 
 
-@pytest.mark.parametrize("payload", [b"garbage", pickle.dumps({"update_id": "u", "timeout_s": Evil()}),
-                                     pickle.dumps(["not", "a", "dict"]), "not base64!"])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"garbage",
+        pickle.dumps({"update_id": "u", "timeout_s": Evil()}),
+        pickle.dumps(["not", "a", "dict"]),
+        "not base64!",
+    ],
+)
 def test_unreadable_control_bounds_by_the_default(payload, capsys):
-    req = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload], load_format="distributed_shards")
+    req = io.UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[payload], load_format="distributed_shards"
+    )
     assert distributed_update(req) == ("", DEFAULT_TIMEOUT_S)
     assert "loaded" not in capsys.readouterr().out, "a pickled global was called"
 
 
 def test_invalid_timeout_bounds_by_the_default():
     req = io.UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[pickle.dumps({"update_id": "u", "timeout_s": -1})], load_format="distributed_shards")
+        serialized_named_tensors=[pickle.dumps({"update_id": "u", "timeout_s": -1})],
+        load_format="distributed_shards",
+    )
     assert distributed_update(req) == ("u", DEFAULT_TIMEOUT_S)
 
 
@@ -162,12 +226,16 @@ def test_upstream_generate_request_asks_the_guard_first():
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     source = inspect.getsource(TokenizerManager.generate_request)
-    assert source.index("refuse_generation_if_unsafe(self)") < source.index("normalize_batch_and_arguments")
+    assert source.index("refuse_generation_if_unsafe(self)") < source.index(
+        "normalize_batch_and_arguments"
+    )
 
 
 def _answer(manager, update_id, outputs):
     async def go():
-        call = asyncio.ensure_future(manager.update_weights_distributed_communicator(distributed(update_id)))
+        call = asyncio.ensure_future(
+            manager.update_weights_distributed_communicator(distributed(update_id))
+        )
         await asyncio.sleep(0.01)
         manager.inner["update_weights_distributed"].answer.set_result(outputs)
         return await call
@@ -177,18 +245,32 @@ def _answer(manager, update_id, outputs):
 
 def _out(success, message):
     """A scheduler's reply as the engine sends it: ``mixed`` set when writes had begun."""
-    return io.UpdateWeightsDistributedReqOutput(success=success, message=message, mixed=MIXED in message)
+    return io.UpdateWeightsDistributedReqOutput(
+        success=success, message=message, mixed=MIXED in message
+    )
 
 
 def test_generation_is_refused_after_mixed_weights_until_an_update_succeeds(manager):
     refuse_generation_if_unsafe(manager)  # nothing happened yet: serves
-    mixed = _out(False, f"distributed weight update FAILED after writes began on engine rank 1 (PeerLost: x): {MIXED}")
+    mixed = _out(
+        False,
+        f"distributed weight update FAILED after writes began on engine rank 1 (PeerLost: x): {MIXED}",
+    )
     assert _answer(manager, "u1", [mixed]) == [mixed]
-    with pytest.raises(ValueError, match=r"generation refused until a distributed weight update succeeds: "
-                                         r"distributed weight update 'u1': .*engine rank 1.*MIXED"):
+    with pytest.raises(
+        ValueError,
+        match=r"generation refused until a distributed weight update succeeds: "
+        r"distributed weight update 'u1': .*engine rank 1.*MIXED",
+    ):
         refuse_generation_if_unsafe(manager)
-    _answer(manager, "u2", [_out(False, "refused, no parameter changed: engine rank 0: no payload")])
-    with pytest.raises(ValueError, match="'u1'"):  # a refusal writes nothing: still mixed
+    _answer(
+        manager,
+        "u2",
+        [_out(False, "refused, no parameter changed: engine rank 0: no payload")],
+    )
+    with pytest.raises(
+        ValueError, match="'u1'"
+    ):  # a refusal writes nothing: still mixed
         refuse_generation_if_unsafe(manager)
     _answer(manager, "u3", [_out(True, "Success")])
     refuse_generation_if_unsafe(manager)  # whole again
@@ -197,19 +279,32 @@ def test_generation_is_refused_after_mixed_weights_until_an_update_succeeds(mana
 def test_the_mixed_field_decides_and_the_text_only_where_the_reply_has_no_field():
     from sglang.srt.weight_sync.protocol import is_mixed
 
-    assert is_mixed(io.UpdateWeightsDistributedReqOutput(success=False, message="x", mixed=True))
-    assert not is_mixed(io.UpdateWeightsDistributedReqOutput(success=False, message=f"quoting: {MIXED}"))
+    assert is_mixed(
+        io.UpdateWeightsDistributedReqOutput(success=False, message="x", mixed=True)
+    )
+    assert not is_mixed(
+        io.UpdateWeightsDistributedReqOutput(success=False, message=f"quoting: {MIXED}")
+    )
     # upstream's tensor-path reply (the reserved load_format) has no such field: its message says it
-    assert is_mixed(io.UpdateWeightsFromTensorReqOutput(success=False, message=f"FAILED: {MIXED}"))
-    assert not is_mixed(io.UpdateWeightsFromTensorReqOutput(success=False, message="refused"))
+    assert is_mixed(
+        io.UpdateWeightsFromTensorReqOutput(success=False, message=f"FAILED: {MIXED}")
+    )
+    assert not is_mixed(
+        io.UpdateWeightsFromTensorReqOutput(success=False, message="refused")
+    )
 
 
 def test_generation_is_refused_while_an_update_is_unanswered(manager):
     async def go():
         reply = await manager.update_weights_distributed_communicator(distributed("u5"))
-        with pytest.raises(ValueError, match=r"not answered distributed weight update 'u5'.*restart the engine"):
+        with pytest.raises(
+            ValueError,
+            match=r"not answered distributed weight update 'u5'.*restart the engine",
+        ):
             refuse_generation_if_unsafe(manager)
-        manager.inner["update_weights_distributed"].answer.set_result([_out(True, "Success")])  # late, but whole
+        manager.inner["update_weights_distributed"].answer.set_result(
+            [_out(True, "Success")]
+        )  # late, but whole
         await asyncio.sleep(0)
         refuse_generation_if_unsafe(manager)
         return reply
@@ -221,9 +316,13 @@ def test_generation_is_refused_while_an_update_is_unanswered(manager):
 def test_a_late_answer_saying_mixed_keeps_generation_refused(manager):
     async def go():
         await manager.update_weights_distributed_communicator(distributed("u6"))
-        manager.inner["update_weights_distributed"].answer.set_result([_out(False, f"x: {MIXED}")])
+        manager.inner["update_weights_distributed"].answer.set_result(
+            [_out(False, f"x: {MIXED}")]
+        )
         await asyncio.sleep(0.01)  # the task ends, then its done callbacks run
-        with pytest.raises(ValueError, match=r"until a distributed weight update succeeds: .*'u6'"):
+        with pytest.raises(
+            ValueError, match=r"until a distributed weight update succeeds: .*'u6'"
+        ):
             refuse_generation_if_unsafe(manager)
 
     asyncio.run(go())

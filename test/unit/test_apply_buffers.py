@@ -5,15 +5,19 @@ pieces of this chunk were written, the rest is whatever ``torch.empty`` returned
 
 import torch
 
-from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers
-from sglang.srt.weight_sync.trainer_reshard import restrict
+from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+from sglang.srt.weight_sync.trainer_reshard import restrict
 
 GATE_UP = ParamTarget(
-    "model.layers.0.mlp.gate_up_proj.weight", (8, 4), torch.bfloat16,
-    (Piece("model.layers.0.mlp.gate_proj.weight", Box((0, 0), (4, 4)), (), (0, 0)),
-     Piece("model.layers.0.mlp.up_proj.weight", Box((0, 0), (4, 4)), (), (4, 0))),
+    "model.layers.0.mlp.gate_up_proj.weight",
+    (8, 4),
+    torch.bfloat16,
+    (
+        Piece("model.layers.0.mlp.gate_proj.weight", Box((0, 0), (4, 4)), (), (0, 0)),
+        Piece("model.layers.0.mlp.up_proj.weight", Box((0, 0), (4, 4)), (), (4, 0)),
+    ),
 )
 
 
@@ -30,7 +34,9 @@ def test_unwritten_part_of_a_buffer_is_neither_checked_nor_copied():
     assert nonfinite_buffers([target], {target.name: buffer}) == []
     param = torch.ones(8, 4, dtype=torch.bfloat16)
     assert copy_buffers({target.name: param}, [target], {target.name: buffer}) == 16 * 2
-    assert torch.equal(param[:4], torch.ones(4, 4, dtype=torch.bfloat16))  # gate half kept
+    assert torch.equal(
+        param[:4], torch.ones(4, 4, dtype=torch.bfloat16)
+    )  # gate half kept
     assert torch.equal(param[4:], buffer[4:])
 
 

@@ -7,24 +7,49 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
+from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.delivery import DeliveryError, ShardReceiver, ShardSender
 from sglang.srt.weight_sync.protocol import make_channel
-from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.source_layout import Holder, HoldersSpec, MeshSpec
 
 # A fused local buffer (Megatron linear_qkv-like): rows 0:2 are q rows 2:4, rows 2:3 are k row 1.
-FUSED = {"q": HoldersSpec((4, 4), torch.float32, (Holder(5, Box((2, 0), (2, 4)), "chunk0/qkv", (0, 0), (3, 4)),)),
-         "k": HoldersSpec((2, 4), torch.float32, (Holder(5, Box((1, 0), (1, 4)), "chunk0/qkv", (2, 0), (3, 4)),
-                                                  Holder(9, Box((0, 0), (1, 4)), "chunk0/qkv", (2, 0), (3, 4))))}
+FUSED = {
+    "q": HoldersSpec(
+        (4, 4),
+        torch.float32,
+        (Holder(5, Box((2, 0), (2, 4)), "chunk0/qkv", (0, 0), (3, 4)),),
+    ),
+    "k": HoldersSpec(
+        (2, 4),
+        torch.float32,
+        (
+            Holder(5, Box((1, 0), (1, 4)), "chunk0/qkv", (2, 0), (3, 4)),
+            Holder(9, Box((0, 0), (1, 4)), "chunk0/qkv", (2, 0), (3, 4)),
+        ),
+    ),
+}
 
 
 def _trainer(channel, ready, done):
     sender = ShardSender(channel, engine_rank=1)
     stale = torch.zeros(2)
-    sender.send("old", 5, {4: 0, 5: 1}, [("w", stale, MeshSpec.full((2,), torch.float32, [4, 5]))])
+    sender.send(
+        "old",
+        5,
+        {4: 0, 5: 1},
+        [("w", stale, MeshSpec.full((2,), torch.float32, [4, 5]))],
+    )
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100
-    sender.send("u1", 5, {4: 0, 5: 1}, [("w", w, MeshSpec.sharded((6, 4), torch.float32, 0, [4, 5])),
-                                        ("chunk0/qkv", torch.ones(3, 4), None)], FUSED)
+    sender.send(
+        "u1",
+        5,
+        {4: 0, 5: 1},
+        [
+            ("w", w, MeshSpec.sharded((6, 4), torch.float32, 0, [4, 5])),
+            ("chunk0/qkv", torch.ones(3, 4), None),
+        ],
+        FUSED,
+    )
     ready.set()
     done.wait(60)
     sender.close()
@@ -41,14 +66,26 @@ def test_shards_travel_between_processes_and_stale_updates_are_dropped():
     try:
         payload = receiver.receive(channel, "u1", timeout_s=60)
         assert payload.trainer_rank == 5 and payload.rank_map == {4: 0, 5: 1}
-        assert torch.equal(payload.tensors["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100)
+        assert torch.equal(
+            payload.tensors["w"],
+            torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100,
+        )
         assert payload.specs["w"].placements == (Shard(0),)
-        assert [(h.rank, h.box.offsets) for h in payload.specs["w"].describe("w", payload.rank_map).holders] == [
-            (0, (0, 0)), (1, (3, 0))]
-        assert torch.equal(payload.tensors["chunk0/qkv"], torch.ones(3, 4)) and "chunk0/qkv" not in payload.specs
+        assert [
+            (h.rank, h.box.offsets)
+            for h in payload.specs["w"].describe("w", payload.rank_map).holders
+        ] == [(0, (0, 0)), (1, (3, 0))]
+        assert (
+            torch.equal(payload.tensors["chunk0/qkv"], torch.ones(3, 4))
+            and "chunk0/qkv" not in payload.specs
+        )
         assert payload.specs["q"] == FUSED["q"] and payload.specs["k"] == FUSED["k"]
-        k = payload.specs["k"].describe("k", payload.rank_map)  # rank 9 is beside no engine rank here: dropped
-        assert [(h.rank, h.box, h.buffer, h.offsets) for h in k.holders] == [(1, Box((1, 0), (1, 4)), "chunk0/qkv", (2, 0))]
+        k = payload.specs["k"].describe(
+            "k", payload.rank_map
+        )  # rank 9 is beside no engine rank here: dropped
+        assert [(h.rank, h.box, h.buffer, h.offsets) for h in k.holders] == [
+            (1, Box((1, 0), (1, 4)), "chunk0/qkv", (2, 0))
+        ]
     finally:
         done.set()
         proc.join(30)
@@ -57,7 +94,9 @@ def test_shards_travel_between_processes_and_stale_updates_are_dropped():
 
 def test_missing_payload_times_out_naming_rank_and_update():
     receiver = ShardReceiver(engine_rank=3)
-    with pytest.raises(DeliveryError, match="engine rank 3: no payload for update 'u9' within 0.2s"):
+    with pytest.raises(
+        DeliveryError, match="engine rank 3: no payload for update 'u9' within 0.2s"
+    ):
         receiver.receive(make_channel(), "u9", timeout_s=0.2)
     receiver.close()
 
@@ -73,13 +112,24 @@ def test_channel_must_be_private():
 def test_cpu_tensors_travel_inline_in_every_dtype_and_shape():
     """CPU payloads need no shared-memory manager or authkey: bytes inline, exact, nothing pickled."""
     channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
-    sent = [("bf16", torch.randn(3, 5).to(torch.bfloat16)), ("scalar", torch.tensor(2.5)),
-            ("empty", torch.empty(0, 4)), ("ints", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
-            ("strided", torch.arange(12.0).reshape(3, 4).t())]
+    sent = [
+        ("bf16", torch.randn(3, 5).to(torch.bfloat16)),
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.empty(0, 4)),
+        ("ints", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+        ("strided", torch.arange(12.0).reshape(3, 4).t()),
+    ]
     sender = ShardSender(channel, engine_rank=0)
     try:
-        receiver._socket(channel)  # bind first: the PUSH socket connects to an existing path
-        sender.send("u", 0, {0: 0}, [(n, t, MeshSpec.full(tuple(t.shape), t.dtype, [0])) for n, t in sent])
+        receiver._socket(
+            channel
+        )  # bind first: the PUSH socket connects to an existing path
+        sender.send(
+            "u",
+            0,
+            {0: 0},
+            [(n, t, MeshSpec.full(tuple(t.shape), t.dtype, [0])) for n, t in sent],
+        )
         got = receiver.receive(channel, "u", timeout_s=30).tensors
         for name, t in sent:
             assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
@@ -89,12 +139,25 @@ def test_cpu_tensors_travel_inline_in_every_dtype_and_shape():
         receiver.close()
 
 
-@pytest.mark.parametrize("inline,frame,problem", [
-    ([["torch.float32", [4]]], b"\x00" * 15, "15 bytes for a torch.float32 tensor of shape [4] (16 bytes)"),
-    ([["torch.complex64", [1]]], b"\x00" * 8, "dtype 'torch.complex64' is not one of"),
-    ([["torch.float32", [-1]]], b"", "shape [-1] is not a list of sizes"),
-])
-def test_inline_frames_that_disagree_with_their_description_are_refused(inline, frame, problem):
+@pytest.mark.parametrize(
+    "inline,frame,problem",
+    [
+        (
+            [["torch.float32", [4]]],
+            b"\x00" * 15,
+            "15 bytes for a torch.float32 tensor of shape [4] (16 bytes)",
+        ),
+        (
+            [["torch.complex64", [1]]],
+            b"\x00" * 8,
+            "dtype 'torch.complex64' is not one of",
+        ),
+        ([["torch.float32", [-1]]], b"", "shape [-1] is not a list of sizes"),
+    ],
+)
+def test_inline_frames_that_disagree_with_their_description_are_refused(
+    inline, frame, problem
+):
     import json
 
     import zmq
@@ -104,11 +167,19 @@ def test_inline_frames_that_disagree_with_their_description_are_refused(inline, 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(f"ipc://{os.path.join(channel, 'tp0.sock')}")
-    header = {"update_id": "u", "trainer_rank": 0, "rank_map": [[0, 0]], "pieces": [], "inline": inline,
-              "tensors": [["w", MeshSpec.full((4,), torch.float32, [0]).to_wire()]]}
+    header = {
+        "update_id": "u",
+        "trainer_rank": 0,
+        "rank_map": [[0, 0]],
+        "pieces": [],
+        "inline": inline,
+        "tensors": [["w", MeshSpec.full((4,), torch.float32, [0]).to_wire()]],
+    }
     sock.send_multipart([json.dumps(header).encode(), frame])
     try:
-        with pytest.raises(DeliveryError, match="cannot read the shards of trainer rank 0") as e:
+        with pytest.raises(
+            DeliveryError, match="cannot read the shards of trainer rank 0"
+        ) as e:
             receiver.receive(channel, "u", timeout_s=30)
         assert problem in str(e.value)
     finally:

@@ -20,15 +20,36 @@ ROOT = Path(__file__).resolve().parents[2] / "python" / "sglang" / "srt"
 PACKAGE = ROOT / "weight_sync"
 PREFIX = "sglang.srt.weight_sync"
 # torch.distributed calls that ask, not talk: allowed anywhere
-QUERIES = {"get_rank", "get_world_size", "get_backend", "get_global_rank", "get_group_rank",
-           "get_process_group_ranks", "is_initialized", "is_available"}
+QUERIES = {
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "is_initialized",
+    "is_available",
+}
 COLLECTIVE_MODULES = {"executor", "control_plane"}
-MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "defaultdict", "WeakValueDictionary", "WeakKeyDictionary",
-                 "deque", "Counter"}
+MUTABLE_CALLS = {
+    "dict",
+    "list",
+    "set",
+    "OrderedDict",
+    "defaultdict",
+    "WeakValueDictionary",
+    "WeakKeyDictionary",
+    "deque",
+    "Counter",
+}
 
 
 def _modules() -> Dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.glob("*.py")) if p.stem != "__init__"}
+    return {
+        p.stem: ast.parse(p.read_text(), str(p))
+        for p in sorted(PACKAGE.glob("*.py"))
+        if p.stem != "__init__"
+    }
 
 
 MODULES = _modules()
@@ -38,9 +59,15 @@ def _dist_aliases(tree: ast.Module) -> Set[str]:
     aliases = {"torch.distributed"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+            aliases |= {
+                a.asname
+                for a in node.names
+                if a.name == "torch.distributed" and a.asname
+            }
         if isinstance(node, ast.ImportFrom) and node.module == "torch":
-            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            aliases |= {
+                a.asname or a.name for a in node.names if a.name == "distributed"
+            }
     return aliases
 
 
@@ -49,7 +76,10 @@ def _collective_calls(tree: ast.Module) -> Set[str]:
     calls = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if ast.unparse(node.func.value) in aliases and node.func.attr not in QUERIES:
+            if (
+                ast.unparse(node.func.value) in aliases
+                and node.func.attr not in QUERIES
+            ):
                 calls.add(node.func.attr)
     return calls
 
@@ -58,14 +88,22 @@ def _collective_calls(tree: ast.Module) -> Set[str]:
 def test_only_the_two_planes_call_torch_distributed(name):
     calls = _collective_calls(MODULES[name])
     if name not in COLLECTIVE_MODULES:
-        assert not calls, f"{name}.py calls torch.distributed.{sorted(calls)}: collectives belong in control_plane.py"
+        assert not calls, (
+            f"{name}.py calls torch.distributed.{sorted(calls)}: collectives belong in control_plane.py"
+        )
 
 
 def test_the_planes_do_call_collectives_and_verl_engine_does_not():
     assert _collective_calls(MODULES["executor"]) >= {"batch_isend_irecv", "broadcast"}
-    assert _collective_calls(MODULES["control_plane"]) >= {"all_reduce", "monitored_barrier", "broadcast"}
+    assert _collective_calls(MODULES["control_plane"]) >= {
+        "all_reduce",
+        "monitored_barrier",
+        "broadcast",
+    }
     verl = ast.parse((ROOT / "entrypoints" / "verl_engine.py").read_text())
-    assert not _collective_calls(verl), "VerlEngine's collectives go through control_plane.ControlGroup"
+    assert not _collective_calls(verl), (
+        "VerlEngine's collectives go through control_plane.ControlGroup"
+    )
 
 
 def _imports(tree: ast.Module) -> Set[str]:
@@ -73,11 +111,15 @@ def _imports(tree: ast.Module) -> Set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             if node.module.startswith(PREFIX + "."):
-                found.add(node.module[len(PREFIX) + 1:].split(".")[0])
+                found.add(node.module[len(PREFIX) + 1 :].split(".")[0])
             elif node.module == PREFIX:
                 found |= {a.name for a in node.names}
         elif isinstance(node, ast.Import):
-            found |= {a.name[len(PREFIX) + 1:].split(".")[0] for a in node.names if a.name.startswith(PREFIX + ".")}
+            found |= {
+                a.name[len(PREFIX) + 1 :].split(".")[0]
+                for a in node.names
+                if a.name.startswith(PREFIX + ".")
+            }
     return found & set(MODULES)
 
 
@@ -90,7 +132,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif not state.get(nxt):
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -99,30 +141,54 @@ def test_no_import_cycle():
         if not state.get(name):
             visit(name, [name])
     assert not cycles, f"import cycles: {cycles}"
-    assert "engine_update" not in graph["answer_guard"] and "engine_update" not in graph["trainer_flow"]
+    assert (
+        "engine_update" not in graph["answer_guard"]
+        and "engine_update" not in graph["trainer_flow"]
+    )
 
 
 def _module_state(tree: ast.Module) -> List[str]:
-    found = [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    found = [
+        f"global {', '.join(n.names)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Global)
+    ]
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
             else []
+        )
         value = getattr(node, "value", None)
         if value is None:
             continue
         literal = isinstance(value, (ast.Dict, ast.List, ast.Set))
-        call = isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] in MUTABLE_CALLS
-        empty = call or (literal and not (getattr(value, "keys", None) or getattr(value, "elts", None)))
+        call = (
+            isinstance(value, ast.Call)
+            and ast.unparse(value.func).split(".")[-1] in MUTABLE_CALLS
+        )
+        empty = call or (
+            literal
+            and not (getattr(value, "keys", None) or getattr(value, "elts", None))
+        )
         for target in targets:
-            if isinstance(target, ast.Name) and target.id != "__all__" and (literal or call) \
-                    and (not target.id.isupper() or empty):
+            if (
+                isinstance(target, ast.Name)
+                and target.id != "__all__"
+                and (literal or call)
+                and (not target.id.isupper() or empty)
+            ):
                 found.append(f"{target.id} = {ast.unparse(value)[:40]}")
     return found
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_module_level_mutable_state(name):
-    assert not _module_state(MODULES[name]), f"{name}.py keeps state at module level: {_module_state(MODULES[name])}"
+    assert not _module_state(MODULES[name]), (
+        f"{name}.py keeps state at module level: {_module_state(MODULES[name])}"
+    )
 
 
 def _top_level_names(tree: ast.Module) -> Set[str]:
@@ -142,19 +208,33 @@ def _top_level_names(tree: ast.Module) -> Set[str]:
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_every_module_declares_what_it_exports(name):
     tree = MODULES[name]
-    exported = [n for n in tree.body if isinstance(n, ast.Assign) and any(
-        isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)]
+    exported = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+    ]
     assert exported, f"{name}.py has no __all__"
     listed = ast.literal_eval(exported[0].value)
     missing = sorted(set(listed) - _top_level_names(tree))
-    assert not missing, f"{name}.__all__ lists names the module does not define: {missing}"
+    assert not missing, (
+        f"{name}.__all__ lists names the module does not define: {missing}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(set(MODULES) - {"sglang_compat"}))
 def test_private_sglang_names_only_in_compat(name):
     private = []
     for node in ast.walk(MODULES[name]):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang.") \
-                and not node.module.startswith(PREFIX):
-            private += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-    assert not private, f"{name}.py imports SGLang's private {private}: adapt them in sglang_compat.py"
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("sglang.")
+            and not node.module.startswith(PREFIX)
+        ):
+            private += [
+                f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+            ]
+    assert not private, (
+        f"{name}.py imports SGLang's private {private}: adapt them in sglang_compat.py"
+    )

@@ -1,4 +1,5 @@
 """The sglang under test is our built wheel (0.5.23+dwu1), installed into site-packages -- not upstream, not the repo."""
+
 import base64
 import hashlib
 import importlib.metadata
@@ -25,18 +26,28 @@ def test_version_attribute_has_local_label():
 
 def test_distribution_metadata():
     assert importlib.metadata.version("sglang") == VERSION
-    dists = [d for d in importlib.metadata.distributions() if d.metadata["Name"] == "sglang"]
-    assert len(dists) == 1, f"several sglang distributions installed: {[d.version for d in dists]}"
+    dists = [
+        d for d in importlib.metadata.distributions() if d.metadata["Name"] == "sglang"
+    ]
+    assert len(dists) == 1, (
+        f"several sglang distributions installed: {[d.version for d in dists]}"
+    )
 
 
 def test_weight_sync_imported_from_site_packages():
     import sglang.srt.weight_sync.planner as planner
 
     path = Path(planner.__file__)
-    assert not path.is_symlink(), f"{path} is a symlink (dev hack), not an installed file"
+    assert not path.is_symlink(), (
+        f"{path} is a symlink (dev hack), not an installed file"
+    )
     resolved = path.resolve()
-    assert not resolved.is_relative_to(REPO_PYTHON), f"{resolved} comes from the repo, not the wheel"
-    assert any(resolved.is_relative_to(d) for d in _site_dirs()), f"{resolved} is not in site-packages"
+    assert not resolved.is_relative_to(REPO_PYTHON), (
+        f"{resolved} comes from the repo, not the wheel"
+    )
+    assert any(resolved.is_relative_to(d) for d in _site_dirs()), (
+        f"{resolved} is not in site-packages"
+    )
 
 
 def test_record_lists_our_files():
@@ -46,6 +57,7 @@ def test_record_lists_our_files():
     assert entry is not None, "RECORD does not list sglang/srt/weight_sync/planner.py"
     assert entry.hash is not None and entry.hash.mode == "sha256"
     data = Path(entry.locate()).read_bytes()
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    digest = (
+        base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
     assert digest == entry.hash.value and len(data) == entry.size
-

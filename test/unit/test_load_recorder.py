@@ -10,19 +10,22 @@ copies (``Transfers.box``) must add exactly the entries the general path adds, o
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-
 from benchmark.weight_sync.hand_rules import reference_param  # noqa: E402
 from sglang.srt.weight_sync.box import Box  # noqa: E402
 from sglang.srt.weight_sync.derived_targets import entries_to_target  # noqa: E402
-from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque  # noqa: E402
+from sglang.srt.weight_sync.load_recorder import (  # noqa: E402
+    Const,
+    Entry,
+    Leaf,
+    LoadRecorder,
+    Opaque,
+)
 
 CASES = 1500
 
@@ -53,7 +56,7 @@ class Twin:
             return [Twin(x, y) for x, y in zip(r, m)]
         return Twin(r, m) if isinstance(r, torch.Tensor) else r
 
-    def __getitem__(self, index) -> "Twin":
+    def __getitem__(self, index) -> Twin:
         with _disable_current_modes():
             r = self.real[index]
         return Twin(r, self.meta[index])
@@ -65,7 +68,9 @@ def _real(fn, *args, **kwargs):
 
 
 def _twin_op(fn, twins: List[Twin], *args) -> Twin:
-    return Twin(_real(fn, [t.real for t in twins], *args), fn([t.meta for t in twins], *args))
+    return Twin(
+        _real(fn, [t.real for t in twins], *args), fn([t.meta for t in twins], *args)
+    )
 
 
 def random_view(rng: random.Random, t: Twin) -> Twin:
@@ -73,7 +78,18 @@ def random_view(rng: random.Random, t: Twin) -> Twin:
     for _ in range(rng.randint(0, 3)):
         if t.dim() == 0:
             break
-        op = rng.choice(("narrow", "select", "transpose", "unsqueeze", "flatten", "unflatten", "step", "chunk"))
+        op = rng.choice(
+            (
+                "narrow",
+                "select",
+                "transpose",
+                "unsqueeze",
+                "flatten",
+                "unflatten",
+                "step",
+                "chunk",
+            )
+        )
         d = rng.randrange(t.dim())
         n = t.shape[d]
         if op == "narrow" and n > 1:
@@ -87,7 +103,9 @@ def random_view(rng: random.Random, t: Twin) -> Twin:
             t = t.apply("unsqueeze", rng.randrange(t.dim() + 1))
         elif op == "flatten" and d + 1 < t.dim():
             flat = t.real.flatten(d, d + 1)
-            if flat._base is not None and flat.data_ptr() == t.real.data_ptr():  # only where it is a view
+            if (
+                flat._base is not None and flat.data_ptr() == t.real.data_ptr()
+            ):  # only where it is a view
                 t = t.apply("flatten", d, d + 1)
         elif op == "unflatten" and n > 2 and n % 2 == 0:
             t = t.apply("unflatten", d, (2, n // 2))
@@ -104,7 +122,7 @@ def _shaped_like(flat: Twin, dst: Twin) -> Twin:
     """``flat``'s leading elements in ``dst``'s shape, or its first element broadcast."""
     if flat.numel() < dst.numel():
         return flat[0:1].apply("expand", dst.shape) if dst.dim() else flat[0]
-    return flat[0:dst.numel()].apply("reshape", dst.shape) if dst.dim() else flat[0]
+    return flat[0 : dst.numel()].apply("reshape", dst.shape) if dst.dim() else flat[0]
 
 
 def _leaf_rows(rng: random.Random, leaves: Dict[str, Twin], rows: int, dst: Twin):
@@ -132,34 +150,62 @@ def one_case(rng: random.Random, fast: bool):
     leaves, start = {}, 1
     for i in range(3):
         shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
-        real = (torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + start).reshape(shape)
+        real = (
+            torch.arange(torch.Size(shape).numel(), dtype=torch.float64) + start
+        ).reshape(shape)
         start += real.numel()
         meta = torch.empty(shape, dtype=torch.float64, device="meta")
         rec.add_leaf(f"w{i}", meta)
         leaves[f"w{i}"] = Twin(real, meta)
     shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
-    p = Twin(torch.full(shape, -1.0, dtype=torch.float64), torch.empty(shape, dtype=torch.float64, device="meta"))
+    p = Twin(
+        torch.full(shape, -1.0, dtype=torch.float64),
+        torch.empty(shape, dtype=torch.float64, device="meta"),
+    )
     rec.register(p.meta, "param")
     computed = torch.zeros(shape, dtype=torch.bool)
     with torch.no_grad():
         for _ in range(rng.randint(1, 4)):
             dst = random_view(rng, p)
-            kind = rng.choice(("copy", "copy", "copy", "cast", "cat", "stack", "fill", "zero", "item", "arith",
-                               "pad", "index_select"))
+            kind = rng.choice(
+                (
+                    "copy",
+                    "copy",
+                    "copy",
+                    "cast",
+                    "cat",
+                    "stack",
+                    "fill",
+                    "zero",
+                    "item",
+                    "arith",
+                    "pad",
+                    "index_select",
+                )
+            )
             src = random_view(rng, leaves[rng.choice(sorted(leaves))])
             with rec:
                 if kind in ("copy", "cast") and src.numel():
                     x = _shaped_like(src.apply("reshape", (-1,)), dst)
                     if kind == "cast":
-                        x = x.apply("to", torch.float32).apply("contiguous").apply("to", torch.float64)
+                        x = (
+                            x.apply("to", torch.float32)
+                            .apply("contiguous")
+                            .apply("to", torch.float64)
+                        )
                     dst.apply("copy_", x)
                 elif kind == "cat" and dst.dim() and dst.shape[0]:
                     a = rng.randint(0, dst.shape[0])
-                    parts = [_leaf_rows(rng, leaves, rows, dst) for rows in (a, dst.shape[0] - a)]
+                    parts = [
+                        _leaf_rows(rng, leaves, rows, dst)
+                        for rows in (a, dst.shape[0] - a)
+                    ]
                     if all(q is not None for q in parts):
                         dst.apply("copy_", _twin_op(torch.cat, parts))
                 elif kind == "stack" and dst.dim() and dst.shape[0] <= 3:
-                    rows = [_leaf_rows(rng, leaves, 1, dst) for _ in range(dst.shape[0])]
+                    rows = [
+                        _leaf_rows(rng, leaves, 1, dst) for _ in range(dst.shape[0])
+                    ]
                     if all(q is not None for q in rows):
                         dst.apply("copy_", _twin_op(torch.stack, [q[0] for q in rows]))
                 elif kind == "fill":
@@ -178,14 +224,23 @@ def one_case(rng: random.Random, fast: bool):
                     flat = src.apply("reshape", (-1,))
                     rows = dst.numel() // last
                     if flat.numel() >= rows * (last - 1):
-                        x = flat[0:rows * (last - 1)].apply("reshape", dst.shape[:-1] + (last - 1,))
+                        x = flat[0 : rows * (last - 1)].apply(
+                            "reshape", dst.shape[:-1] + (last - 1,)
+                        )
                         pad = torch.nn.functional.pad
-                        dst.apply("copy_", Twin(_real(pad, x.real, (1, 0)), pad(x.meta, (1, 0))))
+                        dst.apply(
+                            "copy_",
+                            Twin(_real(pad, x.real, (1, 0)), pad(x.meta, (1, 0))),
+                        )
                 elif kind == "index_select" and src.dim() and dst.dim():
-                    index = torch.tensor([rng.randrange(src.shape[0]) for _ in range(dst.shape[0])])
+                    index = torch.tensor(
+                        [rng.randrange(src.shape[0]) for _ in range(dst.shape[0])]
+                    )
                     y = src.apply("index_select", 0, index).apply("reshape", (-1,))
                     if y.numel() >= dst.numel():
-                        dst.apply("copy_", y[0:dst.numel()].apply("reshape", dst.shape))
+                        dst.apply(
+                            "copy_", y[0 : dst.numel()].apply("reshape", dst.shape)
+                        )
     return rec.describe(p.meta), p, leaves, computed, taken[0]
 
 
@@ -193,12 +248,16 @@ def _written_by(p: Twin, view: Twin) -> torch.Tensor:
     """Which elements of ``p`` the view ``view`` covers."""
     with _disable_current_modes():
         marker = torch.zeros(p.shape, dtype=torch.float64)
-        mark = marker.as_strided(view.real.shape, view.real.stride(), view.real.storage_offset())
+        mark = marker.as_strided(
+            view.real.shape, view.real.stride(), view.real.storage_offset()
+        )
         mark.fill_(1.0)
         return marker.bool()
 
 
-def _claims_match(entries: List[Entry], p: Twin, leaves: Dict[str, Twin], computed: torch.Tensor) -> str:
+def _claims_match(
+    entries: List[Entry], p: Twin, leaves: Dict[str, Twin], computed: torch.Tensor
+) -> str:
     """'' when every claimed element equals the real result, else what differs."""
     target, _, _ = entries_to_target("p", p.meta, entries)
     full = {n: t.real for n, t in leaves.items()}
@@ -208,7 +267,9 @@ def _claims_match(entries: List[Entry], p: Twin, leaves: Dict[str, Twin], comput
         claimed[piece.index][piece.dest_box().slices()] = True
     for z in target.zeros:
         claimed[z.slices()] = True
-    refused = torch.zeros(p.shape, dtype=torch.bool)  # recorded, but an update refuses the tensor
+    refused = torch.zeros(
+        p.shape, dtype=torch.bool
+    )  # recorded, but an update refuses the tensor
     for e in entries:
         if isinstance(e.src, Const) and e.src.value != 0.0:
             expected[e.box.slices()] = e.src.value
@@ -242,7 +303,9 @@ def test_recorded_elements_equal_real_ops(seed):
         rng.setstate(state)
         general, *_ = one_case(rng, fast=False)
         if general != entries:
-            failures.append(f"case {case}: the box fast path recorded {entries}, the general path {general}")
+            failures.append(
+                f"case {case}: the box fast path recorded {entries}, the general path {general}"
+            )
     assert not failures, "\n".join(failures[:5])
     assert fast_copies > CASES // 6, f"the box fast path was taken {fast_copies} times"
 
@@ -254,7 +317,15 @@ def test_factories_record_their_fill_value():
     leaf = torch.empty(3, dtype=torch.float64, device="meta")
     rec.add_leaf("w", leaf)
     with rec:
-        assert rec.describe(torch.full((2,), 3.0, device="meta")) == [Entry(Box((0,), (2,)), Const(3.0))]
-        assert rec.describe(leaf.new_full((2,), 5.0)) == [Entry(Box((0,), (2,)), Const(5.0))]
-        assert rec.describe(torch.scalar_tensor(4.0, device="meta")) == [Entry(Box((0,), (1,)), Const(4.0))]
-        assert rec.describe(leaf.new_full((2,), leaf[1].item())) == [Entry(Box((0,), (2,)), Leaf("w", (1,), ((0,),)))]
+        assert rec.describe(torch.full((2,), 3.0, device="meta")) == [
+            Entry(Box((0,), (2,)), Const(3.0))
+        ]
+        assert rec.describe(leaf.new_full((2,), 5.0)) == [
+            Entry(Box((0,), (2,)), Const(5.0))
+        ]
+        assert rec.describe(torch.scalar_tensor(4.0, device="meta")) == [
+            Entry(Box((0,), (1,)), Const(4.0))
+        ]
+        assert rec.describe(leaf.new_full((2,), leaf[1].item())) == [
+            Entry(Box((0,), (2,)), Leaf("w", (1,), ((0,),)))
+        ]

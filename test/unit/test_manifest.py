@@ -1,12 +1,9 @@
 """The engine's published layout: round trip, integrity, version, and the trainer-side view."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 
 from benchmark.weight_sync.hand_rules import model_targets_from_config  # noqa: E402
 from sglang.srt.weight_sync.manifest import (  # noqa: E402
@@ -18,8 +15,16 @@ from sglang.srt.weight_sync.manifest import (  # noqa: E402
 )
 from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
 
-CONFIG = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-              intermediate_size=96, vocab_size=1000, tie_word_embeddings=True)
+CONFIG = dict(
+    model_type="qwen2",
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    vocab_size=1000,
+    tie_word_embeddings=True,
+)
 
 
 def _manifest(tp=2):
@@ -34,13 +39,17 @@ def test_round_trip_keeps_every_target_and_fingerprint(tmp_path):
     assert back == manifest
     assert [list(r) for r in back.ranks] == [targets.for_rank(r) for r in range(2)]
     assert back.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
-    assert not list(tmp_path.glob("*.tmp*")), "the temporary file of the atomic write is left behind"
+    assert not list(tmp_path.glob("*.tmp*")), (
+        "the temporary file of the atomic write is left behind"
+    )
 
 
 def test_fingerprint_follows_layout_and_dtype():
     _, bf16 = _manifest()
     _, tp4 = _manifest(4)
-    fp32 = EngineManifest.of(model_targets_from_config(CONFIG, EngineParallel(2), torch.float32))
+    fp32 = EngineManifest.of(
+        model_targets_from_config(CONFIG, EngineParallel(2), torch.float32)
+    )
     assert len({bf16.fingerprint, tp4.fingerprint, fp32.fingerprint}) == 3
     assert _manifest()[1].fingerprint == bf16.fingerprint
 
@@ -91,15 +100,25 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
     from sglang.srt.weight_sync.derived_targets import DerivedTargets
 
     rules = model_targets_from_config(CONFIG, EngineParallel(2), torch.float32)
-    derived = DerivedTargets(rules.parallel, tuple(tuple(rules.for_rank(r)) for r in range(2)),
-                             rules.tensor_shapes(), dict(rules.aliases))
-    live = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in derived.for_rank(1)}
+    derived = DerivedTargets(
+        rules.parallel,
+        tuple(tuple(rules.for_rank(r)) for r in range(2)),
+        rules.tensor_shapes(),
+        dict(rules.aliases),
+    )
+    live = {
+        t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in derived.for_rank(1)
+    }
     model = _LiveModel(live)
-    sync = engine_update.EngineWeightSync(1)  # the engine rank's, which keeps the manifest
+    sync = engine_update.EngineWeightSync(
+        1
+    )  # the engine rank's, which keeps the manifest
 
     targets, params, manifest = engine_update.engine_targets(model, derived, 1, sync)
     assert params.keys() == live.keys()
-    assert {t.dtype for t in targets.for_rank(1)} == {torch.bfloat16}  # the live dtype, not the derived one
+    assert {t.dtype for t in targets.for_rank(1)} == {
+        torch.bfloat16
+    }  # the live dtype, not the derived one
     assert manifest == EngineManifest.of(targets)
     again = engine_update.engine_targets(model, derived, 1, sync)
     assert again[0] is targets and again[2] is manifest
@@ -108,6 +127,12 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
     live[first] = live[first].float()  # one parameter now fp32
     changed_targets, _, changed = engine_update.engine_targets(model, derived, 1, sync)
     assert changed_targets.dtype_of[first] == torch.float32
-    assert changed.fingerprint != manifest.fingerprint and changed == EngineManifest.of(changed_targets)
-    rederived = DerivedTargets(rules.parallel, derived.per_rank, rules.tensor_shapes(), dict(rules.aliases))
-    assert engine_update.engine_targets(model, rederived, 1, sync)[2] is not changed  # another derivation: made anew
+    assert changed.fingerprint != manifest.fingerprint and changed == EngineManifest.of(
+        changed_targets
+    )
+    rederived = DerivedTargets(
+        rules.parallel, derived.per_rank, rules.tensor_shapes(), dict(rules.aliases)
+    )
+    assert (
+        engine_update.engine_targets(model, rederived, 1, sync)[2] is not changed
+    )  # another derivation: made anew

@@ -8,8 +8,6 @@ order must give the same plan.
 """
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.planner import CoverageError, plan
 from sglang.srt.weight_sync.source_layout import describe_mesh
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
-
 
 
 @st.composite
@@ -37,15 +34,21 @@ def scenarios(draw):
         mesh_ranks = draw(st.permutations(range(world)))
         mesh_ndim = draw(st.integers(1, 2))
         if mesh_ndim == 2 and world % 2 == 0 and world > 1:
-            mesh = [list(mesh_ranks[: world // 2]), list(mesh_ranks[world // 2:])]
+            mesh = [list(mesh_ranks[: world // 2]), list(mesh_ranks[world // 2 :])]
         else:
             mesh_ndim, mesh = 1, list(mesh_ranks)
         placements = tuple(
-            draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)])) for _ in range(mesh_ndim)
+            draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)]))
+            for _ in range(mesh_ndim)
         )
         name = f"t{t}"
         sources[name] = describe_mesh(name, shape, torch.float32, mesh, placements)
-        fulls[name] = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + 1000 * t
+        fulls[name] = (
+            torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float64).reshape(
+                shape
+            )
+            + 1000 * t
+        )
     # Targets: each rank wants a few random boxes, stacked along dim 0 of one parameter per tensor.
     targets = {}
     for rank in range(world):
@@ -58,12 +61,23 @@ def scenarios(draw):
                 lo = [draw(st.integers(0, s - 1)) for s in src.shape]
                 sz = [draw(st.integers(1, s - o)) for s, o in zip(src.shape, lo)]
                 box = Box(tuple(lo), tuple(sz))
-                perm = tuple(draw(st.permutations(range(len(sz))))) if draw(st.booleans()) else None
-                piece = Piece(name, box, (), (row,) + (0,) * (len(sz) - 1), perm)  # perm: lands transposed
+                perm = (
+                    tuple(draw(st.permutations(range(len(sz)))))
+                    if draw(st.booleans())
+                    else None
+                )
+                piece = Piece(
+                    name, box, (), (row,) + (0,) * (len(sz) - 1), perm
+                )  # perm: lands transposed
                 pieces.append(piece)
                 row += piece.dest_box().sizes[0]
-            shape = (row,) + tuple(max(p.dest_box().sizes[d] for p in pieces) for d in range(1, len(src.shape)))
-            params.append(ParamTarget(f"{name}@{rank}", shape, torch.float32, tuple(pieces)))
+            shape = (row,) + tuple(
+                max(p.dest_box().sizes[d] for p in pieces)
+                for d in range(1, len(src.shape))
+            )
+            params.append(
+                ParamTarget(f"{name}@{rank}", shape, torch.float32, tuple(pieces))
+            )
         targets[rank] = params
     bucket = draw(st.sampled_from([16, 64, 1 << 20]))
     return sources, fulls, targets, bucket
@@ -71,16 +85,24 @@ def scenarios(draw):
 
 def replay(p, sources, fulls, targets):
     """Apply every move of the plan to index-encoded tensors; count writes per element."""
-    out = {(r, t.name): torch.zeros(t.shape, dtype=torch.float64) for r, ts in targets.items() for t in ts}
+    out = {
+        (r, t.name): torch.zeros(t.shape, dtype=torch.float64)
+        for r, ts in targets.items()
+        for t in ts
+    }
     writes = {k: torch.zeros(v.shape, dtype=torch.int64) for k, v in out.items()}
     moves = list(p.local) + [m for rnd in p.rounds for m in rnd]
     for m in moves:
         held = sources[m.tensor].box_of(m.src)
-        assert held == m.src_shard and held.contains(m.region), f"rank {m.src} does not hold {m.region} of {m.tensor}"
+        assert held == m.src_shard and held.contains(m.region), (
+            f"rank {m.src} does not hold {m.region} of {m.tensor}"
+        )
         for d in m.dests:
             key = (d.rank, d.param)
             data = fulls[m.tensor][m.region.slices()]
-            out[key][d.index][d.box(m.region).slices()] = data if d.perm is None else data.permute(d.perm)
+            out[key][d.index][d.box(m.region).slices()] = (
+                data if d.perm is None else data.permute(d.perm)
+            )
             writes[key][d.index][d.box(m.region).slices()] += 1
     return out, writes
 
@@ -97,10 +119,18 @@ def check_plan(p, sources, fulls, targets):
                 expect[piece.dest_box().slices()] = piece.region(fulls[piece.tensor])
                 needed += piece.box.numel * 4
                 mine = sources[piece.tensor].box_of(rank)
-                overlap = mine.intersect(piece.box) if mine is not None and not mine.is_empty() else None
+                overlap = (
+                    mine.intersect(piece.box)
+                    if mine is not None and not mine.is_empty()
+                    else None
+                )
                 held += overlap.numel * 4 if overlap else 0
-            assert torch.equal(writes[(rank, t.name)], covered), f"rank {rank} {t.name}: not written exactly once"
-            assert torch.equal(out[(rank, t.name)], expect), f"rank {rank} {t.name}: wrong data"
+            assert torch.equal(writes[(rank, t.name)], covered), (
+                f"rank {rank} {t.name}: not written exactly once"
+            )
+            assert torch.equal(out[(rank, t.name)], expect), (
+                f"rank {rank} {t.name}: wrong data"
+            )
         assert p.received_bytes(rank) == needed - held == p.lower_bound_bytes(rank)
 
 
@@ -128,7 +158,9 @@ def test_exact_single_coverage_and_minimal_bytes(case):
         return
     p = plan(sources, targets, bucket_bytes=bucket)
     check_plan(p, sources, fulls, targets)
-    for rnd in p.rounds:  # no rank moves more than the cap in one round (rows never exceed 7*7*4 bytes)
+    for rnd in (
+        p.rounds
+    ):  # no rank moves more than the cap in one round (rows never exceed 7*7*4 bytes)
         load = {}
         for m in rnd:
             for r in set(m.group):
@@ -163,14 +195,37 @@ def test_listing_one_ranks_local_copies_changes_nothing_else(case):
     whole = plan(sources, targets, bucket_bytes=bucket)
     for rank in targets:
         mine = plan(sources, targets, bucket_bytes=bucket, local_ranks=(rank,))
-        assert mine.local == tuple(m for m in whole.local if m.src == rank) == tuple(whole.local_for(rank))
-        assert (mine.rounds, mine.zero_fills, mine.needed_bytes, mine.held_bytes, mine.fingerprint) == \
-            (whole.rounds, whole.zero_fills, whole.needed_bytes, whole.held_bytes, whole.fingerprint)
+        assert (
+            mine.local
+            == tuple(m for m in whole.local if m.src == rank)
+            == tuple(whole.local_for(rank))
+        )
+        assert (
+            mine.rounds,
+            mine.zero_fills,
+            mine.needed_bytes,
+            mine.held_bytes,
+            mine.fingerprint,
+        ) == (
+            whole.rounds,
+            whole.zero_fills,
+            whole.needed_bytes,
+            whole.held_bytes,
+            whole.fingerprint,
+        )
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=2, max_size=4, unique=True),
-                          st.integers(0, 100)), min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 5), min_size=2, max_size=4, unique=True),
+            st.integers(0, 100),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_least_loaded_holder_is_the_minimum_of_the_loads(picks):
     """The heap that picks a sender among equally close holders agrees with a plain minimum
     over (bytes sent so far, rank) while loads grow between picks."""
@@ -192,39 +247,89 @@ def test_a_rank_holding_several_boxes_copies_from_the_one_that_covers_the_need()
     what the rank does not hold arrives."""
     from sglang.srt.weight_sync.source_layout import Holder, SourceTensor
 
-    holders = tuple(Holder(rank, Box((row, 0), (2, 4)), "w", (i * 2, 0), (4, 4))
-                    for rank, rows in ((0, (0, 4)), (1, (2, 6))) for i, row in enumerate(rows))
+    holders = tuple(
+        Holder(rank, Box((row, 0), (2, 4)), "w", (i * 2, 0), (4, 4))
+        for rank, rows in ((0, (0, 4)), (1, (2, 6)))
+        for i, row in enumerate(rows)
+    )
     src = {"w": SourceTensor("w", (8, 4), torch.float32, holders)}
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
-    need = {0: [ParamTarget("inside", (2, 4), torch.float32, (Piece("w", Box((4, 0), (2, 4)), (), (0, 0)),)),
-                ParamTarget("across", (4, 4), torch.float32, (Piece("w", Box((0, 0), (4, 4)), (), (0, 0)),))]}
+    need = {
+        0: [
+            ParamTarget(
+                "inside",
+                (2, 4),
+                torch.float32,
+                (Piece("w", Box((4, 0), (2, 4)), (), (0, 0)),),
+            ),
+            ParamTarget(
+                "across",
+                (4, 4),
+                torch.float32,
+                (Piece("w", Box((0, 0), (4, 4)), (), (0, 0)),),
+            ),
+        ]
+    }
     p = plan(src, need)
-    assert [(m.region, m.holder.offsets) for m in p.local] == [(Box((4, 0), (2, 4)), (2, 0)), (Box((0, 0), (2, 4)), (0, 0))]
-    assert [(m.src, m.region) for rnd in p.rounds for m in rnd] == [(1, Box((2, 0), (2, 4)))]
+    assert [(m.region, m.holder.offsets) for m in p.local] == [
+        (Box((4, 0), (2, 4)), (2, 0)),
+        (Box((0, 0), (2, 4)), (0, 0)),
+    ]
+    assert [(m.src, m.region) for rnd in p.rounds for m in rnd] == [
+        (1, Box((2, 0), (2, 4)))
+    ]
     assert p.received_bytes(0) == p.lower_bound_bytes(0) == 2 * 4 * 4
-    buffers = {0: {"w": torch.cat([full[0:2], full[4:6]])}, 1: {"w": torch.cat([full[2:4], full[6:8]])}}
+    buffers = {
+        0: {"w": torch.cat([full[0:2], full[4:6]])},
+        1: {"w": torch.cat([full[2:4], full[6:8]])},
+    }
     params = {"inside": torch.zeros(2, 4), "across": torch.zeros(4, 4)}
-    for m in p.local:  # rank 0's local copies, replayed as the executor reads its buffer
+    for (
+        m
+    ) in p.local:  # rank 0's local copies, replayed as the executor reads its buffer
         d = m.dests[0]
-        params[d.param][d.box(m.region).slices()] = buffers[0]["w"][m.src_box().slices()]
+        params[d.param][d.box(m.region).slices()] = buffers[0]["w"][
+            m.src_box().slices()
+        ]
     for m in (m for rnd in p.rounds for m in rnd):
         d = m.dests[0]
-        params[d.param][d.box(m.region).slices()] = buffers[m.src]["w"][m.src_box().slices()]
-    assert torch.equal(params["inside"], full[4:6]) and torch.equal(params["across"], full[0:4])
+        params[d.param][d.box(m.region).slices()] = buffers[m.src]["w"][
+            m.src_box().slices()
+        ]
+    assert torch.equal(params["inside"], full[4:6]) and torch.equal(
+        params["across"], full[0:4]
+    )
 
 
 def test_uncovered_box_names_tensor_box_and_rank():
     src = {"w": describe_mesh("w", (8, 4), torch.float32, [0, 1], (Shard(0),))}
-    src["w"] = type(src["w"])("w", (8, 4), torch.float32, src["w"].holders[:1])  # rank 1's half is missing
-    need = {1: [ParamTarget("p", (8, 4), torch.float32, (Piece("w", Box.full((8, 4)), (), (0, 0)),))]}
-    with pytest.raises(CoverageError, match=r"tensor 'w' box \[4:8, 0:4\] \(for p on rank 1\)"):
+    src["w"] = type(src["w"])(
+        "w", (8, 4), torch.float32, src["w"].holders[:1]
+    )  # rank 1's half is missing
+    need = {
+        1: [
+            ParamTarget(
+                "p", (8, 4), torch.float32, (Piece("w", Box.full((8, 4)), (), (0, 0)),)
+            )
+        ]
+    }
+    with pytest.raises(
+        CoverageError, match=r"tensor 'w' box \[4:8, 0:4\] \(for p on rank 1\)"
+    ):
         plan(src, need)
 
 
 def test_replicas_share_the_sending():
     """Four ranks need a tensor that two DP replicas hold: each replica serves two of them."""
     src = {"w": describe_mesh("w", (4, 4), torch.float32, [0, 1], (Replicate(),))}
-    need = {r: [ParamTarget("p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),))] for r in range(2, 6)}
+    need = {
+        r: [
+            ParamTarget(
+                "p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),)
+            )
+        ]
+        for r in range(2, 6)
+    }
     p = plan(src, need)
     served = {m.src: sorted(d.rank for d in m.dests) for rnd in p.rounds for m in rnd}
     assert served == {0: [2, 4], 1: [3, 5]}
@@ -232,7 +337,14 @@ def test_replicas_share_the_sending():
 
 def test_identical_needs_become_one_broadcast():
     src = {"w": describe_mesh("w", (4, 4), torch.float32, [0], (Replicate(),))}
-    need = {r: [ParamTarget("p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),))] for r in range(4)}
+    need = {
+        r: [
+            ParamTarget(
+                "p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),)
+            )
+        ]
+        for r in range(4)
+    }
     p = plan(src, need)
     assert p.broadcast_groups == ((0, 1, 2, 3),)
     assert [len(m.dests) for rnd in p.rounds for m in rnd] == [3]
@@ -242,7 +354,17 @@ def test_plan_cache_reuses_plans_for_unchanged_layouts():
     from sglang.srt.weight_sync.planner import PlanCache
 
     src = {"w": describe_mesh("w", (4, 4), torch.float32, [0, 1], (Shard(0),))}
-    need = {r: [ParamTarget("p", (2, 4), torch.float32, (Piece("w", Box((2 * r, 0), (2, 4)), (), (0, 0)),))] for r in (0, 1)}
+    need = {
+        r: [
+            ParamTarget(
+                "p",
+                (2, 4),
+                torch.float32,
+                (Piece("w", Box((2 * r, 0), (2, 4)), (), (0, 0)),),
+            )
+        ]
+        for r in (0, 1)
+    }
     cache = PlanCache()
     first = cache.get(src, need)
     assert cache.get(dict(src), {r: list(t) for r, t in need.items()}) is first
@@ -257,13 +379,29 @@ def test_plan_cache_takes_the_engine_layouts_digest_for_its_targets(monkeypatch)
     from sglang.srt.weight_sync import planner
 
     src = {"w": describe_mesh("w", (4, 4), torch.float32, [0, 1], (Shard(0),))}
-    need = {r: [ParamTarget("p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),))] for r in (0, 1)}
+    need = {
+        r: [
+            ParamTarget(
+                "p", (4, 4), torch.float32, (Piece("w", Box.full((4, 4)), (), (0, 0)),)
+            )
+        ]
+        for r in (0, 1)
+    }
     cache = planner.PlanCache()
     first = cache.get(src, need, targets_digest="layout-1")
-    assert first.fingerprint == planner.inputs_fingerprint(src, need, targets_digest="layout-1")
+    assert first.fingerprint == planner.inputs_fingerprint(
+        src, need, targets_digest="layout-1"
+    )
     assert first.fingerprint != planner.inputs_fingerprint(src, need)
-    monkeypatch.setattr(planner, "targets_key", lambda *a: pytest.fail("targets hashed despite their digest"))
-    assert cache.get(src, {r: list(t) for r, t in need.items()}, targets_digest="layout-1") is first
+    monkeypatch.setattr(
+        planner,
+        "targets_key",
+        lambda *a: pytest.fail("targets hashed despite their digest"),
+    )
+    assert (
+        cache.get(src, {r: list(t) for r, t in need.items()}, targets_digest="layout-1")
+        is first
+    )
     mine = cache.get(src, need, targets_digest="layout-1", local_ranks=(1,))
     assert mine is not first and mine.fingerprint == first.fingerprint
     assert mine.local == tuple(first.local_for(1)) and mine.rounds == first.rounds
@@ -277,7 +415,12 @@ def test_executor_lands_permuted_pieces_transposed():
 
     full = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
     src = {"w": describe_mesh("w", (2, 3, 4), torch.float32, [0], (Replicate(),))}
-    target = ParamTarget("p", (2, 2, 3), torch.float32, (Piece("w", Box((0, 0, 2), (2, 3, 2)), (), (0, 0, 0), (0, 2, 1)),))
+    target = ParamTarget(
+        "p",
+        (2, 2, 3),
+        torch.float32,
+        (Piece("w", Box((0, 0, 2), (2, 3, 2)), (), (0, 0, 0), (0, 2, 1)),),
+    )
     p = plan(src, {0: [target]})
     params = {"p": torch.zeros(2, 2, 3)}
     execute(p, 0, {"w": full}, params)

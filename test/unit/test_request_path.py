@@ -30,32 +30,55 @@ import sglang.srt.managers.io_struct as io
 CHANNEL = tempfile.mkdtemp(prefix="sglang-weights-")
 atexit.register(os.rmdir, CHANNEL)
 SESSION_MESSAGE = "update_weights_distributed must run between begin_weight_update() and end_weight_update()"
-FIGURES = {"bytes_received": [4, 6], "lower_bound_bytes": [4, 6], "peak_staging_bytes": [2, 3]}
+FIGURES = {
+    "bytes_received": [4, 6],
+    "lower_bound_bytes": [4, 6],
+    "peak_staging_bytes": [2, 3],
+}
 NO_FIGURES = {"bytes_received": [], "lower_bound_bytes": [], "peak_staging_bytes": []}
 
 
 def _request(**kw) -> io.UpdateWeightsDistributedReqInput:
-    return io.UpdateWeightsDistributedReqInput(**{"update_id": "u", "channel": CHANNEL, **kw})
+    return io.UpdateWeightsDistributedReqInput(
+        **{"update_id": "u", "channel": CHANNEL, **kw}
+    )
 
 
 # ---------------------------------------------------------------- io_struct (patch 0001)
 
 
 def test_request_types_are_registered_direct_base_req_subclasses():
-    for cls in (io.UpdateWeightsDistributedReqInput, io.UpdateWeightsDistributedReqOutput):
+    for cls in (
+        io.UpdateWeightsDistributedReqInput,
+        io.UpdateWeightsDistributedReqOutput,
+    ):
         assert cls.__module__ == io.__name__
-        assert io.BaseReq in cls.__bases__, f"{cls.__name__} must subclass BaseReq directly"
-        assert cls in io._struct_types, f"{cls.__name__} is missing from the msgpack decoder's union"
+        assert io.BaseReq in cls.__bases__, (
+            f"{cls.__name__} must subclass BaseReq directly"
+        )
+        assert cls in io._struct_types, (
+            f"{cls.__name__} is missing from the msgpack decoder's union"
+        )
     # upstream's type for the NCCL broadcast path is a different struct with a different wire tag
-    assert io.UpdateWeightsDistributedReqInput is not io.UpdateWeightsFromDistributedReqInput
+    assert (
+        io.UpdateWeightsDistributedReqInput
+        is not io.UpdateWeightsFromDistributedReqInput
+    )
 
 
 def test_request_defaults():
     req = _request()
-    assert (req.update_id, req.channel, req.timeout_s, req.bucket_bytes) == ("u", CHANNEL, 120.0, None)
+    assert (req.update_id, req.channel, req.timeout_s, req.bucket_bytes) == (
+        "u",
+        CHANNEL,
+        120.0,
+        None,
+    )
     assert req.flush_cache is True and req.abort_all_requests is False
     assert req.weight_version is None and req.selector == "all"
-    assert req.torch_empty_cache is False  # read by the scheduler's flush_cache_after_weight_update
+    assert (
+        req.torch_empty_cache is False
+    )  # read by the scheduler's flush_cache_after_weight_update
     with pytest.raises(TypeError):
         io.UpdateWeightsDistributedReqInput(channel=CHANNEL)  # update_id is required
 
@@ -68,15 +91,29 @@ def test_every_default_timeout_is_the_protocols():
     from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S
 
     assert _request().timeout_s == DEFAULT_TIMEOUT_S
-    for method in (Engine.update_weights_distributed, HttpServerEngineAdapter.update_weights_distributed):
-        assert inspect.signature(method).parameters["timeout_s"].default == DEFAULT_TIMEOUT_S, method
+    for method in (
+        Engine.update_weights_distributed,
+        HttpServerEngineAdapter.update_weights_distributed,
+    ):
+        assert (
+            inspect.signature(method).parameters["timeout_s"].default
+            == DEFAULT_TIMEOUT_S
+        ), method
 
 
 def test_request_round_trips_through_scheduler_ipc_msgpack():
     for req in (
         _request(),
-        _request(timeout_s=5.5, bucket_bytes=1 << 20, flush_cache=False, abort_all_requests=True,
-                 weight_version="v7", selector="target", torch_empty_cache=True, rid="r1"),
+        _request(
+            timeout_s=5.5,
+            bucket_bytes=1 << 20,
+            flush_cache=False,
+            abort_all_requests=True,
+            weight_version="v7",
+            selector="target",
+            torch_empty_cache=True,
+            rid="r1",
+        ),
     ):
         data = io.msgpack_encode(req)  # what sock_send puts on the ZMQ socket
         back = io.msgpack_decode(data)  # what sock_recv returns (io._msgpack_decoder)
@@ -85,8 +122,12 @@ def test_request_round_trips_through_scheduler_ipc_msgpack():
 
 
 def test_output_constructs_and_round_trips():
-    for out in (io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **FIGURES),
-                io.UpdateWeightsDistributedReqOutput(success=False, message="refused")):
+    for out in (
+        io.UpdateWeightsDistributedReqOutput(
+            success=True, message="Success", **FIGURES
+        ),
+        io.UpdateWeightsDistributedReqOutput(success=False, message="refused"),
+    ):
         back = io.msgpack_decode(io.msgpack_encode(out))
         assert type(back) is io.UpdateWeightsDistributedReqOutput and back == out
 
@@ -104,8 +145,17 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
     from sglang.srt.entrypoints.engine import Engine
 
     params = list(inspect.signature(Engine.update_weights_distributed).parameters)
-    assert params == ["self", "update_id", "channel", "timeout_s", "bucket_bytes", "flush_cache",
-                      "abort_all_requests", "weight_version", "selector"]
+    assert params == [
+        "self",
+        "update_id",
+        "channel",
+        "timeout_s",
+        "bucket_bytes",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "selector",
+    ]
     seen = []
 
     class FakeTokenizerManager:
@@ -113,25 +163,44 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
             seen.append((obj, request))
             return {"success": True, "message": "Success", **FIGURES}
 
-    engine = SimpleNamespace(loop=asyncio.new_event_loop(), tokenizer_manager=FakeTokenizerManager())
+    engine = SimpleNamespace(
+        loop=asyncio.new_event_loop(), tokenizer_manager=FakeTokenizerManager()
+    )
     try:
-        result = Engine.update_weights_distributed(engine, "u1", CHANNEL, timeout_s=9.0, bucket_bytes=64,
-                                                   flush_cache=False, weight_version="v2", selector="target")
+        result = Engine.update_weights_distributed(
+            engine,
+            "u1",
+            CHANNEL,
+            timeout_s=9.0,
+            bucket_bytes=64,
+            flush_cache=False,
+            weight_version="v2",
+            selector="target",
+        )
     finally:
         engine.loop.close()
     assert result == {"success": True, "message": "Success", **FIGURES}
-    (obj, request), = seen
+    ((obj, request),) = seen
     assert request is None
-    assert obj == io.UpdateWeightsDistributedReqInput(update_id="u1", channel=CHANNEL, timeout_s=9.0,
-                                                      bucket_bytes=64, flush_cache=False,
-                                                      weight_version="v2", selector="target")
+    assert obj == io.UpdateWeightsDistributedReqInput(
+        update_id="u1",
+        channel=CHANNEL,
+        timeout_s=9.0,
+        bucket_bytes=64,
+        flush_cache=False,
+        weight_version="v2",
+        selector="target",
+    )
 
 
 def test_tokenizer_communicator_is_declared():
     from sglang.srt.managers import tokenizer_control_mixin as tcm
 
     specs = {spec[0]: spec for spec in tcm._COMMUNICATOR_SPECS}
-    assert specs["update_weights_distributed"] == ("update_weights_distributed", io.UpdateWeightsDistributedReqOutput)
+    assert specs["update_weights_distributed"] == (
+        "update_weights_distributed",
+        io.UpdateWeightsDistributedReqOutput,
+    )
 
 
 class _FakeTokenizerManager:
@@ -143,7 +212,9 @@ class _FakeTokenizerManager:
         self._mixin = TokenizerControlMixin
         self.replies, self.is_pause, self.events = replies, paused, []
         self.is_pause_cond = asyncio.Condition()
-        self.mm_processor = SimpleNamespace(clear_preprocess_cache=lambda: self.events.append("clear_mm"))
+        self.mm_processor = SimpleNamespace(
+            clear_preprocess_cache=lambda: self.events.append("clear_mm")
+        )
         manager = self
 
         class _Lock:
@@ -184,28 +255,55 @@ class _FakeTokenizerManager:
 def single_dp(monkeypatch):
     from sglang.srt.managers import tokenizer_control_mixin as tcm
 
-    monkeypatch.setattr(tcm, "get_parallel", lambda: SimpleNamespace(dp_size=1, num_dp_ranks=1))
+    monkeypatch.setattr(
+        tcm, "get_parallel", lambda: SimpleNamespace(dp_size=1, num_dp_ranks=1)
+    )
 
 
 def test_tokenizer_method_takes_writer_lock_and_applies_version(single_dp):
-    ok = [io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **FIGURES)]
+    ok = [
+        io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **FIGURES)
+    ]
     tm = _FakeTokenizerManager(ok)
     req = _request(weight_version="v3", abort_all_requests=True)
     # upstream's message and version note; the figures in their own fields
-    assert tm.call(req) == {"success": True, "message": "Success Weight version updated to v3.", "mixed": False,
-                            **FIGURES}
-    assert tm.events == [("abort", True), "writer_lock", ("send", req), "writer_unlock", "clear_mm", ("version", "v3")]
+    assert tm.call(req) == {
+        "success": True,
+        "message": "Success Weight version updated to v3.",
+        "mixed": False,
+        **FIGURES,
+    }
+    assert tm.events == [
+        ("abort", True),
+        "writer_lock",
+        ("send", req),
+        "writer_unlock",
+        "clear_mm",
+        ("version", "v3"),
+    ]
 
 
 def test_tokenizer_method_when_paused_skips_writer_lock(single_dp):
-    tm = _FakeTokenizerManager([io.UpdateWeightsDistributedReqOutput(success=True, message="Success")], paused=True)
+    tm = _FakeTokenizerManager(
+        [io.UpdateWeightsDistributedReqOutput(success=True, message="Success")],
+        paused=True,
+    )
     req = _request(flush_cache=False)
-    assert tm.call(req) == {"success": True, "message": "Success", "mixed": False, **NO_FIGURES}
+    assert tm.call(req) == {
+        "success": True,
+        "message": "Success",
+        "mixed": False,
+        **NO_FIGURES,
+    }
     assert tm.events == [("send", req)]
 
 
 def test_reply_says_mixed_as_a_field(single_dp):
-    mixed = [io.UpdateWeightsDistributedReqOutput(success=False, message="FAILED after writes began", mixed=True)]
+    mixed = [
+        io.UpdateWeightsDistributedReqOutput(
+            success=False, message="FAILED after writes began", mixed=True
+        )
+    ]
     reply = _FakeTokenizerManager(mixed).call(_request())
     assert reply["mixed"] is True and reply["success"] is False
 
@@ -213,21 +311,38 @@ def test_reply_says_mixed_as_a_field(single_dp):
 def test_tokenizer_method_failure_keeps_version(single_dp):
     bad = [io.UpdateWeightsDistributedReqOutput(success=False, message="refused")]
     tm = _FakeTokenizerManager(bad)
-    assert tm.call(_request(weight_version="v3")) == {"success": False, "message": "refused", "mixed": False,
-                                                      **NO_FIGURES}
-    assert not [e for e in tm.events if e == "clear_mm" or (isinstance(e, tuple) and e[0] == "version")]
+    assert tm.call(_request(weight_version="v3")) == {
+        "success": False,
+        "message": "refused",
+        "mixed": False,
+        **NO_FIGURES,
+    }
+    assert not [
+        e
+        for e in tm.events
+        if e == "clear_mm" or (isinstance(e, tuple) and e[0] == "version")
+    ]
 
 
-@pytest.mark.parametrize("field,value,text", [
-    ("timeout_s", -1, "timeout_s=-1: must be a number of seconds in (0, 3600]"),
-    ("timeout_s", 2_147_484, "timeout_s=2147484"),
-    ("timeout_s", "soon", "timeout_s='soon'"),
-    ("bucket_bytes", 1, "bucket_bytes=1: must be None"),
-    ("bucket_bytes", -1, "bucket_bytes=-1"),
-    ("update_id", "", "update_id='': must be a non-empty string"),
-    ("channel", "/nonexistent/sglang-weights-x", "channel '/nonexistent/sglang-weights-x' does not exist"),
-])
-def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(single_dp, field, value, text):
+@pytest.mark.parametrize(
+    "field,value,text",
+    [
+        ("timeout_s", -1, "timeout_s=-1: must be a number of seconds in (0, 3600]"),
+        ("timeout_s", 2_147_484, "timeout_s=2147484"),
+        ("timeout_s", "soon", "timeout_s='soon'"),
+        ("bucket_bytes", 1, "bucket_bytes=1: must be None"),
+        ("bucket_bytes", -1, "bucket_bytes=-1"),
+        ("update_id", "", "update_id='': must be a non-empty string"),
+        (
+            "channel",
+            "/nonexistent/sglang-weights-x",
+            "channel '/nonexistent/sglang-weights-x' does not exist",
+        ),
+    ],
+)
+def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(
+    single_dp, field, value, text
+):
     tm = _FakeTokenizerManager([])
     reply = tm.call(_request(**{field: value}))
     assert not reply["success"] and text in reply["message"], reply
@@ -238,7 +353,9 @@ def test_tokenizer_method_refuses_bad_fields_before_any_scheduler(single_dp, fie
 def test_tokenizer_method_rejects_dp_replicas(monkeypatch):
     from sglang.srt.managers import tokenizer_control_mixin as tcm
 
-    monkeypatch.setattr(tcm, "get_parallel", lambda: SimpleNamespace(dp_size=2, num_dp_ranks=2))
+    monkeypatch.setattr(
+        tcm, "get_parallel", lambda: SimpleNamespace(dp_size=2, num_dp_ranks=2)
+    )
     with pytest.raises(AssertionError, match="data-parallel"):
         _FakeTokenizerManager([]).call(_request())
 
@@ -251,8 +368,14 @@ def test_scheduler_dispatcher_registers_the_request():
 
     source = inspect.getsource(scheduler.Scheduler.init_request_dispatcher)
     compact = "".join(source.split())
-    assert "(UpdateWeightsDistributedReqInput,self.weight_updater.update_weights_distributed,)" in compact
-    assert scheduler.UpdateWeightsDistributedReqInput is io.UpdateWeightsDistributedReqInput
+    assert (
+        "(UpdateWeightsDistributedReqInput,self.weight_updater.update_weights_distributed,)"
+        in compact
+    )
+    assert (
+        scheduler.UpdateWeightsDistributedReqInput
+        is io.UpdateWeightsDistributedReqInput
+    )
 
 
 class _Runner:
@@ -277,16 +400,26 @@ def manager(monkeypatch):
     from sglang.srt.managers.scheduler_components import weight_updater as swu
 
     log: List = []
-    monkeypatch.setattr(swu, "get_parallel", lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group="tp_cpu")))
-    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: log.append(("barrier", group)))
+    monkeypatch.setattr(
+        swu,
+        "get_parallel",
+        lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group="tp_cpu")),
+    )
+    monkeypatch.setattr(
+        torch.distributed, "barrier", lambda group=None: log.append(("barrier", group))
+    )
 
     from sglang.srt.weight_sync import engine_update
     from sglang.srt.weight_sync.engine_update import ReceivedShards
 
     # the handler's closing barrier, bounded (engine_update.end_of_update; tested below)
-    monkeypatch.setattr(engine_update, "end_of_update",
-                        lambda received, req, success, message: log.append(("end_of_update", success))
-                        or (success, message))
+    monkeypatch.setattr(
+        engine_update,
+        "end_of_update",
+        lambda received, req, success, message: (
+            log.append(("end_of_update", success)) or (success, message)
+        ),
+    )
 
     class TpWorker:
         received = ReceivedShards(None, None, figures=dict(FIGURES))
@@ -300,20 +433,35 @@ def manager(monkeypatch):
 
         def deserialize_own_rank(self, payloads):
             log.append(("deserialize", payloads))
-            return {"update_id": "from-tensor", "channel": CHANNEL, "timeout_s": 3.0, "bucket_bytes": 128}
+            return {
+                "update_id": "from-tensor",
+                "channel": CHANNEL,
+                "timeout_s": 3.0,
+                "bucket_bytes": 128,
+            }
 
     class DraftWorker:
         def weight_update_runners(self):
             return [("draft", _Runner("draft", log))]
 
-    scheduler = SimpleNamespace(record_weight_version_change=lambda new_version: log.append(("version", new_version)))
+    scheduler = SimpleNamespace(
+        record_weight_version_change=lambda new_version: log.append(
+            ("version", new_version)
+        )
+    )
 
     def flush_cache(empty_cache=False):
         log.append(("flush", empty_cache))
         return True
 
-    m = swu.SchedulerWeightUpdaterManager(tp_worker=TpWorker(), draft_worker=DraftWorker(), memory_saver_adapter=None,
-                                          flush_cache=flush_cache, is_fully_idle=lambda **kw: True, scheduler=scheduler)
+    m = swu.SchedulerWeightUpdaterManager(
+        tp_worker=TpWorker(),
+        draft_worker=DraftWorker(),
+        memory_saver_adapter=None,
+        flush_cache=flush_cache,
+        is_fully_idle=lambda **kw: True,
+        scheduler=scheduler,
+    )
     m._session = swu._WeightUpdateSession(selector="all")
     return m, log
 
@@ -331,11 +479,22 @@ def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
     m, log = manager
     req = _request(weight_version="v9", torch_empty_cache=True)
     out = m.update_weights_distributed(req)
-    assert type(out) is io.UpdateWeightsDistributedReqOutput and (out.success, out.message) == (True, "Success")
-    assert (out.bytes_received, out.lower_bound_bytes, out.peak_staging_bytes) == tuple(FIGURES.values())
+    assert type(out) is io.UpdateWeightsDistributedReqOutput and (
+        out.success,
+        out.message,
+    ) == (True, "Success")
+    assert (out.bytes_received, out.lower_bound_bytes, out.peak_staging_bytes) == tuple(
+        FIGURES.values()
+    )
     received = m.tp_worker.received
-    assert log == [("receive", req), ("target", received, req), ("draft", received, req), ("version", "v9"),
-                   ("flush", True), ("end_of_update", True)]
+    assert log == [
+        ("receive", req),
+        ("target", received, req),
+        ("draft", received, req),
+        ("version", "v9"),
+        ("flush", True),
+        ("end_of_update", True),
+    ]
     # parameters were copied in place, not through model.load_weights: end_weight_update() still post-loads
     assert m._session.loaded_weights is False
 
@@ -348,14 +507,22 @@ def test_scheduler_handler_selector_and_no_flush(manager):
 
 def test_scheduler_handler_failure_stops_and_still_barriers(manager):
     m, log = manager
-    m.tp_worker.weight_update_runners = lambda: [("target", _Runner("target", log, (False, "refused: rank 1")))]
+    m.tp_worker.weight_update_runners = lambda: [
+        ("target", _Runner("target", log, (False, "refused: rank 1")))
+    ]
     out = m.update_weights_distributed(_request(weight_version="v9"))
     assert (out.success, out.message) == (False, "refused: rank 1")
     assert log[-1] == ("end_of_update", False)
-    assert [e[0] for e in log] == ["receive", "target", "end_of_update"]  # no draft, no version, no flush
+    assert [e[0] for e in log] == [
+        "receive",
+        "target",
+        "end_of_update",
+    ]  # no draft, no version, no flush
 
 
-@pytest.mark.parametrize("before", [(True, "Success"), (False, "refused: engine rank 1: no payload")])
+@pytest.mark.parametrize(
+    "before", [(True, "Success"), (False, "refused: engine rank 1: no payload")]
+)
 def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, before):
     from sglang.srt.weight_sync import engine_update
     from sglang.srt.weight_sync.control_plane import PeerLost
@@ -365,17 +532,30 @@ def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, befo
     class Control:  # the engine's TP control group: its barrier never completes
         def barrier(self, timeout_s, phase):
             calls.append((timeout_s, phase))
-            raise PeerLost(f"{phase}: ranks [1] never reached it; Rank 1 failed to pass monitoredBarrier (within "
-                           f"{timeout_s:g}s)")
+            raise PeerLost(
+                f"{phase}: ranks [1] never reached it; Rank 1 failed to pass monitoredBarrier (within "
+                f"{timeout_s:g}s)"
+            )
 
     sync = engine_update.EngineWeightSync(0)
     sync._control = Control()
     received = engine_update.ReceivedShards(sync, None)
-    success, message = engine_update.end_of_update(received, _request(timeout_s=5.0), *before)
-    assert calls == [(5.0 + engine_update.GRACE_S, "engine rank 0: at the end of the update")]
-    assert success is False and "ranks [1] never reached it" in message and "within 35s" in message
-    assert message.startswith("refused: engine rank 1: no payload; " if not before[0] else
-                              "distributed weight update failed: engine rank 0: at the end of the update")
+    success, message = engine_update.end_of_update(
+        received, _request(timeout_s=5.0), *before
+    )
+    assert calls == [
+        (5.0 + engine_update.GRACE_S, "engine rank 0: at the end of the update")
+    ]
+    assert (
+        success is False
+        and "ranks [1] never reached it" in message
+        and "within 35s" in message
+    )
+    assert message.startswith(
+        "refused: engine rank 1: no payload; "
+        if not before[0]
+        else "distributed weight update failed: engine rank 0: at the end of the update"
+    )
     sync._control = SimpleNamespace(barrier=lambda timeout_s, phase: None)
     assert engine_update.end_of_update(received, _request(), *before) == before
 
@@ -385,18 +565,33 @@ def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(mana
 
     m, log = manager
     payloads = [b"rank0", b"rank1"]
-    req = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads,
-                                             load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
-                                             flush_cache=False, weight_version="v4", selector="target")
+    req = io.UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=payloads,
+        load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
+        flush_cache=False,
+        weight_version="v4",
+        selector="target",
+    )
     out = m.update_weights_from_tensor(req)
     # upstream's reply struct and text: the figures stay in the log
-    assert type(out) is io.UpdateWeightsFromTensorReqOutput and (out.success, out.message) == (True, "Success")
+    assert type(out) is io.UpdateWeightsFromTensorReqOutput and (
+        out.success,
+        out.message,
+    ) == (True, "Success")
     assert log[0] == ("deserialize", payloads)
     kind, converted = log[1]
     assert kind == "receive" and type(converted) is io.UpdateWeightsDistributedReqInput
-    assert (converted.update_id, converted.channel, converted.timeout_s, converted.bucket_bytes) == (
-        "from-tensor", CHANNEL, 3.0, 128)
-    assert (converted.flush_cache, converted.weight_version, converted.selector) == (False, "v4", "target")
+    assert (
+        converted.update_id,
+        converted.channel,
+        converted.timeout_s,
+        converted.bucket_bytes,
+    ) == ("from-tensor", CHANNEL, 3.0, 128)
+    assert (converted.flush_cache, converted.weight_version, converted.selector) == (
+        False,
+        "v4",
+        "target",
+    )
     assert [e[0] for e in log[2:]] == ["target", "version", "end_of_update"]
 
 
@@ -405,8 +600,12 @@ def test_tensor_path_reserved_load_format_still_requires_session(manager):
 
     m, log = manager
     m._session = None
-    out = m.update_weights_from_tensor(io.UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[b"x"], load_format=engine_update.DISTRIBUTED_LOAD_FORMAT))
+    out = m.update_weights_from_tensor(
+        io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[b"x"],
+            load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
+        )
+    )
     assert type(out) is io.UpdateWeightsFromTensorReqOutput and not out.success
     assert "begin_weight_update()" in out.message and log == []
 
@@ -416,16 +615,30 @@ def test_tp_worker_hook_delegates_to_receive_shards(monkeypatch):
     from sglang.srt.weight_sync import engine_update
 
     req, marker, worker = _request(), object(), object()
-    monkeypatch.setattr(engine_update, "receive_shards", lambda r, owner: marker if r is req and owner is worker else None)
+    monkeypatch.setattr(
+        engine_update,
+        "receive_shards",
+        lambda r, owner: marker if r is req and owner is worker else None,
+    )
     assert BaseTpWorker.receive_weight_shards(worker, req) is marker
 
 
 def _model_weight_updater(model, model_config="cfg"):
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.model_executor.model_runner_components.weight_updater import (
+        WeightUpdater,
+    )
 
-    return WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
-                         get_model=lambda: model, update_model_fields=None, recapture_cuda_graph=None,
-                         get_model_runner=None)
+    return WeightUpdater(
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=model_config,
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=None,
+        recapture_cuda_graph=None,
+        get_model_runner=None,
+    )
 
 
 def test_model_runner_hook_delegates_to_apply_shards(monkeypatch):
@@ -433,11 +646,20 @@ def test_model_runner_hook_delegates_to_apply_shards(monkeypatch):
     from sglang.srt.weight_sync import engine_update
 
     calls = []
-    monkeypatch.setattr(mwu, "get_model", lambda: SimpleNamespace(weight_cache_mode="off"))
-    monkeypatch.setattr(mwu, "_unsupported_derived_weight_cache_error", lambda model: None)
-    monkeypatch.setattr(engine_update, "apply_shards", lambda *a: calls.append(a) or (True, "applied"))
+    monkeypatch.setattr(
+        mwu, "get_model", lambda: SimpleNamespace(weight_cache_mode="off")
+    )
+    monkeypatch.setattr(
+        mwu, "_unsupported_derived_weight_cache_error", lambda model: None
+    )
+    monkeypatch.setattr(
+        engine_update, "apply_shards", lambda *a: calls.append(a) or (True, "applied")
+    )
     model, received, req = torch.nn.Linear(2, 2), object(), _request()
-    assert _model_weight_updater(model).update_weights_distributed(received, req) == (True, "applied")
+    assert _model_weight_updater(model).update_weights_distributed(received, req) == (
+        True,
+        "applied",
+    )
     assert calls == [(model, "cfg", received, req)]
 
 
@@ -445,16 +667,35 @@ def test_model_runner_hook_refuses_derived_weight_caches_and_weight_cache(monkey
     from sglang.srt.model_executor.model_runner_components import weight_updater as mwu
     from sglang.srt.weight_sync import engine_update
 
-    monkeypatch.setattr(engine_update, "apply_shards", lambda *a: pytest.fail("apply_shards must not run"))
+    monkeypatch.setattr(
+        engine_update,
+        "apply_shards",
+        lambda *a: pytest.fail("apply_shards must not run"),
+    )
     updater = _model_weight_updater(torch.nn.Linear(2, 2))
 
-    monkeypatch.setattr(mwu, "_unsupported_derived_weight_cache_error", lambda model: "derived cache active")
-    assert updater.update_weights_distributed(object(), _request()) == (False, "derived cache active")
+    monkeypatch.setattr(
+        mwu,
+        "_unsupported_derived_weight_cache_error",
+        lambda model: "derived cache active",
+    )
+    assert updater.update_weights_distributed(object(), _request()) == (
+        False,
+        "derived cache active",
+    )
 
-    monkeypatch.setattr(mwu, "_unsupported_derived_weight_cache_error", lambda model: None)
-    monkeypatch.setattr(mwu, "get_model", lambda: SimpleNamespace(weight_cache_mode="daemon"))
+    monkeypatch.setattr(
+        mwu, "_unsupported_derived_weight_cache_error", lambda model: None
+    )
+    monkeypatch.setattr(
+        mwu, "get_model", lambda: SimpleNamespace(weight_cache_mode="daemon")
+    )
     success, message = updater.update_weights_distributed(object(), _request())
-    assert not success and "update_weights_distributed" in message and "--weight-cache-mode daemon" in message
+    assert (
+        not success
+        and "update_weights_distributed" in message
+        and "--weight-cache-mode daemon" in message
+    )
 
 
 # ---------------------------------------------------------------- implicit sessions (patches 0006, 0007)
@@ -464,24 +705,42 @@ def test_engine_base_no_longer_requires_session_methods():
     """verl 0.9.1's AsyncHttpServerAdapter subclasses EngineBase without them: it must construct."""
     from sglang.srt.entrypoints.EngineBase import EngineBase
 
-    assert not {"begin_weight_update", "end_weight_update"} & EngineBase.__abstractmethods__
-    assert {"generate", "update_weights_from_tensor", "flush_cache"} <= EngineBase.__abstractmethods__
+    assert (
+        not {"begin_weight_update", "end_weight_update"}
+        & EngineBase.__abstractmethods__
+    )
+    assert {
+        "generate",
+        "update_weights_from_tensor",
+        "flush_cache",
+    } <= EngineBase.__abstractmethods__
 
 
 def test_scheduler_dispatcher_wraps_session_updates():
     import sglang.srt.managers.scheduler as scheduler
 
-    source = "".join(inspect.getsource(scheduler.Scheduler.init_request_dispatcher).split())
-    assert source.endswith("self._request_dispatcher=with_implicit_sessions(self._request_dispatcher,self.weight_updater)")
+    source = "".join(
+        inspect.getsource(scheduler.Scheduler.init_request_dispatcher).split()
+    )
+    assert source.endswith(
+        "self._request_dispatcher=with_implicit_sessions(self._request_dispatcher,self.weight_updater)"
+    )
 
 
 def _dispatcher(m, log):
     from sglang.srt.weight_sync.sessions import with_implicit_sessions
     from sglang.utils import TypeBasedDispatcher
 
-    inner = TypeBasedDispatcher([(io.UpdateWeightsDistributedReqInput, m.update_weights_distributed),
-                                 (io.UpdateWeightsFromTensorReqInput, m.update_weights_from_tensor),
-                                 (io.FlushCacheReqInput, lambda req: log.append("flush_handler") or "flushed")])
+    inner = TypeBasedDispatcher(
+        [
+            (io.UpdateWeightsDistributedReqInput, m.update_weights_distributed),
+            (io.UpdateWeightsFromTensorReqInput, m.update_weights_from_tensor),
+            (
+                io.FlushCacheReqInput,
+                lambda req: log.append("flush_handler") or "flushed",
+            ),
+        ]
+    )
     return with_implicit_sessions(inner, m)
 
 
@@ -493,8 +752,16 @@ def test_update_without_session_runs_in_a_one_shot_session(manager):
     assert (out.success, out.message) == (True, "Success")
     received = m.tp_worker.received
     # SGLang's own begin, the update, SGLang's own end (post_load: nothing went through load_weights)
-    assert log == [("target", "begin"), ("barrier", "tp_cpu"), ("receive", req), ("target", received, req),
-                   ("version", None), ("end_of_update", True), ("target", "end", True), ("barrier", "tp_cpu")]
+    assert log == [
+        ("target", "begin"),
+        ("barrier", "tp_cpu"),
+        ("receive", req),
+        ("target", received, req),
+        ("version", None),
+        ("end_of_update", True),
+        ("target", "end", True),
+        ("barrier", "tp_cpu"),
+    ]
     assert m._session is None
 
 
@@ -503,10 +770,21 @@ def test_tensor_path_without_session_runs_in_a_one_shot_session(manager):
 
     m, log = manager
     m._session = None
-    out = _dispatcher(m, log)(io.UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[b"x"], load_format=engine_update.DISTRIBUTED_LOAD_FORMAT, flush_cache=False))
-    assert type(out) is io.UpdateWeightsFromTensorReqOutput and (out.success, out.message) == (True, "Success")
-    assert [e[1] for e in log if e[0] == "target"][:1] == ["begin"] and log[-2][1:] == ("end", True)
+    out = _dispatcher(m, log)(
+        io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[b"x"],
+            load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
+            flush_cache=False,
+        )
+    )
+    assert type(out) is io.UpdateWeightsFromTensorReqOutput and (
+        out.success,
+        out.message,
+    ) == (True, "Success")
+    assert [e[1] for e in log if e[0] == "target"][:1] == ["begin"] and log[-2][1:] == (
+        "end",
+        True,
+    )
     assert m._session is None
 
 
@@ -514,23 +792,33 @@ def test_update_inside_an_explicit_session_leaves_it_open(manager):
     m, log = manager
     req = _request(flush_cache=False)
     out = _dispatcher(m, log)(req)
-    assert out.success and not [e for e in log if e[-1] in ("begin",) or (len(e) == 3 and e[1] == "end")]
+    assert out.success and not [
+        e for e in log if e[-1] in ("begin",) or (len(e) == 3 and e[1] == "end")
+    ]
     assert m._session is not None
 
 
 def test_one_shot_session_closes_after_a_refused_update(manager):
     m, log = manager
     m._session = None
-    m.tp_worker.weight_update_runners = lambda: [("target", _Runner("target", log, (False, "refused: rank 1")))]
+    m.tp_worker.weight_update_runners = lambda: [
+        ("target", _Runner("target", log, (False, "refused: rank 1")))
+    ]
     out = _dispatcher(m, log)(_request())
     assert (out.success, out.message) == (False, "refused: rank 1")
-    assert log[-3:] == [("target", "end", True), ("draft", "end", True), ("barrier", "tp_cpu")]
+    assert log[-3:] == [
+        ("target", "end", True),
+        ("draft", "end", True),
+        ("barrier", "tp_cpu"),
+    ]
     assert m._session is None
 
 
 def test_other_requests_pass_through(manager):
     m, log = manager
-    assert _dispatcher(m, log)(io.FlushCacheReqInput()) == "flushed" and log == ["flush_handler"]
+    assert _dispatcher(m, log)(io.FlushCacheReqInput()) == "flushed" and log == [
+        "flush_handler"
+    ]
 
 
 # ---------------------------------------------------------------- HTTP (patch 0004)
@@ -540,7 +828,11 @@ def test_http_route_is_registered_with_admin_optional_auth():
     from sglang.srt.entrypoints.http_server import app
     from sglang.srt.utils.auth import AuthLevel
 
-    routes = [r for r in app.routes if getattr(r, "path", None) == "/update_weights_distributed"]
+    routes = [
+        r
+        for r in app.routes
+        if getattr(r, "path", None) == "/update_weights_distributed"
+    ]
     assert len(routes) == 1 and routes[0].methods == {"POST"}
     assert routes[0].endpoint._auth_level == AuthLevel.ADMIN_OPTIONAL
 
@@ -558,25 +850,49 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
             seen.append(obj)
             return {"success": success, "message": "msg", **FIGURES}
 
-    monkeypatch.setattr(http_server, "_global_state",
-                        SimpleNamespace(tokenizer_manager=FakeTokenizerManager(), template_manager=None,
-                                        scheduler_info={}))
-    body = {"update_id": "u2", "channel": CHANNEL, "timeout_s": 7.0, "bucket_bytes": 4096, "selector": "target"}
-    response = TestClient(http_server.app).post("/update_weights_distributed", json=body)
+    monkeypatch.setattr(
+        http_server,
+        "_global_state",
+        SimpleNamespace(
+            tokenizer_manager=FakeTokenizerManager(),
+            template_manager=None,
+            scheduler_info={},
+        ),
+    )
+    body = {
+        "update_id": "u2",
+        "channel": CHANNEL,
+        "timeout_s": 7.0,
+        "bucket_bytes": 4096,
+        "selector": "target",
+    }
+    response = TestClient(http_server.app).post(
+        "/update_weights_distributed", json=body
+    )
     assert response.status_code == status, response.text
     assert response.json() == {"success": success, "message": "msg", **FIGURES}
-    assert seen == [io.UpdateWeightsDistributedReqInput(update_id="u2", channel=CHANNEL, timeout_s=7.0,
-                                                        bucket_bytes=4096, selector="target")]
+    assert seen == [
+        io.UpdateWeightsDistributedReqInput(
+            update_id="u2",
+            channel=CHANNEL,
+            timeout_s=7.0,
+            bucket_bytes=4096,
+            selector="target",
+        )
+    ]
 
 
-@pytest.mark.parametrize("body", [
-    {"channel": "c"},  # update_id missing
-    {"update_id": "u"},  # channel missing
-    {"update_id": 7, "channel": "c"},
-    {"update_id": "u", "channel": "c", "timeout_s": "soon"},
-    {"update_id": "u", "channel": "c", "bucket_bytes": "big"},
-    {"update_id": "u", "channel": ["c"]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"channel": "c"},  # update_id missing
+        {"update_id": "u"},  # channel missing
+        {"update_id": 7, "channel": "c"},
+        {"update_id": "u", "channel": "c", "timeout_s": "soon"},
+        {"update_id": "u", "channel": "c", "bucket_bytes": "big"},
+        {"update_id": "u", "channel": ["c"]},
+    ],
+)
 def test_http_route_rejects_malformed_bodies_with_4xx(monkeypatch, body):
     from fastapi.testclient import TestClient
 
@@ -586,9 +902,16 @@ def test_http_route_rejects_malformed_bodies_with_4xx(monkeypatch, body):
         async def update_weights_distributed(self, obj, request):
             pytest.fail(f"a malformed body reached the tokenizer manager: {obj}")
 
-    monkeypatch.setattr(http_server, "_global_state",
-                        SimpleNamespace(tokenizer_manager=NeverCalled(), template_manager=None, scheduler_info={}))
-    response = TestClient(http_server.app).post("/update_weights_distributed", json=body)
+    monkeypatch.setattr(
+        http_server,
+        "_global_state",
+        SimpleNamespace(
+            tokenizer_manager=NeverCalled(), template_manager=None, scheduler_info={}
+        ),
+    )
+    response = TestClient(http_server.app).post(
+        "/update_weights_distributed", json=body
+    )
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
 
 
@@ -596,12 +919,16 @@ def test_http_adapter_posts_the_engine_arguments(monkeypatch):
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
-    assert not getattr(HttpServerEngineAdapter, "__abstractmethods__", None)  # still instantiable
+    assert not getattr(
+        HttpServerEngineAdapter, "__abstractmethods__", None
+    )  # still instantiable
+
     def names_and_defaults(fn):
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    assert names_and_defaults(HttpServerEngineAdapter.update_weights_distributed) == names_and_defaults(
-        Engine.update_weights_distributed)
+    assert names_and_defaults(
+        HttpServerEngineAdapter.update_weights_distributed
+    ) == names_and_defaults(Engine.update_weights_distributed)
     import sglang.srt.entrypoints.http_server_engine as module
 
     posted, replies = [], []
@@ -626,16 +953,25 @@ def test_http_adapter_posts_the_engine_arguments(monkeypatch):
     adapter = object.__new__(HttpServerEngineAdapter)
     adapter.server_args = type("Args", (), {"url": lambda self: "http://host:1"})()
     replies.append(Response(200, {"success": True, "message": "ok"}))
-    assert adapter.update_weights_distributed("u3", CHANNEL, weight_version="v1") == {"success": True, "message": "ok"}
-    (url, payload), = posted
+    assert adapter.update_weights_distributed("u3", CHANNEL, weight_version="v1") == {
+        "success": True,
+        "message": "ok",
+    }
+    ((url, payload),) = posted
     assert url == "http://host:1/update_weights_distributed"
     # a refused update (400) comes back with the server's message, which names tensor and rank
     replies.append(Response(400, {"success": False, "message": "unknown tensor 'x'"}))
-    assert adapter.update_weights_distributed("u4", CHANNEL) == {"success": False, "message": "unknown tensor 'x'"}
+    assert adapter.update_weights_distributed("u4", CHANNEL) == {
+        "success": False,
+        "message": "unknown tensor 'x'",
+    }
     replies.append(Response(500, {}))
     with pytest.raises(RuntimeError, match="HTTP 500"):
         adapter.update_weights_distributed("u5", CHANNEL)
     # the JSON body names every field of the request the Engine method builds
     json.dumps(payload)
-    assert io.UpdateWeightsDistributedReqInput(**payload) == io.UpdateWeightsDistributedReqInput(
-        update_id="u3", channel=CHANNEL, weight_version="v1")
+    assert io.UpdateWeightsDistributedReqInput(
+        **payload
+    ) == io.UpdateWeightsDistributedReqInput(
+        update_id="u3", channel=CHANNEL, weight_version="v1"
+    )

@@ -6,12 +6,21 @@ import json
 import pytest
 import torch
 
-from benchmark.weight_sync import simulate  # the repo root is on sys.path (test/conftest.py)
+from benchmark.weight_sync import (
+    simulate,  # the repo root is on sys.path (test/conftest.py)
+)
 
 SMALL = "qwen3-8b-tp2-to-tp4"
 REQUIRED_KEYS = {
-    "scenario", "model", "ranks", "design", "bytes_received_max", "lower_bound_bytes_max",
-    "peak_bytes_max", "plan_seconds", "modelled_seconds",
+    "scenario",
+    "model",
+    "ranks",
+    "design",
+    "bytes_received_max",
+    "lower_bound_bytes_max",
+    "peak_bytes_max",
+    "plan_seconds",
+    "modelled_seconds",
 }
 
 
@@ -20,9 +29,20 @@ def no_tensors(monkeypatch):
     """The simulator is metadata only: allocating a parameter-like tensor is a bug.
     (torch's own DTensor shard arithmetic, used by describe_mesh, builds small
     ``arange`` index tensors of one dim's length; those are left alone.)"""
+
     def boom(*args, **kwargs):
         raise AssertionError("the simulator allocated a tensor")
-    for fn in ("empty", "zeros", "ones", "full", "rand", "randn", "empty_like", "zeros_like"):
+
+    for fn in (
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "rand",
+        "randn",
+        "empty_like",
+        "zeros_like",
+    ):
         monkeypatch.setattr(torch, fn, boom)
 
 
@@ -45,8 +65,14 @@ def test_small_scenario_meets_lower_bound(no_tensors):
 
 
 def test_aligned_layouts_move_nothing():
-    rows = _by_design(simulate.run_scenario(simulate.get_scenario("qwen3-8b-tp4-to-tp4")))
-    assert rows["distributed"]["bytes_received_max"] == 0 == rows["distributed"]["lower_bound_bytes_max"]
+    rows = _by_design(
+        simulate.run_scenario(simulate.get_scenario("qwen3-8b-tp4-to-tp4"))
+    )
+    assert (
+        rows["distributed"]["bytes_received_max"]
+        == 0
+        == rows["distributed"]["lower_bound_bytes_max"]
+    )
     assert rows["full_tensor"]["bytes_received_max"] > 0
 
 
@@ -78,14 +104,27 @@ def test_trainer_side_plans_rank_by_rank_through_the_runtime_entry_point(monkeyp
 
     calls = []
     real = simulate.plan_to_engines
-    monkeypatch.setattr(simulate, "plan_to_engines", lambda *a: calls.append(a[-1]) or real(*a))
-    rows = _by_design(simulate.run_scenario(simulate.get_scenario("qwen3-8b-fsdp8-to-tp2"), global_baseline=True))
+    monkeypatch.setattr(
+        simulate, "plan_to_engines", lambda *a: calls.append(a[-1]) or real(*a)
+    )
+    rows = _by_design(
+        simulate.run_scenario(
+            simulate.get_scenario("qwen3-8b-fsdp8-to-tp2"), global_baseline=True
+        )
+    )
     dist = rows["distributed"]
     assert dist["mode"] == "trainer" and dist["metrics_ranks"] == "all"
-    assert sorted(set(calls)) == list(range(8)) and set(dist["plan_seconds_by_rank"]) == {str(r) for r in range(8)}
+    assert sorted(set(calls)) == list(range(8)) and set(
+        dist["plan_seconds_by_rank"]
+    ) == {str(r) for r in range(8)}
     assert dist["plan_seconds_per_rank"] == max(dist["plan_seconds_by_rank"].values())
-    assert dist["global_plan_seconds"] > 0 and dist["bytes_received_max"] == dist["lower_bound_bytes_max"]
-    assert not hasattr(trainer_reshard, "_plans"), "plans are cached per TrainerPlans, never process-wide"
+    assert (
+        dist["global_plan_seconds"] > 0
+        and dist["bytes_received_max"] == dist["lower_bound_bytes_max"]
+    )
+    assert not hasattr(trainer_reshard, "_plans"), (
+        "plans are cached per TrainerPlans, never process-wide"
+    )
     assert simulate.sample_ranks(256) == [0, 128, 255]
 
 
@@ -95,13 +134,26 @@ def test_engine_side_plans_as_the_engine_runs_it(monkeypatch):
     their figures from the same plan with every rank's local copies."""
     calls = []
     real = simulate.PlanCache.get
-    monkeypatch.setattr(simulate.PlanCache, "get", lambda self, *a, **k: calls.append(k) or real(self, *a, **k))
-    rows = _by_design(simulate.run_scenario(simulate.get_scenario("qwen3-8b-tp2-to-tp4"), global_baseline=True))
+    monkeypatch.setattr(
+        simulate.PlanCache,
+        "get",
+        lambda self, *a, **k: calls.append(k) or real(self, *a, **k),
+    )
+    rows = _by_design(
+        simulate.run_scenario(
+            simulate.get_scenario("qwen3-8b-tp2-to-tp4"), global_baseline=True
+        )
+    )
     dist = rows["distributed"]
     assert dist["mode"] == "engine" and set(dist["plan_seconds_by_rank"]) == {"0", "4"}
     mine = [k for k in calls if k.get("local_ranks")]
-    assert [k["local_ranks"] for k in mine] == [(0,), (4,)] and all(len(k["targets_digest"]) == 64 for k in mine)
-    assert dist["global_plan_seconds"] > 0 and dist["bytes_received_max"] == dist["lower_bound_bytes_max"] > 0
+    assert [k["local_ranks"] for k in mine] == [(0,), (4,)] and all(
+        len(k["targets_digest"]) == 64 for k in mine
+    )
+    assert (
+        dist["global_plan_seconds"] > 0
+        and dist["bytes_received_max"] == dist["lower_bound_bytes_max"] > 0
+    )
 
 
 def test_dsv3_scenarios_in_the_default_run():

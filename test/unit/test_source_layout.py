@@ -18,10 +18,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 from sglang.srt.weight_sync.planner import sources_digest
-from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec, SourceTensor, describe_mesh
+from sglang.srt.weight_sync.source_layout import (
+    LayoutError,
+    MeshSpec,
+    SourceTensor,
+    describe_mesh,
+)
 
 
 def _chunk(t, n, dim, i):
@@ -35,14 +45,21 @@ def chunk_reference(full, mesh_shape, placements, coord):
         if isinstance(place, Shard):
             piece = _chunk(piece, size, place.dim, i)
         elif isinstance(place, _StridedShard):
-            parts = [_chunk(piece, place.split_factor, place.dim, j) for j in range(place.split_factor)]
-            piece = torch.cat([_chunk(p, size, place.dim, i) for p in parts], dim=place.dim)
+            parts = [
+                _chunk(piece, place.split_factor, place.dim, j)
+                for j in range(place.split_factor)
+            ]
+            piece = torch.cat(
+                [_chunk(p, size, place.dim, i) for p in parts], dim=place.dim
+            )
     return piece
 
 
 def rebuild(layout, rank, local_shape):
     """The local tensor of ``rank``, written from its holders only (NaN where none writes)."""
-    full = torch.arange(torch.Size(layout.shape).numel(), dtype=torch.float64).reshape(layout.shape)
+    full = torch.arange(torch.Size(layout.shape).numel(), dtype=torch.float64).reshape(
+        layout.shape
+    )
     out = torch.full(local_shape, float("nan"), dtype=torch.float64)
     for h in layout.holders:
         if h.rank == rank and not h.box.is_empty():
@@ -59,10 +76,18 @@ def rebuild(layout, rank, local_shape):
 )
 def test_mesh_boxes_match_torch_chunk(shape, mesh_shape, data):
     placements = tuple(
-        data.draw(st.sampled_from(
-            [Replicate()] + [Shard(d) for d in range(len(shape))]
-            + [_StridedShard(d, split_factor=f) for d in range(len(shape)) for f in (2, 3)]
-        )) for _ in mesh_shape
+        data.draw(
+            st.sampled_from(
+                [Replicate()]
+                + [Shard(d) for d in range(len(shape))]
+                + [
+                    _StridedShard(d, split_factor=f)
+                    for d in range(len(shape))
+                    for f in (2, 3)
+                ]
+            )
+        )
+        for _ in mesh_shape
     )
     n = 1
     for s in mesh_shape:
@@ -73,33 +98,59 @@ def test_mesh_boxes_match_torch_chunk(shape, mesh_shape, data):
     for coord in itertools.product(*(range(s) for s in mesh_shape)):
         rank = torch.tensor(ranks)[coord].item()
         expected = chunk_reference(full, mesh_shape, placements, coord)
-        assert torch.equal(rebuild(layout, rank, expected.shape), expected), (coord, placements)
+        assert torch.equal(rebuild(layout, rank, expected.shape), expected), (
+            coord,
+            placements,
+        )
 
 
 def test_fsdp2_over_tp_strided_rows_are_one_box_per_rank():
     """FSDP2 over a TP-parallel module: placements (_StridedShard(0, sf=tp), Shard(0)) on a
     (dp, tp) mesh; rank (i, j) holds rows of TP chunk j, FSDP chunk i, in one box."""
-    layout = describe_mesh("w", (16, 3), torch.float32, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)))
+    layout = describe_mesh(
+        "w",
+        (16, 3),
+        torch.float32,
+        [[0, 1], [2, 3]],
+        (_StridedShard(0, split_factor=2), Shard(0)),
+    )
     rows = {h.rank: (h.box.offsets[0], h.box.sizes[0]) for h in layout.holders}
     assert rows == {0: (0, 4), 2: (4, 4), 1: (8, 4), 3: (12, 4)}
 
 
 def test_strided_shard_alone_holds_several_boxes_in_one_buffer():
-    layout = describe_mesh("w", (8,), torch.float32, [0, 1], (_StridedShard(0, split_factor=2),))
+    layout = describe_mesh(
+        "w", (8,), torch.float32, [0, 1], (_StridedShard(0, split_factor=2),)
+    )
     assert [(h.rank, h.box.offsets, h.offsets) for h in layout.holders] == [
-        (0, (0,), (0,)), (0, (4,), (2,)), (1, (2,), (0,)), (1, (6,), (2,))
+        (0, (0,), (0,)),
+        (0, (4,), (2,)),
+        (1, (2,), (0,)),
+        (1, (6,), (2,)),
     ]
     with pytest.raises(LayoutError, match="rank 0 holds 2 boxes"):
         layout.box_of(0)
 
 
 def test_rank_map_translates_and_drops_ranks_outside_the_group():
-    layout = describe_mesh("w", (8, 2), torch.bfloat16, [[0, 1], [2, 3]], (Replicate(), Shard(0)), {2: 0, 3: 1})
-    assert [(h.rank, h.box.offsets, h.box.sizes) for h in layout.holders] == [(0, (0, 0), (4, 2)), (1, (4, 0), (4, 2))]
+    layout = describe_mesh(
+        "w",
+        (8, 2),
+        torch.bfloat16,
+        [[0, 1], [2, 3]],
+        (Replicate(), Shard(0)),
+        {2: 0, 3: 1},
+    )
+    assert [(h.rank, h.box.offsets, h.box.sizes) for h in layout.holders] == [
+        (0, (0, 0), (4, 2)),
+        (1, (4, 0), (4, 2)),
+    ]
 
 
 def test_megatron_explicit_shards_with_dp_replicas():
-    layout = MeshSpec.sharded((4, 6), torch.float32, 1, [[0, 1, 2], [3, 4, 5]]).describe("o_proj")
+    layout = MeshSpec.sharded(
+        (4, 6), torch.float32, 1, [[0, 1, 2], [3, 4, 5]]
+    ).describe("o_proj")
     boxes = {h.rank: (h.box.offsets, h.box.sizes) for h in layout.holders}
     assert boxes[1] == boxes[4] == ((0, 2), (4, 2))
     assert boxes[2] == ((0, 4), (4, 2))
@@ -111,8 +162,12 @@ def test_full_copies():
 
 
 def test_unsupported_placements_name_the_tensor():
-    with pytest.raises(LayoutError, match="tensor 'model.x': .*Partial sums need a reduction"):
-        describe_mesh("model.x", (8, 8), torch.float32, [[0, 1], [2, 3]], (Shard(0), Partial()))
+    with pytest.raises(
+        LayoutError, match="tensor 'model.x': .*Partial sums need a reduction"
+    ):
+        describe_mesh(
+            "model.x", (8, 8), torch.float32, [[0, 1], [2, 3]], (Shard(0), Partial())
+        )
 
 
 def test_mismatched_mesh_and_placements():
@@ -123,17 +178,31 @@ def test_mismatched_mesh_and_placements():
 def test_mesh_spec_round_trips_through_sglang_safe_unpickler():
     """Layout facts travel with each payload; SGLang's SafeUnpickler must accept them."""
     from sglang.srt.utils import MultiprocessingSerializer
-
     from sglang.srt.weight_sync.source_layout import MeshSpec
 
-    spec = MeshSpec((10, 4), torch.bfloat16, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)))
-    wire = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(spec.to_wire()))
+    spec = MeshSpec(
+        (10, 4),
+        torch.bfloat16,
+        [[0, 1], [2, 3]],
+        (_StridedShard(0, split_factor=2), Shard(0)),
+    )
+    wire = MultiprocessingSerializer.deserialize(
+        MultiprocessingSerializer.serialize(spec.to_wire())
+    )
     assert MeshSpec.from_wire(wire) == spec
     # torch 2.9 makes _StridedShard a Shard that compares equal to Shard(d): check the type too.
-    assert [type(p) for p in MeshSpec.from_wire(wire).placements] == [_StridedShard, Shard]
+    assert [type(p) for p in MeshSpec.from_wire(wire).placements] == [
+        _StridedShard,
+        Shard,
+    ]
     assert wire[3] == (("SS", 0, 2), ("S", 0))
     assert MeshSpec.from_wire(wire).describe("w", {2: 0, 3: 1}) == describe_mesh(
-        "w", (10, 4), torch.bfloat16, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0)), {2: 0, 3: 1}
+        "w",
+        (10, 4),
+        torch.bfloat16,
+        [[0, 1], [2, 3]],
+        (_StridedShard(0, split_factor=2), Shard(0)),
+        {2: 0, 3: 1},
     )
 
 
@@ -154,7 +223,9 @@ def _explicit(src):
 def test_sources_digest_hashes_the_mesh_and_tells_every_layout_apart():
     base = ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (Replicate(), Shard(0)))
     digest = sources_digest({"w": describe_mesh(*base)})
-    assert sources_digest({"w": describe_mesh(*base)}) == digest  # a new description, same digest
+    assert (
+        sources_digest({"w": describe_mesh(*base)}) == digest
+    )  # a new description, same digest
     # The mesh determines the holders: an identity rank map gives the same layout and holders.
     same = describe_mesh(*base, rank_map={r: r for r in range(4)})
     assert same.holders.geometry is describe_mesh(*base).holders.geometry
@@ -167,11 +238,21 @@ def test_sources_digest_hashes_the_mesh_and_tells_every_layout_apart():
         ("w", (8, 6), torch.float32, [[0, 1, 2, 3]], (Replicate(), Shard(0))),
         ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (Replicate(), Shard(1))),
         ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (Shard(0), Shard(0))),
-        ("w", (8, 6), torch.float32, [[0, 1], [2, 3]], (_StridedShard(0, split_factor=2), Shard(0))),
+        (
+            "w",
+            (8, 6),
+            torch.float32,
+            [[0, 1], [2, 3]],
+            (_StridedShard(0, split_factor=2), Shard(0)),
+        ),
     ]
     digests = {sources_digest({v[0]: describe_mesh(*v)}) for v in variants}
-    digests.add(sources_digest({"w": describe_mesh(*base, rank_map={0: 0, 1: 1, 2: 2})}))  # rank 3 outside
-    digests.add(sources_digest({"w": describe_mesh(*base, rank_map={0: 1, 1: 0, 2: 2, 3: 3})}))
+    digests.add(
+        sources_digest({"w": describe_mesh(*base, rank_map={0: 0, 1: 1, 2: 2})})
+    )  # rank 3 outside
+    digests.add(
+        sources_digest({"w": describe_mesh(*base, rank_map={0: 1, 1: 0, 2: 2, 3: 3})})
+    )
     assert digest not in digests and len(digests) == len(variants) + 2
     # Holders listed one by one are hashed one by one, and tell layouts apart as well.
     explicit = sources_digest({"w": _explicit(describe_mesh(*base))})
@@ -186,7 +267,10 @@ def test_nested_rank_meshes_flatten_row_major_and_ragged_ones_are_refused():
     assert _flatten([]) == ((0,), ())
     assert _flatten([[], []]) == ((2, 0), ())
     assert _flatten([2, None, 0]) == ((3,), (2, None, 0))
-    assert _flatten([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]) == ((2, 2, 2), tuple(range(8)))
+    assert _flatten([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]) == (
+        (2, 2, 2),
+        tuple(range(8)),
+    )
     for ragged in ([[0, 1], [2]], [[0, 1], 2], [0, [1]], [[0, 1], ["2", 3]]):
         with pytest.raises(LayoutError, match="ragged rank mesh"):
             _flatten(ragged)

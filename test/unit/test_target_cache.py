@@ -18,15 +18,34 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import sglang_fakes  # test/support: on sys.path (test/conftest.py) and, as a worker, on PYTHONPATH
 
-TINY = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64, num_hidden_layers=2,
-            vocab_size=500, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8,
-            num_key_value_heads=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, n_group=2, topk_group=1, moe_layer_freq=1, topk_method="noaux_tc",
-            scoring_func="sigmoid", tie_word_embeddings=False)
+TINY = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    hidden_size=64,
+    num_hidden_layers=2,
+    vocab_size=500,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=2,
+    topk_group=1,
+    moe_layer_freq=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    tie_word_embeddings=False,
+)
 
 
 def _worker(workdir: Path) -> dict:
@@ -41,12 +60,18 @@ def _worker(workdir: Path) -> dict:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
     from sglang.srt.weight_sync import target_cache
-    from sglang.srt.weight_sync.derived_targets import RankTargets, checkpoint_layout, derive_engine_rank
+    from sglang.srt.weight_sync.derived_targets import (
+        RankTargets,
+        checkpoint_layout,
+        derive_engine_rank,
+    )
     from sglang.srt.weight_sync.sglang_compat import original_hf_config
 
     def save(name, **changes):
         kwargs = {**TINY, **changes}
-        transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs).save_pretrained(workdir / name)
+        transformers.AutoConfig.for_model(
+            kwargs.pop("model_type"), **kwargs
+        ).save_pretrained(workdir / name)
         return ModelConfig(model_path=str(workdir / name))
 
     def key_with(model_config, tp_size=2, ep_size=1, **server_args):
@@ -57,15 +82,24 @@ def _worker(workdir: Path) -> dict:
     os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")
     warnings = []
     logging.getLogger(target_cache.__name__).addHandler(
-        type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.getMessage())})(logging.WARNING))
+        type(
+            "H",
+            (logging.Handler,),
+            {"emit": lambda self, r: warnings.append(r.getMessage())},
+        )(logging.WARNING)
+    )
     model_config = save("model")
     with sglang_fakes.published_layout(2, 1, {}):
         checkpoint = checkpoint_layout(original_hf_config(model_config))
         generic = [derive_engine_rank(model_config, checkpoint, r) for r in range(2)]
         records = [target_cache.own_rank_record(model_config, r) for r in range(2)]
-        facts["records_equal_generic"] = [RankTargets.from_builtins(records[r]["derived"]) == generic[r]
-                                          for r in range(2)]
-        facts["disk_entries"] = sorted(p.name for p in (workdir / "cache").rglob("*.json"))
+        facts["records_equal_generic"] = [
+            RankTargets.from_builtins(records[r]["derived"]) == generic[r]
+            for r in range(2)
+        ]
+        facts["disk_entries"] = sorted(
+            p.name for p in (workdir / "cache").rglob("*.json")
+        )
         sent = []
 
         def exchange(own):
@@ -74,29 +108,47 @@ def _worker(workdir: Path) -> dict:
 
         memo = {}  # what the engine's weight sync keeps
         targets = target_cache.engine_derived_targets(model_config, 0, exchange, memo)
-        facts["assembled_equal_generic"] = [targets.per_rank[r] == generic[r].targets for r in range(2)]
+        facts["assembled_equal_generic"] = [
+            targets.per_rank[r] == generic[r].targets for r in range(2)
+        ]
         facts["shapes_equal_checkpoint"] = targets.shapes == checkpoint.shapes()
         facts["post_load"] = sorted(targets.post_load)
         facts["pieces"] = sum(len(t.pieces) for ts in targets.per_rank for t in ts)
         facts["exchange_calls"] = list(sent)
-        facts["memory_hit_same"] = target_cache.engine_derived_targets(model_config, 0, exchange, memo) is targets
+        facts["memory_hit_same"] = (
+            target_cache.engine_derived_targets(model_config, 0, exchange, memo)
+            is targets
+        )
         facts["exchange_calls_after_hit"] = list(sent)
 
         def refuse(*args, **kwargs):
             raise RuntimeError("derivation must not run: the disk entry is valid")
 
-        derive, target_cache.derive_engine_rank = target_cache.derive_engine_rank, refuse
+        derive, target_cache.derive_engine_rank = (
+            target_cache.derive_engine_rank,
+            refuse,
+        )
         try:
             restarted = target_cache.engine_derived_targets(
-                model_config, 1, lambda own: [json.dumps(records[0]).encode(), own])
-            facts["restart_equal"] = restarted.per_rank == targets.per_rank and restarted.shapes == targets.shapes
+                model_config, 1, lambda own: [json.dumps(records[0]).encode(), own]
+            )
+            facts["restart_equal"] = (
+                restarted.per_rank == targets.per_rank
+                and restarted.shapes == targets.shapes
+            )
 
             os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "empty-cache")
             failing, memo = [], {}
             try:
                 target_cache.engine_derived_targets(
-                    model_config, 1, lambda own: failing.append(json.loads(own)) or [json.dumps(records[0]).encode(), own],
-                    memo)
+                    model_config,
+                    1,
+                    lambda own: (
+                        failing.append(json.loads(own))
+                        or [json.dumps(records[0]).encode(), own]
+                    ),
+                    memo,
+                )
                 facts["failure"] = "no error"
             except ValueError as e:
                 facts["failure"] = str(e)
@@ -109,27 +161,44 @@ def _worker(workdir: Path) -> dict:
         entry = workdir / "cache" / target_cache.cache_key(model_config) / "tp0.json"
         entry.write_text('{"format": 2, "derived": ')  # a torn write
         rederived = target_cache.own_rank_record(model_config, 0)
-        facts["torn_entry_rederived"] = RankTargets.from_builtins(rederived["derived"]) == generic[0]
-        facts["torn_entry_warned"] = any("unreadable target cache" in w for w in warnings)
+        facts["torn_entry_rederived"] = (
+            RankTargets.from_builtins(rederived["derived"]) == generic[0]
+        )
+        facts["torn_entry_warned"] = any(
+            "unreadable target cache" in w for w in warnings
+        )
 
         # a CPU engine pads heads that do not divide T in ModelConfig's HF config, in place (on 0.5.12
         # that object is the one SGLang's get_config caches): the checkpoint still has the original shapes
         transformers.AutoConfig.for_model(
-            "llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=1, vocab_size=500,
-            num_attention_heads=8, num_key_value_heads=2, intermediate_size=128).save_pretrained(workdir / "padded")
-        padded = ModelConfig(model_path=str(workdir / "padded"), trust_remote_code=False)  # as the engine's args
+            "llama",
+            architectures=["LlamaForCausalLM"],
+            hidden_size=64,
+            num_hidden_layers=1,
+            vocab_size=500,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=128,
+        ).save_pretrained(workdir / "padded")
+        padded = ModelConfig(
+            model_path=str(workdir / "padded"), trust_remote_code=False
+        )  # as the engine's args
         key_before = target_cache.cache_key(padded)
         adjust_config_with_unaligned_cpu_tp(padded, LoadConfig(), 4)
-        facts["padding"] = dict(engine=padded.hf_config.num_attention_heads,
-                                original=original_hf_config(padded).num_attention_heads,
-                                key_changes=target_cache.cache_key(padded) != key_before)
+        facts["padding"] = dict(
+            engine=padded.hf_config.num_attention_heads,
+            original=original_hf_config(padded).num_attention_heads,
+            key_changes=target_cache.cache_key(padded) != key_before,
+        )
 
     base = key_with(model_config)
     facts["keys"] = {
         "same": key_with(model_config) == base,
-        "port and log level": key_with(model_config, port=31234, log_level="debug") == base,
+        "port and log level": key_with(model_config, port=31234, log_level="debug")
+        == base,
         "config": key_with(save("deeper", num_hidden_layers=3)) == base,
-        "loading server arg": key_with(model_config, disable_shared_experts_fusion=True) == base,
+        "loading server arg": key_with(model_config, disable_shared_experts_fusion=True)
+        == base,
         "tp size": key_with(model_config, tp_size=4) == base,
         "ep size": key_with(model_config, ep_size=2) == base,
     }
@@ -139,32 +208,52 @@ def _worker(workdir: Path) -> dict:
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("target_cache")
-    proc = subprocess.run([sys.executable, __file__, str(workdir)], env=sglang_fakes.worker_env("default"),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(workdir)],
+        env=sglang_fakes.worker_env("default"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise RuntimeError(
+            f"worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+        )
     return json.loads((workdir / "facts.json").read_text())
 
 
 def test_each_rank_derives_its_own_and_the_exchange_assembles_every_rank(facts):
     assert facts["records_equal_generic"] == [True, True]
-    assert facts["disk_entries"] == ["tp0.json", "tp1.json"]  # one entry per rank, under one key
+    assert facts["disk_entries"] == [
+        "tp0.json",
+        "tp1.json",
+    ]  # one entry per rank, under one key
     assert facts["assembled_equal_generic"] == [True, True]
     assert facts["shapes_equal_checkpoint"]
-    assert facts["post_load"] and all(n.endswith(("w_kc", "w_vc")) for n in facts["post_load"])
+    assert facts["post_load"] and all(
+        n.endswith(("w_kc", "w_vc")) for n in facts["post_load"]
+    )
     assert facts["pieces"] > 0
     assert facts["exchange_calls"] == [0]
 
 
 def test_later_updates_use_memory_and_restarts_use_disk(facts):
-    assert facts["memory_hit_same"] and facts["exchange_calls_after_hit"] == [0]  # no exchange, no derivation
+    assert facts["memory_hit_same"] and facts["exchange_calls_after_hit"] == [
+        0
+    ]  # no exchange, no derivation
     assert facts["restart_equal"]  # derivation refused to run: the disk entries served
 
 
 def test_a_failing_rank_joins_the_exchange_and_every_rank_refuses(facts):
-    assert facts["failing_rank_sent"] == [{"error": "engine rank 1: deriving its targets failed: RuntimeError: "
-                                                    "derivation must not run: the disk entry is valid"}]
-    assert facts["failure"].startswith("engine rank 1: deriving its targets failed: RuntimeError")
+    assert facts["failing_rank_sent"] == [
+        {
+            "error": "engine rank 1: deriving its targets failed: RuntimeError: "
+            "derivation must not run: the disk entry is valid"
+        }
+    ]
+    assert facts["failure"].startswith(
+        "engine rank 1: deriving its targets failed: RuntimeError"
+    )
     assert not facts["failure_cached"]  # the next update derives again
 
 
@@ -179,8 +268,14 @@ def test_the_checkpoint_layout_comes_from_the_config_on_disk_after_cpu_padding(f
 
 
 def test_cache_key_follows_what_derivation_depends_on(facts):
-    assert facts["keys"] == {"same": True, "port and log level": True, "config": False, "loading server arg": False,
-                             "tp size": False, "ep size": False}
+    assert facts["keys"] == {
+        "same": True,
+        "port and log level": True,
+        "config": False,
+        "loading server arg": False,
+        "tp size": False,
+        "ep size": False,
+    }
 
 
 if __name__ == "__main__":

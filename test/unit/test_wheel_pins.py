@@ -5,6 +5,7 @@ local version matches ``==`` of its public version and sorts after it).
 
 Dry runs of pip into nothing (``--dry-run --report``), against ``dist/`` as ``make wheel`` left it.
 """
+
 import json
 import subprocess
 import sys
@@ -21,12 +22,30 @@ def resolve(requirement: str, *find_links: Path) -> list:
     """The (name, version) pairs pip would install for ``requirement`` from ``find_links`` only."""
     links = [arg for d in find_links for arg in ("--find-links", str(d))]
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", "--no-deps",
-         "--ignore-installed", "--no-index", "--isolated", *links, requirement],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            "-",
+            "--no-deps",
+            "--ignore-installed",
+            "--no-index",
+            "--isolated",
+            *links,
+            requirement,
+        ],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, f"pip cannot resolve {requirement!r}: {out.stderr}"
-    return [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(out.stdout)["install"]]
+    return [
+        (i["metadata"]["name"], i["metadata"]["version"])
+        for i in json.loads(out.stdout)["install"]
+    ]
 
 
 def test_make_wheel_built_one_wheel_per_base():
@@ -42,7 +61,9 @@ def test_framework_pin_resolves_to_our_wheel(base):
 @pytest.mark.parametrize("base", BASES)
 def test_our_wheel_wins_over_upstream_release(base):
     if not list(UPSTREAM.glob(f"sglang-{base}-*.whl")):
-        pytest.fail(f"no upstream sglang {base} wheel in {UPSTREAM}: `make wheel` downloads it")
+        pytest.fail(
+            f"no upstream sglang {base} wheel in {UPSTREAM}: `make wheel` downloads it"
+        )
     assert resolve(f"sglang=={base}", UPSTREAM, DIST) == [("sglang", f"{base}+dwu1")]
 
 

@@ -32,8 +32,14 @@ __version__ = "0.0.0+torch-stand-in"
 SUBMODULES = ("mamba", "kvcacheio")
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 max_ctx_len=None):
+def assign_req_to_token_pool_cpu(
+    req_pool_indices,
+    req_to_token,
+    start_offset,
+    end_offset,
+    out_cache_loc,
+    max_ctx_len=None,
+):
     """``req_to_token[req_pool_indices[k], start_offset[k]:end_offset[k]] = next (end-start) of out_cache_loc``.
 
     Requests are walked in order with a running offset into ``out_cache_loc`` (what the
@@ -47,7 +53,7 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     for row, s, e in zip(rows, starts, ends):
         n = e - s
         if n > 0:
-            req_to_token[row, s:e] = out_cache_loc[pt:pt + n].to(req_to_token.dtype)
+            req_to_token[row, s:e] = out_cache_loc[pt : pt + n].to(req_to_token.dtype)
         pt += n
 
 
@@ -58,7 +64,9 @@ def missing(module: str, name: str):
         raise AttributeError(name)
 
     def _not_implemented(*args, **kwargs):
-        raise NotImplementedError(f"{module}.{name} is not available (pure-torch test stand-in)")
+        raise NotImplementedError(
+            f"{module}.{name} is not available (pure-torch test stand-in)"
+        )
 
     _not_implemented.__name__ = name
     _not_implemented.__qualname__ = name

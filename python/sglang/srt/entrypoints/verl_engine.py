@@ -19,7 +19,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from sglang.srt.weight_sync.control_plane import ControlGroup
-from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, check_timeout
+from sglang.srt.weight_sync.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    check_timeout,
+)
 from sglang.srt.weight_sync.trainer_flow import (
     ControlRequest,
     Mode,
@@ -60,7 +64,9 @@ class VerlEngine:
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
         first_rank_in_node = self._tp_rank % tp_size_per_node == 0
-        engine_kwargs = dict(**kwargs, tp_size=self._tp_size, node_rank=node_rank, nnodes=nnodes)
+        engine_kwargs = dict(
+            **kwargs, tp_size=self._tp_size, node_rank=node_rank, nnodes=nnodes
+        )
 
         self._engine = None
         if backend == "engine" and first_rank_in_node:
@@ -69,7 +75,9 @@ class VerlEngine:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
             self._engine = Engine(**engine_kwargs)
         elif backend == "server" and self._tp_rank == 0:
-            from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
+            from sglang.srt.entrypoints.http_server_engine import (
+                HttpServerEngineAdapter,
+            )
 
             self._engine = HttpServerEngineAdapter(**engine_kwargs)
         self._barrier("starting the engine")
@@ -91,10 +99,16 @@ class VerlEngine:
         output = None
         if self._tp_rank == 0:
             output = self._engine.generate(
-                prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
-                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
-                lora_path=lora_path, custom_logit_processor=custom_logit_processor,
+                prompt=prompt,
+                sampling_params=sampling_params,
+                input_ids=input_ids,
+                image_data=image_data,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                token_ids_logprob=token_ids_logprob,
+                lora_path=lora_path,
+                custom_logit_processor=custom_logit_processor,
             )
         return self._from_rank0(output)
 
@@ -115,23 +129,46 @@ class VerlEngine:
                 f"load_format={load_format!r}: VerlEngine delivers HF-named shards and reshards them in the engine; "
                 "only load_format=None is supported"
             )
-        flow = update_flow(self._sync, named_tensors, self._ranks, self._group, self._weight_sync_mode,
-                           self._weight_sync_bucket_bytes, self._timeout_s)
+        flow = update_flow(
+            self._sync,
+            named_tensors,
+            self._ranks,
+            self._group,
+            self._weight_sync_mode,
+            self._weight_sync_bucket_bytes,
+            self._timeout_s,
+        )
         return self._drive(flow)
 
-    def update_weights_from_megatron(self, model_chunks, hf_vocab: int,
-                                     shared_expert_hf: str = "shared_experts") -> UpdateReport:
+    def update_weights_from_megatron(
+        self, model_chunks, hf_vocab: int, shared_expert_hf: str = "shared_experts"
+    ) -> UpdateReport:
         """Update from Megatron-core ``model_chunks`` (this rank's, VPP order) without a
         gather; see ``weight_sync.megatron_flow``. Call on every trainer rank."""
         from sglang.srt.weight_sync.megatron_flow import megatron_flow
 
-        return self._drive(megatron_flow(self._sync, model_chunks, hf_vocab, self._ranks, self._group, self._weight_sync_mode,
-                                         self._weight_sync_bucket_bytes, shared_expert_hf, self._timeout_s))
+        return self._drive(
+            megatron_flow(
+                self._sync,
+                model_chunks,
+                hf_vocab,
+                self._ranks,
+                self._group,
+                self._weight_sync_mode,
+                self._weight_sync_bucket_bytes,
+                shared_expert_hf,
+                self._timeout_s,
+            )
+        )
 
     def _drive(self, flow) -> UpdateReport:
-        report = drive(flow, self._ranks, self._group, self._serve, timeout_s=self._timeout_s)
+        report = drive(
+            flow, self._ranks, self._group, self._serve, timeout_s=self._timeout_s
+        )
         if not report.success:
-            raise RuntimeError(f"weight update {report.update_id} failed: {report.message}")
+            raise RuntimeError(
+                f"weight update {report.update_id} failed: {report.message}"
+            )
         return report
 
     def _serve(self, request: ControlRequest) -> Tuple[bool, str]:
@@ -140,7 +177,10 @@ class VerlEngine:
         (``weight_sync.sessions``), so this rank waits on one request, which the engine
         answers within ``control_plane.answer_bound_s`` (``answer_guard``) even if a scheduler hangs."""
         result = self._engine.update_weights_distributed(
-            request.update_id, request.channel, flush_cache=request.final, timeout_s=self._timeout_s
+            request.update_id,
+            request.channel,
+            flush_cache=request.final,
+            timeout_s=self._timeout_s,
         )
         return as_reply(result)
 
@@ -166,11 +206,18 @@ class VerlEngine:
 
     def _from_rank0(self, value):
         """Rank 0's (small) result on every rank of the mesh."""
-        return self._control.broadcast_object(value, self._ranks[0], None,
-                                              f"trainer rank {dist.get_rank()}: hearing rank {self._ranks[0]}'s result")
+        return self._control.broadcast_object(
+            value,
+            self._ranks[0],
+            None,
+            f"trainer rank {dist.get_rank()}: hearing rank {self._ranks[0]}'s result",
+        )
 
     def _barrier(self, what: str) -> None:
         """Wait for the first rank's engine call (starting the engine, generating, memory):
         work of unknown length, so bounded by the mesh group's own timeout, as upstream's."""
-        self._control.barrier(None, f"trainer rank {dist.get_rank()}: waiting for rank "
-                                                   f"{self._ranks[0]} ({what})")
+        self._control.barrier(
+            None,
+            f"trainer rank {dist.get_rank()}: waiting for rank "
+            f"{self._ranks[0]} ({what})",
+        )

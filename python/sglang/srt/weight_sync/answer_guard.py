@@ -37,14 +37,24 @@ from sglang.srt.weight_sync.protocol import (
     read_control,
 )
 
-__all__ = ["BoundedCommunicator", "bound_answers", "distributed_update", "refuse_generation_if_unsafe"]
+__all__ = [
+    "BoundedCommunicator",
+    "bound_answers",
+    "distributed_update",
+    "refuse_generation_if_unsafe",
+]
 
 logger = logging.getLogger(__name__)
 
 # communicator name -> its reply type in io_struct (this module answers with it when the engine does not)
-UPDATES = {"update_weights_distributed": "UpdateWeightsDistributedReqOutput",
-           "update_weights_from_tensor": "UpdateWeightsFromTensorReqOutput"}
-SESSIONS = {"begin_weight_update": "BeginWeightUpdateReqOutput", "end_weight_update": "EndWeightUpdateReqOutput"}
+UPDATES = {
+    "update_weights_distributed": "UpdateWeightsDistributedReqOutput",
+    "update_weights_from_tensor": "UpdateWeightsFromTensorReqOutput",
+}
+SESSIONS = {
+    "begin_weight_update": "BeginWeightUpdateReqOutput",
+    "end_weight_update": "EndWeightUpdateReqOutput",
+}
 NO_ANSWER = "an engine rank did not answer (a scheduler may have died or hung)"
 
 
@@ -84,9 +94,11 @@ class _Guard:
         """Why generation must not run now, or None."""
         pending = self.pending()
         if pending is not None:
-            return (f"generation refused: the engine has not answered distributed weight update "
-                    f"{pending.update_id!r} within {pending.bound_s:g}s ({NO_ANSWER}); its weights are unknown, "
-                    "possibly mixed: restart the engine")
+            return (
+                f"generation refused: the engine has not answered distributed weight update "
+                f"{pending.update_id!r} within {pending.bound_s:g}s ({NO_ANSWER}); its weights are unknown, "
+                "possibly mixed: restart the engine"
+            )
         if self.mixed is not None:
             return f"generation refused until a distributed weight update succeeds: {self.mixed}"
         return None
@@ -97,7 +109,12 @@ class BoundedCommunicator:
     Everything else (``handle_recv``, ``set_fan_out``, other requests) goes to ``inner``."""
 
     def __init__(self, inner, output_cls, guard: _Guard, updates: bool) -> None:
-        self._inner, self._output_cls, self._guard, self._updates = inner, output_cls, guard, updates
+        self._inner, self._output_cls, self._guard, self._updates = (
+            inner,
+            output_cls,
+            guard,
+            updates,
+        )
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -105,13 +122,22 @@ class BoundedCommunicator:
     async def __call__(self, obj):
         update = distributed_update(obj) if self._updates else None
         if self._updates and update is None:
-            return await self._inner(obj)  # not a distributed update: upstream's wait, unchanged
+            return await self._inner(
+                obj
+            )  # not a distributed update: upstream's wait, unchanged
         pending = self._guard.pending()
         if pending is not None:
-            what = f"distributed weight update {update[0]!r}" if update else type(obj).__name__
-            return [self._answer(
-                f"{what} refused: the engine has not answered distributed weight update {pending.update_id!r} "
-                f"(no answer within {pending.bound_s:g}s; {NO_ANSWER}); the engine must be restarted")]
+            what = (
+                f"distributed weight update {update[0]!r}"
+                if update
+                else type(obj).__name__
+            )
+            return [
+                self._answer(
+                    f"{what} refused: the engine has not answered distributed weight update {pending.update_id!r} "
+                    f"(no answer within {pending.bound_s:g}s; {NO_ANSWER}); the engine must be restarted"
+                )
+            ]
         if update is None:
             return await self._inner(obj)
         update_id, timeout_s = update
@@ -140,12 +166,19 @@ def _late_answer(update_id: str, since: float, guard: _Guard):
     def settle(answer: asyncio.Future) -> None:
         late = time.monotonic() - since
         if answer.cancelled() or answer.exception() is not None:
-            logger.error("distributed weight update %r: no late answer (%s)", update_id,
-                         "cancelled" if answer.cancelled() else answer.exception())
+            logger.error(
+                "distributed weight update %r: no late answer (%s)",
+                update_id,
+                "cancelled" if answer.cancelled() else answer.exception(),
+            )
             guard.mixed = f"distributed weight update {update_id!r} never got an answer: its weights are unknown"
         else:
-            logger.error("distributed weight update %r: answered %.1fs after its bound: %s", update_id, late,
-                         " | ".join(str(getattr(r, "message", r)) for r in answer.result()))
+            logger.error(
+                "distributed weight update %r: answered %.1fs after its bound: %s",
+                update_id,
+                late,
+                " | ".join(str(getattr(r, "message", r)) for r in answer.result()),
+            )
             guard.settle(update_id, answer.result())
 
     return settle
@@ -160,8 +193,16 @@ def bound_answers(manager) -> None:
     for name, output in {**UPDATES, **SESSIONS}.items():
         attr = f"{name}_communicator"
         if hasattr(manager, attr) and hasattr(io_struct, output):
-            setattr(manager, attr, BoundedCommunicator(getattr(manager, attr), getattr(io_struct, output), guard,
-                                                       name in UPDATES))
+            setattr(
+                manager,
+                attr,
+                BoundedCommunicator(
+                    getattr(manager, attr),
+                    getattr(io_struct, output),
+                    guard,
+                    name in UPDATES,
+                ),
+            )
 
 
 def refuse_generation_if_unsafe(manager) -> None:

@@ -20,14 +20,27 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
-__all__ = ["check_buffers", "copy_buffers", "nonfinite_buffers", "nonfinite_tensors", "refresh_derived",
-           "run_post_load", "synchronize", "write_region", "write_zeros"]
+__all__ = [
+    "check_buffers",
+    "copy_buffers",
+    "nonfinite_buffers",
+    "nonfinite_tensors",
+    "refresh_derived",
+    "run_post_load",
+    "synchronize",
+    "write_region",
+    "write_zeros",
+]
 
 
 def write_region(view: torch.Tensor, src: torch.Tensor) -> None:
     """Write ``src`` into a parameter region ``view`` in place (cast to its dtype); a no-op
     when ``src`` was received straight into ``view``."""
-    if view.data_ptr() != src.data_ptr() or view.shape != src.shape or view.stride() != src.stride():
+    if (
+        view.data_ptr() != src.data_ptr()
+        or view.shape != src.shape
+        or view.stride() != src.stride()
+    ):
         view.copy_(src)
 
 
@@ -45,7 +58,11 @@ def synchronize(tensors) -> None:
 
 def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> List[str]:
     """Keys of the floating tensors holding NaN or inf (refused before any write)."""
-    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [
+        k
+        for k, t in tensors.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
 
 
 def refresh_derived(model: torch.nn.Module) -> None:
@@ -62,14 +79,19 @@ def run_post_load(model: torch.nn.Module) -> None:
 
 
 def check_buffers(
-    params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor], rank: int
+    params: Mapping[str, torch.Tensor],
+    targets: Sequence[ParamTarget],
+    buffers: Mapping[str, torch.Tensor],
+    rank: int,
 ) -> List[str]:
     """Problems with delivered buffers against this engine rank's parameters (empty when fine)."""
     problems = []
     for t in targets:
         buf, param = buffers.get(t.name), params.get(t.name)
         if buf is None:
-            problems.append(f"engine rank {rank}: no buffer for parameter {t.name!r} from the trainer side")
+            problems.append(
+                f"engine rank {rank}: no buffer for parameter {t.name!r} from the trainer side"
+            )
         elif param is None:
             problems.append(f"engine rank {rank}: no parameter {t.name!r}")
         elif tuple(buf.shape) != tuple(param.shape) or buf.dtype != param.dtype:
@@ -87,19 +109,25 @@ def _filled_regions(target: ParamTarget) -> List[Tuple[Tuple[int, ...], Box]]:
     return [(p.index, p.dest_box()) for p in target.pieces]
 
 
-def nonfinite_buffers(targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]) -> List[str]:
+def nonfinite_buffers(
+    targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]
+) -> List[str]:
     """Parameters whose delivered regions hold NaN or inf (only those regions are read)."""
     bad = []
     for t in targets:
         buf = buffers[t.name]
         if buf.is_floating_point() and not all(
-                bool(torch.isfinite(buf[index][box.slices()]).all()) for index, box in _filled_regions(t)):
+            bool(torch.isfinite(buf[index][box.slices()]).all())
+            for index, box in _filled_regions(t)
+        ):
             bad.append(t.name)
     return bad
 
 
 def copy_buffers(
-    params: Mapping[str, torch.Tensor], targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor],
+    targets: Sequence[ParamTarget],
+    buffers: Mapping[str, torch.Tensor],
 ) -> int:
     """Copy the delivered regions into the parameters in place; returns bytes copied.
 

@@ -23,7 +23,7 @@ class Box:
     sizes: Tuple[int, ...]
 
     @staticmethod
-    def full(shape: Sequence[int]) -> "Box":
+    def full(shape: Sequence[int]) -> Box:
         return Box((0,) * len(shape), tuple(int(s) for s in shape))
 
     @property
@@ -41,7 +41,7 @@ class Box:
     def is_empty(self) -> bool:
         return any(s <= 0 for s in self.sizes)
 
-    def intersect(self, other: "Box") -> Optional["Box"]:
+    def intersect(self, other: Box) -> Optional[Box]:
         """The common region, or None when the boxes do not overlap."""
         offsets, sizes = [], []
         for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes):
@@ -52,13 +52,15 @@ class Box:
             sizes.append(hi - lo)
         return Box(tuple(offsets), tuple(sizes))
 
-    def contains(self, other: "Box") -> bool:
+    def contains(self, other: Box) -> bool:
         for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes):
-            if o2 < o1 or o2 + s2 > o1 + s1:  # a loop, not all(genexpr): planners call this per piece
+            if (
+                o2 < o1 or o2 + s2 > o1 + s1
+            ):  # a loop, not all(genexpr): planners call this per piece
                 return False
         return True
 
-    def subtract(self, other: "Box") -> List["Box"]:
+    def subtract(self, other: Box) -> List[Box]:
         """``self`` minus ``other`` as at most 2*ndim disjoint boxes (slab decomposition)."""
         inter = self.intersect(other)
         if inter is None:
@@ -78,18 +80,20 @@ class Box:
             offsets[d], sizes[d] = inter.offsets[d], inter.sizes[d]
         return pieces
 
-    def relative_to(self, outer: "Box") -> "Box":
+    def relative_to(self, outer: Box) -> Box:
         """The same region in the coordinates of ``outer`` (whose origin becomes 0)."""
-        return Box(tuple(o - b for o, b in zip(self.offsets, outer.offsets)), self.sizes)
+        return Box(
+            tuple(o - b for o, b in zip(self.offsets, outer.offsets)), self.sizes
+        )
 
-    def translate(self, origin: Sequence[int]) -> "Box":
+    def translate(self, origin: Sequence[int]) -> Box:
         """The same region moved so that ``origin`` is added to its offsets."""
         return Box(tuple(o + b for o, b in zip(self.offsets, origin)), self.sizes)
 
     def slices(self) -> Tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
-    def split_rows(self, max_numel: int) -> List["Box"]:
+    def split_rows(self, max_numel: int) -> List[Box]:
         """Cut along the outermost dim with size > 1 into pieces of at most ``max_numel``
         elements where possible (a single row may still be larger). Used for buckets."""
         if self.numel <= max_numel:
@@ -109,10 +113,16 @@ class Box:
         out = []
         for start in range(0, self.sizes[dim], step):
             o, s = list(self.offsets), list(self.sizes)
-            o[dim], s[dim] = self.offsets[dim] + start, min(step, self.sizes[dim] - start)
+            o[dim], s[dim] = (
+                self.offsets[dim] + start,
+                min(step, self.sizes[dim] - start),
+            )
             out.append(Box(tuple(o), tuple(s)))
         return out
 
     def __str__(self) -> str:
-        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
-
+        return (
+            "["
+            + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
+            + "]"
+        )

@@ -25,8 +25,15 @@ import torch.distributed as dist
 
 from sglang.srt.weight_sync.protocol import GRACE_S, answer_bound_s
 
-__all__ = ["ControlGroup", "GRACE_S", "PeerLost", "PlanDisagreement", "answer_bound_s", "collective_device",
-           "wait"]
+__all__ = [
+    "ControlGroup",
+    "GRACE_S",
+    "PeerLost",
+    "PlanDisagreement",
+    "answer_bound_s",
+    "collective_device",
+    "wait",
+]
 
 MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
 RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group hears it
@@ -49,7 +56,9 @@ def wait(work, timeout_s: Optional[float], phase: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise PeerLost(f"{phase}: a peer did not answer within {timeout_s:g}s ({e})") from None
+        raise PeerLost(
+            f"{phase}: a peer did not answer within {timeout_s:g}s ({e})"
+        ) from None
 
 
 def collective_device(group: Optional[dist.ProcessGroup]) -> Optional[torch.device]:
@@ -72,8 +81,11 @@ class ControlGroup:
     def __init__(self, group: Optional[dist.ProcessGroup], name: str) -> None:
         self.group, self.name = group, name
         self.device = collective_device(group)
-        self.ranks: Tuple[int, ...] = (tuple(dist.get_process_group_ranks(group)) if group is not None
-                                       else tuple(range(dist.get_world_size())))
+        self.ranks: Tuple[int, ...] = (
+            tuple(dist.get_process_group_ranks(group))
+            if group is not None
+            else tuple(range(dist.get_world_size()))
+        )
         self.rank = dist.get_rank(group)  # this process's rank in the group
         self._barriers = 0
 
@@ -81,8 +93,16 @@ class ControlGroup:
     def size(self) -> int:
         return len(self.ranks)
 
-    def _reduce(self, t: torch.Tensor, timeout_s: Optional[float], phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        wait(dist.all_reduce(t, op=op, group=self.group, async_op=True), timeout_s, phase)
+    def _reduce(
+        self,
+        t: torch.Tensor,
+        timeout_s: Optional[float],
+        phase: str,
+        op=dist.ReduceOp.SUM,
+    ) -> torch.Tensor:
+        wait(
+            dist.all_reduce(t, op=op, group=self.group, async_op=True), timeout_s, phase
+        )
         return t
 
     def all_equal(self, value: int, timeout_s: Optional[float], phase: str) -> bool:
@@ -96,22 +116,36 @@ class ControlGroup:
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
         return bool(self._reduce(t, timeout_s, phase, dist.ReduceOp.MAX).item())
 
-    def agree_on_plan(self, fingerprint: str, timeout_s: Optional[float], who: str) -> None:
+    def agree_on_plan(
+        self, fingerprint: str, timeout_s: Optional[float], who: str
+    ) -> None:
         """Raise ``PlanDisagreement`` unless every rank is about to run the plan ``fingerprint``."""
-        if not self.all_equal(int(fingerprint[:15], 16), timeout_s, f"{who}: plan agreement"):
+        if not self.all_equal(
+            int(fingerprint[:15], 16), timeout_s, f"{who}: plan agreement"
+        ):
             raise PlanDisagreement(
                 f"{who}: the TP ranks computed different plans (this rank's {fingerprint[:15]}): "
                 "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
             )
 
-    def all_gather_ints(self, mine: Sequence[int], timeout_s: Optional[float], phase: str) -> List[List[int]]:
+    def all_gather_ints(
+        self, mine: Sequence[int], timeout_s: Optional[float], phase: str
+    ) -> List[List[int]]:
         """Every rank's ``mine`` (the same length everywhere), in group rank order."""
         t = torch.tensor(list(mine), dtype=torch.int64, device=self.device)
-        every = torch.empty(self.size * len(mine), dtype=torch.int64, device=self.device)
-        wait(dist.all_gather_into_tensor(every, t, group=self.group, async_op=True), timeout_s, phase)
+        every = torch.empty(
+            self.size * len(mine), dtype=torch.int64, device=self.device
+        )
+        wait(
+            dist.all_gather_into_tensor(every, t, group=self.group, async_op=True),
+            timeout_s,
+            phase,
+        )
         return every.view(self.size, len(mine)).tolist()
 
-    def share_bytes(self, mine: bytes, timeout_s: Optional[float], phase: str) -> List[bytes]:
+    def share_bytes(
+        self, mine: bytes, timeout_s: Optional[float], phase: str
+    ) -> List[bytes]:
         """Every rank's bytes, in rank order: lengths through one all-reduce, then one
         all-gather of byte tensors (no object gather, no pickle)."""
         if self.size == 1:
@@ -121,45 +155,93 @@ class ControlGroup:
         self._reduce(lengths, timeout_s, phase)
         width = int(lengths.max())
         padded = torch.zeros(width, dtype=torch.uint8)
-        padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
+        padded[: len(mine)] = (
+            torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
+        )
         padded = padded.to(self.device) if self.device is not None else padded
-        gathered = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        wait(dist.all_gather(gathered, padded, group=self.group, async_op=True), timeout_s, phase)
-        return [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths.tolist())]
+        gathered = [
+            torch.empty(width, dtype=torch.uint8, device=self.device)
+            for _ in range(self.size)
+        ]
+        wait(
+            dist.all_gather(gathered, padded, group=self.group, async_op=True),
+            timeout_s,
+            phase,
+        )
+        return [
+            t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths.tolist())
+        ]
 
-    def share_problems(self, problems: Sequence[str], timeout_s: Optional[float], phase: str) -> List[str]:
+    def share_problems(
+        self, problems: Sequence[str], timeout_s: Optional[float], phase: str
+    ) -> List[str]:
         """Every rank's problems (each rank's text cut at ``MESSAGE_BYTES``), through one all-reduce."""
         text = "; ".join(problems).encode()[:MESSAGE_BYTES]
         table = torch.zeros(self.size, MESSAGE_BYTES, dtype=torch.uint8)
         if text:
-            table[self.rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        table = self._reduce(table.to(self.device) if self.device is not None else table, timeout_s, phase).cpu()
-        return [bytes(row[row.nonzero().flatten()].tolist()).decode(errors="replace") for row in table if row.any()]
+            table[self.rank, : len(text)] = torch.frombuffer(
+                bytearray(text), dtype=torch.uint8
+            )
+        table = self._reduce(
+            table.to(self.device) if self.device is not None else table,
+            timeout_s,
+            phase,
+        ).cpu()
+        return [
+            bytes(row[row.nonzero().flatten()].tolist()).decode(errors="replace")
+            for row in table
+            if row.any()
+        ]
 
-    def share_figures(self, mine: Sequence[int], timeout_s: Optional[float], phase: str) -> List[List[int]]:
+    def share_figures(
+        self, mine: Sequence[int], timeout_s: Optional[float], phase: str
+    ) -> List[List[int]]:
         """Each figure of every rank (a figures x ranks table), on every rank: one all-reduce."""
         table = torch.zeros(len(mine), self.size, dtype=torch.int64, device=self.device)
-        table[:, self.rank] = torch.tensor(list(mine), dtype=torch.int64, device=self.device)
+        table[:, self.rank] = torch.tensor(
+            list(mine), dtype=torch.int64, device=self.device
+        )
         return self._reduce(table, timeout_s, phase).tolist()
 
-    def broadcast_bytes(self, data: Optional[bytes], src: int, size: int, timeout_s: Optional[float],
-                        phase: str) -> bytes:
+    def broadcast_bytes(
+        self,
+        data: Optional[bytes],
+        src: int,
+        size: int,
+        timeout_s: Optional[float],
+        phase: str,
+    ) -> bytes:
         """``src``'s ``data`` (at most ``size`` bytes, global rank ``src``) on every rank, as a
         fixed-size tensor broadcast (``broadcast_object_list`` cannot be bounded)."""
         buf = torch.zeros(size + 8, dtype=torch.uint8)
         if data is not None:
             if len(data) > size:
-                raise ValueError(f"{phase}: {len(data)} bytes to broadcast, at most {size}")
-            buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+                raise ValueError(
+                    f"{phase}: {len(data)} bytes to broadcast, at most {size}"
+                )
+            buf[:8] = torch.tensor(
+                list(len(data).to_bytes(8, "little")), dtype=torch.uint8
+            )
             if data:
-                buf[8: 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                buf[8 : 8 + len(data)] = torch.frombuffer(
+                    bytearray(data), dtype=torch.uint8
+                )
         buf = buf.to(self.device) if self.device is not None else buf
-        wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), timeout_s, phase)
+        wait(
+            dist.broadcast(buf, src=src, group=self.group, async_op=True),
+            timeout_s,
+            phase,
+        )
         raw = bytes(buf.cpu().tolist())
-        return raw[8: 8 + int.from_bytes(raw[:8], "little")]
+        return raw[8 : 8 + int.from_bytes(raw[:8], "little")]
 
-    def broadcast_result(self, result: Optional[Tuple[bool, str]], src: int, timeout_s: Optional[float],
-                         phase: str) -> Tuple[bool, str]:
+    def broadcast_result(
+        self,
+        result: Optional[Tuple[bool, str]],
+        src: int,
+        timeout_s: Optional[float],
+        phase: str,
+    ) -> Tuple[bool, str]:
         """``src``'s (success, message) on every rank (the message cut to fit ``RESULT_BYTES``)."""
         data = None
         if result is not None:
@@ -171,9 +253,19 @@ class ControlGroup:
         """``src``'s picklable ``value`` on every rank: its length first, then its bytes (two
         bounded broadcasts). Only for values this group's own ranks produce."""
         data = pickle.dumps(value) if self.rank == self.ranks.index(src) else None
-        length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        wait(dist.broadcast(length, src=src, group=self.group, async_op=True), timeout_s, phase)
-        return pickle.loads(self.broadcast_bytes(data, src, int(length.item()), timeout_s, phase))
+        length = torch.tensor(
+            [len(data) if data is not None else 0],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        wait(
+            dist.broadcast(length, src=src, group=self.group, async_op=True),
+            timeout_s,
+            phase,
+        )
+        return pickle.loads(
+            self.broadcast_bytes(data, src, int(length.item()), timeout_s, phase)
+        )
 
     def barrier(self, timeout_s: Optional[float], phase: str) -> None:
         """A barrier bounded by ``timeout_s``. On failure the error names the ranks that
@@ -194,15 +286,25 @@ class ControlGroup:
         store = _store()
         if store is not None:
             store.set(keys[me], "1")
-            if self._barriers > 1:  # every rank passed the previous one: its mark is no longer needed
+            if (
+                self._barriers > 1
+            ):  # every rank passed the previous one: its mark is no longer needed
                 store.delete_key(f"{prefix}/{self._barriers - 1}/{me}")
         try:
             if self.device is None:
-                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+                dist.monitored_barrier(
+                    group=self.group,
+                    timeout=timedelta(seconds=timeout_s),
+                    wait_all_ranks=True,
+                )
             else:
-                dist.barrier(group=self.group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+                dist.barrier(group=self.group, async_op=True).wait(
+                    timeout=timedelta(seconds=timeout_s)
+                )
         except RuntimeError as e:
-            absent = [r for r, k in keys.items() if store is not None and not store.check([k])]
+            absent = [
+                r for r, k in keys.items() if store is not None and not store.check([k])
+            ]
             named = f"ranks {absent} never reached it; " if absent else ""
             raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
 

@@ -47,11 +47,20 @@ from sglang.srt.weight_sync.protocol import (
 )
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
 
-__all__ = ["ChannelError", "DeliveryError", "Payload", "ShardReceiver", "ShardSender", "local_shard"]
+__all__ = [
+    "ChannelError",
+    "DeliveryError",
+    "Payload",
+    "ShardReceiver",
+    "ShardSender",
+    "local_shard",
+]
 
 logger = logging.getLogger(__name__)
 
-MAX_CHANNELS = 8  # bound sockets per engine rank; the least recently used one is retired
+MAX_CHANNELS = (
+    8  # bound sockets per engine rank; the least recently used one is retired
+)
 CONSUMED_IDS = 4096  # update ids remembered per engine rank, to refuse replays
 
 
@@ -74,7 +83,9 @@ class Payload:
     fingerprint: str = ""
 
 
-def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[torch.Tensor, MeshSpec]:
+def local_shard(
+    tensor: torch.Tensor, spec: Optional[MeshSpec] = None
+) -> Tuple[torch.Tensor, MeshSpec]:
     """A DTensor's local shard and layout (never ``full_tensor()``), or a plain tensor
     with its explicit spec."""
     from torch.distributed.tensor import DTensor
@@ -82,13 +93,28 @@ def local_shard(tensor: torch.Tensor, spec: Optional[MeshSpec] = None) -> Tuple[
     if isinstance(tensor, DTensor):
         return tensor.to_local(), MeshSpec.of_dtensor(tensor)
     if spec is None:
-        raise DeliveryError("a plain tensor needs an explicit MeshSpec (sharded or full)")
+        raise DeliveryError(
+            "a plain tensor needs an explicit MeshSpec (sharded or full)"
+        )
     return tensor, spec
 
 
 # dtypes a CPU payload may carry inline, by the name the header gives them
-INLINE_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
-                                     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+INLINE_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def _inline_frame(t: torch.Tensor) -> memoryview:
@@ -101,13 +127,20 @@ def _from_frame(frame: bytes, dtype_name: str, shape: Sequence[int]) -> torch.Te
     dtype = INLINE_DTYPES.get(dtype_name)
     if dtype is None:
         raise ValueError(f"dtype {dtype_name!r} is not one of {sorted(INLINE_DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or not all(
+        isinstance(n, int) and n >= 0 for n in shape
+    ):
         raise ValueError(f"shape {shape!r} is not a list of sizes")
     expected = math.prod(shape) * dtype.itemsize
     if len(frame) != expected:
-        raise ValueError(f"{len(frame)} bytes for a {dtype_name} tensor of shape {shape} ({expected} bytes)")
-    return torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).reshape(shape) if expected else \
-        torch.empty(shape, dtype=dtype)
+        raise ValueError(
+            f"{len(frame)} bytes for a {dtype_name} tensor of shape {shape} ({expected} bytes)"
+        )
+    return (
+        torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).reshape(shape)
+        if expected
+        else torch.empty(shape, dtype=dtype)
+    )
 
 
 class ShardSender:
@@ -137,17 +170,30 @@ class ShardSender:
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
         "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
         # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
-        self._alive = [t.detach() if t.is_contiguous() else t.detach().contiguous() for _, t, _ in shards]
+        self._alive = [
+            t.detach() if t.is_contiguous() else t.detach().contiguous()
+            for _, t, _ in shards
+        ]
         inline = None
         if any(t.is_cuda for t in self._alive):
             frames = [MultiprocessingSerializer.serialize(self._alive)]
         else:
             inline = [(str(t.dtype), t.shape) for t in self._alive]
             frames, self._alive = [_inline_frame(t) for t in self._alive], []
-        header = encode_header(update_id, trainer_rank, rank_map,
-                               [(name, None if spec is None else spec.to_wire()) for name, _, spec in shards],
-                               [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
-                               kind, names, fingerprint, inline)
+        header = encode_header(
+            update_id,
+            trainer_rank,
+            rank_map,
+            [
+                (name, None if spec is None else spec.to_wire())
+                for name, _, spec in shards
+            ],
+            [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
+            kind,
+            names,
+            fingerprint,
+            inline,
+        )
         self._sock.send_multipart([header, *frames])
 
     def close(self) -> None:
@@ -164,7 +210,9 @@ class ShardReceiver:
         self.engine_rank = engine_rank
         self.max_channels = max_channels
         self._ctx = zmq.Context()
-        self._socks: "collections.OrderedDict[str, zmq.Socket]" = collections.OrderedDict()
+        self._socks: collections.OrderedDict[str, zmq.Socket] = (
+            collections.OrderedDict()
+        )
         self._consumed: Set[str] = set()
         self._consumed_order: Deque[str] = collections.deque()
 
@@ -181,12 +229,18 @@ class ShardReceiver:
             return self._socks[real]
         path = socket_path(real, self.engine_rank)
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise ChannelError(f"engine rank {self.engine_rank}: channel {channel!r} holds {path!r}, "
-                               "which is not a socket; refusing to replace it")
+            raise ChannelError(
+                f"engine rank {self.engine_rank}: channel {channel!r} holds {path!r}, "
+                "which is not a socket; refusing to replace it"
+            )
         while len(self._socks) >= self.max_channels:
             old, sock = self._socks.popitem(last=False)
-            logger.info("engine rank %d: retiring channel %s (more than %d channels)",
-                        self.engine_rank, old, self.max_channels)
+            logger.info(
+                "engine rank %d: retiring channel %s (more than %d channels)",
+                self.engine_rank,
+                old,
+                self.max_channels,
+            )
             sock.close()
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
@@ -195,17 +249,22 @@ class ShardReceiver:
             sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             sock.close()
-            raise ChannelError(f"engine rank {self.engine_rank}: channel {channel!r}: cannot bind {path!r}: {e}") \
-                from None
+            raise ChannelError(
+                f"engine rank {self.engine_rank}: channel {channel!r}: cannot bind {path!r}: {e}"
+            ) from None
         self._socks[real] = sock
         return sock
 
-    def receive(self, channel: str, update_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Payload:
+    def receive(
+        self, channel: str, update_id: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> Payload:
         """This rank's payload for ``update_id``; payloads of other updates and malformed
         messages are dropped (and logged); an id consumed before is refused."""
         timeout_s = check_timeout(timeout_s)
         if update_id in self._consumed:
-            raise self._error(f"update id {update_id!r} was already consumed; a replay is refused")
+            raise self._error(
+                f"update id {update_id!r} was already consumed; a replay is refused"
+            )
         sock = self._socket(channel)
         deadline = time.monotonic() + timeout_s
         dropped: List[str] = []
@@ -221,13 +280,21 @@ class ShardReceiver:
             try:
                 header = decode_header(frames)
             except DeliveryError as e:
-                logger.warning("engine rank %d: dropping a malformed message on channel %s: %s",
-                               self.engine_rank, channel, e)
+                logger.warning(
+                    "engine rank %d: dropping a malformed message on channel %s: %s",
+                    self.engine_rank,
+                    channel,
+                    e,
+                )
                 dropped.append(f"malformed message: {e}")
                 continue
             if header["update_id"] != update_id:
-                logger.warning("engine rank %d: dropping a payload of update %r while waiting for %r",
-                               self.engine_rank, header["update_id"], update_id)
+                logger.warning(
+                    "engine rank %d: dropping a payload of update %r while waiting for %r",
+                    self.engine_rank,
+                    header["update_id"],
+                    update_id,
+                )
                 dropped.append(f"payload of update {header['update_id']!r}")
                 continue
             self._consume(update_id)
@@ -243,33 +310,62 @@ class ShardReceiver:
         """The payload of the awaited update: checked, then (only then) decoded or unpickled."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
         if header["rank_map"].get(trainer) != self.engine_rank:
-            raise self._error(f"the payload of trainer rank {trainer} is for engine rank "
-                              f"{header['rank_map'].get(trainer)}")
+            raise self._error(
+                f"the payload of trainer rank {trainer} is for engine rank "
+                f"{header['rank_map'].get(trainer)}"
+            )
         twice = sorted(n for n, k in collections.Counter(names).items() if k > 1)
         if twice:
-            raise self._error(f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}")
+            raise self._error(
+                f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}"
+            )
         try:
             if header["inline"] is None:
                 tensors = MultiprocessingSerializer.deserialize(frames[0])
             else:
-                tensors = [_from_frame(f, *desc) for f, desc in zip(frames, header["inline"])]
+                tensors = [
+                    _from_frame(f, *desc) for f, desc in zip(frames, header["inline"])
+                ]
         except Exception as e:  # noqa: BLE001 - a dead sender, a blocked pickle, garbage: refuse, never die
-            raise self._error(f"cannot read the shards of trainer rank {trainer} (is it alive?): "
-                              f"{type(e).__name__}: {e}") from None
-        if not isinstance(tensors, list) or len(tensors) != len(names) \
-                or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise self._error(f"trainer rank {trainer} sent {type(tensors).__name__}, not {len(names)} tensors")
+            raise self._error(
+                f"cannot read the shards of trainer rank {trainer} (is it alive?): "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        if (
+            not isinstance(tensors, list)
+            or len(tensors) != len(names)
+            or not all(isinstance(t, torch.Tensor) for t in tensors)
+        ):
+            raise self._error(
+                f"trainer rank {trainer} sent {type(tensors).__name__}, not {len(names)} tensors"
+            )
         specs: Dict[str, Union[MeshSpec, HoldersSpec]] = {}
-        described = [(n, w, MeshSpec.from_wire) for n, w in header["tensors"] if w is not None]
-        for name, wire, decode in described + [(n, w, HoldersSpec.from_wire) for n, w in header["pieces"]]:
+        described = [
+            (n, w, MeshSpec.from_wire) for n, w in header["tensors"] if w is not None
+        ]
+        for name, wire, decode in described + [
+            (n, w, HoldersSpec.from_wire) for n, w in header["pieces"]
+        ]:
             if name in specs:
-                raise self._error(f"tensor {name!r} described twice by trainer rank {trainer}")
+                raise self._error(
+                    f"tensor {name!r} described twice by trainer rank {trainer}"
+                )
             try:
                 specs[name] = decode(wire)
             except Exception as e:  # noqa: BLE001 - names the tensor whatever the wire got wrong
-                raise self._error(f"tensor {name!r} from trainer rank {trainer}: bad layout {wire!r}: {e}") from None
-        return Payload(header["update_id"], trainer, header["rank_map"], dict(zip(names, tensors)), specs,
-                       header["kind"], tuple(header["names"]), header["fingerprint"])
+                raise self._error(
+                    f"tensor {name!r} from trainer rank {trainer}: bad layout {wire!r}: {e}"
+                ) from None
+        return Payload(
+            header["update_id"],
+            trainer,
+            header["rank_map"],
+            dict(zip(names, tensors)),
+            specs,
+            header["kind"],
+            tuple(header["names"]),
+            header["fingerprint"],
+        )
 
     def close(self) -> None:
         for sock in self._socks.values():

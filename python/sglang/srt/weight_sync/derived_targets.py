@@ -25,15 +25,46 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.load_recorder import Const, Entry, Leaf, LoadRecorder, Opaque
-from sglang.srt.weight_sync.repeated_layers import LayerSampling, sample_layers
 from sglang.srt.weight_sync.apply import refresh_derived
-from sglang.srt.weight_sync.sglang_compat import after_load, after_update, as_tp_rank, initialize_meta_model
-from sglang.srt.weight_sync.target_layout import EngineParallel, ParamTarget, Piece, paused_gc
+from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.load_recorder import (
+    Const,
+    Entry,
+    Leaf,
+    LoadRecorder,
+    Opaque,
+)
+from sglang.srt.weight_sync.repeated_layers import LayerSampling, sample_layers
+from sglang.srt.weight_sync.sglang_compat import (
+    after_load,
+    after_update,
+    as_tp_rank,
+    initialize_meta_model,
+)
+from sglang.srt.weight_sync.target_layout import (
+    EngineParallel,
+    ParamTarget,
+    Piece,
+    paused_gc,
+)
 from sglang.srt.weight_sync.view_geometry import unit_dim
 
-__all__ = ["CheckpointLayout", "CheckpointSpec", "DerivedTargets", "PIECE_FIELDS", "PlacementGroup", "RankTargets", "as_engine_rank", "build_meta_model", "checkpoint_layout", "derive_engine_rank", "derive_once_per_layer_kind", "derive_rank", "derive_sampled", "entries_to_target"]
+__all__ = [
+    "CheckpointLayout",
+    "CheckpointSpec",
+    "DerivedTargets",
+    "PIECE_FIELDS",
+    "PlacementGroup",
+    "RankTargets",
+    "as_engine_rank",
+    "build_meta_model",
+    "checkpoint_layout",
+    "derive_engine_rank",
+    "derive_once_per_layer_kind",
+    "derive_rank",
+    "derive_sampled",
+    "entries_to_target",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +83,9 @@ class CheckpointLayout:
         return {n: s for n, s, _ in self.tensors}
 
 
-def checkpoint_layout(hf_config, dtype: Optional[torch.dtype] = None) -> CheckpointLayout:
+def checkpoint_layout(
+    hf_config, dtype: Optional[torch.dtype] = None
+) -> CheckpointLayout:
     """What ``save_pretrained`` would write for this config, without data: the HF model on
     meta, then transformers' own reverse weight conversion (per-expert tensors, ...); tied
     copies are dropped and become aliases, as on disk."""
@@ -62,11 +95,20 @@ def checkpoint_layout(hf_config, dtype: Optional[torch.dtype] = None) -> Checkpo
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     with torch.device("meta"):
-        model = cls._from_config(hf_config) if cls is not None else (
-            transformers.AutoModelForCausalLM.from_config(hf_config))
+        model = (
+            cls._from_config(hf_config)
+            if cls is not None
+            else (transformers.AutoModelForCausalLM.from_config(hf_config))
+        )
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     state = revert_weight_conversion(model, model.state_dict())
-    tensors = tuple(sorted((n, tuple(t.shape), dtype or t.dtype) for n, t in state.items() if n not in tied))
+    tensors = tuple(
+        sorted(
+            (n, tuple(t.shape), dtype or t.dtype)
+            for n, t in state.items()
+            if n not in tied
+        )
+    )
     names = {n for n, _, _ in tensors}
     return CheckpointLayout(tensors, {a: b for a, b in tied.items() if b in names})
 
@@ -90,8 +132,10 @@ class PlacementGroup:
         return self.rank_in_group == self.world_size - 1
 
     def __getattr__(self, name):
-        raise AttributeError(f"PlacementGroup({self.rank_in_group}/{self.world_size}) has no {name!r}: "
-                             "building the model on meta needed a real process group")
+        raise AttributeError(
+            f"PlacementGroup({self.rank_in_group}/{self.world_size}) has no {name!r}: "
+            "building the model on meta needed a real process group"
+        )
 
 
 def as_engine_rank(rank: int):
@@ -137,11 +181,22 @@ class RankTargets:
         for t in self.targets:
             flat = []
             for p in t.pieces:
-                flat += [p.tensor, boxes.setdefault(p.box, len(boxes)), tuples.setdefault(p.index, len(tuples)),
-                         tuples.setdefault(p.offsets, len(tuples)),
-                         -1 if p.perm is None else tuples.setdefault(p.perm, len(tuples))]
-            targets.append([t.name, list(t.shape), str(t.dtype).removeprefix("torch."), flat,
-                            [boxes.setdefault(z, len(boxes)) for z in t.zeros]])
+                flat += [
+                    p.tensor,
+                    boxes.setdefault(p.box, len(boxes)),
+                    tuples.setdefault(p.index, len(tuples)),
+                    tuples.setdefault(p.offsets, len(tuples)),
+                    -1 if p.perm is None else tuples.setdefault(p.perm, len(tuples)),
+                ]
+            targets.append(
+                [
+                    t.name,
+                    list(t.shape),
+                    str(t.dtype).removeprefix("torch."),
+                    flat,
+                    [boxes.setdefault(z, len(boxes)) for z in t.zeros],
+                ]
+            )
         return {
             "boxes": [[list(b.offsets), list(b.sizes)] for b in boxes],
             "tuples": [list(t) for t in tuples],
@@ -152,19 +207,37 @@ class RankTargets:
         }
 
     @classmethod
-    def from_builtins(cls, d: dict) -> "RankTargets":
+    def from_builtins(cls, d: dict) -> RankTargets:
         boxes = [Box(tuple(o), tuple(s)) for o, s in d["boxes"]]
         tuples = [tuple(t) for t in d["tuples"]]
         targets = []
         with paused_gc():
             for name, shape, dtype, flat, zeros in d["targets"]:
-                pieces = tuple(Piece(flat[k], boxes[flat[k + 1]], tuples[flat[k + 2]], tuples[flat[k + 3]],
-                                     None if flat[k + 4] < 0 else tuples[flat[k + 4]])
-                               for k in range(0, len(flat), PIECE_FIELDS))
-                targets.append(ParamTarget(name, tuple(shape), getattr(torch, dtype), pieces,
-                                           tuple(boxes[z] for z in zeros)))
-        return cls(tuple(targets), dict(d["not_copied"]), {n: tuple(v) for n, v in d["post_load"].items()},
-                   frozenset(d["read"]))
+                pieces = tuple(
+                    Piece(
+                        flat[k],
+                        boxes[flat[k + 1]],
+                        tuples[flat[k + 2]],
+                        tuples[flat[k + 3]],
+                        None if flat[k + 4] < 0 else tuples[flat[k + 4]],
+                    )
+                    for k in range(0, len(flat), PIECE_FIELDS)
+                )
+                targets.append(
+                    ParamTarget(
+                        name,
+                        tuple(shape),
+                        getattr(torch, dtype),
+                        pieces,
+                        tuple(boxes[z] for z in zeros),
+                    )
+                )
+        return cls(
+            tuple(targets),
+            dict(d["not_copied"]),
+            {n: tuple(v) for n, v in d["post_load"].items()},
+            frozenset(d["read"]),
+        )
 
 
 PIECE_FIELDS = 5  # tensor, box, index, offsets, perm (-1: identity)
@@ -191,8 +264,11 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
             writes = {n: len(rec.prov(t).entries) for n, (t, _) in computed.items()}
             refresh_derived(model)
             after_update(model)
-        refreshed = {n for n, (t, _) in computed.items()
-                     if _lookup(model, n) is t and len(rec.prov(t).entries) > writes[n]}
+        refreshed = {
+            n
+            for n, (t, _) in computed.items()
+            if _lookup(model, n) is t and len(rec.prov(t).entries) > writes[n]
+        }
         return _describe(model, rec, before, computed, refreshed)
 
 
@@ -206,19 +282,26 @@ def _lookup(model: torch.nn.Module, name: str):
     return getattr(model.get_submodule(module_name), attr, None)
 
 
-def _computed_tensors(model, rec: LoadRecorder) -> Dict[str, Tuple[torch.Tensor, frozenset]]:
+def _computed_tensors(
+    model, rec: LoadRecorder
+) -> Dict[str, Tuple[torch.Tensor, frozenset]]:
     """Buffers and plain tensor attributes computed from checkpoint tensors while loading
     (Gemma's ``gemma_weight``, MLA's ``w_kc``/``w_vc``), with the tensors they read."""
     params = {rec.key(p) for p in model.parameters()}
     out = {}
     for mname, module in model.named_modules():
         candidates = list(module.named_buffers(recurse=False))
-        candidates += [(a, v) for a, v in vars(module).items() if isinstance(v, torch.Tensor)]
+        candidates += [
+            (a, v) for a, v in vars(module).items() if isinstance(v, torch.Tensor)
+        ]
         for attr, val in candidates:
             if rec.key(val) in params:
                 continue  # a view of a parameter follows it
             prov = rec.storages.get(rec.key(val))
-            if prov is None or not any(isinstance(e.src, Opaque) or prov.kind == "derived" for e in prov.entries):
+            if prov is None or not any(
+                isinstance(e.src, Opaque) or prov.kind == "derived"
+                for e in prov.entries
+            ):
                 continue
             deps = rec.deps(val)
             if deps:
@@ -226,7 +309,9 @@ def _computed_tensors(model, rec: LoadRecorder) -> Dict[str, Tuple[torch.Tensor,
     return out
 
 
-def _describe(model, rec: LoadRecorder, before: Mapping[str, int], computed, refreshed) -> RankTargets:
+def _describe(
+    model, rec: LoadRecorder, before: Mapping[str, int], computed, refreshed
+) -> RankTargets:
     targets: List[ParamTarget] = []
     not_copied: Dict[str, str] = {}
     read = set()
@@ -239,7 +324,9 @@ def _describe(model, rec: LoadRecorder, before: Mapping[str, int], computed, ref
         target, deps, reasons = entries_to_target(name, t, rec.describe(t))
         read |= deps
         if before.get(name) != key:
-            reasons = {d: f"{name}: its storage is replaced while loading" for d in deps} | reasons
+            reasons = {
+                d: f"{name}: its storage is replaced while loading" for d in deps
+            } | reasons
         for dep, why in reasons.items():
             not_copied.setdefault(dep, why)
         if target.pieces and not reasons:
@@ -251,8 +338,11 @@ def _describe(model, rec: LoadRecorder, before: Mapping[str, int], computed, ref
             post_load[name] = tuple(sorted(deps))
         else:
             for dep in deps:
-                not_copied.setdefault(dep, f"{name} is computed from it while loading and SGLang's post-load "
-                                           "processing does not recompute it in place")
+                not_copied.setdefault(
+                    dep,
+                    f"{name} is computed from it while loading and SGLang's post-load "
+                    "processing does not recompute it in place",
+                )
     return RankTargets(tuple(targets), not_copied, post_load, frozenset(read))
 
 
@@ -265,17 +355,29 @@ def entries_to_target(name: str, t: torch.Tensor, entries: Sequence[Entry]):
         box = e.box if t.dim() else Box((), ())
         if isinstance(e.src, Leaf):
             deps.add(e.src.name)
-            src = e.src if t.dim() else Leaf(e.src.name, e.src.l0, tuple(() for _ in e.src.L))
+            src = (
+                e.src
+                if t.dim()
+                else Leaf(e.src.name, e.src.l0, tuple(() for _ in e.src.L))
+            )
             if not _leaf_pieces(box, src, pieces):
-                reasons[e.src.name] = f"{name}{box}: reshaped from {e.src.name} (not a box of it)"
+                reasons[e.src.name] = (
+                    f"{name}{box}: reshaped from {e.src.name} (not a box of it)"
+                )
         elif isinstance(e.src, Const):
             if e.src.value == 0.0:
                 zeros.append(box)
         elif isinstance(e.src, Opaque):
             deps |= e.src.deps
             for dep in e.src.deps:
-                reasons.setdefault(dep, f"{name}{box} is computed from it by {e.src.op}")
-    return ParamTarget(name, tuple(t.shape), t.dtype, tuple(pieces), tuple(zeros)), deps, reasons
+                reasons.setdefault(
+                    dep, f"{name}{box} is computed from it by {e.src.op}"
+                )
+    return (
+        ParamTarget(name, tuple(t.shape), t.dtype, tuple(pieces), tuple(zeros)),
+        deps,
+        reasons,
+    )
 
 
 def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
@@ -284,7 +386,9 @@ def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
     how = _piece_shape(box.sizes, src.L)
     if how is None:
         return False
-    if isinstance(how, int):  # a strided or merged map, or an index dim with extent: one piece per index
+    if isinstance(
+        how, int
+    ):  # a strided or merged map, or an index dim with extent: one piece per index
         e = how
         ok = True
         for v in range(box.sizes[e]):
@@ -294,7 +398,15 @@ def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
             ok &= _leaf_pieces(Box(tuple(o), tuple(s)), Leaf(src.name, l0, src.L), out)
         return ok
     n_index, leaf_sizes, perm = how
-    out.append(Piece(src.name, Box(src.l0, leaf_sizes), box.offsets[:n_index], box.offsets[n_index:], perm))
+    out.append(
+        Piece(
+            src.name,
+            Box(src.l0, leaf_sizes),
+            box.offsets[:n_index],
+            box.offsets[n_index:],
+            perm,
+        )
+    )
     return True
 
 
@@ -321,7 +433,9 @@ def _piece_shape(sizes: Tuple[int, ...], L: Tuple[Tuple[int, ...], ...]):
     for e, q in leaf_dim.items():
         leaf_sizes[q] = sizes[e]
     free = iter(q for q in range(Q) if q not in leaf_dim.values())
-    perm = tuple(leaf_dim[e] if e in leaf_dim else next(free) for e in range(n_index, P))
+    perm = tuple(
+        leaf_dim[e] if e in leaf_dim else next(free) for e in range(n_index, P)
+    )
     return n_index, tuple(leaf_sizes), None if perm == tuple(range(Q)) else perm
 
 
@@ -344,32 +458,54 @@ class DerivedTargets:
     def for_rank(self, rank: int) -> List[ParamTarget]:
         if not self.dtype_of:
             return list(self.per_rank[rank])
-        return [ParamTarget(t.name, t.shape, self.dtype_of.get(t.name, t.dtype), t.pieces, t.zeros)
-                for t in self.per_rank[rank]]
+        return [
+            ParamTarget(
+                t.name, t.shape, self.dtype_of.get(t.name, t.dtype), t.pieces, t.zeros
+            )
+            for t in self.per_rank[rank]
+        ]
 
     def by_rank(self) -> Dict[int, List[ParamTarget]]:
         return {r: self.for_rank(r) for r in range(self.parallel.tp_size)}
 
     @classmethod
-    def of_ranks(cls, parallel: EngineParallel, ranks: Sequence[RankTargets], shapes: Mapping[str, Tuple[int, ...]],
-                 aliases: Mapping[str, str]) -> "DerivedTargets":
+    def of_ranks(
+        cls,
+        parallel: EngineParallel,
+        ranks: Sequence[RankTargets],
+        shapes: Mapping[str, Tuple[int, ...]],
+        aliases: Mapping[str, str],
+    ) -> DerivedTargets:
         """Every rank's derivation, in rank order, as one engine's targets."""
         not_copied, post_load = {}, {}
         for r, derived in enumerate(ranks):
             for n, why in derived.not_copied.items():
                 not_copied.setdefault(n, f"engine rank {r}: {why}")
             post_load.update(derived.post_load)
-        return cls(parallel, tuple(d.targets for d in ranks), dict(shapes), dict(aliases), not_copied, post_load)
+        return cls(
+            parallel,
+            tuple(d.targets for d in ranks),
+            dict(shapes),
+            dict(aliases),
+            not_copied,
+            post_load,
+        )
 
 
-def derive_engine_rank(model_config, checkpoint: CheckpointLayout, rank: int, load_config=None) -> RankTargets:
+def derive_engine_rank(
+    model_config, checkpoint: CheckpointLayout, rank: int, load_config=None
+) -> RankTargets:
     """TP ``rank`` of the published engine layout: its model built on meta as that rank and
     loaded from ``checkpoint`` by SGLang's loaders."""
     with as_engine_rank(rank):
-        return derive_once_per_layer_kind(lambda: build_meta_model(model_config, load_config), checkpoint)
+        return derive_once_per_layer_kind(
+            lambda: build_meta_model(model_config, load_config), checkpoint
+        )
 
 
-def derive_once_per_layer_kind(build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout) -> RankTargets:
+def derive_once_per_layer_kind(
+    build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout
+) -> RankTargets:
     """``derive_rank`` of a fresh ``build()``, with each kind of repeated layer loaded once
     (its first and last layer; ``repeated_layers``): what ``derive_rank`` of the whole
     checkpoint gives, at a fraction of the cost for a deep model. Where the check finds the
@@ -380,13 +516,19 @@ def derive_once_per_layer_kind(build: Callable[[], torch.nn.Module], checkpoint:
         try:
             return derive_sampled(build(), checkpoint, sampling)
         except Exception as e:  # noqa: BLE001 - deriving every layer settles it: its error, if any, is the real one
-            logger.info("weight sync: deriving every layer (%s: %s)", type(e).__name__, e)
+            logger.info(
+                "weight sync: deriving every layer (%s: %s)", type(e).__name__, e
+            )
     return derive_rank(build(), checkpoint)
 
 
-def derive_sampled(model: torch.nn.Module, checkpoint: CheckpointLayout, sampling: LayerSampling) -> RankTargets:
+def derive_sampled(
+    model: torch.nn.Module, checkpoint: CheckpointLayout, sampling: LayerSampling
+) -> RankTargets:
     """``derive_rank`` of ``model`` loading the layers ``sampling`` keeps, extended to every
     layer of ``checkpoint``; raises ``LayersDiffer`` where that would not be what
     ``derive_rank`` of the whole checkpoint gives."""
     derived = derive_rank(model, replace(checkpoint, tensors=sampling.tensors))
-    return sampling.extend(derived, [(n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)])
+    return sampling.extend(
+        derived, [(n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)]
+    )

@@ -33,16 +33,27 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.apply import check_buffers, copy_buffers, nonfinite_buffers, nonfinite_tensors
-from sglang.srt.weight_sync.apply import refresh_derived, run_post_load, synchronize
-from sglang.srt.weight_sync.control_plane import GRACE_S, ControlGroup, PeerLost, PlanDisagreement
+from sglang.srt.weight_sync.apply import (
+    check_buffers,
+    copy_buffers,
+    nonfinite_buffers,
+    nonfinite_tensors,
+    refresh_derived,
+    run_post_load,
+    synchronize,
+)
+from sglang.srt.weight_sync.control_plane import (
+    GRACE_S,
+    ControlGroup,
+    PeerLost,
+    PlanDisagreement,
+)
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derived_targets import DerivedTargets
 from sglang.srt.weight_sync.executor import Subgroups, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import CoverageError, Plan, PlanCache
 from sglang.srt.weight_sync.protocol import (
-    CARRIED_FIELDS,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     DISTRIBUTED_LOAD_FORMAT,
@@ -53,22 +64,38 @@ from sglang.srt.weight_sync.protocol import (
     PayloadKind,
     carried,
     check_timeout,
-    read_control,
     request_problems,
     resolve_channel,
 )
-from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field, tp_state
+from sglang.srt.weight_sync.sglang_compat import (
+    field_names,
+    subclass_with_field,
+    tp_state,
+)
 from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.trainer_reshard import restrict
 
-__all__ = ["DISTRIBUTED_LOAD_FORMAT", "EngineWeightSync", "ReceivedShards", "apply_shards", "as_distributed_request",
-           "end_of_update", "engine_targets", "receive_shards", "update_from_payload"]
+__all__ = [
+    "DISTRIBUTED_LOAD_FORMAT",
+    "EngineWeightSync",
+    "ReceivedShards",
+    "apply_shards",
+    "as_distributed_request",
+    "end_of_update",
+    "engine_targets",
+    "receive_shards",
+    "update_from_payload",
+]
 
 logger = logging.getLogger(__name__)
 
 # Checkpoint names SGLang's own loaders skip; trainers may send them.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
 
 
 @dataclass
@@ -76,7 +103,7 @@ class ReceivedShards:
     """This rank's payload, or why there is none; after the update, every TP rank's figures
     (``FIGURES``, summed over the runners the update wrote) and whether writes failed midway."""
 
-    sync: "EngineWeightSync"
+    sync: EngineWeightSync
     payload: Optional[Payload]
     error: Optional[str] = None
     figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
@@ -102,7 +129,7 @@ class _Validated:
     plan: Optional[Plan] = None
     shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    local_step: Optional["_LocalStep"] = None
+    local_step: Optional[_LocalStep] = None
 
 
 class EngineWeightSync:
@@ -117,12 +144,14 @@ class EngineWeightSync:
         self.plans = PlanCache()
         self.targets_memo: Dict[tuple, DerivedTargets] = {}
         # (derived targets, live dtypes, the targets with them, their manifest): see with_live_dtypes
-        self._layout: Optional[Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]] = None
+        self._layout: Optional[
+            Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
+        ] = None
         self.subgroups = Subgroups()
         self._control: Optional[ControlGroup] = None
 
     @classmethod
-    def of(cls, owner) -> "EngineWeightSync":
+    def of(cls, owner) -> EngineWeightSync:
         """The weight sync kept on ``owner``, made on first use."""
         sync = getattr(owner, "_weight_sync", None)
         if sync is None:
@@ -148,31 +177,55 @@ class EngineWeightSync:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         try:
-            problems = ([recv_req.problem] if isinstance(recv_req, _unreadable_request())
-                        else request_problems(recv_req))
+            problems = (
+                [recv_req.problem]
+                if isinstance(recv_req, _unreadable_request())
+                else request_problems(recv_req)
+            )
             if problems:
-                return ReceivedShards(self, None, f"engine rank {self.rank}: " + "; ".join(problems))
+                return ReceivedShards(
+                    self, None, f"engine rank {self.rank}: " + "; ".join(problems)
+                )
             monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID (no effect on CPU tensors)
             if self._receiver is None:
                 self._receiver = ShardReceiver(self.rank)
-            return ReceivedShards(self, self._receiver.receive(recv_req.channel, recv_req.update_id,
-                                                               recv_req.timeout_s))
+            return ReceivedShards(
+                self,
+                self._receiver.receive(
+                    recv_req.channel, recv_req.update_id, recv_req.timeout_s
+                ),
+            )
         except DeliveryError as e:  # its message names the engine rank
             return ReceivedShards(self, None, str(e))
         except Exception as e:  # noqa: BLE001 - the engine never dies of an update
-            logger.exception("engine rank %d: receiving a distributed weight update failed", self.rank)
-            return ReceivedShards(self, None, f"engine rank {self.rank}: receiving the payload failed: "
-                                              f"{type(e).__name__}: {e}")
+            logger.exception(
+                "engine rank %d: receiving a distributed weight update failed",
+                self.rank,
+            )
+            return ReceivedShards(
+                self,
+                None,
+                f"engine rank {self.rank}: receiving the payload failed: "
+                f"{type(e).__name__}: {e}",
+            )
 
     # ---------------------------------------------------------------- step 2
 
-    def apply(self, model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
+    def apply(
+        self, model: torch.nn.Module, model_config, received: ReceivedShards, recv_req
+    ) -> Tuple[bool, str]:
         """Validate, agree, plan and execute on this rank; every TP rank calls it together.
         A "params" payload (trainer-side resharding) is only checked and copied in place; a
         "describe" payload publishes this engine's manifest into the channel."""
-        bound = _timeout(recv_req) + GRACE_S  # every rank waited at most timeout_s for its payload
+        bound = (
+            _timeout(recv_req) + GRACE_S
+        )  # every rank waited at most timeout_s for its payload
         derived, problems = self._derived_targets(model_config, bound)
-        found = self._validate(model, derived, received, recv_req) if derived is not None else _Validated([])
+        found = (
+            self._validate(model, derived, received, recv_req)
+            if derived is not None
+            else _Validated([])
+        )
         try:
             refusal = self._agree(problems + found.problems, found.plan, bound)
         except PeerLost as e:
@@ -182,7 +235,10 @@ class EngineWeightSync:
         try:
             figures = self._write(model, received, found, recv_req, bound)
         except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
-            logger.exception("engine rank %d: a distributed weight update failed while writing", self.rank)
+            logger.exception(
+                "engine rank %d: a distributed weight update failed while writing",
+                self.rank,
+            )
             received.mixed = True
             return False, (
                 f"distributed weight update FAILED after writes began on engine rank {self.rank} "
@@ -194,22 +250,35 @@ class EngineWeightSync:
             received.figures[key] = [a + b for a, b in zip(previous, values)]
         return True, "Success"  # upstream's text: callers test for it
 
-    def _derived_targets(self, model_config, bound: float) -> Tuple[Optional[DerivedTargets], List[str]]:
+    def _derived_targets(
+        self, model_config, bound: float
+    ) -> Tuple[Optional[DerivedTargets], List[str]]:
         """Every TP rank's derived targets; on every rank, even one without a payload: the
         first call is collective (``target_cache``)."""
         phase = f"exchanging derived targets with the other TP ranks ({self.control.size} ranks)"
         try:
-            return engine_derived_targets(model_config, self.rank,
-                                          functools.partial(self.control.share_bytes, timeout_s=bound, phase=phase),
-                                          self.targets_memo), []
+            return engine_derived_targets(
+                model_config,
+                self.rank,
+                functools.partial(
+                    self.control.share_bytes, timeout_s=bound, phase=phase
+                ),
+                self.targets_memo,
+            ), []
         except (ValueError, PeerLost) as e:
             return None, [f"engine rank {self.rank}: {e}"]
         except Exception as e:  # noqa: BLE001 - refuses the update, never kills the scheduler
-            logger.exception("engine rank %d: the derived targets could not be assembled", self.rank)
-            return None, [f"engine rank {self.rank}: the derived targets could not be assembled: "
-                          f"{type(e).__name__}: {e}"]
+            logger.exception(
+                "engine rank %d: the derived targets could not be assembled", self.rank
+            )
+            return None, [
+                f"engine rank {self.rank}: the derived targets could not be assembled: "
+                f"{type(e).__name__}: {e}"
+            ]
 
-    def _validate(self, model, derived: DerivedTargets, received: ReceivedShards, recv_req) -> _Validated:
+    def _validate(
+        self, model, derived: DerivedTargets, received: ReceivedShards, recv_req
+    ) -> _Validated:
         """This rank's problems with its payload, and the plan (or local step) if there are none."""
         if received.error:
             return _Validated([received.error])
@@ -217,27 +286,53 @@ class EngineWeightSync:
         try:
             targets, params, manifest = engine_targets(model, derived, rank, self)
             if received.payload.kind != PayloadKind.SHARDS:
-                step = _published_layout_step(received.payload, targets, manifest, params, rank, recv_req.channel)
+                step = _published_layout_step(
+                    received.payload, targets, manifest, params, rank, recv_req.channel
+                )
                 return _Validated(step.problems, local_step=step)
             sources, shards = _sources(received.payload, targets)
-            needed = {r: restrict(targets.for_rank(r), sources, targets.aliases) for r in range(self.control.size)}
+            needed = {
+                r: restrict(targets.for_rank(r), sources, targets.aliases)
+                for r in range(self.control.size)
+            }
             # needed follows from the manifest and the sources' names: its fingerprint stands for it
-            plan = self.plans.get(sources, needed, bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
-                                  aliases=targets.aliases, targets_digest=manifest.fingerprint, local_ranks=(rank,))
-            return _Validated(check_inputs(plan, rank, shards, params), plan, shards, params)
+            plan = self.plans.get(
+                sources,
+                needed,
+                bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
+                aliases=targets.aliases,
+                targets_digest=manifest.fingerprint,
+                local_ranks=(rank,),
+            )
+            return _Validated(
+                check_inputs(plan, rank, shards, params), plan, shards, params
+            )
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             return _Validated([f"engine rank {rank}: {e}"])
         except Exception as e:  # noqa: BLE001 - any other fault refuses the update, never kills the scheduler
-            logger.exception("engine rank %d: validating a distributed weight update failed", rank)
-            return _Validated([f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}"])
+            logger.exception(
+                "engine rank %d: validating a distributed weight update failed", rank
+            )
+            return _Validated(
+                [
+                    f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}"
+                ]
+            )
 
-    def _agree(self, problems: List[str], plan: Optional[Plan], bound: float) -> Optional[str]:
+    def _agree(
+        self, problems: List[str], plan: Optional[Plan], bound: float
+    ) -> Optional[str]:
         """Every rank's problems on every rank, then the plan agreed: the refusal, or None."""
         if problems:
-            logger.error("distributed weight update, rank %d: %s", self.rank, "; ".join(problems))
+            logger.error(
+                "distributed weight update, rank %d: %s", self.rank, "; ".join(problems)
+            )
         everyone = self.control.share_problems(
-            problems, bound, f"sharing problems with the other TP ranks (one is dead or stuck; "
-                             f"{self.control.size} ranks)")
+            problems,
+            bound,
+            f"sharing problems with the other TP ranks (one is dead or stuck; "
+            f"{self.control.size} ranks)",
+        )
         if everyone:
             return REFUSED + "; ".join(everyone)
         if plan is not None:
@@ -247,30 +342,59 @@ class EngineWeightSync:
                 return f"{REFUSED}{e}"
         return None
 
-    def _write(self, model, received: ReceivedShards, found: _Validated, recv_req, bound: float) -> List[List[int]]:
+    def _write(
+        self, model, received: ReceivedShards, found: _Validated, recv_req, bound: float
+    ) -> List[List[int]]:
         """Run the plan (or the local step), refresh derived tensors, share the figures."""
         if found.local_step is not None:
             mine = found.local_step.run()
         else:
-            stats = execute(found.plan, self.rank, found.shards, found.params, group=tp_state().device_group,
-                            subgroups=self.subgroups, timeout_s=bound)
-            synchronize(found.params.values())  # the trainer may reuse what we read once we reply
-            mine = (stats.bytes_received, found.plan.lower_bound_bytes(self.rank), stats.peak_staging_bytes)
-            logger.info("distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
-                        "staged at most %d", recv_req.update_id, self.rank, *mine)
+            stats = execute(
+                found.plan,
+                self.rank,
+                found.shards,
+                found.params,
+                group=tp_state().device_group,
+                subgroups=self.subgroups,
+                timeout_s=bound,
+            )
+            synchronize(
+                found.params.values()
+            )  # the trainer may reuse what we read once we reply
+            mine = (
+                stats.bytes_received,
+                found.plan.lower_bound_bytes(self.rank),
+                stats.peak_staging_bytes,
+            )
+            logger.info(
+                "distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
+                "staged at most %d",
+                recv_req.update_id,
+                self.rank,
+                *mine,
+            )
         if received.payload.kind != PayloadKind.DESCRIBE:
             # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
             # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
             refresh_derived(model)
-        return self.control.share_figures(mine, bound, f"sharing the update's figures with the other TP ranks "
-                                                       f"({self.control.size} ranks)")
+        return self.control.share_figures(
+            mine,
+            bound,
+            f"sharing the update's figures with the other TP ranks "
+            f"({self.control.size} ranks)",
+        )
 
-    def with_live_dtypes(self, derived: DerivedTargets,
-                         dtype_of: Dict[str, torch.dtype]) -> Tuple[DerivedTargets, EngineManifest]:
+    def with_live_dtypes(
+        self, derived: DerivedTargets, dtype_of: Dict[str, torch.dtype]
+    ) -> Tuple[DerivedTargets, EngineManifest]:
         """``derived`` with the live dtypes, and its manifest: kept while both stay the same
         (every update of a run), as making the manifest encodes and hashes every rank's targets."""
         dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
-        if self._layout is None or self._layout[0] is not derived or self._layout[1] != dtypes:
+        if (
+            self._layout is None
+            or self._layout[0] is not derived
+            or self._layout[1] != dtypes
+        ):
             targets = dataclasses.replace(derived, dtype_of=dtype_of)
             self._layout = (derived, dtypes, targets, EngineManifest.of(targets))
         return self._layout[2], self._layout[3]
@@ -281,10 +405,18 @@ class EngineWeightSync:
         """Upstream's closing barrier, bounded by the update's bound: a peer that never comes
         fails the update here, named (every write had ended if it succeeded so far)."""
         try:
-            self.control.barrier(_timeout(recv_req) + GRACE_S, f"engine rank {self.rank}: at the end of the update")
+            self.control.barrier(
+                _timeout(recv_req) + GRACE_S,
+                f"engine rank {self.rank}: at the end of the update",
+            )
         except PeerLost as e:
             logger.error("distributed weight update %s: %s", recv_req.update_id, e)
-            return False, f"{message}; {e}" if not success else f"distributed weight update failed: {e}"
+            return (
+                False,
+                f"{message}; {e}"
+                if not success
+                else f"distributed weight update failed: {e}",
+            )
         return success, message
 
 
@@ -296,12 +428,16 @@ def receive_shards(recv_req, owner) -> ReceivedShards:
     return EngineWeightSync.of(owner).receive(recv_req)
 
 
-def apply_shards(model: torch.nn.Module, model_config, received: ReceivedShards, recv_req) -> Tuple[bool, str]:
+def apply_shards(
+    model: torch.nn.Module, model_config, received: ReceivedShards, recv_req
+) -> Tuple[bool, str]:
     """Step 2 on this TP rank, for one model runner."""
     return received.sync.apply(model, model_config, received, recv_req)
 
 
-def end_of_update(received: ReceivedShards, recv_req, success: bool, message: str) -> Tuple[bool, str]:
+def end_of_update(
+    received: ReceivedShards, recv_req, success: bool, message: str
+) -> Tuple[bool, str]:
     """Step 3: the scheduler's last step of an update on every TP rank."""
     return received.sync.end(recv_req, success, message)
 
@@ -314,18 +450,24 @@ def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
     wrote parameters runs them here (``apply.run_post_load``)."""
     recv_req = _control_request(lambda: own_payload, {})
     received = receive_shards(recv_req, runner)
-    success, message = apply_shards(runner.model, runner.model_config, received, recv_req)
+    success, message = apply_shards(
+        runner.model, runner.model_config, received, recv_req
+    )
     if not success or received.payload.kind == PayloadKind.DESCRIBE:
         return success, message
     try:
         run_post_load(runner.model)
     except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
-        logger.exception("engine rank %d: the post-load fixups after a distributed weight update failed",
-                         received.sync.rank)
-        return False, (f"distributed weight update FAILED after writes on engine rank {received.sync.rank}: the "
-                       f"model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters new, "
-                       "tensors computed from them old); generation is refused until a distributed weight "
-                       "update succeeds")
+        logger.exception(
+            "engine rank %d: the post-load fixups after a distributed weight update failed",
+            received.sync.rank,
+        )
+        return False, (
+            f"distributed weight update FAILED after writes on engine rank {received.sync.rank}: the "
+            f"model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters new, "
+            "tensors computed from them old); generation is refused until a distributed weight "
+            "update succeeds"
+        )
     return success, message
 
 
@@ -334,7 +476,9 @@ def as_distributed_request(recv_req, deserialize_own_rank):
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
     common = carried(recv_req, field_names(UpdateWeightsDistributedReqInput))
-    return _control_request(lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common)
+    return _control_request(
+        lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,7 +486,13 @@ def _unreadable_request():
     """The request type for a reserved-format payload that could not be read; carries why."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
 
-    return subclass_with_field(UpdateWeightsDistributedReqInput, "UnreadableDistributedRequest", "problem", str, "")
+    return subclass_with_field(
+        UpdateWeightsDistributedReqInput,
+        "UnreadableDistributedRequest",
+        "problem",
+        str,
+        "",
+    )
 
 
 def _control_request(read_control, common: dict):
@@ -353,18 +503,25 @@ def _control_request(read_control, common: dict):
     try:
         own = read_control()
         if not isinstance(own, dict):
-            raise TypeError(f"the control payload is a {type(own).__name__}, not a dict")
+            raise TypeError(
+                f"the control payload is a {type(own).__name__}, not a dict"
+            )
         missing = [k for k in ("update_id", "channel") if k not in own]
         if missing:
             raise KeyError(f"the control payload lacks {missing}")
         return UpdateWeightsDistributedReqInput(
-            update_id=own["update_id"], channel=own["channel"], timeout_s=own.get("timeout_s", DEFAULT_TIMEOUT_S),
-            bucket_bytes=own.get("bucket_bytes"), **common,
+            update_id=own["update_id"],
+            channel=own["channel"],
+            timeout_s=own.get("timeout_s", DEFAULT_TIMEOUT_S),
+            bucket_bytes=own.get("bucket_bytes"),
+            **common,
         )
     except Exception as e:  # noqa: BLE001 - garbage, a blocked pickle, missing fields: refuse, never die
         problem = f"unreadable {DISTRIBUTED_LOAD_FORMAT!r} control payload: {type(e).__name__}: {e}"
         logger.error(problem)
-        return _unreadable_request()(update_id="", channel="", problem=problem, **common)
+        return _unreadable_request()(
+            update_id="", channel="", problem=problem, **common
+        )
 
 
 @dataclass
@@ -376,42 +533,79 @@ class _LocalStep:
     run: Callable[[], Tuple[int, int, int]]
 
 
-def _published_layout_step(payload: Payload, targets: DerivedTargets, manifest: EngineManifest, params, rank: int,
-                           channel: str) -> _LocalStep:
-    """"describe": publish the manifest (nothing is written to the model). "params": check
+def _published_layout_step(
+    payload: Payload,
+    targets: DerivedTargets,
+    manifest: EngineManifest,
+    params,
+    rank: int,
+    channel: str,
+) -> _LocalStep:
+    """ "describe": publish the manifest (nothing is written to the model). "params": check
     the buffers the trainer planned against this engine's manifest, then copy them in place."""
     if payload.kind == PayloadKind.DESCRIBE:
         path = write_manifest(resolve_channel(channel, rank), rank, manifest)
-        logger.info("engine rank %d: published the engine layout %s at %s", rank, manifest.fingerprint[:12], path)
+        logger.info(
+            "engine rank %d: published the engine layout %s at %s",
+            rank,
+            manifest.fingerprint[:12],
+            path,
+        )
         return _LocalStep([], lambda: (0, 0, 0))
     if payload.fingerprint != manifest.fingerprint:
-        return _LocalStep([
-            f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
-            f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
-        ], lambda: (0, 0, 0))
-    not_copied = sorted(n for n in payload.names if targets.aliases.get(n, n) in targets.not_copied)
+        return _LocalStep(
+            [
+                f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
+                f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
+            ],
+            lambda: (0, 0, 0),
+        )
+    not_copied = sorted(
+        n for n in payload.names if targets.aliases.get(n, n) in targets.not_copied
+    )
     if not_copied:
         name = not_copied[0]
-        return _LocalStep([f"engine rank {rank}: tensor {name!r} is not a copy in SGLang's loader: "
-                           f"{targets.not_copied[targets.aliases.get(name, name)]}"], lambda: (0, 0, 0))
-    wanted = [t for t in restrict(targets.for_rank(rank), payload.names, targets.aliases) if t.name in payload.tensors]
+        return _LocalStep(
+            [
+                f"engine rank {rank}: tensor {name!r} is not a copy in SGLang's loader: "
+                f"{targets.not_copied[targets.aliases.get(name, name)]}"
+            ],
+            lambda: (0, 0, 0),
+        )
+    wanted = [
+        t
+        for t in restrict(targets.for_rank(rank), payload.names, targets.aliases)
+        if t.name in payload.tensors
+    ]
     unknown = sorted(set(payload.tensors) - {t.name for t in wanted})
-    problems = [f"engine rank {rank}: buffers {unknown[:3]} are not parameters this update fills"] if unknown else []
+    problems = (
+        [
+            f"engine rank {rank}: buffers {unknown[:3]} are not parameters this update fills"
+        ]
+        if unknown
+        else []
+    )
 
     def copy() -> Tuple[int, int, int]:
         copied = copy_buffers(params, wanted, payload.tensors)
-        logger.info("engine rank %d: trainer-side update, copied %d bytes locally", rank, copied)
+        logger.info(
+            "engine rank %d: trainer-side update, copied %d bytes locally", rank, copied
+        )
         return 0, 0, 0
 
     problems += check_buffers(params, wanted, payload.tensors, rank)
     if not problems:
-        problems += [f"engine rank {rank}: tensor {name!r}: the buffer from trainer rank {payload.trainer_rank} holds "
-                     "NaN or inf values (refused: see docs/usage.md)" for name in nonfinite_buffers(wanted, payload.tensors)]
+        problems += [
+            f"engine rank {rank}: tensor {name!r}: the buffer from trainer rank {payload.trainer_rank} holds "
+            "NaN or inf values (refused: see docs/usage.md)"
+            for name in nonfinite_buffers(wanted, payload.tensors)
+        ]
     return _LocalStep(problems, copy)
 
 
-def engine_targets(model: torch.nn.Module, targets: DerivedTargets, rank: int,
-                   sync: EngineWeightSync) -> Tuple[DerivedTargets, Dict[str, torch.Tensor], EngineManifest]:
+def engine_targets(
+    model: torch.nn.Module, targets: DerivedTargets, rank: int, sync: EngineWeightSync
+) -> Tuple[DerivedTargets, Dict[str, torch.Tensor], EngineManifest]:
     """This engine's targets, derived from SGLang's own loaders (``target_cache``), checked
     against the live tensors of ``rank``.
 
@@ -425,14 +619,20 @@ def engine_targets(model: torch.nn.Module, targets: DerivedTargets, rank: int,
     for target in targets.for_rank(rank):
         param = live.get(target.name)
         if param is None:
-            raise ValueError(f"the model has no parameter {target.name!r} that SGLang's loader writes on rank {rank}")
+            raise ValueError(
+                f"the model has no parameter {target.name!r} that SGLang's loader writes on rank {rank}"
+            )
         if tuple(param.shape) != target.shape:
             raise ValueError(
                 f"parameter {target.name!r} has shape {tuple(param.shape)} on rank {rank}, "
                 f"SGLang's loader (derived on meta) writes {target.shape}"
             )
-        params[target.name] = param.data  # written in place: CUDA graphs hold this storage
-    live_targets, manifest = sync.with_live_dtypes(targets, {n: p.dtype for n, p in params.items()})
+        params[target.name] = (
+            param.data
+        )  # written in place: CUDA graphs hold this storage
+    live_targets, manifest = sync.with_live_dtypes(
+        targets, {n: p.dtype for n, p in params.items()}
+    )
     return live_targets, params, manifest
 
 
@@ -449,21 +649,31 @@ def _sources(payload: Payload, targets: DerivedTargets):
         if canonical not in expected:
             raise KeyError(f"unknown tensor {name!r}: not a weight of this model")
         if canonical in targets.not_copied:
-            raise ValueError(f"tensor {name!r} is not a copy in SGLang's loader: {targets.not_copied[canonical]}")
+            raise ValueError(
+                f"tensor {name!r} is not a copy in SGLang's loader: {targets.not_copied[canonical]}"
+            )
         if spec.shape != expected[canonical]:
-            raise ValueError(f"tensor {name!r}: global shape {spec.shape}, the model expects {expected[canonical]}")
+            raise ValueError(
+                f"tensor {name!r}: global shape {spec.shape}, the model expects {expected[canonical]}"
+            )
         if not spec.dtype.is_floating_point:
-            raise ValueError(f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype")
+            raise ValueError(
+                f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype"
+            )
         sources[name] = spec.describe(name, payload.rank_map)
     bad = nonfinite_tensors(payload.tensors)
     if bad:
-        raise ValueError(f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
-                         "values (refused: see docs/usage.md)")
+        raise ValueError(
+            f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
+            "values (refused: see docs/usage.md)"
+        )
     return sources, payload.tensors
 
 
 def _timeout(recv_req) -> float:
     try:
         return check_timeout(recv_req.timeout_s)
-    except DeliveryError:  # already refused by request_problems; still bound the collectives
+    except (
+        DeliveryError
+    ):  # already refused by request_problems; still bound the collectives
         return DEFAULT_TIMEOUT_S

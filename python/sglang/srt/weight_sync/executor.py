@@ -100,7 +100,9 @@ class _Staging:
         key = (move.tensor, move.holder.buffer, move.region, move.dtype)
         buf = self.sent.get(key)
         if buf is None:
-            buf = self.sent[key] = self.contiguous_cast(_src_view(shards, move), move.dtype)
+            buf = self.sent[key] = self.contiguous_cast(
+                _src_view(shards, move), move.dtype
+            )
         return buf
 
     def _add(self, buf: torch.Tensor) -> None:
@@ -124,7 +126,9 @@ def check_inputs(
     """
     problems: List[str] = []
     seen = set()
-    moves = list(plan.local_for(rank)) + [m for rnd in plan.rounds for m in rnd if rank in m.group]
+    moves = list(plan.local_for(rank)) + [
+        m for rnd in plan.rounds for m in rnd if rank in m.group
+    ]
     for move in moves:
         h = move.holder
         if move.src == rank and (move.tensor, h.buffer) not in seen:
@@ -138,7 +142,9 @@ def check_inputs(
                     f"rank {rank}: {where} local shard has shape {tuple(shard.shape)}, expected {h.buffer_shape}"
                 )
             elif not _castable(shard.dtype, move.dtype):
-                problems.append(f"rank {rank}: {where} dtype {shard.dtype} cannot be cast to {move.dtype}")
+                problems.append(
+                    f"rank {rank}: {where} dtype {shard.dtype} cannot be cast to {move.dtype}"
+                )
         for d in move.dests:
             if d.rank == rank:
                 problems.extend(_check_param(params, rank, d.param, d.index, d.shape))
@@ -187,27 +193,54 @@ def execute(
             continue
         stats.rounds += 1
         stats.largest_round_bytes = max(
-            stats.largest_round_bytes, sum(m.nbytes for m in mine if m.src == rank or _my_dests(m, rank))
+            stats.largest_round_bytes,
+            sum(m.nbytes for m in mine if m.src == rank or _my_dests(m, rank)),
         )
-        peers = sorted(({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank})
+        peers = sorted(
+            ({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank}
+        )
         phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
-        _run_p2p(plan, rank, [m for m in mine if len(_receivers(m)) == 1], shards, params, group, staging, to_global,
-                 lambda work: wait(work, timeout_s, phase))
+        _run_p2p(
+            plan,
+            rank,
+            [m for m in mine if len(_receivers(m)) == 1],
+            shards,
+            params,
+            group,
+            staging,
+            to_global,
+            lambda work: wait(work, timeout_s, phase),
+        )
         for move in mine:
             if len(_receivers(move)) > 1:
-                _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global,
-                               lambda work: wait(work, timeout_s, f"{phase} (broadcast of {move.tensor!r})"))
+                _run_broadcast(
+                    plan,
+                    rank,
+                    move,
+                    shards,
+                    params,
+                    staging,
+                    subgroups,
+                    to_global,
+                    lambda work: wait(
+                        work, timeout_s, f"{phase} (broadcast of {move.tensor!r})"
+                    ),
+                )
         staging.release_all()
     return stats
 
 
-def _run_p2p(plan, rank, moves, shards, params, group, staging, to_global, wait_for) -> None:
+def _run_p2p(
+    plan, rank, moves, shards, params, group, staging, to_global, wait_for
+) -> None:
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
     for move in moves:
         if move.src == rank:
             buf = staging.send_buffer(shards, move)
-            ops.append(dist.P2POp(dist.isend, buf, to_global(move.dests[0].rank), group))
+            ops.append(
+                dist.P2POp(dist.isend, buf, to_global(move.dests[0].rank), group)
+            )
             staging.stats.bytes_sent += move.nbytes
             staging.stats.p2p_ops += 1
         mine = _my_dests(move, rank)
@@ -224,16 +257,22 @@ def _run_p2p(plan, rank, moves, shards, params, group, staging, to_global, wait_
         _finish_landing(params, buf, move, mine)
 
 
-def _run_broadcast(plan, rank, move, shards, params, staging, subgroups, to_global, wait_for) -> None:
+def _run_broadcast(
+    plan, rank, move, shards, params, staging, subgroups, to_global, wait_for
+) -> None:
     group = subgroups.get([to_global(r) for r in _receivers(move) + [move.src]])
     if move.src == rank:
         buf = staging.contiguous_cast(_src_view(shards, move), move.dtype)
         staging.stats.bytes_sent += move.nbytes
-        wait_for(dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True))
+        wait_for(
+            dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True)
+        )
     else:
         mine = _my_dests(move, rank)
         buf = _landing(params, mine[0], move, staging)
-        wait_for(dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True))
+        wait_for(
+            dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True)
+        )
         staging.stats.bytes_received += move.nbytes
         _finish_landing(params, buf, move, mine)
     staging.stats.broadcasts += 1
@@ -272,12 +311,16 @@ def _dest_view(params, dest: Dest, move: Move) -> torch.Tensor:
     return view.permute(sorted(range(len(dest.perm)), key=dest.perm.__getitem__))
 
 
-def _check_param(params, rank: int, name: str, index: Tuple[int, ...], shape: Tuple[int, ...]) -> List[str]:
+def _check_param(
+    params, rank: int, name: str, index: Tuple[int, ...], shape: Tuple[int, ...]
+) -> List[str]:
     param = params.get(name)
     if param is None:
         return [f"rank {rank}: no parameter {name!r}"]
-    if tuple(param.shape[len(index):]) != shape:
-        return [f"rank {rank}: parameter {name!r} has shape {tuple(param.shape)}, plan expects {shape} after index {index}"]
+    if tuple(param.shape[len(index) :]) != shape:
+        return [
+            f"rank {rank}: parameter {name!r} has shape {tuple(param.shape)}, plan expects {shape} after index {index}"
+        ]
     return []
 
 

@@ -42,7 +42,13 @@ from sglang.srt.weight_sync.provenance import (
     Vec,
     identity,
 )
-from sglang.srt.weight_sync.recorded_ops import Geometry, OpFacts, broadcast_strides, computed_in_place, tensors_in
+from sglang.srt.weight_sync.recorded_ops import (
+    Geometry,
+    OpFacts,
+    broadcast_strides,
+    computed_in_place,
+    tensors_in,
+)
 from sglang.srt.weight_sync.transfers import Side, Transfers
 from sglang.srt.weight_sync.view_geometry import NotAffine, cstrides, unravel
 
@@ -54,7 +60,6 @@ aten = torch.ops.aten
 # Scalars handed out by ``.item()`` on tracked tensors: distinct negative integers
 # (exact in float64) that a later ``fill_`` maps back to their source element.
 _SENTINEL_BASE = -(2**50)
-
 
 
 def _physical_canon(t: torch.Tensor) -> Vec:
@@ -108,7 +113,9 @@ class LoadRecorder(TorchDispatchMode):
     def key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
 
-    def register(self, t: torch.Tensor, kind: StorageKind, canon: Optional[Sequence[int]] = None) -> StorageLog:
+    def register(
+        self, t: torch.Tensor, kind: StorageKind, canon: Optional[Sequence[int]] = None
+    ) -> StorageLog:
         log = StorageLog(canon or _physical_canon(t), t.element_size(), t, kind)
         self.storages[self.key(t)] = log
         return log
@@ -118,15 +125,23 @@ class LoadRecorder(TorchDispatchMode):
         index, a buffer) is registered on first sight as computed from nothing known."""
         log = self.storages.get(self.key(t))
         if log is None:
-            log = self.register(t, StorageKind.UNTRACKED,
-                                (max(t.untyped_storage().nbytes() // max(t.element_size(), 1), 1),))
+            log = self.register(
+                t,
+                StorageKind.UNTRACKED,
+                (max(t.untyped_storage().nbytes() // max(t.element_size(), 1), 1),),
+            )
             log.add(Entry(Box.full(log.canon), Opaque("untracked", frozenset())))
         return log
 
     def add_leaf(self, name: str, t: torch.Tensor) -> None:
         log = self.register(t, StorageKind.LEAF, tuple(t.shape) if t.dim() else (1,))
         # a 0-d leaf is stored as shape (1,): its single coordinate maps to nothing
-        log.add(Entry(Box((0,) * len(log.canon), log.canon), Leaf(name, (0,) * t.dim(), identity(t.dim()))))
+        log.add(
+            Entry(
+                Box((0,) * len(log.canon), log.canon),
+                Leaf(name, (0,) * t.dim(), identity(t.dim())),
+            )
+        )
         self.leaves[name] = t
 
     def register_module_tensors(self, model: torch.nn.Module) -> None:
@@ -151,7 +166,12 @@ class LoadRecorder(TorchDispatchMode):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst`` written from ``src`` broadcast to its shape."""
-        self.transfer(self.geom(dst), self.prov(dst), src, (src.storage_offset(), broadcast_strides(src, dst.shape)))
+        self.transfer(
+            self.geom(dst),
+            self.prov(dst),
+            src,
+            (src.storage_offset(), broadcast_strides(src, dst.shape)),
+        )
 
     def fill(self, dst: torch.Tensor, value: Fill) -> None:
         """``dst`` written with one value."""
@@ -170,12 +190,20 @@ class LoadRecorder(TorchDispatchMode):
         if any(n == 0 for n in sizes):
             return
         try:
-            self.transfers.write(dst_log, None, sizes, [(dst[0], tuple(dst[2]), dst_log.canon)], src)
+            self.transfers.write(
+                dst_log, None, sizes, [(dst[0], tuple(dst[2]), dst_log.canon)], src
+            )
         except NotAffine:  # give up on the whole storage
             dst_log.add(Entry(Box.full(dst_log.canon), src))
 
-    def transfer(self, dst: Geometry, dst_log: StorageLog, src: Optional[torch.Tensor] = None,
-                 src_geom: Optional[Tuple[int, Vec]] = None, fixed: Optional[Fill] = None) -> None:
+    def transfer(
+        self,
+        dst: Geometry,
+        dst_log: StorageLog,
+        src: Optional[torch.Tensor] = None,
+        src_geom: Optional[Tuple[int, Vec]] = None,
+        fixed: Optional[Fill] = None,
+    ) -> None:
         """Write into the view ``dst`` = (offset, sizes, strides) of ``dst_log``: from the view
         ``src_geom`` = (offset, strides) of ``src`` (iterating ``sizes``), or the value ``fixed``.
         Sizes and strides are tuples (the box fast path memoises by them)."""
@@ -198,7 +226,13 @@ class LoadRecorder(TorchDispatchMode):
             self.transfers.write(dst_log, src_log, sizes, sides, fixed)
         except NotAffine as e:
             self.not_affine.append(str(e))
-            self.mark_computed(dst_log, dst, Opaque("not-affine", self.deps(src) if src is not None else frozenset()))
+            self.mark_computed(
+                dst_log,
+                dst,
+                Opaque(
+                    "not-affine", self.deps(src) if src is not None else frozenset()
+                ),
+            )
 
     # ------------------------------------------------------------------ the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -207,11 +241,16 @@ class LoadRecorder(TorchDispatchMode):
         if facts is None:
             facts = self._ops[func] = OpFacts.of(func)
         if facts.pure_view:
-            return func(*args, **kwargs)  # one input, so no device mix; offset and strides say everything
+            return func(
+                *args, **kwargs
+            )  # one input, so no device mix; offset and strides say everything
         if func is aten._local_scalar_dense.default:
             return self._item(args[0])
         if func is not aten.copy_.default and _mixes_meta(tensors_in((args, kwargs))):
-            args, kwargs = self._on_meta(args), {k: self._on_meta(v) for k, v in kwargs.items()}
+            args, kwargs = (
+                self._on_meta(args),
+                {k: self._on_meta(v) for k, v in kwargs.items()},
+            )
         out = func(*args, **kwargs)
         try:
             self._track(func, facts, args, kwargs, out)
@@ -226,7 +265,9 @@ class LoadRecorder(TorchDispatchMode):
             return
         written = []
         for position, name in facts.mutated:
-            written.extend(tensors_in(args[position] if position < len(args) else kwargs.get(name)))
+            written.extend(
+                tensors_in(args[position] if position < len(args) else kwargs.get(name))
+            )
         inputs = tensors_in((args, kwargs))
         for t in inputs:
             self.prov(t)  # so that views of untracked storages are seen as views
@@ -243,7 +284,11 @@ class LoadRecorder(TorchDispatchMode):
     def _on_meta(self, x):
         """Meta twins (same provenance) of the real float tensors an op mixes with meta ones:
         a loader's padding made on an explicit device, concatenated with a checkpoint tensor."""
-        if isinstance(x, torch.Tensor) and x.device.type != "meta" and x.is_floating_point():
+        if (
+            isinstance(x, torch.Tensor)
+            and x.device.type != "meta"
+            and x.is_floating_point()
+        ):
             twin = x.to("meta")  # inside the mode's dispatch: not recorded
             self.register(twin, StorageKind.DERIVED)
             self.copy(twin, x)
@@ -255,13 +300,17 @@ class LoadRecorder(TorchDispatchMode):
     def _item(self, t: torch.Tensor):
         """``.item()``: a constant's value, else a sentinel that ``scalar_source`` maps back."""
         log = self.prov(t)
-        parts = self.transfers.read(log, (), (), unravel(t.storage_offset(), log.canon), [])
+        parts = self.transfers.read(
+            log, (), (), unravel(t.storage_offset(), log.canon), []
+        )
         src = parts[-1].src if parts else Opaque("uninitialised", frozenset())
         if isinstance(src, Const):
             value = src.value
         else:
             value = float(_SENTINEL_BASE - len(self.sentinels))
-            self.sentinels[value] = LeafElement(src.name, src.l0) if isinstance(src, LeafRead) else src
+            self.sentinels[value] = (
+                LeafElement(src.name, src.l0) if isinstance(src, LeafRead) else src
+            )
         if t.dtype == torch.bool:
             return bool(value)
         if not t.dtype.is_floating_point and not t.dtype.is_complex:
@@ -274,10 +323,19 @@ class LoadRecorder(TorchDispatchMode):
         shape = tuple(t.shape) if t.dim() else (1,)
         strides = tuple(t.stride()) if t.dim() else (1,)
         src_log = self.prov(t)
-        if src_log.canon == shape and t.storage_offset() == 0 and strides == cstrides(shape):
-            return src_log.resolved()  # the tensor is its storage, as laid out at allocation
+        if (
+            src_log.canon == shape
+            and t.storage_offset() == 0
+            and strides == cstrides(shape)
+        ):
+            return (
+                src_log.resolved()
+            )  # the tensor is its storage, as laid out at allocation
         tmp = StorageLog(shape, t.element_size(), None, StorageKind.VIEW)
-        sides: List[Side] = [(0, cstrides(shape), shape), (t.storage_offset(), strides, src_log.canon)]
+        sides: List[Side] = [
+            (0, cstrides(shape), shape),
+            (t.storage_offset(), strides, src_log.canon),
+        ]
         try:
             self.transfers.write(tmp, src_log, shape, sides, None)
         except NotAffine as e:

@@ -26,9 +26,24 @@ from typing import Dict, List, Mapping, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.target_layout import EngineParallel, ModelTargets, ParamTarget, Piece, paused_gc
+from sglang.srt.weight_sync.target_layout import (
+    EngineParallel,
+    ModelTargets,
+    ParamTarget,
+    Piece,
+    paused_gc,
+)
 
-__all__ = ["EngineManifest", "MANIFEST_VERSION", "ManifestError", "fingerprint_int", "manifest_path", "read_manifest", "targets_by_trainer_rank", "write_manifest"]
+__all__ = [
+    "EngineManifest",
+    "MANIFEST_VERSION",
+    "ManifestError",
+    "fingerprint_int",
+    "manifest_path",
+    "read_manifest",
+    "targets_by_trainer_rank",
+    "write_manifest",
+]
 
 MANIFEST_VERSION = 1
 _TYPES = {cls.__name__: cls for cls in (ParamTarget, Piece, Box)}
@@ -49,15 +64,23 @@ class EngineManifest:
     fingerprint: str = ""
 
     @staticmethod
-    def of(targets: ModelTargets) -> "EngineManifest":
+    def of(targets: ModelTargets) -> EngineManifest:
         ranks = [targets.for_rank(r) for r in range(targets.parallel.tp_size)]
-        return EngineManifest.of_ranks(targets.parallel, ranks, targets.aliases, targets.tensor_shapes())
+        return EngineManifest.of_ranks(
+            targets.parallel, ranks, targets.aliases, targets.tensor_shapes()
+        )
 
     @staticmethod
-    def of_ranks(parallel: EngineParallel, ranks, aliases: Mapping[str, str],
-                 tensor_shapes: Mapping[str, Tuple[int, ...]]) -> "EngineManifest":
+    def of_ranks(
+        parallel: EngineParallel,
+        ranks,
+        aliases: Mapping[str, str],
+        tensor_shapes: Mapping[str, Tuple[int, ...]],
+    ) -> EngineManifest:
         """From every TP rank's targets as the engine holds them (dtype overrides applied)."""
-        m = EngineManifest(parallel, tuple(tuple(r) for r in ranks), dict(aliases), dict(tensor_shapes))
+        m = EngineManifest(
+            parallel, tuple(tuple(r) for r in ranks), dict(aliases), dict(tensor_shapes)
+        )
         with paused_gc():
             return dataclasses.replace(m, fingerprint=_digest(m._body()))
 
@@ -67,25 +90,37 @@ class EngineManifest:
             "parallel": [p.tp_size, p.attn_tp_size, p.moe_ep_size],
             "ranks": [[_encode(t) for t in rank] for rank in self.ranks],
             "aliases": dict(sorted(self.aliases.items())),
-            "tensor_shapes": {n: list(s) for n, s in sorted(self.tensor_shapes.items())},
+            "tensor_shapes": {
+                n: list(s) for n, s in sorted(self.tensor_shapes.items())
+            },
         }
 
     def to_json(self) -> str:
-        return json.dumps({"version": MANIFEST_VERSION, "fingerprint": self.fingerprint, **self._body()})
+        return json.dumps(
+            {
+                "version": MANIFEST_VERSION,
+                "fingerprint": self.fingerprint,
+                **self._body(),
+            }
+        )
 
     @staticmethod
-    def from_json(text: str) -> "EngineManifest":
+    def from_json(text: str) -> EngineManifest:
         with paused_gc():
             return EngineManifest._from_json(text)
 
     @staticmethod
-    def _from_json(text: str) -> "EngineManifest":
+    def _from_json(text: str) -> EngineManifest:
         data = json.loads(text)
         if data.get("version") != MANIFEST_VERSION:
-            raise ManifestError(f"manifest version {data.get('version')!r}, this trainer reads {MANIFEST_VERSION}")
+            raise ManifestError(
+                f"manifest version {data.get('version')!r}, this trainer reads {MANIFEST_VERSION}"
+            )
         body = {k: data[k] for k in ("parallel", "ranks", "aliases", "tensor_shapes")}
         if _digest(body) != data["fingerprint"]:
-            raise ManifestError("manifest content does not match its fingerprint (partial or corrupted file)")
+            raise ManifestError(
+                "manifest content does not match its fingerprint (partial or corrupted file)"
+            )
         tp, attn, ep = body["parallel"]
         return EngineManifest(
             EngineParallel(tp, attn, ep),
@@ -116,7 +151,9 @@ def read_manifest(channel: str, engine_rank: int) -> EngineManifest:
         with open(path) as f:
             return EngineManifest.from_json(f.read())
     except FileNotFoundError:
-        raise ManifestError(f"engine rank {engine_rank} published no manifest at {path}") from None
+        raise ManifestError(
+            f"engine rank {engine_rank} published no manifest at {path}"
+        ) from None
 
 
 def fingerprint_int(fingerprint: str) -> int:
@@ -150,7 +187,11 @@ def _encode(value):
 
 @functools.lru_cache(maxsize=None)
 def _field_names(cls: type) -> Tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+    return (
+        tuple(f.name for f in dataclasses.fields(cls))
+        if dataclasses.is_dataclass(cls)
+        else ()
+    )
 
 
 def _decode(value):
@@ -160,7 +201,9 @@ def _decode(value):
         if "torch_dtype" in value:
             dt = getattr(torch, value["torch_dtype"], None)
             if not isinstance(dt, torch.dtype):
-                raise ManifestError(f"unknown dtype {value['torch_dtype']!r} in manifest")
+                raise ManifestError(
+                    f"unknown dtype {value['torch_dtype']!r} in manifest"
+                )
             return dt
         cls = _TYPES.get(value.get("type"))
         if cls is None:
@@ -169,7 +212,9 @@ def _decode(value):
     return value
 
 
-def targets_by_trainer_rank(manifest: EngineManifest, engine_groups) -> Dict[int, List[ParamTarget]]:
+def targets_by_trainer_rank(
+    manifest: EngineManifest, engine_groups
+) -> Dict[int, List[ParamTarget]]:
     """Trainer rank -> the targets of the engine rank beside it (every engine has this layout)."""
     out: Dict[int, List[ParamTarget]] = {}
     for group in engine_groups:

@@ -21,10 +21,20 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.megatron_layout import MegatronRank, describe_model_chunks, megatron_sources
+from sglang.srt.weight_sync.megatron_layout import (
+    MegatronRank,
+    describe_model_chunks,
+    megatron_sources,
+)
 from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.source_layout import HoldersSpec
-from sglang.srt.weight_sync.trainer_flow import Flow, Mode, TrainerSync, deliver, sources_flow
+from sglang.srt.weight_sync.trainer_flow import (
+    Flow,
+    Mode,
+    TrainerSync,
+    deliver,
+    sources_flow,
+)
 
 __all__ = ["all_coords", "megatron_flow", "this_rank"]
 
@@ -33,18 +43,28 @@ def this_rank() -> MegatronRank:
     """This rank's coordinates, from megatron-core's parallel state."""
     from megatron.core import parallel_state as ps
 
-    return MegatronRank(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                        ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+    return MegatronRank(
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_rank(),
+    )
 
 
-def all_coords(sync: TrainerSync, me: MegatronRank,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> Dict[int, MegatronRank]:
+def all_coords(
+    sync: TrainerSync, me: MegatronRank, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Dict[int, MegatronRank]:
     """Every trainer rank's coordinates: four integers per rank, all-gathered once per
     ``sync`` (they do not change while the trainer runs)."""
     if me not in sync.megatron_coords:
-        every = sync.world.all_gather_ints([me.tp, me.pp, me.ep, me.etp], timeout_s,
-                                           f"trainer rank {dist.get_rank()}: learning every rank's Megatron coordinates")
-        sync.megatron_coords[me] = {r: MegatronRank(*row) for r, row in enumerate(every)}
+        every = sync.world.all_gather_ints(
+            [me.tp, me.pp, me.ep, me.etp],
+            timeout_s,
+            f"trainer rank {dist.get_rank()}: learning every rank's Megatron coordinates",
+        )
+        sync.megatron_coords[me] = {
+            r: MegatronRank(*row) for r, row in enumerate(every)
+        }
     return sync.megatron_coords[me]
 
 
@@ -72,9 +92,24 @@ def megatron_flow(
 
     def deliver_beside() -> str:
         mine = set(chan.group_ranks)
-        pieces = {n: HoldersSpec(s.shape, s.dtype, tuple(h for h in s.holders if h.rank in mine))
-                  for n, s in sources.items()}
-        used = sorted({h.buffer for spec in pieces.values() for h in spec.holders if h.rank == dist.get_rank()})
+        pieces = {
+            n: HoldersSpec(
+                s.shape, s.dtype, tuple(h for h in s.holders if h.rank in mine)
+            )
+            for n, s in sources.items()
+        }
+        used = sorted(
+            {
+                h.buffer
+                for spec in pieces.values()
+                for h in spec.holders
+                if h.rank == dist.get_rank()
+            }
+        )
         return deliver(chan, [(key, buffers[key], None) for key in used], pieces)
 
-    return (yield from sources_flow(sync, chan, sources, buffers, deliver_beside, mode, bucket_bytes, timeout_s))
+    return (
+        yield from sources_flow(
+            sync, chan, sources, buffers, deliver_beside, mode, bucket_bytes, timeout_s
+        )
+    )

@@ -33,8 +33,14 @@ from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.source_layout import Holder, MeshGeometry, MeshHolders, SourceLayout, SourceTensor
 from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES
+from sglang.srt.weight_sync.source_layout import (
+    Holder,
+    MeshGeometry,
+    MeshHolders,
+    SourceLayout,
+    SourceTensor,
+)
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
 
 __all__ = [
@@ -104,8 +110,10 @@ class Dest:
     def box(self, region: Box) -> Box:
         if self.perm is None:
             return region.translate(self.delta)
-        return Box(tuple(region.offsets[q] + d for q, d in zip(self.perm, self.delta)),
-                   tuple(region.sizes[q] for q in self.perm))
+        return Box(
+            tuple(region.offsets[q] + d for q, d in zip(self.perm, self.delta)),
+            tuple(region.sizes[q] for q in self.perm),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +186,13 @@ class Plan:
         return self.needed_bytes.get(rank, 0) - self.held_bytes.get(rank, 0)
 
     def received_bytes(self, rank: int) -> int:
-        return sum(m.nbytes for rnd in self.rounds for m in rnd for d in m.dests if d.rank == rank)
+        return sum(
+            m.nbytes
+            for rnd in self.rounds
+            for m in rnd
+            for d in m.dests
+            if d.rank == rank
+        )
 
     def local_for(self, rank: int) -> List[Move]:
         return [m for m in self.local if m.src == rank]
@@ -190,13 +204,24 @@ class _BoxIndex:
     per ``MeshGeometry`` (``box_index``) and shared by every tensor it describes: a rank's
     plan then costs what its own pieces cost, not what the holders of every tensor do."""
 
-    __slots__ = ("dim", "boxes", "starts", "max_len", "position", "ranks_of", "_by_rank", "_disjoint",
-                 "_groups")
+    __slots__ = (
+        "dim",
+        "boxes",
+        "starts",
+        "max_len",
+        "position",
+        "ranks_of",
+        "_by_rank",
+        "_disjoint",
+        "_groups",
+    )
 
     def __init__(self, shape: Tuple[int, ...], holders: Iterable[Tuple[int, Box]]):
         by_box: Dict[Box, List[int]] = {}
         self.position: Dict[Tuple[Box, int], int] = {}
-        boxes: Dict[tuple, Box] = {}  # one Box per region: tuple keys compare faster than dataclasses
+        boxes: Dict[
+            tuple, Box
+        ] = {}  # one Box per region: tuple keys compare faster than dataclasses
         for i, (rank, box) in enumerate(holders):
             sizes = box.sizes
             if sizes and min(sizes) <= 0:
@@ -209,12 +234,24 @@ class _BoxIndex:
             self.position[(box, rank)] = i
         ndim = len(shape)
         # Index the dim along which boxes differ most: shards split it, so few boxes overlap a query.
-        self.dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in by_box})) if ndim else 0
-        items = sorted(by_box.items(), key=lambda kv: (kv[0].offsets[self.dim], kv[0].offsets) if ndim else ())
-        self.boxes = [(box, tuple(ranks) if len(ranks) == 1 else tuple(sorted(ranks))) for box, ranks in items]
+        self.dim = (
+            max(range(ndim), key=lambda d: len({b.offsets[d] for b in by_box}))
+            if ndim
+            else 0
+        )
+        items = sorted(
+            by_box.items(),
+            key=lambda kv: (kv[0].offsets[self.dim], kv[0].offsets) if ndim else (),
+        )
+        self.boxes = [
+            (box, tuple(ranks) if len(ranks) == 1 else tuple(sorted(ranks)))
+            for box, ranks in items
+        ]
         self.ranks_of: Dict[Box, Tuple[int, ...]] = dict(self.boxes)
         self.starts = [box.offsets[self.dim] if ndim else 0 for box, _ in items]
-        self.max_len = max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
+        self.max_len = (
+            max((box.sizes[self.dim] for box, _ in items), default=0) if ndim else 1
+        )
         self._by_rank: Optional[Dict[int, List[Tuple[Box, int]]]] = None
         self._disjoint: Optional[bool] = None
         self._groups: Tuple[Optional[Topology], Dict[Box, tuple]] = (None, {})
@@ -256,12 +293,21 @@ class _BoxIndex:
         """Whether distinct boxes never overlap (every DTensor or Megatron layout): then the part
         of a need a box serves is just their intersection, whoever asks."""
         if self._disjoint is None:
-            ends = [s + box.sizes[self.dim] for s, (box, _) in zip(self.starts, self.boxes)] if self.starts else []
+            ends = (
+                [
+                    s + box.sizes[self.dim]
+                    for s, (box, _) in zip(self.starts, self.boxes)
+                ]
+                if self.starts
+                else []
+            )
             # Boxes that follow one another on the indexed dim (any shard layout over one
             # mesh dim) are disjoint; otherwise ask the index box by box.
-            self._disjoint = (bool(self.boxes) and self.boxes[0][0].ndim > 0
-                              and all(s >= e for s, e in zip(self.starts[1:], ends))) \
-                or all(len(self.overlapping(box)) == 1 for box, _ in self.boxes)
+            self._disjoint = (
+                bool(self.boxes)
+                and self.boxes[0][0].ndim > 0
+                and all(s >= e for s, e in zip(self.starts[1:], ends))
+            ) or all(len(self.overlapping(box)) == 1 for box, _ in self.boxes)
         return self._disjoint
 
     def overlapping(self, need: Box) -> List[Tuple[Box, Tuple[int, ...]]]:
@@ -272,10 +318,17 @@ class _BoxIndex:
         hi = lo + need.sizes[d]
         first = bisect.bisect_left(self.starts, lo - self.max_len + 1)
         last = bisect.bisect_left(self.starts, hi)
-        no, ns = need.offsets, need.sizes  # overlap test without building the intersection Box
+        no, ns = (
+            need.offsets,
+            need.sizes,
+        )  # overlap test without building the intersection Box
         return [
-            (b, r) for b, r in self.boxes[first:last]
-            if all(bo < o + s and o < bo + bs for bo, bs, o, s in zip(b.offsets, b.sizes, no, ns))
+            (b, r)
+            for b, r in self.boxes[first:last]
+            if all(
+                bo < o + s and o < bo + bs
+                for bo, bs, o, s in zip(b.offsets, b.sizes, no, ns)
+            )
         ]
 
 
@@ -286,7 +339,12 @@ def box_index(source: SourceTensor) -> _BoxIndex:
         return _BoxIndex(source.shape, ((h.rank, h.box) for h in holders))
     slot = holders.geometry.index
     if not slot:
-        slot.append(_BoxIndex(holders.geometry.shape, ((r, box) for r, box, _, _ in holders.geometry.entries)))
+        slot.append(
+            _BoxIndex(
+                holders.geometry.shape,
+                ((r, box) for r, box, _, _ in holders.geometry.entries),
+            )
+        )
     return slot[0]
 
 
@@ -339,7 +397,11 @@ class HolderIndex:
         """(distance, holders at that distance) of ``box`` seen from ``rank``: this rank,
         else holders on its device, else on its node, else all (``Topology.distance``)."""
         if len(ranks) == 1:
-            return (0, ranks) if ranks[0] == rank else (topology.distance(rank, ranks[0]), ranks)
+            return (
+                (0, ranks)
+                if ranks[0] == rank
+                else (topology.distance(rank, ranks[0]), ranks)
+            )
         members, by_dev, by_node = self.index.groups(box, topology)
         if rank in members:
             return 0, (rank,)
@@ -394,22 +456,46 @@ def plan(
     bytes are counted either way, and the rounds are the same.
     """
     with paused_gc():
-        fingerprint = fingerprint or inputs_fingerprint(sources, targets, topology, bucket_bytes, aliases)
-        return _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint, local_ranks)
+        fingerprint = fingerprint or inputs_fingerprint(
+            sources, targets, topology, bucket_bytes, aliases
+        )
+        return _plan(
+            sources, targets, topology, bucket_bytes, aliases, fingerprint, local_ranks
+        )
 
 
-def _plan(sources, targets, topology, bucket_bytes, aliases, fingerprint: str, local_ranks) -> Plan:
+def _plan(
+    sources, targets, topology, bucket_bytes, aliases, fingerprint: str, local_ranks
+) -> Plan:
     """``plan``'s steps: assign a source to every element of every piece, rank by rank
     (``_Assignment``), then cut the remote moves into rounds under ``bucket_bytes``."""
     work = _Assignment(resolve_aliases(sources, aliases or {}), topology or Topology())
     for rank in sorted(targets):
-        work.assign_rank(rank, targets[rank], listed=local_ranks is None or rank in local_ranks)
-    moves = [_move(work.sources[key[0]], key, tuple(dests)) for key, dests in work.remote.items()]
+        work.assign_rank(
+            rank, targets[rank], listed=local_ranks is None or rank in local_ranks
+        )
+    moves = [
+        _move(work.sources[key[0]], key, tuple(dests))
+        for key, dests in work.remote.items()
+    ]
     rounds = _bucket(moves, bucket_bytes)
-    groups = sorted({tuple(sorted(set(m.group))) for rnd in rounds for m in rnd if len({d.rank for d in m.dests}) > 1})
+    groups = sorted(
+        {
+            tuple(sorted(set(m.group)))
+            for rnd in rounds
+            for m in rnd
+            if len({d.rank for d in m.dests}) > 1
+        }
+    )
     return Plan(
-        tuple(work.local), rounds, tuple(work.zero_fills), tuple(groups), dict(work.needed), dict(work.held),
-        bucket_bytes, fingerprint,
+        tuple(work.local),
+        rounds,
+        tuple(work.zero_fills),
+        tuple(groups),
+        dict(work.needed),
+        dict(work.held),
+        bucket_bytes,
+        fingerprint,
     )
 
 
@@ -430,24 +516,34 @@ class _Assignment:
         self.remote: Dict[Tuple, List[Dest]] = {}
         self.zero_fills: List[ZeroFill] = []
 
-    def assign_rank(self, rank: int, targets: Sequence[ParamTarget], listed: bool) -> None:
+    def assign_rank(
+        self, rank: int, targets: Sequence[ParamTarget], listed: bool
+    ) -> None:
         """Every piece of ``rank``'s targets; its local copies are listed only when ``listed``."""
         self.needed[rank] = self.held[rank] = 0
         for target in targets:
-            self.zero_fills.extend(ZeroFill(rank, target.name, box) for box in target.zeros)
+            self.zero_fills.extend(
+                ZeroFill(rank, target.name, box) for box in target.zeros
+            )
             for piece in target.pieces:
                 self.assign_piece(rank, target, piece, listed)
 
-    def _holders(self, piece: Piece, target: ParamTarget, rank: int) -> Tuple[SourceTensor, HolderIndex]:
+    def _holders(
+        self, piece: Piece, target: ParamTarget, rank: int
+    ) -> Tuple[SourceTensor, HolderIndex]:
         source = self.sources.get(piece.tensor)
         if source is None:
-            raise CoverageError(f"tensor {piece.tensor!r} (for {target.name} on rank {rank}) has no source on any rank")
+            raise CoverageError(
+                f"tensor {piece.tensor!r} (for {target.name} on rank {rank}) has no source on any rank"
+            )
         holders = self.index.get(piece.tensor)
         if holders is None:
             holders = self.index[piece.tensor] = HolderIndex(source)
         return source, holders
 
-    def assign_piece(self, rank: int, target: ParamTarget, piece: Piece, listed: bool) -> None:
+    def assign_piece(
+        self, rank: int, target: ParamTarget, piece: Piece, listed: bool
+    ) -> None:
         """One piece: a local copy when this rank holds it whole (most pieces when layouts
         align), else ``_cover``."""
         source, holders = self._holders(piece, target, rank)
@@ -459,23 +555,43 @@ class _Assignment:
             return
         self.held[rank] += nbytes
         if listed:
-            self.local.append(Move(piece.tensor, piece.box, source.holders[own], source.dtype, target.dtype,
-                                   (Dest(rank, *landing(target, piece)),)))
+            self.local.append(
+                Move(
+                    piece.tensor,
+                    piece.box,
+                    source.holders[own],
+                    source.dtype,
+                    target.dtype,
+                    (Dest(rank, *landing(target, piece)),),
+                )
+            )
 
-    def _cover(self, rank: int, target: ParamTarget, piece: Piece, source: SourceTensor, holders: HolderIndex,
-               listed: bool) -> None:
+    def _cover(
+        self,
+        rank: int,
+        target: ParamTarget,
+        piece: Piece,
+        source: SourceTensor,
+        holders: HolderIndex,
+        listed: bool,
+    ) -> None:
         """Cover the piece with holder boxes: those on this rank first, then by their closest
         holder, then by position; each takes what it covers of the rest (slab subtraction).
         Among the closest holders of a box the least loaded sends, so DP replicas share the work."""
         itemsize = target.dtype.itemsize
         dest = Dest(rank, *landing(target, piece))
         remaining = [piece.box]
-        keyed = [(holders.closest(box, ranks, rank, self.topology), box) for box, ranks in holders.overlapping(piece.box)]
+        keyed = [
+            (holders.closest(box, ranks, rank, self.topology), box)
+            for box, ranks in holders.overlapping(piece.box)
+        ]
         keyed.sort(key=lambda k: (k[0][0], k[1].offsets))
         for (_, near), box in keyed:
             next_remaining = []
             for rem in remaining:
-                if box.contains(rem):  # the common case: one holder box covers the piece
+                if box.contains(
+                    rem
+                ):  # the common case: one holder box covers the piece
                     region = rem
                 else:
                     region = rem.intersect(box)
@@ -487,18 +603,29 @@ class _Assignment:
                 if src == rank:
                     self.held[rank] += region.numel * itemsize
                     if listed:
-                        self.local.append(Move(piece.tensor, region, holders.holder(box, src), source.dtype,
-                                               target.dtype, (dest,)))
+                        self.local.append(
+                            Move(
+                                piece.tensor,
+                                region,
+                                holders.holder(box, src),
+                                source.dtype,
+                                target.dtype,
+                                (dest,),
+                            )
+                        )
                 else:
                     self.sent[src] += region.numel * itemsize
-                    self.remote.setdefault((piece.tensor, region, holders.holder(box, src), target.dtype),
-                                           []).append(dest)
+                    self.remote.setdefault(
+                        (piece.tensor, region, holders.holder(box, src), target.dtype),
+                        [],
+                    ).append(dest)
             remaining = next_remaining
             if not remaining:
                 return
         raise CoverageError(
             f"tensor {piece.tensor!r} box {remaining[0]} (for {target.name} on rank {rank}) "
-            f"is held by no rank; holders: " + ", ".join(f"rank {h.rank} {h.box}" for h in source.holders[:8])
+            f"is held by no rank; holders: "
+            + ", ".join(f"rank {h.rank} {h.box}" for h in source.holders[:8])
         )
 
 
@@ -523,27 +650,60 @@ def inputs_fingerprint(
         for rank in sorted(targets):
             h.update(repr((rank, targets_key(targets[rank]))).encode())
     topology = topology or Topology()
-    h.update(repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()))).encode())
+    h.update(
+        repr(
+            (sorted(topology.device_of.items()), sorted(topology.node_of.items()))
+        ).encode()
+    )
     h.update(repr((bucket_bytes, sorted((aliases or {}).items()))).encode())
     return h.hexdigest()
 
 
 def targets_key(targets: Sequence[ParamTarget]) -> list:
     """Everything about ``targets`` a plan depends on, as plain values (for digests)."""
-    return [(t.name, t.shape, str(t.dtype), [(p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm)
-                                             for p in t.pieces], [(z.offsets, z.sizes) for z in t.zeros])
-            for t in targets]
+    return [
+        (
+            t.name,
+            t.shape,
+            str(t.dtype),
+            [
+                (p.tensor, p.box.offsets, p.box.sizes, p.index, p.offsets, p.perm)
+                for p in t.pieces
+            ],
+            [(z.offsets, z.sizes) for z in t.zeros],
+        )
+        for t in targets
+    ]
 
 
 def sources_digest(sources: SourceLayout) -> str:
     """A digest of a source layout: every tensor's name, shape, dtype and holders, the
     holders of a mesh-described tensor by the mesh layout they follow from and their buffer."""
-    return hashlib.sha256(repr([
-        (n, s.shape, str(s.dtype), (_geometry_digest(s.holders.geometry), s.holders.buffer)
-         if isinstance(s.holders, MeshHolders) else [
-            (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in s.holders])
-        for n, s in ((n, sources[n]) for n in sorted(sources))
-    ]).encode()).hexdigest()
+    return hashlib.sha256(
+        repr(
+            [
+                (
+                    n,
+                    s.shape,
+                    str(s.dtype),
+                    (_geometry_digest(s.holders.geometry), s.holders.buffer)
+                    if isinstance(s.holders, MeshHolders)
+                    else [
+                        (
+                            h.rank,
+                            h.box.offsets,
+                            h.box.sizes,
+                            h.buffer,
+                            h.offsets,
+                            h.buffer_shape,
+                        )
+                        for h in s.holders
+                    ],
+                )
+                for n, s in ((n, sources[n]) for n in sorted(sources))
+            ]
+        ).encode()
+    ).hexdigest()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -573,12 +733,22 @@ class PlanCache:
         """The plan of these inputs, made on the first call (``targets_digest``: see
         ``inputs_fingerprint``; ``local_ranks``: see ``plan``)."""
         with paused_gc():
-            fingerprint = inputs_fingerprint(sources, targets, topology, bucket_bytes, aliases, targets_digest)
+            fingerprint = inputs_fingerprint(
+                sources, targets, topology, bucket_bytes, aliases, targets_digest
+            )
         key = (fingerprint, None if local_ranks is None else tuple(sorted(local_ranks)))
         if key not in self._plans:
             if len(self._plans) >= self.capacity:
                 self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = plan(sources, targets, topology, bucket_bytes, aliases, fingerprint, local_ranks)
+            self._plans[key] = plan(
+                sources,
+                targets,
+                topology,
+                bucket_bytes,
+                aliases,
+                fingerprint,
+                local_ranks,
+            )
         return self._plans[key]
 
 
@@ -594,13 +764,25 @@ def resolve_aliases(sources: SourceLayout, aliases: Mapping[str, str]) -> Source
     return out
 
 
-def landing(target: ParamTarget, piece: Piece) -> Tuple[str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, ...]]]:
+def landing(
+    target: ParamTarget, piece: Piece
+) -> Tuple[
+    str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, ...]]
+]:
     """Where ``piece`` lands in ``target``, as ``Dest``'s fields after its rank."""
     if piece.perm is None:
         delta = tuple(map(operator.sub, piece.offsets, piece.box.offsets))
     else:
-        delta = tuple(p - piece.box.offsets[q] for p, q in zip(piece.offsets, piece.perm))
-    return target.name, piece.index, delta, tuple(target.shape[len(piece.index):]), piece.perm
+        delta = tuple(
+            p - piece.box.offsets[q] for p, q in zip(piece.offsets, piece.perm)
+        )
+    return (
+        target.name,
+        piece.index,
+        delta,
+        tuple(target.shape[len(piece.index) :]),
+        piece.perm,
+    )
 
 
 def _move(source: SourceTensor, key: Tuple, dests: Tuple[Dest, ...]) -> Move:
@@ -613,7 +795,10 @@ def _split(move: Move, max_bytes: int) -> List[Move]:
     parts = move.region.split_rows(max(1, max_bytes // move.dtype.itemsize))
     if len(parts) == 1:
         return [move]
-    return [Move(move.tensor, part, move.holder, move.src_dtype, move.dtype, move.dests) for part in parts]
+    return [
+        Move(move.tensor, part, move.holder, move.src_dtype, move.dtype, move.dests)
+        for part in parts
+    ]
 
 
 def _bucket(moves: List[Move], bucket_bytes: int) -> Tuple[Tuple[Move, ...], ...]:

@@ -91,9 +91,15 @@ class ChannelError(DeliveryError):
 
 def check_timeout(timeout_s) -> float:
     """``timeout_s`` as a float, or DeliveryError: a positive, finite number of seconds up to an hour."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-            or not 0 < timeout_s <= MAX_TIMEOUT_S:
-        raise DeliveryError(f"timeout_s={timeout_s!r}: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or not 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise DeliveryError(
+            f"timeout_s={timeout_s!r}: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
+        )
     return float(timeout_s)
 
 
@@ -121,25 +127,37 @@ def resolve_channel(channel, engine_rank: int = 0) -> str:
         raise ChannelError(f"channel {channel!r}: must be a non-empty path string")
     spelled = os.path.abspath(channel)
     if os.path.islink(spelled):
-        raise ChannelError(f"channel {channel!r} is a symlink; pass the directory itself")
+        raise ChannelError(
+            f"channel {channel!r} is a symlink; pass the directory itself"
+        )
     real = os.path.realpath(spelled)
     try:
         st = os.lstat(real)
     except OSError as e:
-        raise ChannelError(f"channel {channel!r} does not exist ({e.strerror})") from None
+        raise ChannelError(
+            f"channel {channel!r} does not exist ({e.strerror})"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise ChannelError(f"channel {channel!r} is not a directory")
     if not os.path.basename(real).startswith(CHANNEL_PREFIX):
-        raise ChannelError(f"channel {channel!r}: the directory's name must start with {CHANNEL_PREFIX!r}")
+        raise ChannelError(
+            f"channel {channel!r}: the directory's name must start with {CHANNEL_PREFIX!r}"
+        )
     if st.st_uid != os.getuid():
-        raise ChannelError(f"channel {channel!r} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+        raise ChannelError(
+            f"channel {channel!r} is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+        )
     if st.st_mode & 0o077:
-        raise ChannelError(f"channel {channel!r} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 "
-                           "(no group or world access)")
+        raise ChannelError(
+            f"channel {channel!r} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 "
+            "(no group or world access)"
+        )
     path = socket_path(real, engine_rank)
     if len(path.encode()) > IPC_PATH_MAX:
-        raise ChannelError(f"channel {channel!r}: socket path {path!r} is longer than the {IPC_PATH_MAX}-byte "
-                           "ipc limit; use a shorter directory")
+        raise ChannelError(
+            f"channel {channel!r}: socket path {path!r} is longer than the {IPC_PATH_MAX}-byte "
+            "ipc limit; use a shorter directory"
+        )
     return real
 
 
@@ -149,7 +167,13 @@ def resolve_channel(channel, engine_rank: int = 0) -> str:
 # verl's HTTP client) to the distributed update; each rank's payload is then the control dict.
 DISTRIBUTED_LOAD_FORMAT = "distributed_shards"
 # Flags a tensor-path request and a distributed request share, where the release has them.
-CARRIED_FIELDS = ("flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache")
+CARRIED_FIELDS = (
+    "flush_cache",
+    "abort_all_requests",
+    "weight_version",
+    "selector",
+    "torch_empty_cache",
+)
 # The distributed request's own fields, as the control dict of the tensor path carries them.
 CONTROL_FIELDS = ("update_id", "channel", "timeout_s", "bucket_bytes")
 
@@ -158,24 +182,37 @@ def request_problems(req) -> List[str]:
     """What is wrong with a request's own fields (empty when nothing): checked by the
     tokenizer manager before any scheduler sees the request, and again by each rank."""
     problems = []
-    update_id, bucket = getattr(req, "update_id", None), getattr(req, "bucket_bytes", None)
+    update_id, bucket = (
+        getattr(req, "update_id", None),
+        getattr(req, "bucket_bytes", None),
+    )
     if not isinstance(update_id, str) or not 0 < len(update_id) <= MAX_UPDATE_ID_CHARS:
-        problems.append(f"update_id={update_id!r}: must be a non-empty string of at most {MAX_UPDATE_ID_CHARS} "
-                        "characters")
+        problems.append(
+            f"update_id={update_id!r}: must be a non-empty string of at most {MAX_UPDATE_ID_CHARS} "
+            "characters"
+        )
     try:
         check_timeout(getattr(req, "timeout_s", None))
         resolve_channel(getattr(req, "channel", None))
     except DeliveryError as e:
         problems.append(str(e))
-    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < MIN_BUCKET_BYTES):
-        problems.append(f"bucket_bytes={bucket!r}: must be None (default {DEFAULT_BUCKET_BYTES}) or an integer "
-                        f">= {MIN_BUCKET_BYTES} (1 MiB)")
+    if bucket is not None and (
+        isinstance(bucket, bool)
+        or not isinstance(bucket, int)
+        or bucket < MIN_BUCKET_BYTES
+    ):
+        problems.append(
+            f"bucket_bytes={bucket!r}: must be None (default {DEFAULT_BUCKET_BYTES}) or an integer "
+            f">= {MIN_BUCKET_BYTES} (1 MiB)"
+        )
     return problems
 
 
 def carried(src, accepted: Sequence[str]) -> Dict[str, Any]:
     """The flags of request ``src`` that a request type with fields ``accepted`` also has."""
-    return {f: getattr(src, f) for f in CARRIED_FIELDS if f in accepted and hasattr(src, f)}
+    return {
+        f: getattr(src, f) for f in CARRIED_FIELDS if f in accepted and hasattr(src, f)
+    }
 
 
 def control_dict(req) -> Dict[str, Any]:
@@ -212,9 +249,17 @@ class PayloadKind(str, enum.Enum):
     DESCRIBE = "describe"  # no tensors: publish the engine's manifest into the channel
 
 
-def encode_header(update_id: str, trainer_rank: int, rank_map: Mapping[int, int], tensors: Sequence[Tuple[str, Any]],
-                  pieces: Sequence[Tuple[str, Any]], kind: PayloadKind, names: Sequence[str], fingerprint: str,
-                  inline: Optional[Sequence[Tuple[str, Sequence[int]]]]) -> bytes:
+def encode_header(
+    update_id: str,
+    trainer_rank: int,
+    rank_map: Mapping[int, int],
+    tensors: Sequence[Tuple[str, Any]],
+    pieces: Sequence[Tuple[str, Any]],
+    kind: PayloadKind,
+    names: Sequence[str],
+    fingerprint: str,
+    inline: Optional[Sequence[Tuple[str, Sequence[int]]]],
+) -> bytes:
     """The JSON header of a payload: ``tensors`` and ``pieces`` as (name, wire layout or
     None); ``inline``: (dtype, shape) per tensor when they follow as raw frames."""
     header = {
@@ -223,7 +268,9 @@ def encode_header(update_id: str, trainer_rank: int, rank_map: Mapping[int, int]
         "rank_map": [[int(k), int(v)] for k, v in rank_map.items()],
         "tensors": [[str(n), w] for n, w in tensors],
         "pieces": [[str(n), w] for n, w in pieces],
-        "kind": PayloadKind(kind).value, "names": [str(n) for n in names], "fingerprint": str(fingerprint),
+        "kind": PayloadKind(kind).value,
+        "names": [str(n) for n in names],
+        "fingerprint": str(fingerprint),
     }
     if inline is not None:
         header["inline"] = [[str(d), [int(s) for s in shape]] for d, shape in inline]
@@ -237,33 +284,65 @@ def decode_header(frames: List[bytes]) -> dict:
     try:
         header = json.loads(frames[0])
         inline = header.get("inline")
-        update_id, trainer, pairs, tensors, pieces = (header["update_id"], header["trainer_rank"],
-                                                      header["rank_map"], header["tensors"], header["pieces"])
+        update_id, trainer, pairs, tensors, pieces = (
+            header["update_id"],
+            header["trainer_rank"],
+            header["rank_map"],
+            header["tensors"],
+            header["pieces"],
+        )
         rank_map = {int(k): int(v) for k, v in pairs}
-        kind, names, fingerprint = header.get("kind", "shards"), header.get("names", []), header.get("fingerprint", "")
+        kind, names, fingerprint = (
+            header.get("kind", "shards"),
+            header.get("names", []),
+            header.get("fingerprint", ""),
+        )
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise DeliveryError(f"unreadable header: {type(e).__name__}: {e}") from None
-    if not isinstance(update_id, str) or not isinstance(trainer, int) or not _named_pairs(tensors) \
-            or not _named_pairs(pieces) or not isinstance(names, list) or not all(isinstance(n, str) for n in names) \
-            or not isinstance(fingerprint, str):
+    if (
+        not isinstance(update_id, str)
+        or not isinstance(trainer, int)
+        or not _named_pairs(tensors)
+        or not _named_pairs(pieces)
+        or not isinstance(names, list)
+        or not all(isinstance(n, str) for n in names)
+        or not isinstance(fingerprint, str)
+    ):
         raise DeliveryError("header fields have the wrong types")
-    if inline is not None and not (_named_pairs(inline) and len(inline) == len(tensors)):
-        raise DeliveryError("header field 'inline' must describe each tensor as [dtype, shape]")
+    if inline is not None and not (
+        _named_pairs(inline) and len(inline) == len(tensors)
+    ):
+        raise DeliveryError(
+            "header field 'inline' must describe each tensor as [dtype, shape]"
+        )
     expected = 1 if inline is None else len(inline)
     if len(frames) - 1 != expected:
-        raise DeliveryError(f"{len(frames)} frame(s); expected a header and {expected} more")
+        raise DeliveryError(
+            f"{len(frames)} frame(s); expected a header and {expected} more"
+        )
     try:
         kind = PayloadKind(kind)
     except ValueError:
-        raise DeliveryError(f"unknown payload kind {kind!r}; expected one of {[k.value for k in PayloadKind]}") \
-            from None
-    return {"update_id": update_id, "trainer_rank": trainer, "rank_map": rank_map, "tensors": tensors,
-            "pieces": pieces, "kind": kind, "names": names, "fingerprint": fingerprint, "inline": inline}
+        raise DeliveryError(
+            f"unknown payload kind {kind!r}; expected one of {[k.value for k in PayloadKind]}"
+        ) from None
+    return {
+        "update_id": update_id,
+        "trainer_rank": trainer,
+        "rank_map": rank_map,
+        "tensors": tensors,
+        "pieces": pieces,
+        "kind": kind,
+        "names": names,
+        "fingerprint": fingerprint,
+        "inline": inline,
+    }
 
 
 def _named_pairs(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str)
-                                           for t in value)
+    return isinstance(value, list) and all(
+        isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) for t in value
+    )
 
 
 # ---------------------------------------------------------------------------- the reply
@@ -281,7 +360,11 @@ def is_mixed(output) -> bool:
     """Whether a scheduler's reply says the weights are mixed: its ``mixed`` field, or, on
     upstream's tensor-path reply type (no such field), its message."""
     mixed = getattr(output, "mixed", None)
-    return bool(mixed) if mixed is not None else MIXED in str(getattr(output, "message", ""))
+    return (
+        bool(mixed)
+        if mixed is not None
+        else MIXED in str(getattr(output, "message", ""))
+    )
 
 
 def reply_body(success: bool, message: str, outputs) -> dict:
@@ -289,8 +372,12 @@ def reply_body(success: bool, message: str, outputs) -> dict:
     ``success``/``message``, ``mixed``, and the figures of the (single data-parallel)
     scheduler's reply."""
     first = outputs[0] if outputs else None
-    return {"success": success, "message": message, "mixed": any(is_mixed(o) for o in outputs or ()),
-            **{k: list(getattr(first, k, [])) for k in FIGURES}}
+    return {
+        "success": success,
+        "message": message,
+        "mixed": any(is_mixed(o) for o in outputs or ()),
+        **{k: list(getattr(first, k, [])) for k in FIGURES},
+    }
 
 
 def as_tensor_request(req, tp_size: int):
@@ -303,7 +390,9 @@ def as_tensor_request(req, tp_size: int):
 
     control = control_dict(req)
     return UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[MultiprocessingSerializer.serialize(control) for _ in range(tp_size)],
+        serialized_named_tensors=[
+            MultiprocessingSerializer.serialize(control) for _ in range(tp_size)
+        ],
         load_format=DISTRIBUTED_LOAD_FORMAT,
         **carried(req, field_names(UpdateWeightsFromTensorReqInput)),
     )

@@ -67,9 +67,13 @@ class Leaf:
     l0: Vec
     L: Matrix  # rows: leaf dims; columns: dims of the owning coordinates
 
-    def moved(self, delta: Sequence[int]) -> "Leaf":
+    def moved(self, delta: Sequence[int]) -> Leaf:
         """The same map with its origin moved by ``delta`` owning coordinates."""
-        return Leaf(self.name, tuple(a + b for a, b in zip(self.l0, matvec(self.L, delta))), self.L)
+        return Leaf(
+            self.name,
+            tuple(a + b for a, b in zip(self.l0, matvec(self.L, delta))),
+            self.L,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +100,22 @@ class LeafRead:
     l0: Vec
     steps: Matrix  # rows: leaf dims; columns: iteration dims
 
-    def advanced(self, j: int, n: int) -> "LeafRead":
+    def advanced(self, j: int, n: int) -> LeafRead:
         """The read starting ``n`` steps further along iteration dim ``j``."""
-        return LeafRead(self.name, tuple(a + row[j] * n for a, row in zip(self.l0, self.steps)), self.steps)
+        return LeafRead(
+            self.name,
+            tuple(a + row[j] * n for a, row in zip(self.l0, self.steps)),
+            self.steps,
+        )
 
     def onto(self, dims: Sequence[int]) -> Leaf:
         """The ``Leaf`` it writes when destination canonical dim ``e`` walks iteration dim
         ``dims[e]`` (-1: none)."""
-        return Leaf(self.name, self.l0, tuple(tuple(row[j] if j >= 0 else 0 for j in dims) for row in self.steps))
+        return Leaf(
+            self.name,
+            self.l0,
+            tuple(tuple(row[j] if j >= 0 else 0 for j in dims) for row in self.steps),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +146,13 @@ class Entry:
     box: Box
     src: Recorded
 
-    def restrict(self, sub: Box) -> "Entry":
+    def restrict(self, sub: Box) -> Entry:
         """The part of this entry over ``sub`` (inside ``box``)."""
         if isinstance(self.src, Leaf) and sub.offsets != self.box.offsets:
-            return Entry(sub, self.src.moved([a - b for a, b in zip(sub.offsets, self.box.offsets)]))
+            return Entry(
+                sub,
+                self.src.moved([a - b for a, b in zip(sub.offsets, self.box.offsets)]),
+            )
         return Entry(sub, self.src)
 
 
@@ -157,7 +172,9 @@ class StorageLog:
 
     __slots__ = ("canon", "itemsize", "entries", "keep", "_resolved", "kind")
 
-    def __init__(self, canon: Sequence[int], itemsize: int, keep: object, kind: StorageKind):
+    def __init__(
+        self, canon: Sequence[int], itemsize: int, keep: object, kind: StorageKind
+    ):
         self.canon: Vec = tuple(int(c) for c in canon)
         self.itemsize = itemsize
         self.entries: List[Entry] = []
@@ -196,8 +213,13 @@ def resolve(entries: Sequence[Entry]) -> List[Entry]:
             return wide + [b for bs in buckets.values() for b in bs]
         lo, n = box.offsets[0], box.sizes[0]
         if n > _WIDE:
-            return wide + [b for bs in buckets.values() for b in bs if lo <= b.offsets[0] < lo + n
-                           or b.offsets[0] <= lo < b.offsets[0] + b.sizes[0]]
+            return wide + [
+                b
+                for bs in buckets.values()
+                for b in bs
+                if lo <= b.offsets[0] < lo + n
+                or b.offsets[0] <= lo < b.offsets[0] + b.sizes[0]
+            ]
         seen: List[Box] = []
         for i in range(lo, lo + n):
             seen.extend(buckets.get(i, ()))

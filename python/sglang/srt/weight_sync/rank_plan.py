@@ -70,12 +70,14 @@ class Receivers:
     ranks: Tuple[Tuple[int, ...], ...]
 
     @staticmethod
-    def of(targets: Mapping[int, Sequence[ParamTarget]]) -> "Receivers":
+    def of(targets: Mapping[int, Sequence[ParamTarget]]) -> Receivers:
         """Group a plain rank -> targets mapping by equal targets."""
         by_targets: Dict[Tuple[ParamTarget, ...], List[int]] = {}
         for rank in sorted(targets):
             by_targets.setdefault(tuple(targets[rank]), []).append(rank)
-        return Receivers(tuple(by_targets), tuple(tuple(r) for r in by_targets.values()))
+        return Receivers(
+            tuple(by_targets), tuple(tuple(r) for r in by_targets.values())
+        )
 
     def of_rank(self, rank: int) -> Tuple[ParamTarget, ...]:
         for targets, ranks in zip(self.classes, self.ranks):
@@ -97,9 +99,15 @@ class _NeedIndex:
 
     def __init__(self, dim: int, needs: List[Tuple[int, ParamTarget, Piece]]):
         self.dim = dim
-        self.needs = sorted(needs, key=lambda n: (n[2].box.offsets[dim] if n[2].box.ndim else 0, n[0]))
-        self.starts = [p.box.offsets[dim] if p.box.ndim else 0 for _, _, p in self.needs]
-        self.max_len = max((p.box.sizes[dim] if p.box.ndim else 1 for _, _, p in self.needs), default=0)
+        self.needs = sorted(
+            needs, key=lambda n: (n[2].box.offsets[dim] if n[2].box.ndim else 0, n[0])
+        )
+        self.starts = [
+            p.box.offsets[dim] if p.box.ndim else 0 for _, _, p in self.needs
+        ]
+        self.max_len = max(
+            (p.box.sizes[dim] if p.box.ndim else 1 for _, _, p in self.needs), default=0
+        )
 
     def overlapping(self, box: Box) -> List[Tuple[int, ParamTarget, Piece]]:
         if box.ndim == 0:
@@ -108,8 +116,14 @@ class _NeedIndex:
         first = bisect.bisect_left(self.starts, lo - self.max_len + 1)
         last = bisect.bisect_left(self.starts, hi)
         bo, bs = box.offsets, box.sizes
-        return [n for n in self.needs[first:last]
-                if all(o < x + s and x < o + z for o, z, x, s in zip(n[2].box.offsets, n[2].box.sizes, bo, bs))]
+        return [
+            n
+            for n in self.needs[first:last]
+            if all(
+                o < x + s and x < o + z
+                for o, z, x, s in zip(n[2].box.offsets, n[2].box.sizes, bo, bs)
+            )
+        ]
 
 
 def _spread(rank: int, salt: int, n: int) -> int:
@@ -120,19 +134,29 @@ def _spread(rank: int, salt: int, n: int) -> int:
 class _Planner:
     """Shared state of one ``plan_for_rank`` call: indexes built lazily per tensor."""
 
-    def __init__(self, sources: SourceLayout, receivers: Receivers, topology: Topology, bucket_bytes: int):
+    def __init__(
+        self,
+        sources: SourceLayout,
+        receivers: Receivers,
+        topology: Topology,
+        bucket_bytes: int,
+    ):
         self.sources, self.receivers, self.topology = sources, receivers, topology
         self.window = max(1, bucket_bytes // 2)
         self.holders: Dict[str, HolderIndex] = {}
         self.salt: Dict[str, int] = {}
-        self.landing: Dict[int, tuple] = {}  # id(piece) -> where it lands; receivers keep every piece alive
+        self.landing: Dict[
+            int, tuple
+        ] = {}  # id(piece) -> where it lands; receivers keep every piece alive
         needs: Dict[str, List[Tuple[int, ParamTarget, Piece]]] = defaultdict(list)
         itemsize: Dict[str, int] = {}
         for c, targets in enumerate(receivers.classes):
             for t in targets:
                 for p in t.pieces:
                     needs[p.tensor].append((c, t, p))
-                    itemsize[p.tensor] = max(itemsize.get(p.tensor, 0), t.dtype.itemsize)
+                    itemsize[p.tensor] = max(
+                        itemsize.get(p.tensor, 0), t.dtype.itemsize
+                    )
         self.needs_raw = needs
         self.need_index: Dict[str, _NeedIndex] = {}
         # The canonical byte order that numbers rounds: needed tensors by name, rows in
@@ -144,8 +168,10 @@ class _Planner:
             src = sources.get(name)
             if src is None:
                 c, t, _ = needs[name][0]
-                raise CoverageError(f"tensor {name!r} (for {t.name} on rank {receivers.ranks[c][0]}) "
-                                    "has no source on any rank")
+                raise CoverageError(
+                    f"tensor {name!r} (for {t.name} on rank {receivers.ranks[c][0]}) "
+                    "has no source on any rank"
+                )
             size = max(itemsize[name], src.dtype.itemsize)
             for s in src.shape[1:]:
                 size *= s
@@ -169,19 +195,29 @@ class _Planner:
     def needs_of(self, tensor: str) -> _NeedIndex:
         index = self.need_index.get(tensor)
         if index is None:
-            index = self.need_index[tensor] = _NeedIndex(self.holder_index(tensor).dim, self.needs_raw[tensor])
+            index = self.need_index[tensor] = _NeedIndex(
+                self.holder_index(tensor).dim, self.needs_raw[tensor]
+            )
         return index
 
-    def sender(self, tensor: str, box: Box, ranks: Tuple[int, ...], receiver: int) -> int:
+    def sender(
+        self, tensor: str, box: Box, ranks: Tuple[int, ...], receiver: int
+    ) -> int:
         """The holder of ``box`` that serves ``receiver``: itself, else one of the closest."""
         if len(ranks) == 1:
             return ranks[0]
         if self.holders[tensor].holds(box, receiver):
             return receiver
         _, near = self.holders[tensor].closest(box, ranks, receiver, self.topology)
-        return near[0] if len(near) == 1 else near[_spread(receiver, self.salt[tensor], len(near))]
+        return (
+            near[0]
+            if len(near) == 1
+            else near[_spread(receiver, self.salt[tensor], len(near))]
+        )
 
-    def served(self, target: ParamTarget, piece: Piece, rank: int) -> List[Tuple[Box, Box, int]]:
+    def served(
+        self, target: ParamTarget, piece: Piece, rank: int
+    ) -> List[Tuple[Box, Box, int]]:
         """(region, holder box, sender) covering ``piece`` for ``rank``, in a fixed order;
         ``CoverageError`` when some of it is held by no one."""
         holders = self.holder_index(piece.tensor)
@@ -189,7 +225,9 @@ class _Planner:
         if holders.disjoint:
             covered = 0
             for box, ranks in holders.overlapping(piece.box):
-                region = piece.box if box.contains(piece.box) else piece.box.intersect(box)
+                region = (
+                    piece.box if box.contains(piece.box) else piece.box.intersect(box)
+                )
                 covered += region.numel
                 out.append((region, box, self.sender(piece.tensor, box, ranks, rank)))
             if covered == piece.box.numel:
@@ -198,8 +236,14 @@ class _Planner:
             for _, box, _ in out:
                 remaining = [r for rem in remaining for r in rem.subtract(box)]
         else:  # overlapping boxes: closest first, then by position, as planner.plan does
-            keyed = sorted(((holders.closest(box, ranks, rank, self.topology)[0], box.offsets), box, ranks)
-                           for box, ranks in holders.overlapping(piece.box))
+            keyed = sorted(
+                (
+                    (holders.closest(box, ranks, rank, self.topology)[0], box.offsets),
+                    box,
+                    ranks,
+                )
+                for box, ranks in holders.overlapping(piece.box)
+            )
             remaining = [piece.box]
             for _, box, ranks in keyed:
                 next_remaining = []
@@ -209,7 +253,9 @@ class _Planner:
                         next_remaining.append(rem)
                         continue
                     next_remaining.extend(rem.subtract(box))
-                    out.append((region, box, self.sender(piece.tensor, box, ranks, rank)))
+                    out.append(
+                        (region, box, self.sender(piece.tensor, box, ranks, rank))
+                    )
                 remaining = next_remaining
             if not remaining:
                 return out
@@ -221,7 +267,11 @@ class _Planner:
 
     def windows(self, move: Move) -> List[Tuple[int, Move]]:
         """The move cut at window edges of the canonical order, with each part's window."""
-        region, base, row = move.region, self.base[move.tensor], self.row_bytes[move.tensor]
+        region, base, row = (
+            move.region,
+            self.base[move.tensor],
+            self.row_bytes[move.tensor],
+        )
         if region.ndim == 0:
             return [(base // self.window, move)]
         start = region.offsets[0]
@@ -233,10 +283,28 @@ class _Planner:
         while start < end:
             w = (base + start * row) // self.window
             stop = min(end, max(start + 1, -(-((w + 1) * self.window - base) // row)))
-            part = region if (start, stop) == (region.offsets[0], end) else Box(
-                (start,) + region.offsets[1:], (stop - start,) + region.sizes[1:])
-            out.append((w, move if part is region else Move(move.tensor, part, move.holder, move.src_dtype,
-                                                             move.dtype, move.dests)))
+            part = (
+                region
+                if (start, stop) == (region.offsets[0], end)
+                else Box(
+                    (start,) + region.offsets[1:], (stop - start,) + region.sizes[1:]
+                )
+            )
+            out.append(
+                (
+                    w,
+                    move
+                    if part is region
+                    else Move(
+                        move.tensor,
+                        part,
+                        move.holder,
+                        move.src_dtype,
+                        move.dtype,
+                        move.dests,
+                    ),
+                )
+            )
             start = stop
         return out
 
@@ -267,7 +335,9 @@ def plan_for_rank(
     needed = held = 0
     local: List[Move] = []
     zero_fills: List[ZeroFill] = []
-    remote: Dict[Tuple, List[Dest]] = defaultdict(list)  # (tensor, region, holder, dtype, receiver) -> dests
+    remote: Dict[Tuple, List[Dest]] = defaultdict(
+        list
+    )  # (tensor, region, holder, dtype, receiver) -> dests
 
     def add(piece: Piece, region: Box, box: Box, src: int, dest: Dest, dtype) -> None:
         holder = pl.holders[piece.tensor].holder(box, src)
@@ -282,7 +352,16 @@ def plan_for_rank(
                 if src == rank:
                     held += region.numel * target.dtype.itemsize
                     holder = pl.holders[piece.tensor].holder(box, src)
-                    local.append(Move(piece.tensor, region, holder, sources[piece.tensor].dtype, target.dtype, (dest,)))
+                    local.append(
+                        Move(
+                            piece.tensor,
+                            region,
+                            holder,
+                            sources[piece.tensor].dtype,
+                            target.dtype,
+                            (dest,),
+                        )
+                    )
                 else:
                     add(piece, region, box, src, dest, target.dtype)
 
@@ -300,15 +379,33 @@ def plan_for_rank(
                 if not others:
                     continue
                 if holders.disjoint:
-                    region = piece.box if box.contains(piece.box) else piece.box.intersect(box)
+                    region = (
+                        piece.box
+                        if box.contains(piece.box)
+                        else piece.box.intersect(box)
+                    )
                     for q in others:
                         if len(ranks) == 1 or pl.sender(name, box, ranks, q) == rank:
-                            add(piece, region, box, rank, pl.dest(q, target, piece), target.dtype)
+                            add(
+                                piece,
+                                region,
+                                box,
+                                rank,
+                                pl.dest(q, target, piece),
+                                target.dtype,
+                            )
                 else:
                     for q in others:
                         for region, b, src in pl.served(target, piece, q):
                             if src == rank and b == box:
-                                add(piece, region, box, rank, pl.dest(q, target, piece), target.dtype)
+                                add(
+                                    piece,
+                                    region,
+                                    box,
+                                    rank,
+                                    pl.dest(q, target, piece),
+                                    target.dtype,
+                                )
 
     rounds: Dict[int, List[Move]] = defaultdict(list)
     for (tensor, region, holder, dtype, _), dests in remote.items():
@@ -321,18 +418,37 @@ def plan_for_rank(
     if not fingerprint:
         fingerprint = inputs_digest(sources, receivers, topology, bucket_bytes)
     return Plan(
-        tuple(local), tuple(tuple(sorted(rounds[w], key=_order)) for w in ids), tuple(zero_fills), (),
-        {rank: needed}, {rank: held}, bucket_bytes, fingerprint, ids,
+        tuple(local),
+        tuple(tuple(sorted(rounds[w], key=_order)) for w in ids),
+        tuple(zero_fills),
+        (),
+        {rank: needed},
+        {rank: held},
+        bucket_bytes,
+        fingerprint,
+        ids,
     )
 
 
-def inputs_digest(sources: SourceLayout, receivers: Receivers, topology: Optional[Topology] = None,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+def inputs_digest(
+    sources: SourceLayout,
+    receivers: Receivers,
+    topology: Optional[Topology] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> str:
     """What every rank's ``plan_for_rank`` depends on; equal digests give consistent plans."""
     topology = topology or Topology()
     h = hashlib.sha256()
-    for part in (sources_digest(sources), receivers.digest(),
-                 repr((sorted(topology.device_of.items()), sorted(topology.node_of.items()), bucket_bytes))):
+    for part in (
+        sources_digest(sources),
+        receivers.digest(),
+        repr(
+            (
+                sorted(topology.device_of.items()),
+                sorted(topology.node_of.items()),
+                bucket_bytes,
+            )
+        ),
+    ):
         h.update(part.encode())
     return h.hexdigest()
-

@@ -18,12 +18,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Counter, Dict, FrozenSet, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Counter,
+    Dict,
+    FrozenSet,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+)
 
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.provenance import Const, Entry, Fill, Opaque, StorageLog, Vec
+from sglang.srt.weight_sync.provenance import (
+    Const,
+    Entry,
+    Fill,
+    Opaque,
+    StorageLog,
+    Vec,
+)
 
 __all__ = [
     "ALLOCATING",
@@ -61,10 +80,18 @@ class Recorder(Protocol):
 
     def scalar_source(self, value: Any) -> Fill: ...
 
-    def transfer(self, dst: Geometry, dst_log: StorageLog, src: Optional[torch.Tensor] = None,
-                 src_geom: Optional[Tuple[int, Vec]] = None, fixed: Optional[Fill] = None) -> None: ...
+    def transfer(
+        self,
+        dst: Geometry,
+        dst_log: StorageLog,
+        src: Optional[torch.Tensor] = None,
+        src_geom: Optional[Tuple[int, Vec]] = None,
+        fixed: Optional[Fill] = None,
+    ) -> None: ...
 
-    def mark_computed(self, dst_log: StorageLog, dst: Geometry, src: Opaque) -> None: ...
+    def mark_computed(
+        self, dst_log: StorageLog, dst: Geometry, src: Opaque
+    ) -> None: ...
 
 
 InPlaceHandler = Callable[[Recorder, Args], None]
@@ -106,7 +133,9 @@ def broadcast_strides(src: torch.Tensor, shape: Sequence[int]) -> Tuple[int, ...
 
 def _deps(rec: Recorder, tensors: Sequence[torch.Tensor]) -> frozenset:
     """The leaves ``tensors`` are made of."""
-    return frozenset().union(*(rec.deps(t) for t in tensors)) if tensors else frozenset()
+    return (
+        frozenset().union(*(rec.deps(t) for t in tensors)) if tensors else frozenset()
+    )
 
 
 # ---------------------------------------------------------------------- in place
@@ -130,8 +159,12 @@ def _zero_(rec: Recorder, args: Args) -> None:
     rec.fill(args[0], Const(0.0))
 
 
-def computed_in_place(rec: Recorder, func: Any, inputs: Sequence[torch.Tensor],
-                      written: Sequence[torch.Tensor]) -> None:
+def computed_in_place(
+    rec: Recorder,
+    func: Any,
+    inputs: Sequence[torch.Tensor],
+    written: Sequence[torch.Tensor],
+) -> None:
     """Any other op writing (some of) its inputs: what it writes is computed from all of them."""
     deps = _deps(rec, inputs)
     rec.opaque_ops[func.__name__] += 1
@@ -139,22 +172,28 @@ def computed_in_place(rec: Recorder, func: Any, inputs: Sequence[torch.Tensor],
         rec.mark_computed(rec.prov(t), rec.geom(t), Opaque(func.__name__, deps))
 
 
-IN_PLACE: Mapping[Any, InPlaceHandler] = MappingProxyType({
-    aten.copy_.default: _copy_,
-    aten.fill_.Scalar: _fill_,
-    aten.fill_.Tensor: _fill_,
-    aten.zero_.default: _zero_,
-})
+IN_PLACE: Mapping[Any, InPlaceHandler] = MappingProxyType(
+    {
+        aten.copy_.default: _copy_,
+        aten.fill_.Scalar: _fill_,
+        aten.fill_.Tensor: _fill_,
+        aten.zero_.default: _zero_,
+    }
+)
 
 # ---------------------------------------------------------------------- allocating
 
 
-def _clone(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _clone(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """A copy of the input (``_to_copy``: maybe in another dtype)."""
     rec.copy(outs[0], args[0])
 
 
-def _copy(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _copy(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """Out-of-place ``copy(self, src)``: ``src`` broadcast to ``self``'s shape."""
     rec.copy(outs[0], args[1])
 
@@ -164,7 +203,9 @@ def _dim(args: Args, kwargs: Kwargs, ndim: int) -> int:
     return (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % ndim
 
 
-def _cat(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _cat(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``cat``: each input copied into its slab along ``dim``."""
     out = outs[0]
     dim = _dim(args, kwargs, out.dim())
@@ -174,27 +215,45 @@ def _cat(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.
             continue  # legacy: cat skips empty 1-D tensors
         sizes = list(out.shape)
         sizes[dim] = t.shape[dim]
-        rec.transfer((out.storage_offset() + at * out.stride(dim), tuple(sizes), tuple(out.stride())),
-                     rec.prov(out), t, (t.storage_offset(), broadcast_strides(t, sizes)))
+        rec.transfer(
+            (
+                out.storage_offset() + at * out.stride(dim),
+                tuple(sizes),
+                tuple(out.stride()),
+            ),
+            rec.prov(out),
+            t,
+            (t.storage_offset(), broadcast_strides(t, sizes)),
+        )
         at += t.shape[dim]
 
 
-def _stack(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _stack(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``stack``: input ``m`` copied into index ``m`` of ``dim``."""
     out = outs[0]
     dim = _dim(args, kwargs, out.dim())
     sizes = [n for d, n in enumerate(out.shape) if d != dim]
     strides = [s for d, s in enumerate(out.stride()) if d != dim]
     for m, t in enumerate(args[0]):
-        rec.transfer((out.storage_offset() + m * out.stride(dim), tuple(sizes), tuple(strides)),
-                     rec.prov(out), t, (t.storage_offset(), broadcast_strides(t, sizes)))
+        rec.transfer(
+            (out.storage_offset() + m * out.stride(dim), tuple(sizes), tuple(strides)),
+            rec.prov(out),
+            t,
+            (t.storage_offset(), broadcast_strides(t, sizes)),
+        )
 
 
-def _constant_pad_nd(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _constant_pad_nd(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``constant_pad_nd`` (``F.pad``): the value everywhere, then the input (cropped where a
     pad is negative) inside."""
     out, x, pad = outs[0], args[0], list(args[1])
-    rec.fill(out, rec.scalar_source(args[2] if len(args) > 2 else kwargs.get("value", 0)))
+    rec.fill(
+        out, rec.scalar_source(args[2] if len(args) > 2 else kwargs.get("value", 0))
+    )
     dst_off, src_off = out.storage_offset(), x.storage_offset()
     sizes = list(x.shape)
     for q in range(len(pad) // 2):
@@ -207,10 +266,17 @@ def _constant_pad_nd(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs:
             sizes[d] += before
         if after < 0:
             sizes[d] += after
-    rec.transfer((dst_off, tuple(sizes), tuple(out.stride())), rec.prov(out), x, (src_off, tuple(x.stride())))
+    rec.transfer(
+        (dst_off, tuple(sizes), tuple(out.stride())),
+        rec.prov(out),
+        x,
+        (src_off, tuple(x.stride())),
+    )
 
 
-def _index_select(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _index_select(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``index_select`` with a concrete index: one slab copied per index; computed otherwise."""
     x, dim, index = args
     if index.device.type == "meta":
@@ -222,17 +288,29 @@ def _index_select(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: Li
     dst_strides = [s for d, s in enumerate(out.stride()) if d != dim]
     src_strides = [s for d, s in enumerate(x.stride()) if d != dim]
     for m, j in enumerate(index.tolist()):
-        rec.transfer((out.storage_offset() + m * out.stride(dim), tuple(sizes), tuple(dst_strides)), rec.prov(out),
-                     x, (x.storage_offset() + j * x.stride(dim), tuple(src_strides)))
+        rec.transfer(
+            (
+                out.storage_offset() + m * out.stride(dim),
+                tuple(sizes),
+                tuple(dst_strides),
+            ),
+            rec.prov(out),
+            x,
+            (x.storage_offset() + j * x.stride(dim), tuple(src_strides)),
+        )
 
 
-def _zeros(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _zeros(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``zeros``, ``zeros_like``, ``new_zeros``: zeros."""
     for t in outs:
         rec.fill(t, Const(0.0))
 
 
-def _ones(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _ones(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``ones``, ``ones_like``, ``new_ones``: ones."""
     for t in outs:
         rec.fill(t, Const(1.0))
@@ -241,7 +319,9 @@ def _ones(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch
 def _filled(value_at: int) -> AllocatingHandler:
     """A factory whose fill value is argument ``value_at``."""
 
-    def filled(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+    def filled(
+        rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+    ) -> None:
         """``full`` and kin: the fill value (maybe an ``.item()`` of a leaf) everywhere."""
         for t in outs:
             rec.fill(t, rec.scalar_source(args[value_at]))
@@ -249,11 +329,15 @@ def _filled(value_at: int) -> AllocatingHandler:
     return filled
 
 
-def _uninitialised(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def _uninitialised(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """``empty`` and kin: nothing written."""
 
 
-def computed(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]) -> None:
+def computed(
+    rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[torch.Tensor]
+) -> None:
     """Any other op: its outputs are computed from all its inputs."""
     deps = _deps(rec, tensors_in((args, kwargs)))
     rec.opaque_ops[func.__name__] += 1
@@ -261,14 +345,26 @@ def computed(rec: Recorder, func: Any, args: Args, kwargs: Kwargs, outs: List[to
         rec.prov(t).add(Entry(Box.full(rec.prov(t).canon), Opaque(func.__name__, deps)))
 
 
-def _table(*rows: Tuple[Sequence[Any], AllocatingHandler]) -> Mapping[Any, AllocatingHandler]:
+def _table(
+    *rows: Tuple[Sequence[Any], AllocatingHandler],
+) -> Mapping[Any, AllocatingHandler]:
     """A read-only op -> handler table from rows of (ops, their handler)."""
-    return MappingProxyType({func: handler for funcs, handler in rows for func in funcs})
+    return MappingProxyType(
+        {func: handler for funcs, handler in rows for func in funcs}
+    )
 
 
 ALLOCATING: Mapping[Any, AllocatingHandler] = _table(
-    ((aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, aten.alias_copy.default,
-      aten.detach_copy.default), _clone),
+    (
+        (
+            aten.clone.default,
+            aten._to_copy.default,
+            aten.lift_fresh_copy.default,
+            aten.alias_copy.default,
+            aten.detach_copy.default,
+        ),
+        _clone,
+    ),
     ((aten.copy.default,), _copy),
     ((aten.cat.default,), _cat),
     ((aten.stack.default,), _stack),
@@ -276,11 +372,22 @@ ALLOCATING: Mapping[Any, AllocatingHandler] = _table(
     ((aten.index_select.default,), _index_select),
     ((aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default), _zeros),
     ((aten.ones.default, aten.ones_like.default, aten.new_ones.default), _ones),
-    ((aten.full.default, aten.full_like.default), _filled(1)),  # (size | self, fill_value)
+    (
+        (aten.full.default, aten.full_like.default),
+        _filled(1),
+    ),  # (size | self, fill_value)
     ((aten.new_full.default,), _filled(2)),  # (self, size, fill_value)
     ((aten.scalar_tensor.default,), _filled(0)),  # (s)
-    ((aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
-      aten.new_empty_strided.default), _uninitialised),
+    (
+        (
+            aten.empty.memory_format,
+            aten.empty_like.default,
+            aten.new_empty.default,
+            aten.empty_strided.default,
+            aten.new_empty_strided.default,
+        ),
+        _uninitialised,
+    ),
 )
 
 
@@ -298,8 +405,15 @@ class OpFacts:
     allocating: AllocatingHandler
 
     @staticmethod
-    def of(func: Any) -> "OpFacts":
-        mutated = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                        if a.alias_info is not None and a.alias_info.is_write)
-        return OpFacts(bool(func.is_view) and not mutated, mutated, IN_PLACE.get(func),
-                       ALLOCATING.get(func, computed))
+    def of(func: Any) -> OpFacts:
+        mutated = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        return OpFacts(
+            bool(func.is_view) and not mutated,
+            mutated,
+            IN_PLACE.get(func),
+            ALLOCATING.get(func, computed),
+        )

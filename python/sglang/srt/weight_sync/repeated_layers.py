@@ -52,7 +52,7 @@ def layer_of(name: str) -> Optional[Tuple[str, int]]:
 def _split(name: str) -> Optional[Tuple[str, int, str]]:
     """``(prefix, number, rest)`` around the first numbered component of ``name``, or None."""
     m = _NUMBERED.search(name)
-    return None if m is None else (name[:m.start()], int(m.group(1)), name[m.end():])
+    return None if m is None else (name[: m.start()], int(m.group(1)), name[m.end() :])
 
 
 @dataclass(frozen=True)
@@ -93,25 +93,44 @@ class LayerSampling:
         order = {name: k for k, (name, _, _) in enumerate(engine_tensors)}
         structure = _by_layer(engine_tensors)
         targets = list(derived.targets)
-        not_copied, post_load, read = dict(derived.not_copied), dict(derived.post_load), set(derived.read)
+        not_copied, post_load, read = (
+            dict(derived.not_copied),
+            dict(derived.post_load),
+            set(derived.read),
+        )
         for kind in self.kinds:
             engine = parts.engine_prefix(kind)
             first = parts.part(kind, engine, kind.first)
-            if first.renamed(kind.prefix, engine, kind.first, kind.last) != parts.part(kind, engine, kind.last):
-                raise LayersDiffer(f"{kind.prefix}.{kind.last} is not loaded like {kind.prefix}.{kind.first}")
+            if first.renamed(kind.prefix, engine, kind.first, kind.last) != parts.part(
+                kind, engine, kind.last
+            ):
+                raise LayersDiffer(
+                    f"{kind.prefix}.{kind.last} is not loaded like {kind.prefix}.{kind.first}"
+                )
             for i in kind.renamed:
                 if parts.touches(kind, engine, i):
-                    raise LayersDiffer(f"{kind.prefix}.{i} was not loaded, yet the derivation holds some of it")
-                if engine is not None and structure.get((engine, i)) != structure.get((engine, kind.first)):
-                    raise LayersDiffer(f"SGLang's {engine}.{i} holds other tensors than {engine}.{kind.first}")
+                    raise LayersDiffer(
+                        f"{kind.prefix}.{i} was not loaded, yet the derivation holds some of it"
+                    )
+                if engine is not None and structure.get((engine, i)) != structure.get(
+                    (engine, kind.first)
+                ):
+                    raise LayersDiffer(
+                        f"SGLang's {engine}.{i} holds other tensors than {engine}.{kind.first}"
+                    )
                 part = first.renamed(kind.prefix, engine, kind.first, i)
                 targets += part.targets
                 not_copied.update(part.not_copied)
                 post_load.update(part.post_load)
                 read |= part.read
         targets.sort(key=lambda t: order[t.name])
-        return replace(derived, targets=tuple(targets), not_copied=not_copied, post_load=post_load,
-                       read=frozenset(read))
+        return replace(
+            derived,
+            targets=tuple(targets),
+            not_copied=not_copied,
+            post_load=post_load,
+            read=frozenset(read),
+        )
 
 
 def sample_layers(tensors: Iterable[TensorSpec]) -> Optional[LayerSampling]:
@@ -121,12 +140,22 @@ def sample_layers(tensors: Iterable[TensorSpec]) -> Optional[LayerSampling]:
     numbers = defaultdict(list)
     for (prefix, i), held in _by_layer(tensors).items():
         numbers[(prefix, tuple(sorted(held, key=lambda h: h[0])))].append(i)
-    kinds = tuple(sorted((LayerKind(prefix, tuple(sorted(ns))) for (prefix, _), ns in numbers.items()
-                          if len(ns) >= 3), key=lambda k: (k.prefix, k.first)))
+    kinds = tuple(
+        sorted(
+            (
+                LayerKind(prefix, tuple(sorted(ns)))
+                for (prefix, _), ns in numbers.items()
+                if len(ns) >= 3
+            ),
+            key=lambda k: (k.prefix, k.first),
+        )
+    )
     if not kinds:
         return None
     skipped = {(k.prefix, i) for k in kinds for i in k.renamed}
-    return LayerSampling(kinds, tuple(t for t in tensors if layer_of(t[0]) not in skipped))
+    return LayerSampling(
+        kinds, tuple(t for t in tensors if layer_of(t[0]) not in skipped)
+    )
 
 
 @dataclass(frozen=True)
@@ -139,7 +168,7 @@ class _Part:
     post_load: Mapping[str, Tuple[str, ...]]
     read: FrozenSet[str]
 
-    def renamed(self, prefix: str, engine: Optional[str], old: int, new: int) -> "_Part":
+    def renamed(self, prefix: str, engine: Optional[str], old: int, new: int) -> _Part:
         """This part as layer ``new``'s: checkpoint names ``prefix.old.`` and engine names
         ``engine.old.`` renumbered."""
         pairs = [(f"{prefix}.{old}.", f"{prefix}.{new}.")]
@@ -149,17 +178,35 @@ class _Part:
         def name(n: str) -> str:
             for a, b in pairs:
                 if n.startswith(a):
-                    return b + n[len(a):]
+                    return b + n[len(a) :]
             return n
 
-        within = re.compile(r"(?<![\w.])(" + "|".join(re.escape(a) for a, _ in pairs) + ")")
+        within = re.compile(
+            r"(?<![\w.])(" + "|".join(re.escape(a) for a, _ in pairs) + ")"
+        )
         lookup = dict(pairs)
         return _Part(
-            tuple(ParamTarget(name(t.name), t.shape, t.dtype,
-                              tuple(Piece(name(p.tensor), p.box, p.index, p.offsets, p.perm) for p in t.pieces),
-                              t.zeros) for t in self.targets),
-            {name(n): within.sub(lambda m: lookup[m.group(1)], why) for n, why in self.not_copied.items()},
-            {name(n): tuple(name(d) for d in deps) for n, deps in self.post_load.items()},
+            tuple(
+                ParamTarget(
+                    name(t.name),
+                    t.shape,
+                    t.dtype,
+                    tuple(
+                        Piece(name(p.tensor), p.box, p.index, p.offsets, p.perm)
+                        for p in t.pieces
+                    ),
+                    t.zeros,
+                )
+                for t in self.targets
+            ),
+            {
+                name(n): within.sub(lambda m: lookup[m.group(1)], why)
+                for n, why in self.not_copied.items()
+            },
+            {
+                name(n): tuple(name(d) for d in deps)
+                for n, deps in self.post_load.items()
+            },
             frozenset(name(n) for n in self.read),
         )
 
@@ -169,7 +216,9 @@ class _Parts:
 
     def __init__(self, derived):
         self.targets = defaultdict(list)
-        self.sources: Dict[Tuple[str, int], set] = defaultdict(set)  # checkpoint layer -> engine tensors fed
+        self.sources: Dict[Tuple[str, int], set] = defaultdict(
+            set
+        )  # checkpoint layer -> engine tensors fed
         for t in derived.targets:
             self.targets[layer_of(t.name)].append(t)
             for p in t.pieces:
@@ -195,10 +244,14 @@ class _Parts:
             for fed in self.sources.get((kind.prefix, i), ()):
                 layer = layer_of(fed)
                 if layer is None or layer[1] != i:
-                    raise LayersDiffer(f"{fed} is fed from {kind.prefix}.{i} but is not numbered {i}")
+                    raise LayersDiffer(
+                        f"{fed} is fed from {kind.prefix}.{i} but is not numbered {i}"
+                    )
                 prefixes.add(layer[0])
         if len(prefixes) > 1:
-            raise LayersDiffer(f"{kind.prefix}.<i> feeds several engine layers: {sorted(prefixes)}")
+            raise LayersDiffer(
+                f"{kind.prefix}.<i> feeds several engine layers: {sorted(prefixes)}"
+            )
         return next(iter(prefixes), None)
 
     def part(self, kind: LayerKind, engine: Optional[str], i: int) -> _Part:
@@ -208,14 +261,26 @@ class _Parts:
         fed += [(n, d) for n, deps in post_load.items() for d in deps]
         foreign = sorted({(n, d) for n, d in fed if layer_of(d) != (kind.prefix, i)})
         if foreign:
-            raise LayersDiffer(f"{foreign[0][0]} is fed from outside {kind.prefix}.{i}: {foreign[0][1]}")
-        return _Part(targets, self.not_copied.get((kind.prefix, i), {}), post_load,
-                     frozenset(self.read.get((kind.prefix, i), ())))
+            raise LayersDiffer(
+                f"{foreign[0][0]} is fed from outside {kind.prefix}.{i}: {foreign[0][1]}"
+            )
+        return _Part(
+            targets,
+            self.not_copied.get((kind.prefix, i), {}),
+            post_load,
+            frozenset(self.read.get((kind.prefix, i), ())),
+        )
 
     def touches(self, kind: LayerKind, engine: Optional[str], i: int) -> bool:
-        return bool(self.read.get((kind.prefix, i)) or self.not_copied.get((kind.prefix, i))
-                    or self.sources.get((kind.prefix, i))
-                    or (engine is not None and (self.targets.get((engine, i)) or self.post_load.get((engine, i)))))
+        return bool(
+            self.read.get((kind.prefix, i))
+            or self.not_copied.get((kind.prefix, i))
+            or self.sources.get((kind.prefix, i))
+            or (
+                engine is not None
+                and (self.targets.get((engine, i)) or self.post_load.get((engine, i)))
+            )
+        )
 
 
 def _by_layer(tensors: Sequence[TensorSpec]) -> Dict[Tuple[str, int], Tuple]:

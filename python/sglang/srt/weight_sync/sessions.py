@@ -35,12 +35,20 @@ def run_in_session(manager, update, recv_req):
     replicated on every TP rank, so every rank takes the same branch); then the
     update runs in that session and leaves it open.
     """
-    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+    )
 
-    begun = manager.begin_weight_update(BeginWeightUpdateReqInput(selector=recv_req.selector))
+    begun = manager.begin_weight_update(
+        BeginWeightUpdateReqInput(selector=recv_req.selector)
+    )
     if not begun.success:
         return update(recv_req)
-    logger.debug("%s without an open session: running it in a one-shot session", type(recv_req).__name__)
+    logger.debug(
+        "%s without an open session: running it in a one-shot session",
+        type(recv_req).__name__,
+    )
     try:
         return update(recv_req)
     finally:
@@ -52,9 +60,14 @@ def with_implicit_sessions(dispatcher, manager):
     from sglang.srt.managers import io_struct
     from sglang.utils import TypeBasedDispatcher
 
-    wrapped = TypeBasedDispatcher([
-        (getattr(io_struct, req), functools.partial(run_in_session, manager, getattr(manager, method)))
-        for req, method in SESSION_UPDATES.items()
-    ])
+    wrapped = TypeBasedDispatcher(
+        [
+            (
+                getattr(io_struct, req),
+                functools.partial(run_in_session, manager, getattr(manager, method)),
+            )
+            for req, method in SESSION_UPDATES.items()
+        ]
+    )
     wrapped += dispatcher  # every other request type, handled as before
     return wrapped

@@ -12,7 +12,21 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
 
-__all__ = ["TpState", "after_load", "after_update", "as_tp_rank", "field_names", "initialize_meta_model", "module_globals", "original_hf_config", "parallel_widths", "rebind_parameter_aliases", "server_args_dict", "subclass_with_field", "tp_state"]
+__all__ = [
+    "TpState",
+    "after_load",
+    "after_update",
+    "as_tp_rank",
+    "field_names",
+    "initialize_meta_model",
+    "module_globals",
+    "original_hf_config",
+    "parallel_widths",
+    "rebind_parameter_aliases",
+    "server_args_dict",
+    "subclass_with_field",
+    "tp_state",
+]
 
 
 @dataclass(frozen=True)
@@ -39,17 +53,32 @@ def tp_state() -> TpState:
     """0.5.23 publishes ranks and groups in ``runtime_context.get_parallel()``; older releases
     through ``parallel_state`` and ``dp_attention`` getters."""
     if not _has_runtime_context():
-        from sglang.srt.distributed.parallel_state import get_moe_expert_parallel_world_size, get_tp_group
+        from sglang.srt.distributed.parallel_state import (
+            get_moe_expert_parallel_world_size,
+            get_tp_group,
+        )
         from sglang.srt.layers.dp_attention import get_attention_tp_size
 
         group = get_tp_group()
-        return TpState(group.rank_in_group, group.world_size, get_attention_tp_size(),
-                       get_moe_expert_parallel_world_size(), group.cpu_group, group.device_group)
+        return TpState(
+            group.rank_in_group,
+            group.world_size,
+            get_attention_tp_size(),
+            get_moe_expert_parallel_world_size(),
+            group.cpu_group,
+            group.device_group,
+        )
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()
-    return TpState(par.tp_rank, par.tp_size, par.attn_tp_size, par.moe_ep_size,
-                   par.tp_group.cpu_group, par.tp_group.device_group)
+    return TpState(
+        par.tp_rank,
+        par.tp_size,
+        par.attn_tp_size,
+        par.moe_ep_size,
+        par.tp_group.cpu_group,
+        par.tp_group.device_group,
+    )
 
 
 def parallel_widths() -> Tuple[int, int, int, int, int, int]:
@@ -59,11 +88,24 @@ def parallel_widths() -> Tuple[int, int, int, int, int, int]:
         from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
-        return par.tp_size, par.attn_tp_size, par.moe_ep_size, par.pp_size, par.attn_cp_size, par.moe_dp_size
+        return (
+            par.tp_size,
+            par.attn_tp_size,
+            par.moe_ep_size,
+            par.pp_size,
+            par.attn_cp_size,
+            par.moe_dp_size,
+        )
     from sglang.srt.distributed import parallel_state as ps
 
-    return (ps.get_tp_group().world_size, ps.get_attn_tp_group().world_size, ps.get_moe_ep_group().world_size,
-            ps.get_pp_group().world_size, ps.get_attn_cp_group().world_size, ps.get_moe_dp_group().world_size)
+    return (
+        ps.get_tp_group().world_size,
+        ps.get_attn_tp_group().world_size,
+        ps.get_moe_ep_group().world_size,
+        ps.get_pp_group().world_size,
+        ps.get_attn_cp_group().world_size,
+        ps.get_moe_dp_group().world_size,
+    )
 
 
 @contextlib.contextmanager
@@ -76,20 +118,41 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
     for the whole process, so it runs where the scheduler does nothing else (an update)."""
     tp, attn_tp, ep, pp, attn_cp, moe_dp = parallel_widths()
     if (pp, attn_cp, moe_dp) != (1, 1, 1):
-        raise ValueError(f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
-                         f"{pp}, {attn_cp}, {moe_dp}")
-    if _has_runtime_context():
-        from sglang.srt.runtime_context import derive_attention_ranks, derive_spawn_ranks, get_parallel
-
-        ranks = derive_spawn_ranks(world_rank=rank, tp_size=tp, ep_join_rank_offset=0, attn_cp_size=1,
-                                   attn_tp_size=attn_tp, moe_dp_size=1, moe_ep_size=ep)
-        attn_tp_rank, attn_dp_rank = derive_attention_ranks(tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1)
-        groups = dict(
-            tp_group=group(rank, tp), attn_tp_group=group(attn_tp_rank, attn_tp),
-            moe_ep_group=group(ranks["moe_ep_rank"], ep), moe_tp_group=group(ranks["moe_tp_rank"], tp // ep),
-            moe_dp_group=group(0, 1), attn_cp_group=group(0, 1), pp_group=group(0, 1),
+        raise ValueError(
+            f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
+            f"{pp}, {attn_cp}, {moe_dp}"
         )
-        with get_parallel().override(**ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups):
+    if _has_runtime_context():
+        from sglang.srt.runtime_context import (
+            derive_attention_ranks,
+            derive_spawn_ranks,
+            get_parallel,
+        )
+
+        ranks = derive_spawn_ranks(
+            world_rank=rank,
+            tp_size=tp,
+            ep_join_rank_offset=0,
+            attn_cp_size=1,
+            attn_tp_size=attn_tp,
+            moe_dp_size=1,
+            moe_ep_size=ep,
+        )
+        attn_tp_rank, attn_dp_rank = derive_attention_ranks(
+            tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1
+        )
+        groups = dict(
+            tp_group=group(rank, tp),
+            attn_tp_group=group(attn_tp_rank, attn_tp),
+            moe_ep_group=group(ranks["moe_ep_rank"], ep),
+            moe_tp_group=group(ranks["moe_tp_rank"], tp // ep),
+            moe_dp_group=group(0, 1),
+            attn_cp_group=group(0, 1),
+            pp_group=group(0, 1),
+        )
+        with get_parallel().override(
+            **ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups
+        ):
             yield
         return
     from sglang.srt.distributed import parallel_state
@@ -98,15 +161,27 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
 
     args = get_global_server_args()
     attn_tp_rank, _, attn_dp_rank = dp_attention.compute_dp_attention_world_info(
-        args.enable_dp_attention, rank, tp, args.dp_size)
+        args.enable_dp_attention, rank, tp, args.dp_size
+    )
     _, _, local_attn_dp_rank = dp_attention.compute_dp_attention_local_info(
-        args.enable_dp_attention, rank, tp, args.dp_size, args.moe_dense_tp_size)
-    moe_tp = tp // ep  # initialize_model_parallel: MoE-TP groups are runs of moe_tp ranks, MoE-EP groups strided
+        args.enable_dp_attention, rank, tp, args.dp_size, args.moe_dense_tp_size
+    )
+    moe_tp = (
+        tp // ep
+    )  # initialize_model_parallel: MoE-TP groups are runs of moe_tp ranks, MoE-EP groups strided
     swapped = {
-        parallel_state: dict(_TP=group(rank, tp), _ATTN_TP=group(attn_tp_rank, attn_tp), _ATTN_CP=group(0, 1),
-                             _MOE_DP=group(0, 1), _MOE_EP=group(rank // moe_tp, ep), _MOE_TP=group(rank % moe_tp, moe_tp),
-                             _PP=group(0, 1)),
-        dp_attention: dict(_ATTN_DP_RANK=attn_dp_rank, _LOCAL_ATTN_DP_RANK=local_attn_dp_rank),
+        parallel_state: dict(
+            _TP=group(rank, tp),
+            _ATTN_TP=group(attn_tp_rank, attn_tp),
+            _ATTN_CP=group(0, 1),
+            _MOE_DP=group(0, 1),
+            _MOE_EP=group(rank // moe_tp, ep),
+            _MOE_TP=group(rank % moe_tp, moe_tp),
+            _PP=group(0, 1),
+        ),
+        dp_attention: dict(
+            _ATTN_DP_RANK=attn_dp_rank, _LOCAL_ATTN_DP_RANK=local_attn_dp_rank
+        ),
     }
     with module_globals(swapped):
         yield
@@ -116,7 +191,10 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
 def module_globals(values: Dict[Any, Dict[str, Any]]) -> Iterator[None]:
     """Module globals set to ``{module: {name: value}}`` for the block, then restored: where
     releases before 0.5.23 keep parallel state and server args."""
-    saved = {module: {name: getattr(module, name) for name in names} for module, names in values.items()}
+    saved = {
+        module: {name: getattr(module, name) for name in names}
+        for module, names in values.items()
+    }
     try:
         for module, names in values.items():
             for name, value in names.items():
@@ -150,11 +228,17 @@ def original_hf_config(model_config):
     except ImportError:
         from sglang.srt.utils.hf_transformers_utils import get_config
     uncached = getattr(get_config, "__wrapped__", get_config)
-    kwargs = dict(revision=model_config.revision, model_override_args=model_config.model_override_args)
+    kwargs = dict(
+        revision=model_config.revision,
+        model_override_args=model_config.model_override_args,
+    )
     if "model_config_parser" in inspect.signature(uncached).parameters:
         kwargs["model_config_parser"] = model_config.model_config_parser
-    return uncached(model_config.model_path, trust_remote_code=bool(server_args_dict().get("trust_remote_code")),
-                    **kwargs)
+    return uncached(
+        model_config.model_path,
+        trust_remote_code=bool(server_args_dict().get("trust_remote_code")),
+        **kwargs,
+    )
 
 
 def after_load(model) -> None:
@@ -162,6 +246,7 @@ def after_load(model) -> None:
     post-load processing (0.5.23: ``DefaultModelLoader.postprocess_weights``; older releases
     run the same loop inside ``load_weights_and_postprocess``, which also loads)."""
     import torch
+
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     if hasattr(DefaultModelLoader, "postprocess_weights"):
@@ -191,9 +276,14 @@ def after_update(model) -> None:
 def initialize_meta_model(model_config, load_config):
     """The model as ``DefaultModelLoader`` builds it (architecture, quantisation, shared-expert
     fusion), under the caller's device and default dtype: SGLang's private loader helpers."""
-    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+    from sglang.srt.model_loader.loader import (
+        _get_quantization_config,
+        _initialize_model,
+    )
 
-    return _initialize_model(model_config, load_config, _get_quantization_config(model_config, load_config))
+    return _initialize_model(
+        model_config, load_config, _get_quantization_config(model_config, load_config)
+    )
 
 
 def rebind_parameter_aliases(model) -> None:
@@ -218,5 +308,9 @@ def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
     """Request type ``cls`` with one more field (``field: type_ = default``), in the struct
     kind this release's io_struct uses: msgspec Struct since 0.5.23, dataclass before."""
     if dataclasses.is_dataclass(cls):
-        return dataclasses.make_dataclass(name, [(field, type_, dataclasses.field(default=default))], bases=(cls,))
-    return type(name, (cls,), {"__annotations__": {field: type_}, field: default}, kw_only=True)
+        return dataclasses.make_dataclass(
+            name, [(field, type_, dataclasses.field(default=default))], bases=(cls,)
+        )
+    return type(
+        name, (cls,), {"__annotations__": {field: type_}, field: default}, kw_only=True
+    )

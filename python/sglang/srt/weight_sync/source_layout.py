@@ -106,7 +106,10 @@ class MeshHolders(SequenceABC):
 
     def __iter__(self) -> Iterator[Holder]:
         buffer = self.buffer
-        return (Holder(r, box, buffer, offsets, local) for r, box, offsets, local in self.geometry.entries)
+        return (
+            Holder(r, box, buffer, offsets, local)
+            for r, box, offsets, local in self.geometry.entries
+        )
 
     def __eq__(self, other) -> bool:
         if isinstance(other, MeshHolders) and other.geometry is self.geometry:
@@ -136,7 +139,9 @@ class SourceTensor:
         """The one box ``rank`` holds (None when it holds none)."""
         boxes = [h.box for h in self.holders if h.rank == rank]
         if len(boxes) > 1:
-            raise LayoutError(f"tensor {self.name!r}: rank {rank} holds {len(boxes)} boxes, not one")
+            raise LayoutError(
+                f"tensor {self.name!r}: rank {rank} holds {len(boxes)} boxes, not one"
+            )
         return boxes[0] if boxes else None
 
 
@@ -157,15 +162,21 @@ def _flatten(ranks: NestedRanks) -> Tuple[Tuple[int, ...], Tuple[Optional[int], 
     while items and not (items[0] is None or isinstance(items[0], int)):
         n = len(items[0])
         if any(x is None or isinstance(x, int) or len(x) != n for x in items):
-            raise LayoutError(f"ragged rank mesh {ranks!r} (expected nested lists of int ranks, of equal lengths)")
+            raise LayoutError(
+                f"ragged rank mesh {ranks!r} (expected nested lists of int ranks, of equal lengths)"
+            )
         shape.append(n)
         items = [r for x in items for r in x]
     if not set(map(type, items)) <= _RANK_TYPES:
-        raise LayoutError(f"ragged rank mesh {ranks!r} (expected nested lists of int ranks, of equal lengths)")
+        raise LayoutError(
+            f"ragged rank mesh {ranks!r} (expected nested lists of int ranks, of equal lengths)"
+        )
     return tuple(shape), tuple(items)
 
 
-Runs = Tuple[Tuple[int, int, int], ...]  # (global start, local start, length) along one dim
+Runs = Tuple[
+    Tuple[int, int, int], ...
+]  # (global start, local start, length) along one dim
 
 
 def _runs(index: torch.Tensor) -> Runs:
@@ -199,21 +210,42 @@ def _mesh_pieces(
     for coord in coords:
         per_dim = []
         for d, size in enumerate(shape):
-            index = torch.arange(size).view((1,) * d + (size,) + (1,) * (len(shape) - d - 1))
+            index = torch.arange(size).view(
+                (1,) * d + (size,) + (1,) * (len(shape) - d - 1)
+            )
             for m, place in enumerate(placements):
                 if isinstance(place, (Shard, _StridedShard)) and place.dim == d:
-                    chunks, _ = place._split_tensor(index, mesh_shape[m], with_padding=False, contiguous=False)
-                    index = chunks[coord[m]] if coord[m] < len(chunks) else index.narrow(d, 0, 0)
+                    chunks, _ = place._split_tensor(
+                        index, mesh_shape[m], with_padding=False, contiguous=False
+                    )
+                    index = (
+                        chunks[coord[m]]
+                        if coord[m] < len(chunks)
+                        else index.narrow(d, 0, 0)
+                    )
             per_dim.append(_runs(index.flatten()))
         local_shape = tuple(sum(n for _, _, n in runs) for runs in per_dim)
         pieces = [((), ())]
         for runs in per_dim:
-            pieces = [(g + (g0,), l + ((l0, n),)) for g, l in pieces for g0, l0, n in runs]
-        out.append((local_shape, tuple(
-            (Box(g, tuple(n for _, n in l)), tuple(l0 for l0, _ in l)) for g, l in pieces
-        )))
-        if any(s == 0 for s in local_shape):  # an empty shard holds an empty box, as DTensor reports it
-            out[-1] = (local_shape, ((Box((0,) * len(shape), local_shape), (0,) * len(shape)),))
+            pieces = [
+                (g + (g0,), l + ((l0, n),)) for g, l in pieces for g0, l0, n in runs
+            ]
+        out.append(
+            (
+                local_shape,
+                tuple(
+                    (Box(g, tuple(n for _, n in l)), tuple(l0 for l0, _ in l))
+                    for g, l in pieces
+                ),
+            )
+        )
+        if any(
+            s == 0 for s in local_shape
+        ):  # an empty shard holds an empty box, as DTensor reports it
+            out[-1] = (
+                local_shape,
+                ((Box((0,) * len(shape), local_shape), (0,) * len(shape)),),
+            )
     return tuple(out)
 
 
@@ -251,11 +283,20 @@ def _placement_from_wire(p: tuple) -> Placement:
 
 
 @functools.lru_cache(maxsize=4096)
-def _mesh_geometry(shape: Tuple[int, ...], mesh_shape: Tuple[int, ...], flat: Tuple[Optional[int], ...],
-                   wire: Tuple[tuple, ...]) -> MeshGeometry:
-    entries = tuple((int(rank), box, offsets, local_shape)
-                    for rank, (local_shape, pieces) in zip(flat, _mesh_pieces(shape, mesh_shape, wire))
-                    if rank is not None for box, offsets in pieces)
+def _mesh_geometry(
+    shape: Tuple[int, ...],
+    mesh_shape: Tuple[int, ...],
+    flat: Tuple[Optional[int], ...],
+    wire: Tuple[tuple, ...],
+) -> MeshGeometry:
+    entries = tuple(
+        (int(rank), box, offsets, local_shape)
+        for rank, (local_shape, pieces) in zip(
+            flat, _mesh_pieces(shape, mesh_shape, wire)
+        )
+        if rank is not None
+        for box, offsets in pieces
+    )
     return MeshGeometry(shape, (mesh_shape, flat, wire), entries)
 
 
@@ -283,12 +324,19 @@ def describe_mesh(
     wire = tuple(_placement_wire(p) for p in placements)
     for p, w in zip(placements, wire):
         if w[0] not in ("S", "SS", "R"):
-            raise LayoutError(f"tensor {name!r}: placement {p} is not supported (Partial sums need a reduction)")
+            raise LayoutError(
+                f"tensor {name!r}: placement {p} is not supported (Partial sums need a reduction)"
+            )
         if w[0] != "R" and not 0 <= w[1] < len(shape):
             raise LayoutError(f"tensor {name!r}: {p} on a {len(shape)}-d tensor")
     if rank_map is not None:
         flat = tuple(rank_map.get(r) for r in flat)
-    return SourceTensor(name, shape, dtype, MeshHolders(_mesh_geometry(shape, mesh_shape, flat, wire), name))
+    return SourceTensor(
+        name,
+        shape,
+        dtype,
+        MeshHolders(_mesh_geometry(shape, mesh_shape, flat, wire), name),
+    )
 
 
 @dataclass(frozen=True)
@@ -304,12 +352,19 @@ class MeshSpec:
     placements: Tuple[Placement, ...]
 
     @staticmethod
-    def of_dtensor(tensor: DTensor) -> "MeshSpec":
+    def of_dtensor(tensor: DTensor) -> MeshSpec:
         """A DTensor's layout from its mesh and placements; its data is never touched."""
-        return MeshSpec(tuple(tensor.shape), tensor.dtype, tensor.device_mesh.mesh.tolist(), tuple(tensor.placements))
+        return MeshSpec(
+            tuple(tensor.shape),
+            tensor.dtype,
+            tensor.device_mesh.mesh.tolist(),
+            tuple(tensor.placements),
+        )
 
     @staticmethod
-    def sharded(shape: Sequence[int], dtype: torch.dtype, dim: int, ranks: NestedRanks) -> "MeshSpec":
+    def sharded(
+        shape: Sequence[int], dtype: torch.dtype, dim: int, ranks: NestedRanks
+    ) -> MeshSpec:
         """Megatron-style explicit shards: ``ranks[i]`` holds chunk i of ``dim``;
         a 2-d ``ranks`` lists DP replicas (one row per replica)."""
         mesh_shape, _ = _flatten(ranks)
@@ -317,22 +372,37 @@ class MeshSpec:
         return MeshSpec(tuple(shape), dtype, ranks, placements)
 
     @staticmethod
-    def full(shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]) -> "MeshSpec":
+    def full(
+        shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]
+    ) -> MeshSpec:
         """Every listed rank holds the whole tensor."""
         return MeshSpec(tuple(shape), dtype, list(ranks), (Replicate(),))
 
-    def describe(self, name: str, rank_map: Optional[Mapping[int, int]] = None) -> SourceTensor:
-        return describe_mesh(name, self.shape, self.dtype, self.mesh, self.placements, rank_map)
+    def describe(
+        self, name: str, rank_map: Optional[Mapping[int, int]] = None
+    ) -> SourceTensor:
+        return describe_mesh(
+            name, self.shape, self.dtype, self.mesh, self.placements, rank_map
+        )
 
     def to_wire(self) -> tuple:
-        return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.mesh,
-                tuple(_placement_wire(p) for p in self.placements))
+        return (
+            tuple(self.shape),
+            str(self.dtype).removeprefix("torch."),
+            self.mesh,
+            tuple(_placement_wire(p) for p in self.placements),
+        )
 
     @staticmethod
-    def from_wire(wire: tuple) -> "MeshSpec":
+    def from_wire(wire: tuple) -> MeshSpec:
         shape, dtype, mesh, places = wire
         dt = _dtype_from_wire(dtype)
-        return MeshSpec(tuple(int(s) for s in shape), dt, mesh, tuple(_placement_from_wire(p) for p in places))
+        return MeshSpec(
+            tuple(int(s) for s in shape),
+            dt,
+            mesh,
+            tuple(_placement_from_wire(p) for p in places),
+        )
 
 
 def _dtype_from_wire(dtype: str) -> torch.dtype:
@@ -352,21 +422,45 @@ class HoldersSpec:
     dtype: torch.dtype
     holders: Tuple[Holder, ...]
 
-    def describe(self, name: str, rank_map: Optional[Mapping[int, int]] = None) -> SourceTensor:
+    def describe(
+        self, name: str, rank_map: Optional[Mapping[int, int]] = None
+    ) -> SourceTensor:
         holders = self.holders
         if rank_map is not None:
-            holders = tuple(Holder(rank_map[h.rank], h.box, h.buffer, h.offsets, h.buffer_shape)
-                            for h in holders if h.rank in rank_map)
+            holders = tuple(
+                Holder(rank_map[h.rank], h.box, h.buffer, h.offsets, h.buffer_shape)
+                for h in holders
+                if h.rank in rank_map
+            )
         return SourceTensor(name, self.shape, self.dtype, holders)
 
     def to_wire(self) -> tuple:
-        return ("holders", tuple(self.shape), str(self.dtype).removeprefix("torch."), tuple(
-            (h.rank, h.box.offsets, h.box.sizes, h.buffer, h.offsets, h.buffer_shape) for h in self.holders))
+        return (
+            "holders",
+            tuple(self.shape),
+            str(self.dtype).removeprefix("torch."),
+            tuple(
+                (
+                    h.rank,
+                    h.box.offsets,
+                    h.box.sizes,
+                    h.buffer,
+                    h.offsets,
+                    h.buffer_shape,
+                )
+                for h in self.holders
+            ),
+        )
 
     @staticmethod
-    def from_wire(wire: tuple) -> "HoldersSpec":
+    def from_wire(wire: tuple) -> HoldersSpec:
         _, shape, dtype, holders = wire
         dt = _dtype_from_wire(dtype)
-        return HoldersSpec(tuple(int(s) for s in shape), dt, tuple(
-            Holder(int(r), Box(tuple(o), tuple(s)), str(b), tuple(lo), tuple(bs)) for r, o, s, b, lo, bs in holders))
-
+        return HoldersSpec(
+            tuple(int(s) for s in shape),
+            dt,
+            tuple(
+                Holder(int(r), Box(tuple(o), tuple(s)), str(b), tuple(lo), tuple(bs))
+                for r, o, s, b, lo, bs in holders
+            ),
+        )

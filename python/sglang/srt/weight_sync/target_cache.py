@@ -31,27 +31,59 @@ from sglang.srt.weight_sync.derived_targets import (
     checkpoint_layout,
     derive_engine_rank,
 )
-from sglang.srt.weight_sync.sglang_compat import original_hf_config, parallel_widths, server_args_dict
+from sglang.srt.weight_sync.sglang_compat import (
+    original_hf_config,
+    parallel_widths,
+    server_args_dict,
+)
 from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
 
-__all__ = ["CACHE_DIR_ENV", "Exchange", "FORMAT", "assemble", "cache_dir", "cache_key", "engine_derived_targets", "own_rank_record"]
+__all__ = [
+    "CACHE_DIR_ENV",
+    "Exchange",
+    "FORMAT",
+    "assemble",
+    "cache_dir",
+    "cache_key",
+    "engine_derived_targets",
+    "own_rank_record",
+]
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "SGLANG_WEIGHT_SYNC_CACHE_DIR"
 FORMAT = 2  # the on-disk record's layout: one file per rank
 # Server-args fields that say where or how the engine talks, never how it loads weights.
-_VOLATILE = ("port", "host", "addr", "seed", "log", "timeout", "api_key", "url", "file_storage", "socket")
+_VOLATILE = (
+    "port",
+    "host",
+    "addr",
+    "seed",
+    "log",
+    "timeout",
+    "api_key",
+    "url",
+    "file_storage",
+    "socket",
+)
 
 # Every TP rank's bytes, in rank order, on every rank: a collective over the engine's TP group.
 Exchange = Callable[[bytes], Sequence[bytes]]
 
+
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sglang" / "weight_sync")
+    return Path(
+        os.environ.get(CACHE_DIR_ENV)
+        or Path.home() / ".cache" / "sglang" / "weight_sync"
+    )
 
 
-def engine_derived_targets(model_config, rank: int, exchange: Exchange,
-                           memo: Optional[Dict[Tuple, DerivedTargets]] = None) -> DerivedTargets:
+def engine_derived_targets(
+    model_config,
+    rank: int,
+    exchange: Exchange,
+    memo: Optional[Dict[Tuple, DerivedTargets]] = None,
+) -> DerivedTargets:
     """This engine's targets for every TP rank (the published layout), derived at most once
     per ``memo`` (the engine's weight sync keeps one; None: none kept).
 
@@ -68,8 +100,12 @@ def engine_derived_targets(model_config, rank: int, exchange: Exchange,
     try:
         own = own_rank_record(model_config, rank)
     except Exception as e:  # noqa: BLE001 - this rank must still join the exchange, carrying its error
-        logger.exception("engine rank %d: deriving its weight-sync targets failed", rank)
-        own = {"error": f"engine rank {rank}: deriving its targets failed: {type(e).__name__}: {e}"}
+        logger.exception(
+            "engine rank %d: deriving its weight-sync targets failed", rank
+        )
+        own = {
+            "error": f"engine rank {rank}: deriving its targets failed: {type(e).__name__}: {e}"
+        }
     blobs = exchange(json.dumps(own, separators=(",", ":")).encode())
     with paused_gc():
         records = [own if r == rank else json.loads(b) for r, b in enumerate(blobs)]
@@ -86,19 +122,34 @@ def own_rank_record(model_config, rank: int) -> dict:
     path = cache_dir() / cache_key(model_config) / f"tp{rank}.json"
     record = _read(path)
     if record is None:
-        logger.info("weight sync: engine rank %d derives its targets of %s (TP %d, attention TP %d, MoE EP %d) "
-                    "from SGLang's loaders on meta tensors; cached as %s", rank, model_config.model_path,
-                    *parallel_widths()[:3], path)
+        logger.info(
+            "weight sync: engine rank %d derives its targets of %s (TP %d, attention TP %d, MoE EP %d) "
+            "from SGLang's loaders on meta tensors; cached as %s",
+            rank,
+            model_config.model_path,
+            *parallel_widths()[:3],
+            path,
+        )
         start = time.perf_counter()
-        with paused_gc():  # millions of small objects: the collector's full passes would free nothing
+        with (
+            paused_gc()
+        ):  # millions of small objects: the collector's full passes would free nothing
             checkpoint = checkpoint_layout(original_hf_config(model_config))
             derived = derive_engine_rank(model_config, checkpoint, rank)
             record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
-            if rank == 0:  # the checkpoint's names and shapes: every rank gets rank 0's record
-                record["checkpoint"] = {"shapes": {n: list(s) for n, s in checkpoint.shapes().items()},
-                                        "aliases": dict(checkpoint.aliases)}
-        logger.info("weight sync: engine rank %d derived %d targets in %.1f s", rank, len(derived.targets),
-                    time.perf_counter() - start)
+            if (
+                rank == 0
+            ):  # the checkpoint's names and shapes: every rank gets rank 0's record
+                record["checkpoint"] = {
+                    "shapes": {n: list(s) for n, s in checkpoint.shapes().items()},
+                    "aliases": dict(checkpoint.aliases),
+                }
+        logger.info(
+            "weight sync: engine rank %d derived %d targets in %.1f s",
+            rank,
+            len(derived.targets),
+            time.perf_counter() - start,
+        )
         _write(path, record)
     return record
 
@@ -108,7 +159,9 @@ def assemble(parallel: EngineParallel, records: Sequence[dict]) -> DerivedTarget
     the many small objects decoded would otherwise set it scanning every record again."""
     for r, record in enumerate(records):
         if record.get("rank") != r:
-            raise ValueError(f"engine rank {r} sent the targets of rank {record.get('rank')}")
+            raise ValueError(
+                f"engine rank {r} sent the targets of rank {record.get('rank')}"
+            )
     with paused_gc():
         ranks = [RankTargets.from_builtins(record["derived"]) for record in records]
         checkpoint = records[0]["checkpoint"]
@@ -127,11 +180,25 @@ def cache_key(model_config) -> str:
     """What a derivation depends on, hashed; computed from what the engine holds, in milliseconds."""
     from sglang.srt.utils import is_cpu
 
-    server_args = {k: v for k, v in server_args_dict().items() if not any(word in k for word in _VOLATILE)}
-    blob = json.dumps([
-        FORMAT, _versions(), original_hf_config(model_config).to_dict(), model_config.hf_config.to_dict(),
-        str(model_config.dtype), server_args, list(parallel_widths()), bool(is_cpu()),
-    ], sort_keys=True, default=str)
+    server_args = {
+        k: v
+        for k, v in server_args_dict().items()
+        if not any(word in k for word in _VOLATILE)
+    }
+    blob = json.dumps(
+        [
+            FORMAT,
+            _versions(),
+            original_hf_config(model_config).to_dict(),
+            model_config.hf_config.to_dict(),
+            str(model_config.dtype),
+            server_args,
+            list(parallel_widths()),
+            bool(is_cpu()),
+        ],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -140,7 +207,9 @@ def _read(path: Path) -> Optional[dict]:
         with paused_gc():
             record = json.loads(path.read_bytes())
         if record.get("format") != FORMAT or "derived" not in record:
-            raise ValueError(f"format {record.get('format')!r}, this release reads {FORMAT}")
+            raise ValueError(
+                f"format {record.get('format')!r}, this release reads {FORMAT}"
+            )
         return record
     except FileNotFoundError:
         return None
@@ -153,8 +222,12 @@ def _write(path: Path, record: dict) -> None:
     """Atomically (a restarted engine may read while another writes)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, suffix=".tmp", delete=False
+        ) as f:
             json.dump(record, f, separators=(",", ":"))
         os.replace(f.name, path)
     except OSError as e:
-        logger.warning("weight sync: could not cache derived targets at %s: %s", path, e)
+        logger.warning(
+            "weight sync: could not cache derived targets at %s: %s", path, e
+        )

@@ -96,7 +96,9 @@ class TargetRule(Protocol):
 
     def tensors(self) -> Dict[str, Tuple[int, ...]]: ...
 
-    def target(self, rank: int, parallel: EngineParallel, dtype: torch.dtype) -> ParamTarget: ...
+    def target(
+        self, rank: int, parallel: EngineParallel, dtype: torch.dtype
+    ) -> ParamTarget: ...
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,10 @@ class ModelTargets:
         return shapes
 
     def for_rank(self, rank: int) -> List[ParamTarget]:
-        return [rule.target(rank, self.parallel, self.dtype_of.get(rule.param, self.dtype)) for rule in self.rules]
+        return [
+            rule.target(rank, self.parallel, self.dtype_of.get(rule.param, self.dtype))
+            for rule in self.rules
+        ]
 
     def by_rank(self) -> Dict[int, List[ParamTarget]]:
         return {r: self.for_rank(r) for r in range(self.parallel.tp_size)}

@@ -24,14 +24,30 @@ import tempfile
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Generator, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Callable,
+    Dict,
+    Generator,
+    Iterable,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.control_plane import GRACE_S, ControlGroup
 from sglang.srt.weight_sync.delivery import ShardSender, local_shard
-from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError, fingerprint_int, read_manifest
+from sglang.srt.weight_sync.manifest import (
+    EngineManifest,
+    ManifestError,
+    fingerprint_int,
+    read_manifest,
+)
 from sglang.srt.weight_sync.protocol import (
     CHANNEL_PREFIX,
     DEFAULT_BUCKET_BYTES,
@@ -42,9 +58,23 @@ from sglang.srt.weight_sync.protocol import (
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
 from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks, first_uncovered
 
-__all__ = ["ControlRequest", "Flow", "Mode", "TrainerChannel", "TrainerSync", "UpdateReport", "adrive", "as_reply",
-           "deliver", "delivered_flow", "drive", "prepare_shards", "sources_flow", "update_flow",
-           "update_weights_distributed"]
+__all__ = [
+    "ControlRequest",
+    "Flow",
+    "Mode",
+    "TrainerChannel",
+    "TrainerSync",
+    "UpdateReport",
+    "adrive",
+    "as_reply",
+    "deliver",
+    "delivered_flow",
+    "drive",
+    "prepare_shards",
+    "sources_flow",
+    "update_flow",
+    "update_weights_distributed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +89,17 @@ class TrainerChannel:
 
     channel: str
     group_ranks: Tuple[int, ...]  # trainer global ranks, in engine TP rank order
-    engine_groups: Tuple[Tuple[int, ...], ...]  # every engine's group, for trainer-side resharding
+    engine_groups: Tuple[
+        Tuple[int, ...], ...
+    ]  # every engine's group, for trainer-side resharding
     engine_rank: int
     sender: ShardSender
     token: str
     control: ControlGroup  # the group's control collectives (its barriers, the engine's answer)
     updates: int = 0
-    manifest: Optional[EngineManifest] = None  # the engine's published layout, read once
+    manifest: Optional[EngineManifest] = (
+        None  # the engine's published layout, read once
+    )
 
     @property
     def rank_map(self) -> Dict[int, int]:
@@ -94,12 +128,14 @@ class TrainerSync:
     def __init__(self) -> None:
         self._channels: Dict[Tuple[int, ...], TrainerChannel] = {}
         self.plans = TrainerPlans()
-        self.megatron_coords: Dict[object, dict] = {}  # MegatronRank -> every rank's coordinates
+        self.megatron_coords: Dict[
+            object, dict
+        ] = {}  # MegatronRank -> every rank's coordinates
         self._world: Optional[ControlGroup] = None
         self._finalizer = weakref.finalize(self, TrainerSync._close_all, self._channels)
 
     @classmethod
-    def of(cls, owner) -> "TrainerSync":
+    def of(cls, owner) -> TrainerSync:
         """The ``TrainerSync`` kept on ``owner`` (the device mesh a stateless caller passes
         every update), made on first use: it lives as long as the mesh whose groups its
         channels serve. Every rank must pass alike owners (they all keep it, or none does)."""
@@ -108,7 +144,9 @@ class TrainerSync:
             sync = cls()
             try:
                 owner._weight_sync = sync
-            except AttributeError:  # an object without attributes: the sync lives for this update only
+            except (
+                AttributeError
+            ):  # an object without attributes: the sync lives for this update only
                 pass
         return sync
 
@@ -119,8 +157,12 @@ class TrainerSync:
             self._world = ControlGroup(None, "trainer-world")
         return self._world
 
-    def channel(self, group_ranks: Sequence[int], group: Optional[dist.ProcessGroup],
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> TrainerChannel:
+    def channel(
+        self,
+        group_ranks: Sequence[int],
+        group: Optional[dist.ProcessGroup],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> TrainerChannel:
         """The channel of an engine TP group (made once per group).
 
         Every trainer rank calls this together. The group's first rank draws a token and
@@ -132,18 +174,31 @@ class TrainerSync:
         if key not in self._channels:
             me = dist.get_rank()
             control = ControlGroup(group, "trainer")
-            token = control.broadcast_bytes(uuid.uuid4().hex.encode() if me == key[0] else None, key[0], TOKEN_BYTES,
-                                            timeout_s, f"trainer rank {me}: hearing the channel token from rank "
-                                                       f"{key[0]}").decode()
+            token = control.broadcast_bytes(
+                uuid.uuid4().hex.encode() if me == key[0] else None,
+                key[0],
+                TOKEN_BYTES,
+                timeout_s,
+                f"trainer rank {me}: hearing the channel token from rank {key[0]}",
+            ).decode()
             channel = os.path.join(tempfile.gettempdir(), f"{CHANNEL_PREFIX}{token}")
             os.makedirs(channel, mode=0o700, exist_ok=True)
             os.chmod(channel, 0o700)
             engine_rank = key.index(me)
-            every = self.world.all_gather_ints([key[0], engine_rank], timeout_s,
-                                               f"trainer rank {me}: learning every engine's group")
-            self._channels[key] = TrainerChannel(channel, key, _engine_groups(every), engine_rank,
-                                                 ShardSender(channel, engine_rank), token,
-                                                 ControlGroup(group, f"trainer-{token}"))
+            every = self.world.all_gather_ints(
+                [key[0], engine_rank],
+                timeout_s,
+                f"trainer rank {me}: learning every engine's group",
+            )
+            self._channels[key] = TrainerChannel(
+                channel,
+                key,
+                _engine_groups(every),
+                engine_rank,
+                ShardSender(channel, engine_rank),
+                token,
+                ControlGroup(group, f"trainer-{token}"),
+            )
         return self._channels[key]
 
     def close(self) -> None:
@@ -170,13 +225,19 @@ def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
     everyone = list(range(dist.get_world_size()))
     out = []
     for name, tensor in named_tensors:
-        spec = None if _is_dtensor(tensor) else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+        spec = (
+            None
+            if _is_dtensor(tensor)
+            else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+        )
         local, spec = local_shard(tensor, spec)
         out.append((name, local, spec))
     return out
 
 
-def choose_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], mode: Mode = "auto") -> str:
+def choose_side(
+    sources: SourceLayout, engine_groups: Sequence[Sequence[int]], mode: Mode = "auto"
+) -> str:
     """Where resharding runs: "engine" when the trainer ranks beside every engine hold all
     of every tensor (the engine reshards within its TP group), else "trainer" (one hop
     over the trainer's world). ``mode`` overrides. The same answer on every rank."""
@@ -185,12 +246,19 @@ def choose_side(sources: SourceLayout, engine_groups: Sequence[Sequence[int]], m
     name = first_uncovered(sources, engine_groups)
     if name is None:
         return "engine"
-    logger.info("weight update: tensor %s is not covered by the trainer ranks beside an engine; "
-                "resharding on the trainer side, straight to the engine's layout", name)
+    logger.info(
+        "weight update: tensor %s is not covered by the trainer ranks beside an engine; "
+        "resharding on the trainer side, straight to the engine's layout",
+        name,
+    )
     return "trainer"
 
 
-def deliver(chan: TrainerChannel, shards: Shards, pieces: Optional[Mapping[str, HoldersSpec]] = None) -> str:
+def deliver(
+    chan: TrainerChannel,
+    shards: Shards,
+    pieces: Optional[Mapping[str, HoldersSpec]] = None,
+) -> str:
     """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
     engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
@@ -269,8 +337,18 @@ def update_flow(
     chan = sync.channel(group_ranks, group, timeout_s)
     shards = prepare_shards(named_tensors)
     sources = {name: spec.describe(name) for name, _, spec in shards}
-    return (yield from sources_flow(sync, chan, sources, {n: t for n, t, _ in shards}, lambda: deliver(chan, shards),
-                                    mode, bucket_bytes, timeout_s))
+    return (
+        yield from sources_flow(
+            sync,
+            chan,
+            sources,
+            {n: t for n, t, _ in shards},
+            lambda: deliver(chan, shards),
+            mode,
+            bucket_bytes,
+            timeout_s,
+        )
+    )
 
 
 def sources_flow(
@@ -292,13 +370,21 @@ def sources_flow(
     if side == "engine":
         return (yield from delivered_flow(chan, deliver_beside()))
     rank, names = dist.get_rank(), sorted(sources)
-    if sync.world.any(chan.manifest is None, timeout_s,
-                      f"trainer rank {rank}: agreeing whether the engines' layout must be read"):
+    if sync.world.any(
+        chan.manifest is None,
+        timeout_s,
+        f"trainer rank {rank}: agreeing whether the engines' layout must be read",
+    ):
         report.described = True
         chan.manifest = yield from _describe(sync, chan, timeout_s)
-    digest = sync.plans.inputs_digest(sources, chan.manifest, chan.engine_groups, bucket_bytes)
-    if not sync.world.all_equal(fingerprint_int(digest), timeout_s,
-                                f"trainer rank {rank}: checking that every rank plans alike"):
+    digest = sync.plans.inputs_digest(
+        sources, chan.manifest, chan.engine_groups, bucket_bytes
+    )
+    if not sync.world.all_equal(
+        fingerprint_int(digest),
+        timeout_s,
+        f"trainer rank {rank}: checking that every rank plans alike",
+    ):
         raise ValueError(
             f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
             f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
@@ -306,43 +392,82 @@ def sources_flow(
         )
     parts = chunks(chan.manifest, names, bucket_bytes)
     for i, part in enumerate(parts):
-        result = sync.plans.reshard_to_engines(sources, local, chan.manifest, chan.engine_groups, rank, bucket_bytes, part,
-                                    timeout_s)
+        result = sync.plans.reshard_to_engines(
+            sources,
+            local,
+            chan.manifest,
+            chan.engine_groups,
+            rank,
+            bucket_bytes,
+            part,
+            timeout_s,
+        )
         report.chunks += 1
         report.bytes_received += result.stats.bytes_received
         report.lower_bound_bytes += result.lower_bound_bytes(rank)
-        report.peak_staging_bytes = max(report.peak_staging_bytes, result.stats.peak_staging_bytes)
-        report.peak_buffer_bytes = max(report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values()))
+        report.peak_staging_bytes = max(
+            report.peak_staging_bytes, result.stats.peak_staging_bytes
+        )
+        report.peak_buffer_bytes = max(
+            report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values())
+        )
         report.update_id = chan.next_update_id()
         _cuda_ipc_ready(result.buffers.values())
-        chan.sender.send(report.update_id, rank, chan.rank_map, [(n, t, None) for n, t in result.buffers.items()],
-                         kind=PayloadKind.PARAMS, names=names, fingerprint=chan.manifest.fingerprint)
-        del result  # the sender keeps the buffers alive until the next chunk replaces them
-        report.success, report.message = yield ControlRequest(report.update_id, chan.channel, chan.control,
-                                                              final=i == len(parts) - 1)
+        chan.sender.send(
+            report.update_id,
+            rank,
+            chan.rank_map,
+            [(n, t, None) for n, t in result.buffers.items()],
+            kind=PayloadKind.PARAMS,
+            names=names,
+            fingerprint=chan.manifest.fingerprint,
+        )
+        del (
+            result
+        )  # the sender keeps the buffers alive until the next chunk replaces them
+        report.success, report.message = yield ControlRequest(
+            report.update_id, chan.channel, chan.control, final=i == len(parts) - 1
+        )
         if not report.success:
-            chan.manifest = None  # the engine may have changed its layout: read it again next time
+            chan.manifest = (
+                None  # the engine may have changed its layout: read it again next time
+            )
             break
-    logger.info("weight update %s: trainer-side in %d chunk(s), rank %d received %d bytes (lower bound %d), "
-                "staged at most %d, buffers at most %d", report.update_id, report.chunks, rank,
-                report.bytes_received, report.lower_bound_bytes, report.peak_staging_bytes, report.peak_buffer_bytes)
+    logger.info(
+        "weight update %s: trainer-side in %d chunk(s), rank %d received %d bytes (lower bound %d), "
+        "staged at most %d, buffers at most %d",
+        report.update_id,
+        report.chunks,
+        rank,
+        report.bytes_received,
+        report.lower_bound_bytes,
+        report.peak_staging_bytes,
+        report.peak_buffer_bytes,
+    )
     return report
 
 
 def delivered_flow(chan: TrainerChannel, update_id: str) -> Flow:
     """The engine-side flow once every rank has delivered under ``update_id``: one request."""
     report = UpdateReport("engine", update_id)
-    report.success, report.message = yield ControlRequest(update_id, chan.channel, chan.control)
+    report.success, report.message = yield ControlRequest(
+        update_id, chan.channel, chan.control
+    )
     return report
 
 
-def _describe(sync: TrainerSync, chan: TrainerChannel,
-              timeout_s: float) -> Generator[ControlRequest, Reply, EngineManifest]:
+def _describe(
+    sync: TrainerSync, chan: TrainerChannel, timeout_s: float
+) -> Generator[ControlRequest, Reply, EngineManifest]:
     """Ask the engine to publish its layout; every trainer rank reads its engine rank's
     copy, and all must agree (one tiny all-reduce): engines are replicas of one layout."""
     update_id = chan.next_update_id()
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE)
-    success, message = yield ControlRequest(update_id, chan.channel, chan.control, describe=True)
+    chan.sender.send(
+        update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
+    )
+    success, message = yield ControlRequest(
+        update_id, chan.channel, chan.control, describe=True
+    )
     manifest, problem = None, message
     if success:
         try:
@@ -350,8 +475,11 @@ def _describe(sync: TrainerSync, chan: TrainerChannel,
         except ManifestError as e:
             problem = str(e)
     digest = fingerprint_int(manifest.fingerprint) if manifest else 0
-    agreed = sync.world.all_equal(digest, timeout_s,
-                                  f"trainer rank {dist.get_rank()}: checking that every engine published one layout")
+    agreed = sync.world.all_equal(
+        digest,
+        timeout_s,
+        f"trainer rank {dist.get_rank()}: checking that every engine published one layout",
+    )
     if manifest is None or not agreed:
         raise ManifestError(
             f"trainer rank {dist.get_rank()}: engines did not publish one common layout "
@@ -362,7 +490,11 @@ def _describe(sync: TrainerSync, chan: TrainerChannel,
 
 def as_reply(result) -> Reply:
     """(success, message) from an Engine tuple or an HTTP adapter's JSON body."""
-    return (result["success"], result["message"]) if isinstance(result, dict) else (bool(result[0]), str(result[1]))
+    return (
+        (result["success"], result["message"])
+        if isinstance(result, dict)
+        else (bool(result[0]), str(result[1]))
+    )
 
 
 class _Driver:
@@ -372,15 +504,23 @@ class _Driver:
     bounded by ``timeout_s`` (the engine waits at most that for payloads, and
     ``timeout_s + GRACE_S`` for its own ranks)."""
 
-    def __init__(self, flow: Flow, group_ranks: Sequence[int], request: Optional[ControlRequest],
-                 timeout_s: float) -> None:
+    def __init__(
+        self,
+        flow: Flow,
+        group_ranks: Sequence[int],
+        request: Optional[ControlRequest],
+        timeout_s: float,
+    ) -> None:
         self.flow, self.group_ranks, self.timeout_s = flow, group_ranks, timeout_s
         self.request, self.report = request or next(flow), None
         self.me = dist.get_rank()
         self.leader = self.me == group_ranks[0]
 
     def ready(self) -> bool:
-        self.request.control.barrier(self.timeout_s, f"trainer rank {self.me}: before the engine reads the payloads")
+        self.request.control.barrier(
+            self.timeout_s,
+            f"trainer rank {self.me}: before the engine reads the payloads",
+        )
         return self.leader
 
     def advance(self, reply: Optional[Reply]) -> bool:
@@ -388,10 +528,17 @@ class _Driver:
         so that a rank lost meanwhile is named (gloo's monitored barrier); the engine waits at
         most timeout_s for payloads and timeout_s + GRACE_S for its own ranks."""
         control = self.request.control
-        control.barrier(2 * self.timeout_s + GRACE_S, f"trainer rank {self.me}: while the engine applies the update")
-        shared = control.broadcast_result(reply, self.group_ranks[0], self.timeout_s,
-                                          f"trainer rank {self.me}: hearing the engine's answer from rank "
-                                          f"{self.group_ranks[0]}")
+        control.barrier(
+            2 * self.timeout_s + GRACE_S,
+            f"trainer rank {self.me}: while the engine applies the update",
+        )
+        shared = control.broadcast_result(
+            reply,
+            self.group_ranks[0],
+            self.timeout_s,
+            f"trainer rank {self.me}: hearing the engine's answer from rank "
+            f"{self.group_ranks[0]}",
+        )
         try:
             self.request = self.flow.send(shared)
             return True
@@ -401,12 +548,19 @@ class _Driver:
 
 
 def _failed(e: Exception) -> Reply:
-    return False, f"{type(e).__name__}: {e}"  # e.g. an HTTP 400: every rank must hear it, not hang
+    return (
+        False,
+        f"{type(e).__name__}: {e}",
+    )  # e.g. an HTTP 400: every rank must hear it, not hang
 
 
 def drive(
-    flow: Flow, group_ranks: Sequence[int], group, call: Callable[[ControlRequest], Reply],
-    request: Optional[ControlRequest] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    flow: Flow,
+    group_ranks: Sequence[int],
+    group,
+    call: Callable[[ControlRequest], Reply],
+    request: Optional[ControlRequest] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> UpdateReport:
     """Serve a flow's control requests with ``call`` on the group's first rank (from
     ``request`` when the flow has already been started)."""
@@ -422,8 +576,14 @@ def drive(
             return d.report
 
 
-async def adrive(flow: Flow, group_ranks: Sequence[int], group, call, request=None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> UpdateReport:
+async def adrive(
+    flow: Flow,
+    group_ranks: Sequence[int],
+    group,
+    call,
+    request=None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> UpdateReport:
     """``drive`` with an async ``call``."""
     d = _Driver(flow, group_ranks, request, timeout_s)
     while True:
@@ -469,21 +629,35 @@ async def update_weights_distributed(
     ranks, group = [int(r) for r in mesh.mesh.tolist()], mesh.get_group()
     reason = f"load_format={load_format!r}" if load_format is not None else None
     if reason is None:
-        flow = update_flow(TrainerSync.of(device_mesh), params_batch, ranks, group, timeout_s=timeout_s)
+        flow = update_flow(
+            TrainerSync.of(device_mesh), params_batch, ranks, group, timeout_s=timeout_s
+        )
         try:
             first = next(flow)
         except LayoutError as e:
             reason = str(e)
     if reason is not None:
-        logger.warning("update_weights: using the gathered (full_tensor) path: %s", reason)
-        return await fallback(engine, params_batch, device_mesh_key, device_mesh, load_format)
+        logger.warning(
+            "update_weights: using the gathered (full_tensor) path: %s", reason
+        )
+        return await fallback(
+            engine, params_batch, device_mesh_key, device_mesh, load_format
+        )
     raw = []
 
     async def call(request: ControlRequest) -> Reply:
-        final_flush = (True if flush_cache is None else flush_cache) if request.final else False
-        obj = UpdateWeightsDistributedReqInput(update_id=request.update_id, channel=request.channel,
-                                               timeout_s=timeout_s, flush_cache=final_flush)
-        raw[:] = [await engine.update_weights_from_tensor(as_tensor_request(obj, len(ranks)))]
+        final_flush = (
+            (True if flush_cache is None else flush_cache) if request.final else False
+        )
+        obj = UpdateWeightsDistributedReqInput(
+            update_id=request.update_id,
+            channel=request.channel,
+            timeout_s=timeout_s,
+            flush_cache=final_flush,
+        )
+        raw[:] = [
+            await engine.update_weights_from_tensor(as_tensor_request(obj, len(ranks)))
+        ]
         return as_reply(raw[0])
 
     await adrive(flow, ranks, group, call, first, timeout_s)

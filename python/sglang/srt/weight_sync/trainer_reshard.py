@@ -22,13 +22,25 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
-from sglang.srt.weight_sync.planner import Plan, holder_boxes, resolve_aliases, sources_digest
+from sglang.srt.weight_sync.planner import (
+    Plan,
+    holder_boxes,
+    resolve_aliases,
+    sources_digest,
+)
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
-__all__ = ["TrainerPlans", "TrainerSideResult", "chunk_digest", "chunks", "first_uncovered", "restrict", "uncovered"]
-
+__all__ = [
+    "TrainerPlans",
+    "TrainerSideResult",
+    "chunk_digest",
+    "chunks",
+    "first_uncovered",
+    "restrict",
+    "uncovered",
+]
 
 
 def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optional[Box]:
@@ -41,7 +53,9 @@ def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optiona
     return remaining[0] if remaining else None
 
 
-def first_uncovered(sources: SourceLayout, engine_groups: Sequence[Sequence[int]]) -> Optional[str]:
+def first_uncovered(
+    sources: SourceLayout, engine_groups: Sequence[Sequence[int]]
+) -> Optional[str]:
     """The first tensor that the trainer ranks beside some engine do not hold in full
     (then the engine alone cannot reshard it); None when every engine is covered."""
     groups = [set(g) for g in engine_groups]
@@ -51,7 +65,9 @@ def first_uncovered(sources: SourceLayout, engine_groups: Sequence[Sequence[int]
     return None
 
 
-def restrict(wanted: Iterable[ParamTarget], delivered: Iterable[str], aliases: Mapping[str, str]) -> List[ParamTarget]:
+def restrict(
+    wanted: Iterable[ParamTarget], delivered: Iterable[str], aliases: Mapping[str, str]
+) -> List[ParamTarget]:
     """Only the pieces filled from the HF tensors of this update (a trainer may send its
     weights in batches); a parameter with none of them is left out. Zero fills stay
     with a parameter that is written."""
@@ -67,7 +83,9 @@ def _restrict(names: Set[str], wanted: Iterable[ParamTarget]) -> List[ParamTarge
     return out
 
 
-def chunks(manifest: EngineManifest, names: Iterable[str], bucket_bytes: int) -> List[Tuple[str, ...]]:
+def chunks(
+    manifest: EngineManifest, names: Iterable[str], bucket_bytes: int
+) -> List[Tuple[str, ...]]:
     """Parameters in manifest order, cut so that no engine rank's buffers for one chunk
     exceed ``bucket_bytes``: a model larger than the cap streams through the engine one
     chunk at a time (a parameter larger than the cap is a chunk of its own). The same
@@ -149,44 +167,85 @@ class TrainerPlans:
         plan = self._plans.get(key)
         if plan is None:
             receivers = self.chunk_receivers(sources, manifest, engine_groups, params)
-            plan = plan_for_rank(self._class_targets(sources, manifest)[0], receivers, rank,
-                                 bucket_bytes=bucket_bytes, fingerprint=chunk_digest(digest, params))
+            plan = plan_for_rank(
+                self._class_targets(sources, manifest)[0],
+                receivers,
+                rank,
+                bucket_bytes=bucket_bytes,
+                fingerprint=chunk_digest(digest, params),
+            )
             if len(self._plans) >= self.capacity:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
-        mine = next((i for g in engine_groups for i, r in enumerate(g) if r == rank), None)
-        by_name = {} if mine is None else self._class_targets(sources, manifest)[1][mine]
+        mine = next(
+            (i for g in engine_groups for i, r in enumerate(g) if r == rank), None
+        )
+        by_name = (
+            {} if mine is None else self._class_targets(sources, manifest)[1][mine]
+        )
         return plan, [by_name[n] for n in params if n in by_name]
 
-    def chunk_receivers(self, sources: SourceLayout, manifest: EngineManifest,
-                        engine_groups: Sequence[Sequence[int]], params: Sequence[str]) -> Receivers:
+    def chunk_receivers(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        params: Sequence[str],
+    ) -> Receivers:
         """Trainer ranks by the engine rank beside them, each class needing that engine rank's
         targets among ``params`` (filled from the HF tensors in ``sources``)."""
         tp = manifest.parallel.tp_size
         if any(len(g) != tp for g in engine_groups):
-            targets_by_trainer_rank(manifest, engine_groups)  # raises, naming the group size and the engine's TP
+            targets_by_trainer_rank(
+                manifest, engine_groups
+            )  # raises, naming the group size and the engine's TP
         by_name = self._class_targets(sources, manifest)[1]
         classes = tuple(tuple(d[n] for n in params if n in d) for d in by_name)
-        ranks = tuple(tuple(sorted(g[i] for g in engine_groups)) for i in range(len(by_name)))
+        ranks = tuple(
+            tuple(sorted(g[i] for g in engine_groups)) for i in range(len(by_name))
+        )
         return Receivers(classes, ranks)
 
-    def inputs_digest(self, sources: SourceLayout, manifest: EngineManifest,
-                      engine_groups: Sequence[Sequence[int]], bucket_bytes: int) -> str:
+    def inputs_digest(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        bucket_bytes: int,
+    ) -> str:
         """Everything an update's plans depend on, the same on every trainer rank that agrees
         on the layouts (``sources_digest`` is kept for the sources of the running update)."""
         if self._digest is None or self._digest[0] is not sources:
             self._digest = (sources, sources_digest(sources))
-        return hashlib.sha256(repr((self._digest[1], manifest.fingerprint, [tuple(g) for g in engine_groups],
-                                    bucket_bytes)).encode()).hexdigest()
+        return hashlib.sha256(
+            repr(
+                (
+                    self._digest[1],
+                    manifest.fingerprint,
+                    [tuple(g) for g in engine_groups],
+                    bucket_bytes,
+                )
+            ).encode()
+        ).hexdigest()
 
     def _class_targets(self, sources: SourceLayout, manifest: EngineManifest):
         """``sources`` under the names targets use (aliases resolved), and per engine rank its
         targets by name restricted to those tensors; kept for the running update, as every
         chunk picks from them."""
-        if self._targets is None or self._targets[0] is not sources or self._targets[1] is not manifest:
+        if (
+            self._targets is None
+            or self._targets[0] is not sources
+            or self._targets[1] is not manifest
+        ):
             names = {manifest.aliases.get(n, n) for n in sources}
-            by_name = tuple({t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks)
-            self._targets = (sources, manifest, (resolve_aliases(sources, manifest.aliases), by_name))
+            by_name = tuple(
+                {t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks
+            )
+            self._targets = (
+                sources,
+                manifest,
+                (resolve_aliases(sources, manifest.aliases), by_name),
+            )
         return self._targets[2]
 
     def reshard_to_engines(
@@ -203,9 +262,13 @@ class TrainerPlans:
         """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
         ``local`` (this rank's tensors by holder key). Every trainer rank calls this with
         the same names and chunk; each round waits at most ``timeout_s`` for its peers."""
-        plan, targets = self.plan_to_engines(sources, manifest, engine_groups, bucket_bytes, params, rank)
+        plan, targets = self.plan_to_engines(
+            sources, manifest, engine_groups, bucket_bytes, params, rank
+        )
         device = next(iter(local.values())).device if local else torch.device("cpu")
-        buffers = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets}
+        buffers = {
+            t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets
+        }
         stats = execute(plan, rank, local, buffers, timeout_s=timeout_s)
         return TrainerSideResult(buffers, stats, plan)
 

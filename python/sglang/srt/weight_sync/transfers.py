@@ -41,11 +41,21 @@ from sglang.srt.weight_sync.provenance import (
     StorageLog,
     Vec,
 )
-from sglang.srt.weight_sync.view_geometry import BoxCopy, NotAffine, box_copy, refine, split_point, unit_dim, unravel
+from sglang.srt.weight_sync.view_geometry import (
+    BoxCopy,
+    NotAffine,
+    box_copy,
+    refine,
+    split_point,
+    unit_dim,
+    unravel,
+)
 
 __all__ = ["Part", "Side", "Transfers"]
 
-Side = Tuple[int, Vec, Vec]  # a view in ``refine``'s terms: storage offset, strides, canonical shape
+Side = Tuple[
+    int, Vec, Vec
+]  # a view in ``refine``'s terms: storage offset, strides, canonical shape
 
 
 class Part(NamedTuple):
@@ -56,8 +66,9 @@ class Part(NamedTuple):
     src: Union[Const, Opaque, LeafRead]
 
 
-def _reach(i0: Sequence[int], sizes: Sequence[int], u0: Vec, cols: Sequence[Vec], ndim: int
-           ) -> Tuple[List[int], List[int]]:
+def _reach(
+    i0: Sequence[int], sizes: Sequence[int], u0: Vec, cols: Sequence[Vec], ndim: int
+) -> Tuple[List[int], List[int]]:
     """(``x_at``, ``span``) of a part: the canonical coordinate it reads first, and how far
     past it it reads, per canonical dim."""
     k = len(sizes)
@@ -86,8 +97,13 @@ def _offending_dim(cols: Sequence[Vec], sizes: Sequence[int]) -> Optional[int]:
     return worst
 
 
-def _preimage(entry: Entry, i0: Sequence[int], sizes: Sequence[int], x_at: Sequence[int], cols: Sequence[Vec]
-              ) -> Union[None, Tuple[()], Tuple[Vec, Vec]]:
+def _preimage(
+    entry: Entry,
+    i0: Sequence[int],
+    sizes: Sequence[int],
+    x_at: Sequence[int],
+    cols: Sequence[Vec],
+) -> Union[None, Tuple[()], Tuple[Vec, Vec]]:
     """The iteration sub-box (``i0``, ``sizes``) reading inside ``entry.box``; () when empty;
     None when the read is not separable (an iteration dim walks two canonical dims, or two
     iteration dims one)."""
@@ -119,14 +135,19 @@ def _preimage(entry: Entry, i0: Sequence[int], sizes: Sequence[int], x_at: Seque
     return tuple(lo), tuple(h - l for h, l in zip(hi, lo))
 
 
-def _composed(entry: Entry, x_at: Sequence[int], cols: Sequence[Vec]) -> Union[Const, Opaque, LeafRead]:
+def _composed(
+    entry: Entry, x_at: Sequence[int], cols: Sequence[Vec]
+) -> Union[Const, Opaque, LeafRead]:
     """What a part whose first index reads canonical coordinate ``x_at`` of ``entry`` reads."""
     src = entry.src
     if not isinstance(src, Leaf):
         return src
     moved = src.moved([a - b for a, b in zip(x_at, entry.box.offsets)])
     # steps[r][j] = sum_e L[r][e] * cols[j][e]
-    steps: Matrix = tuple(tuple(sum(row[e] * col[e] for e in range(len(col))) for col in cols) for row in src.L)
+    steps: Matrix = tuple(
+        tuple(sum(row[e] * col[e] for e in range(len(col))) for col in cols)
+        for row in src.L
+    )
     return LeafRead(src.name, moved.l0, steps)
 
 
@@ -136,16 +157,31 @@ class Transfers:
 
     def __init__(self, max_enumeration: int):
         self.max_enumeration = max_enumeration
-        self._box_copies: Dict[Tuple[Vec, Vec, Vec, Optional[Vec], Optional[Vec]], Optional[BoxCopy]] = {}
+        self._box_copies: Dict[
+            Tuple[Vec, Vec, Vec, Optional[Vec], Optional[Vec]], Optional[BoxCopy]
+        ] = {}
 
-    def write(self, dst_log: StorageLog, src_log: Optional[StorageLog], sizes: Sequence[int], sides: List[Side],
-              fixed: Optional[Fill]) -> None:
+    def write(
+        self,
+        dst_log: StorageLog,
+        src_log: Optional[StorageLog],
+        sizes: Sequence[int],
+        sides: List[Side],
+        fixed: Optional[Fill],
+    ) -> None:
         """The general path: ``sizes`` elements written through ``sides[0]`` from ``sides[1]``
         of ``src_log``, or with ``fixed``. Raises ``NotAffine`` where a view is no affine map
         and cutting it up would cost more than ``max_enumeration`` pieces."""
         self._split(dst_log, src_log, list(sizes), sides, fixed, [self.max_enumeration])
 
-    def read(self, log: StorageLog, i0: Vec, sizes: Sequence[int], u0: Vec, cols: Sequence[Vec]) -> List[Part]:
+    def read(
+        self,
+        log: StorageLog,
+        i0: Vec,
+        sizes: Sequence[int],
+        u0: Vec,
+        cols: Sequence[Vec],
+    ) -> List[Part]:
         """Parts covering what the view reads of ``log``'s entries."""
         x_at, span = _reach(i0, sizes, u0, cols, len(log.canon))
         out: List[Part] = []
@@ -155,19 +191,34 @@ class Transfers:
             if self._within(held, x_at, span):
                 out.append(Part(tuple(i0), tuple(sizes), _composed(held, x_at, cols)))
             else:
-                out.extend(self._read_entry(held, i0, sizes, u0, cols, [self.max_enumeration]))
+                out.extend(
+                    self._read_entry(held, i0, sizes, u0, cols, [self.max_enumeration])
+                )
         return out
 
-    def box(self, dst_log: StorageLog, d_off: int, sizes: Vec, d_str: Vec, src_log: Optional[StorageLog],
-                      src_geom: Optional[Tuple[int, Vec]], fixed: Optional[Fill]) -> bool:
+    def box(
+        self,
+        dst_log: StorageLog,
+        d_off: int,
+        sizes: Vec,
+        d_str: Vec,
+        src_log: Optional[StorageLog],
+        src_geom: Optional[Tuple[int, Vec]],
+        fixed: Optional[Fill],
+    ) -> bool:
         """The copy nearly every loader makes, at a fraction of the general path's cost: both
         views are boxes of their storages' canonical shapes that stay inside them (nothing
         wraps) and the source region lies inside one recorded entry. Adds exactly the entry
         the general path (``write``) adds; returns False, having added nothing, otherwise.
         ``src_geom`` = (offset, strides) of the source view, iterating ``sizes``."""
         canon = dst_log.canon
-        key = (canon, sizes, d_str, None if src_log is None else src_log.canon,
-               None if src_log is None else src_geom[1])
+        key = (
+            canon,
+            sizes,
+            d_str,
+            None if src_log is None else src_log.canon,
+            None if src_log is None else src_geom[1],
+        )
         try:
             copy = self._box_copies[key]
         except KeyError:
@@ -179,11 +230,17 @@ class Transfers:
             if x + span >= n:
                 return False
         if src_log is None:
-            dst_log.add(Entry(Box(x0, copy.box_sizes), fixed.as_leaf(len(x0)) if isinstance(fixed, LeafElement)
-                              else fixed))
+            dst_log.add(
+                Entry(
+                    Box(x0, copy.box_sizes),
+                    fixed.as_leaf(len(x0)) if isinstance(fixed, LeafElement) else fixed,
+                )
+            )
             return True
         u0 = unravel(src_geom[0], src_log.canon)
-        u1 = [x + span for x, span in zip(u0, copy.src_span)]  # the last coordinate read, per dim
+        u1 = [
+            x + span for x, span in zip(u0, copy.src_span)
+        ]  # the last coordinate read, per dim
         for x, n in zip(u1, src_log.canon):
             if x >= n:
                 return False
@@ -199,16 +256,32 @@ class Transfers:
                     return False  # the read spans several entries: the general path splits it
                 read = held
         if read is None:
-            return True  # nothing recorded there: the general path writes nothing either
+            return (
+                True  # nothing recorded there: the general path writes nothing either
+            )
         src = read.src
         if isinstance(src, Leaf):
             moved = src.moved([a - b for a, b in zip(u0, read.box.offsets)])
-            src = Leaf(src.name, moved.l0, tuple(tuple(row[f] if f >= 0 else 0 for f in copy.src_dim) for row in src.L))
+            src = Leaf(
+                src.name,
+                moved.l0,
+                tuple(
+                    tuple(row[f] if f >= 0 else 0 for f in copy.src_dim)
+                    for row in src.L
+                ),
+            )
         dst_log.add(Entry(Box(x0, copy.box_sizes), src))
         return True
 
-    def _split(self, dst_log: StorageLog, src_log: Optional[StorageLog], sizes: List[int], sides: List[Side],
-               fixed: Optional[Fill], budget: List[int]) -> None:
+    def _split(
+        self,
+        dst_log: StorageLog,
+        src_log: Optional[StorageLog],
+        sizes: List[int],
+        sides: List[Side],
+        fixed: Optional[Fill],
+        budget: List[int],
+    ) -> None:
         """Refine to affine maps; where a view wraps a canonical dim at a misaligned point,
         cut the iteration space there (head | aligned body | tail) and recurse."""
         try:
@@ -230,7 +303,11 @@ class Transfers:
             u0, src_cols = maps[1]
             parts = self.read(src_log, origin, iter_sizes, u0, src_cols)
         else:
-            value = fixed.as_read(len(iter_sizes)) if isinstance(fixed, LeafElement) else fixed
+            value = (
+                fixed.as_read(len(iter_sizes))
+                if isinstance(fixed, LeafElement)
+                else fixed
+            )
             parts = [Part(origin, tuple(iter_sizes), value)]
         for part in parts:
             self._write_part(dst_log, d0, dst_cols, part.i0, part.sizes, part.src)
@@ -238,15 +315,28 @@ class Transfers:
     @staticmethod
     def _outside(held: Entry, x_at: Sequence[int], span: Sequence[int]) -> bool:
         """The reach (``x_at`` .. ``x_at + span``) misses ``held.box`` on some dim."""
-        return any(x + s < o or x >= end for x, s, o, end in zip(x_at, span, held.box.offsets, held.box.ends))
+        return any(
+            x + s < o or x >= end
+            for x, s, o, end in zip(x_at, span, held.box.offsets, held.box.ends)
+        )
 
     @staticmethod
     def _within(held: Entry, x_at: Sequence[int], span: Sequence[int]) -> bool:
         """The reach (``x_at`` .. ``x_at + span``) lies inside ``held.box``."""
-        return all(o <= x and x + s < end for x, s, o, end in zip(x_at, span, held.box.offsets, held.box.ends))
+        return all(
+            o <= x and x + s < end
+            for x, s, o, end in zip(x_at, span, held.box.offsets, held.box.ends)
+        )
 
-    def _read_entry(self, held: Entry, i0: Sequence[int], sizes: Sequence[int], u0: Vec, cols: Sequence[Vec],
-                    budget: List[int]) -> List[Part]:
+    def _read_entry(
+        self,
+        held: Entry,
+        i0: Sequence[int],
+        sizes: Sequence[int],
+        u0: Vec,
+        cols: Sequence[Vec],
+        budget: List[int],
+    ) -> List[Part]:
         """The part of the iteration sub-box (``i0``, ``sizes``) that reads inside ``held``;
         where the read is not separable, enumerate the offending iteration dim."""
         x_at, span = _reach(i0, sizes, u0, cols, len(held.box.offsets))
@@ -273,8 +363,15 @@ class Transfers:
         sub_x_at, _ = _reach(sub_i0, sub_sizes, u0, cols, len(held.box.offsets))
         return [Part(sub_i0, sub_sizes, _composed(held, sub_x_at, cols))]
 
-    def _write_part(self, log: StorageLog, d0: Vec, dst_cols: Sequence[Vec], i0: Sequence[int], sizes: Sequence[int],
-                    src: Union[Const, Opaque, LeafRead]) -> None:
+    def _write_part(
+        self,
+        log: StorageLog,
+        d0: Vec,
+        dst_cols: Sequence[Vec],
+        i0: Sequence[int],
+        sizes: Sequence[int],
+        src: Union[Const, Opaque, LeafRead],
+    ) -> None:
         """Record that the part (``i0``, ``sizes``) writes ``src`` at ``d0 + dst_cols @ i``:
         one box where each iteration dim walks its own canonical dim one step at a time,
         else enumerating the first dim that does not."""
@@ -296,10 +393,22 @@ class Transfers:
                 start, one = list(i0), list(sizes)
                 start[bad] += step
                 one[bad] = 1
-                self._write_part(log, d0, dst_cols, tuple(start), tuple(one),
-                                 src.advanced(bad, step) if isinstance(src, LeafRead) else src)
+                self._write_part(
+                    log,
+                    d0,
+                    dst_cols,
+                    tuple(start),
+                    tuple(one),
+                    src.advanced(bad, step) if isinstance(src, LeafRead) else src,
+                )
             return
-        offsets = tuple(d0[e] + sum(dst_cols[j][e] * i0[j] for j in range(k)) for e in range(ndim))
+        offsets = tuple(
+            d0[e] + sum(dst_cols[j][e] * i0[j] for j in range(k)) for e in range(ndim)
+        )
         box_sizes = tuple(sizes[walker[e]] if e in walker else 1 for e in range(ndim))
-        recorded = src.onto([walker.get(e, -1) for e in range(ndim)]) if isinstance(src, LeafRead) else src
+        recorded = (
+            src.onto([walker.get(e, -1) for e in range(ndim)])
+            if isinstance(src, LeafRead)
+            else src
+        )
         log.add(Entry(Box(offsets, box_sizes), recorded))

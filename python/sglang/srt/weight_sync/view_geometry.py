@@ -21,7 +21,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["BoxCopy", "NotAffine", "box_copy", "cstrides", "matvec", "refine", "split_point", "unit_dim", "unravel"]
+__all__ = [
+    "BoxCopy",
+    "NotAffine",
+    "box_copy",
+    "cstrides",
+    "matvec",
+    "refine",
+    "split_point",
+    "unit_dim",
+    "unravel",
+]
 
 Vec = Tuple[int, ...]
 
@@ -73,7 +83,9 @@ def _violation(x0, cols, sizes, canon) -> Optional[int]:
     return None
 
 
-def refine(sizes: Sequence[int], sides: Sequence[Tuple[int, Sequence[int], Sequence[int]]]):
+def refine(
+    sizes: Sequence[int], sides: Sequence[Tuple[int, Sequence[int], Sequence[int]]]
+):
     """Carry-free affine maps for several views that share one iteration space.
 
     ``sides``: per view (storage offset, strides over the iteration dims, canonical shape).
@@ -100,19 +112,28 @@ def refine(sizes: Sequence[int], sides: Sequence[Tuple[int, Sequence[int], Seque
         best = None
         for k, c in enumerate(cols):
             low = max((d for d in range(len(canon)) if c[d]), default=None)
-            if low == e and (best is None or (sizes[k] - 1) * c[e] > (sizes[best] - 1) * cols[best][e]):
+            if low == e and (
+                best is None
+                or (sizes[k] - 1) * c[e] > (sizes[best] - 1) * cols[best][e]
+            ):
                 best = k
         if best is None:
-            raise NotAffine(f"view dims {sizes} strides {strides[j]} offset {sides[j][0]} over {tuple(canon)}")
+            raise NotAffine(
+                f"view dims {sizes} strides {strides[j]} offset {sides[j][0]} over {tuple(canon)}"
+            )
         m = cols[best][e]
         if canon[e] % m or x0[e] >= m:
-            raise NotAffine(f"misaligned wrap of dim {best} over canonical dim {e} of {tuple(canon)}")
+            raise NotAffine(
+                f"misaligned wrap of dim {best} over canonical dim {e} of {tuple(canon)}"
+            )
         p = canon[e] // m
         if p <= 1 or sizes[best] % p:
-            raise NotAffine(f"dim of size {sizes[best]} wraps canonical dim {e} ({canon[e]}) unevenly")
-        sizes[best:best + 1] = [sizes[best] // p, p]
+            raise NotAffine(
+                f"dim of size {sizes[best]} wraps canonical dim {e} ({canon[e]}) unevenly"
+            )
+        sizes[best : best + 1] = [sizes[best] // p, p]
         for st in strides:
-            st[best:best + 1] = [st[best] * p, st[best]]
+            st[best : best + 1] = [st[best] * p, st[best]]
     raise NotAffine("refinement did not converge")
 
 
@@ -148,13 +169,19 @@ class BoxCopy:
     offsets: each iteration dim of extent > 1 walks one canonical dim one step at a time (the
     source may broadcast instead), so the write is one box, read from one box."""
 
-    box_sizes: Vec  # the destination box's sizes per canonical dim (1 where no dim walks)
-    dst_span: Vec  # per destination canonical dim: how far the copy walks it (extent - 1)
+    box_sizes: (
+        Vec  # the destination box's sizes per canonical dim (1 where no dim walks)
+    )
+    dst_span: (
+        Vec  # per destination canonical dim: how far the copy walks it (extent - 1)
+    )
     src_span: Vec  # likewise per source canonical dim; () for a constant source
     src_dim: Vec  # per destination canonical dim: the source canonical dim feeding it (-1: none)
 
 
-def _walked_dims(canon: Vec, strides: Sequence[int], broadcast: bool) -> Optional[List[int]]:
+def _walked_dims(
+    canon: Vec, strides: Sequence[int], broadcast: bool
+) -> Optional[List[int]]:
     """The canonical dim each stride walks one step at a time (its mixed-radix digits are a unit
     vector; -1 for a broadcast stride where allowed), each at most once; else None."""
     dims: List[int] = []
@@ -166,8 +193,13 @@ def _walked_dims(canon: Vec, strides: Sequence[int], broadcast: bool) -> Optiona
     return dims
 
 
-def box_copy(dst_canon: Vec, sizes: Vec, dst_strides: Vec, src_canon: Optional[Vec],
-             src_strides: Optional[Vec]) -> Optional[BoxCopy]:
+def box_copy(
+    dst_canon: Vec,
+    sizes: Vec,
+    dst_strides: Vec,
+    src_canon: Optional[Vec],
+    src_strides: Optional[Vec],
+) -> Optional[BoxCopy]:
     """The geometry of copying ``sizes`` elements through ``dst_strides`` over ``dst_canon``
     from ``src_strides`` over ``src_canon`` (None: a constant) when both views are boxes,
     else None. Independent of the offsets, so callers memoise it per geometry."""
@@ -177,7 +209,9 @@ def box_copy(dst_canon: Vec, sizes: Vec, dst_strides: Vec, src_canon: Optional[V
         return None
     src_dims = None
     if src_canon is not None:
-        src_dims = _walked_dims(src_canon, [src_strides[k] for k in keep], broadcast=True)
+        src_dims = _walked_dims(
+            src_canon, [src_strides[k] for k in keep], broadcast=True
+        )
         if src_dims is None:
             return None
     box_sizes, src_dim = [1] * len(dst_canon), [-1] * len(dst_canon)
@@ -187,4 +221,9 @@ def box_copy(dst_canon: Vec, sizes: Vec, dst_strides: Vec, src_canon: Optional[V
         if src_dims is not None and src_dims[j] >= 0:
             src_dim[e] = src_dims[j]
             src_span[src_dims[j]] = sizes[k] - 1
-    return BoxCopy(tuple(box_sizes), tuple(n - 1 for n in box_sizes), tuple(src_span), tuple(src_dim))
+    return BoxCopy(
+        tuple(box_sizes),
+        tuple(n - 1 for n in box_sizes),
+        tuple(src_span),
+        tuple(src_dim),
+    )
