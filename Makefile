@@ -40,7 +40,7 @@ test: install
 # platforms; repeated layers loaded once, as its engine derives them), cached and keyed as its engine
 # does, the load recorder under its torch, and a DeepSeek-V3-shaped model (MLA, MoE, shared
 # expert) updated through a real TP-2 engine.
-SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_flows_engine \
+SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_engine \
          test/e2e/test_verl_release.py::test_verl_server_adapter_two_servers_of_tp1 \
          test/e2e/test_areal_release.py::test_areal_updates_a_tp1_server \
          test/unit/test_source_layout.py::test_mesh_spec_round_trips_through_sglang_safe_unpickler \

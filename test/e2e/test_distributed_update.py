@@ -177,7 +177,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
             last_good = record
 
 
-def test_smoke_fsdp_trainer_flows_engine(tmp_path):
+def test_smoke_fsdp_trainer_updates_engine(tmp_path):
     """The end-to-end smoke CI runs on every SGLang base wheel (``make smoke BASE=...``): FSDP
     Shard(0) trainer ranks update a TP-2 engine through VerlEngine, weight_sync.utils.update_weights
     and Engine.update_weights_distributed; after each, parameters bit-exact and generation equal to HF."""

@@ -35,17 +35,17 @@ SEED = 7
     [(2, 1, 2, 520), (2, 1, 1, 512), (2, 2, 2, 520), (2, 2, 1, 512)],
 )
 def test_megatron_gpt_updates_engine(tp, pp, engine_tp, padded_vocab, tmp_path):
-    check_megatron_flow("qwen2", tp, pp, 1, engine_tp, padded_vocab, tmp_path)
+    check_megatron_update("qwen2", tp, pp, 1, engine_tp, padded_vocab, tmp_path)
 
 
 @pytest.mark.parametrize("engine_tp", [2, 1])
 def test_megatron_moe_ep2_updates_engine(engine_tp, tmp_path):
     """Qwen3-MoE-shaped GPTModel (SequentialMLP experts) at EP 2: each rank holds half the
     experts; an engine at TP 1 lacks the other half (moved on the trainer side first)."""
-    check_megatron_flow("qwen3_moe", 1, 1, 2, engine_tp, 512, tmp_path)
+    check_megatron_update("qwen3_moe", 1, 1, 2, engine_tp, 512, tmp_path)
 
 
-def check_megatron_flow(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
+def check_megatron_update(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
     world = tp * pp * max(ep // tp, 1)
     model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
     weights = new_weights(model_dir, SEED)

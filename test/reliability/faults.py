@@ -113,20 +113,20 @@ def _arrange_death(when: str) -> None:
     """Make this trainer rank exit (as a SIGKILL would: no cleanup) at ``when``."""
     import os
 
-    from sglang.srt.weight_sync import trainer_flow
+    from sglang.srt.weight_sync.control_plane import ControlGroup
 
     if when == "before_delivery":
         os._exit(1)
     if (
         when == "after_delivery"
     ):  # past the barrier that says every payload is on its way
-        real = trainer_flow.barrier
+        real = ControlGroup.barrier
 
-        def barrier_then_die(*args, **kwargs):
-            real(*args, **kwargs)
+        def barrier_then_die(self, *args, **kwargs):
+            real(self, *args, **kwargs)
             os._exit(1)
 
-        trainer_flow.barrier = barrier_then_die
+        ControlGroup.barrier = barrier_then_die
     if (
         when == "mid_update"
     ):  # entering trainer-side resharding: its peers wait for this rank's rows
