@@ -148,10 +148,8 @@ def build_meta_model(model_config, load_config=None) -> torch.nn.Module:
     """The model exactly as ``DefaultModelLoader`` builds it (architecture, quantisation,
     shared-expert fusion, default dtype), on the meta device."""
     from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-        return initialize_meta_model(model_config, load_config or LoadConfig())
+    return initialize_meta_model(model_config, load_config or LoadConfig())
 
 
 @dataclass(frozen=True)

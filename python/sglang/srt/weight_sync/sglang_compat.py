@@ -275,15 +275,20 @@ def after_update(model) -> None:
 
 def initialize_meta_model(model_config, load_config):
     """The model as ``DefaultModelLoader`` builds it (architecture, quantisation, shared-expert
-    fusion), under the caller's device and default dtype: SGLang's private loader helpers."""
+    fusion, default dtype), on the meta device: SGLang's private loader helpers. The
+    quantisation config is resolved first, outside the meta device: resolving it imports
+    the model classes, and some of them compute tensors at import time."""
+    import torch
+
     from sglang.srt.model_loader.loader import (
         _get_quantization_config,
         _initialize_model,
     )
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    return _initialize_model(
-        model_config, load_config, _get_quantization_config(model_config, load_config)
-    )
+    quant_config = _get_quantization_config(model_config, load_config)
+    with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+        return _initialize_model(model_config, load_config, quant_config)
 
 
 def rebind_parameter_aliases(model) -> None:
