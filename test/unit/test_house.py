@@ -216,6 +216,9 @@ def test_every_module_declares_what_it_exports(name):
     ]
     assert exported, f"{name}.py has no __all__"
     listed = ast.literal_eval(exported[0].value)
+    assert isinstance(listed, (tuple, list)), (
+        f"{name}.__all__ is {type(listed).__name__}, not a sequence of names"
+    )
     missing = sorted(set(listed) - _top_level_names(tree))
     assert not missing, (
         f"{name}.__all__ lists names the module does not define: {missing}"

@@ -37,12 +37,12 @@ from sglang.srt.weight_sync.protocol import (
     read_control,
 )
 
-__all__ = [
+__all__ = (
     "BoundedCommunicator",
     "bound_answers",
     "distributed_update",
     "refuse_generation_if_unsafe",
-]
+)
 
 logger = logging.getLogger(__name__)
 

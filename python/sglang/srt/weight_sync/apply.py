@@ -20,7 +20,7 @@ from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
-__all__ = [
+__all__ = (
     "check_buffers",
     "copy_buffers",
     "nonfinite_buffers",
@@ -30,7 +30,7 @@ __all__ = [
     "synchronize",
     "write_region",
     "write_zeros",
-]
+)
 
 
 def write_region(view: torch.Tensor, src: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["Box"]
+__all__ = ("Box",)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from sglang.srt.weight_sync.protocol import GRACE_S, answer_bound_s
 
-__all__ = [
+__all__ = (
     "ControlGroup",
     "GRACE_S",
     "PeerLost",
@@ -33,7 +33,7 @@ __all__ = [
     "answer_bound_s",
     "collective_device",
     "wait",
-]
+)
 
 MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
 RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group hears it

@@ -47,14 +47,14 @@ from sglang.srt.weight_sync.protocol import (
 )
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
 
-__all__ = [
+__all__ = (
     "ChannelError",
     "DeliveryError",
     "Payload",
     "ShardReceiver",
     "ShardSender",
     "local_shard",
-]
+)
 
 logger = logging.getLogger(__name__)
 

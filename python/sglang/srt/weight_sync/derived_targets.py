@@ -49,7 +49,7 @@ from sglang.srt.weight_sync.target_layout import (
 )
 from sglang.srt.weight_sync.view_geometry import unit_dim
 
-__all__ = [
+__all__ = (
     "CheckpointLayout",
     "CheckpointSpec",
     "DerivedTargets",
@@ -64,7 +64,7 @@ __all__ = [
     "derive_rank",
     "derive_sampled",
     "entries_to_target",
-]
+)
 
 logger = logging.getLogger(__name__)
 

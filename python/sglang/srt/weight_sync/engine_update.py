@@ -76,7 +76,7 @@ from sglang.srt.weight_sync.source_layout import LayoutError
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.trainer_reshard import restrict
 
-__all__ = [
+__all__ = (
     "DISTRIBUTED_LOAD_FORMAT",
     "EngineWeightSync",
     "ReceivedShards",
@@ -86,7 +86,7 @@ __all__ = [
     "engine_targets",
     "receive_shards",
     "update_from_payload",
-]
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from sglang.srt.weight_sync.apply import write_region, write_zeros
 from sglang.srt.weight_sync.control_plane import wait
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 
-__all__ = ["ExecutionError", "ExecutionStats", "Subgroups", "check_inputs", "execute"]
+__all__ = ("ExecutionError", "ExecutionStats", "Subgroups", "check_inputs", "execute")
 
 
 class ExecutionError(RuntimeError):

@@ -53,7 +53,7 @@ from sglang.srt.weight_sync.transfers import Side, Transfers
 from sglang.srt.weight_sync.view_geometry import NotAffine, cstrides, unravel
 
 # The provenance types are re-exported: they are what ``describe`` answers in.
-__all__ = ["Const", "Entry", "Leaf", "LoadRecorder", "Opaque"]
+__all__ = ("Const", "Entry", "Leaf", "LoadRecorder", "Opaque")
 
 aten = torch.ops.aten
 

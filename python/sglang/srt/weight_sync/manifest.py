@@ -34,7 +34,7 @@ from sglang.srt.weight_sync.target_layout import (
     paused_gc,
 )
 
-__all__ = [
+__all__ = (
     "EngineManifest",
     "MANIFEST_VERSION",
     "ManifestError",
@@ -43,7 +43,7 @@ __all__ = [
     "read_manifest",
     "targets_by_trainer_rank",
     "write_manifest",
-]
+)
 
 MANIFEST_VERSION = 1
 _TYPES = {cls.__name__: cls for cls in (ParamTarget, Piece, Box)}

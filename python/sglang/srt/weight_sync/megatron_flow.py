@@ -36,7 +36,7 @@ from sglang.srt.weight_sync.trainer_flow import (
     sources_flow,
 )
 
-__all__ = ["all_coords", "megatron_flow", "this_rank"]
+__all__ = ("all_coords", "megatron_flow", "this_rank")
 
 
 def this_rank() -> MegatronRank:

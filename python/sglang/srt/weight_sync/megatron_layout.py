@@ -41,14 +41,14 @@ from sglang.srt.weight_sync.source_layout import (
     SourceTensor,
 )
 
-__all__ = [
+__all__ = (
     "MegatronModel",
     "MegatronRank",
     "describe_model_chunks",
     "megatron_sources",
     "qkv_pieces",
     "rank_params",
-]
+)
 
 
 @dataclass(frozen=True, slots=True)

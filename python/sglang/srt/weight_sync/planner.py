@@ -43,7 +43,7 @@ from sglang.srt.weight_sync.source_layout import (
 )
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
 
-__all__ = [
+__all__ = (
     "DEFAULT_BUCKET_BYTES",
     "CoverageError",
     "Dest",
@@ -63,7 +63,7 @@ __all__ = [
     "resolve_aliases",
     "sources_digest",
     "targets_key",
-]
+)
 
 
 class CoverageError(ValueError):

@@ -27,7 +27,7 @@ import stat
 import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = [
+__all__ = (
     "CARRIED_FIELDS",
     "CHANNEL_PREFIX",
     "CONTROL_FIELDS",
@@ -60,7 +60,7 @@ __all__ = [
     "request_problems",
     "resolve_channel",
     "socket_path",
-]
+)
 
 # ---------------------------------------------------------------------------- bounds
 

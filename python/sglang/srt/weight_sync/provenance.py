@@ -28,7 +28,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.view_geometry import matvec
 
-__all__ = [
+__all__ = (
     "Const",
     "Entry",
     "Fill",
@@ -44,7 +44,7 @@ __all__ = [
     "Vec",
     "identity",
     "resolve",
-]
+)
 
 Vec = Tuple[int, ...]
 Matrix = Tuple[Vec, ...]  # rows of integers

@@ -57,7 +57,7 @@ from sglang.srt.weight_sync.planner import (
 from sglang.srt.weight_sync.source_layout import SourceLayout
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
-__all__ = ["Receivers", "plan_for_rank"]
+__all__ = ("Receivers", "plan_for_rank")
 
 
 @dataclass(frozen=True)

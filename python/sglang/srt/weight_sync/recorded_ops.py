@@ -44,7 +44,7 @@ from sglang.srt.weight_sync.provenance import (
     Vec,
 )
 
-__all__ = [
+__all__ = (
     "ALLOCATING",
     "IN_PLACE",
     "OpFacts",
@@ -53,7 +53,7 @@ __all__ = [
     "computed",
     "computed_in_place",
     "tensors_in",
-]
+)
 
 aten = torch.ops.aten
 

@@ -30,7 +30,7 @@ import torch
 
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
-__all__ = ["LayerKind", "LayerSampling", "LayersDiffer", "layer_of", "sample_layers"]
+__all__ = ("LayerKind", "LayerSampling", "LayersDiffer", "layer_of", "sample_layers")
 
 _NUMBERED = re.compile(r"\.(\d+)\.")
 

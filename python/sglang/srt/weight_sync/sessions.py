@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ["SESSION_UPDATES", "run_in_session", "with_implicit_sessions"]
+__all__ = ("SESSION_UPDATES", "run_in_session", "with_implicit_sessions")
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
 
-__all__ = [
+__all__ = (
     "TpState",
     "after_load",
     "after_update",
@@ -26,7 +26,7 @@ __all__ = [
     "server_args_dict",
     "subclass_with_field",
     "tp_state",
-]
+)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import (
 
 from sglang.srt.weight_sync.box import Box
 
-__all__ = [
+__all__ = (
     "Holder",
     "HoldersSpec",
     "LayoutError",
@@ -43,7 +43,7 @@ __all__ = [
     "SourceLayout",
     "SourceTensor",
     "describe_mesh",
-]
+)
 
 NestedRanks = Union[int, Sequence["NestedRanks"]]
 

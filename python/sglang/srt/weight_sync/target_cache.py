@@ -38,7 +38,7 @@ from sglang.srt.weight_sync.sglang_compat import (
 )
 from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
 
-__all__ = [
+__all__ = (
     "CACHE_DIR_ENV",
     "Exchange",
     "FORMAT",
@@ -47,7 +47,7 @@ __all__ = [
     "cache_key",
     "engine_derived_targets",
     "own_rank_record",
-]
+)
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 
 from sglang.srt.weight_sync.box import Box
 
-__all__ = ["EngineParallel", "ModelTargets", "ParamTarget", "Piece", "paused_gc"]
+__all__ = ("EngineParallel", "ModelTargets", "ParamTarget", "Piece", "paused_gc")
 
 
 @contextmanager

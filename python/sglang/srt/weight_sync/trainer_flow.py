@@ -58,7 +58,7 @@ from sglang.srt.weight_sync.protocol import (
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
 from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks, first_uncovered
 
-__all__ = [
+__all__ = (
     "ControlRequest",
     "Flow",
     "Mode",
@@ -74,7 +74,7 @@ __all__ = [
     "sources_flow",
     "update_flow",
     "update_weights_distributed",
-]
+)
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
-__all__ = [
+__all__ = (
     "TrainerPlans",
     "TrainerSideResult",
     "chunk_digest",
@@ -40,7 +40,7 @@ __all__ = [
     "first_uncovered",
     "restrict",
     "uncovered",
-]
+)
 
 
 def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optional[Box]:

@@ -51,7 +51,7 @@ from sglang.srt.weight_sync.view_geometry import (
     unravel,
 )
 
-__all__ = ["Part", "Side", "Transfers"]
+__all__ = ("Part", "Side", "Transfers")
 
 Side = Tuple[
     int, Vec, Vec

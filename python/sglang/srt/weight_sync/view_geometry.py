@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = [
+__all__ = (
     "BoxCopy",
     "NotAffine",
     "box_copy",
@@ -31,7 +31,7 @@ __all__ = [
     "split_point",
     "unit_dim",
     "unravel",
-]
+)
 
 Vec = Tuple[int, ...]
 
