@@ -15,7 +15,7 @@ import sys
 import types
 
 __version__ = "0.0.0+import-only-stand-in"
-SERVED = ("sampling",)
+SERVED = ("sampling", "gemm", "prefill")
 
 
 def _missing(module: str, name: str):
