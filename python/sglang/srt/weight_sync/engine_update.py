@@ -39,6 +39,7 @@ from sglang.srt.weight_sync.apply import (
     nonfinite_buffers,
     nonfinite_tensors,
     refresh_derived,
+    release_cached_memory,
     run_post_load,
     synchronize,
 )
@@ -50,10 +51,11 @@ from sglang.srt.weight_sync.control_plane import (
 )
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derived_targets import DerivedTargets
-from sglang.srt.weight_sync.executor import Subgroups, check_inputs, execute
+from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import CoverageError, Plan, PlanCache
 from sglang.srt.weight_sync.protocol import (
+    DATA_GROUP_TIMEOUT_S,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     DISTRIBUTED_LOAD_FORMAT,
@@ -109,6 +111,11 @@ class ReceivedShards:
     figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
     mixed: bool = False
 
+    def release(self) -> None:
+        """Drop the payload's tensors (CUDA IPC maps of the trainer's memory, or CPU frames)
+        once the update is over, so that nothing of it outlives the update."""
+        self.payload = None
+
     def reply(self, output_cls, success: bool, message: str):
         """The scheduler's reply: upstream's fields, plus the figures and ``mixed`` where
         ``output_cls`` has them (``UpdateWeightsDistributedReqOutput``; the tensor path
@@ -135,8 +142,9 @@ class _Validated:
 class EngineWeightSync:
     """One engine TP rank's state across distributed updates: its channel sockets, the
     derived targets, the targets with live dtypes and their manifest, cached plans, the
-    broadcast subgroups, and the TP group's control collectives. ``close()`` releases the
-    sockets; the owner (tp worker or model runner) going away releases the rest."""
+    data plane's own group over the TP ranks (``data_group``), and the TP group's control
+    collectives. ``close()`` releases the sockets; the owner (tp worker or model runner)
+    going away releases the rest."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -147,7 +155,7 @@ class EngineWeightSync:
         self._layout: Optional[
             Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
         ] = None
-        self.subgroups = Subgroups()
+        self._data: Optional[DataGroup] = None
         self._control: Optional[ControlGroup] = None
 
     @classmethod
@@ -164,6 +172,20 @@ class EngineWeightSync:
         if self._control is None:
             self._control = ControlGroup(tp_state().cpu_group, "engine")
         return self._control
+
+    def data_group(self) -> DataGroup:
+        """The data plane's own group over the TP ranks, never SGLang's serving TP group: a
+        wait that times out on NCCL aborts its group's communicator, which must not be the
+        one serving uses. Made, with the TP device group's backend and the explicit timeout
+        ``DATA_GROUP_TIMEOUT_S`` (above every bound), on the first update that executes a
+        plan, right after every TP rank agreed on that plan: all TP ranks reach it together
+        (``new_group`` with local synchronization, so only they take part), and its first
+        use warms it up on every rank (``DataGroup.warm_up``)."""
+        if self._data is None:
+            self._data = DataGroup.over_ranks_of(
+                tp_state().device_group, DATA_GROUP_TIMEOUT_S
+            )
+        return self._data
 
     def close(self) -> None:
         if self._receiver is not None:
@@ -354,13 +376,14 @@ class EngineWeightSync:
                 self.rank,
                 found.shards,
                 found.params,
-                group=tp_state().device_group,
-                subgroups=self.subgroups,
+                group=self.data_group(),
                 timeout_s=bound,
             )
             synchronize(
                 found.params.values()
             )  # the trainer may reuse what we read once we reply
+            if stats.peak_staging_bytes:
+                release_cached_memory(found.params.values())
             mine = (
                 stats.bytes_received,
                 found.plan.lower_bound_bytes(self.rank),
@@ -438,7 +461,9 @@ def apply_shards(
 def end_of_update(
     received: ReceivedShards, recv_req, success: bool, message: str
 ) -> Tuple[bool, str]:
-    """Step 3: the scheduler's last step of an update on every TP rank."""
+    """Step 3: the scheduler's last step of an update on every TP rank; the payload is
+    released here, before the reply."""
+    received.release()
     return received.sync.end(recv_req, success, message)
 
 
