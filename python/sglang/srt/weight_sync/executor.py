@@ -104,6 +104,17 @@ class DataGroup:
             if parent is not None
             else list(range(dist.get_world_size()))
         )
+        eager = getattr(
+            dist.distributed_c10d._get_default_group(), "bound_device_id", None
+        )
+        if eager is not None and len(ranks) != dist.get_world_size():
+            # an eagerly initialised default group makes new_group an NCCL comm split, which
+            # every rank of the default group must join: only these ranks reach this point
+            raise ExecutionError(
+                f"the data group over ranks {ranks} cannot be made: the default process group "
+                f"is bound to {eager} (eager NCCL init), so new_group needs all "
+                f"{dist.get_world_size()} ranks, and only the TP ranks run an update"
+            )
         group = dist.new_group(
             ranks,
             timeout=timedelta(seconds=timeout_s),
