@@ -39,7 +39,9 @@ SESSION_UPDATES = {
 
 
 def refusal_while_released(manager, recv_req):
-    """The reply refusing a distributed update while the weights are released, or None."""
+    """The reply refusing a distributed update while the weights are released, or None.
+    ``manager``: what holds SGLang's ``offload_tags`` (0.5.23's weight-updater manager;
+    on older releases the scheduler, whose tensor-path handler calls this, patch 0007)."""
     from sglang.srt.managers import io_struct
     from sglang.srt.weight_sync.protocol import (
         DISTRIBUTED_LOAD_FORMAT,
