@@ -392,6 +392,12 @@ def sources_flow(
     if side == "engine":
         return (yield from delivered_flow(chan, deliver_beside()))
     rank, names = dist.get_rank(), sorted(sources)
+    check_bound(
+        None,
+        timeout_s,
+        f"timeout_s={timeout_s:g}: trainer rank {rank}, in each trainer-side round,",
+        sync.data.device,
+    )
     if sync.world.any(
         chan.manifest is None,
         timeout_s,
