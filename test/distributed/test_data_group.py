@@ -96,3 +96,38 @@ def test_the_data_plane_runs_on_its_own_group_warmed_up_on_every_rank():
         assert r["landed"] and r["broadcasts"] == 1, r
         assert r["held_after"] == 0, f"rank {rank} keeps an update's tensors alive"
     assert results[0]["sent"] == 2 * 6 * 4 * 4  # the region once per receiver
+
+
+def _engine_renews_together(rank: int, world: int) -> dict:
+    """The engine's data group, with SGLang's TP state faked as the gloo world."""
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.control_plane import group_timeout_s
+    from sglang.srt.weight_sync.sglang_compat import TpState
+
+    engine_update.tp_state = lambda: TpState(rank, world, world, 1, None, None)
+    sync = engine_update.EngineWeightSync(rank)
+    first = sync.data_group(30.0)
+    again = sync.data_group(30.0)
+    out = dict(
+        kept=again is first,
+        timeout=group_timeout_s(first.group),
+        serving_untouched=first.group is not dist.group.WORLD,
+    )
+    if rank == 0:  # a failed wait on rank 0 only: it drops its group
+        sync.drop_data_group()
+    renewed = sync.data_group(30.0)
+    out["renewed"] = renewed is not first
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=renewed.group)
+    out["sum"] = flag.item()
+    dist.barrier()
+    return out
+
+
+def test_the_engine_makes_its_data_group_once_and_anew_on_every_rank_together():
+    """A rank that dropped its group after a failed wait makes every TP rank make a new
+    one at the next update (one control all-reduce first), so they never diverge."""
+    for r in run_ranks(2, _engine_renews_together):
+        assert r["kept"] and r["serving_untouched"], r
+        assert r["timeout"] > 7200, r
+        assert r["renewed"] and r["sum"] == 2.0, r

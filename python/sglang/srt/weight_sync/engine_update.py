@@ -173,19 +173,34 @@ class EngineWeightSync:
             self._control = ControlGroup(tp_state().cpu_group, "engine")
         return self._control
 
-    def data_group(self) -> DataGroup:
+    def data_group(self, bound: float) -> DataGroup:
         """The data plane's own group over the TP ranks, never SGLang's serving TP group: a
         wait that times out on NCCL aborts its group's communicator, which must not be the
         one serving uses. Made, with the TP device group's backend and the explicit timeout
-        ``DATA_GROUP_TIMEOUT_S`` (above every bound), on the first update that executes a
-        plan, right after every TP rank agreed on that plan: all TP ranks reach it together
-        (``new_group`` with local synchronization, so only they take part), and its first
-        use warms it up on every rank (``DataGroup.warm_up``)."""
-        if self._data is None:
+        ``DATA_GROUP_TIMEOUT_S`` (above every bound), when an update is about to execute a
+        plan that every TP rank agreed on, if any TP rank has none (the first update, or
+        one dropped after a failed wait): the ranks agree on that first (one all-reduce on
+        the control group), so all of them make it together (``new_group`` with local
+        synchronization, so only they take part). Its first use warms it up on every rank
+        (``DataGroup.warm_up``)."""
+        renew = self.control.any(
+            self._data is None,
+            bound,
+            f"engine rank {self.rank}: agreeing whether to make the data group",
+        )
+        if renew:
+            self.drop_data_group()
             self._data = DataGroup.over_ranks_of(
                 tp_state().device_group, DATA_GROUP_TIMEOUT_S
             )
         return self._data
+
+    def drop_data_group(self) -> None:
+        """Abort and forget the data group (after a failed wait on it); the next update that
+        executes a plan makes a new one on every TP rank."""
+        if self._data is not None:
+            self._data.abandon()
+            self._data = None
 
     def close(self) -> None:
         if self._receiver is not None:
@@ -254,8 +269,20 @@ class EngineWeightSync:
             return False, f"{REFUSED}engine rank {self.rank}: {e}"
         if refusal is not None:
             return False, refusal
+        data = None
+        if found.plan is not None and found.local_step is None:
+            try:
+                data = self.data_group(bound)
+            except Exception as e:  # noqa: BLE001 - nothing was written: a refusal
+                logger.exception(
+                    "engine rank %d: the data group could not be made", self.rank
+                )
+                return (
+                    False,
+                    f"{REFUSED}engine rank {self.rank}: {type(e).__name__}: {e}",
+                )
         try:
-            figures = self._write(model, received, found, recv_req, bound)
+            figures = self._write(model, received, found, recv_req, bound, data)
         except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
             logger.exception(
                 "engine rank %d: a distributed weight update failed while writing",
@@ -365,20 +392,30 @@ class EngineWeightSync:
         return None
 
     def _write(
-        self, model, received: ReceivedShards, found: _Validated, recv_req, bound: float
+        self,
+        model,
+        received: ReceivedShards,
+        found: _Validated,
+        recv_req,
+        bound: float,
+        data: Optional[DataGroup],
     ) -> List[List[int]]:
         """Run the plan (or the local step), refresh derived tensors, share the figures."""
         if found.local_step is not None:
             mine = found.local_step.run()
         else:
-            stats = execute(
-                found.plan,
-                self.rank,
-                found.shards,
-                found.params,
-                group=self.data_group(),
-                timeout_s=bound,
-            )
+            try:
+                stats = execute(
+                    found.plan,
+                    self.rank,
+                    found.shards,
+                    found.params,
+                    group=data,
+                    timeout_s=bound,
+                )
+            except PeerLost:
+                self.drop_data_group()  # its pending work must not outlive the update
+                raise
             synchronize(
                 found.params.values()
             )  # the trainer may reuse what we read once we reply

@@ -123,6 +123,17 @@ class DataGroup:
         )
         return cls(group)
 
+    def abandon(self) -> None:
+        """Abort the group's communicators after a failed wait and never use it again: its
+        pending work would outlive the update, and once past the group's timeout NCCL's
+        watchdog would end the process. The group keeps its name, so a new group over the
+        same ranks gets another one (and a fresh rendezvous in the store)."""
+        try:
+            self.group.abort()
+        except Exception:  # noqa: BLE001 - gloo has no abort; nothing pending outlives a wait there
+            pass
+        self.warm = False
+
     def warm_up(self, timeout_s: Optional[float], phase: str) -> None:
         """Join the group's first collective on every rank (once per group; nothing to join
         outside a process group)."""
