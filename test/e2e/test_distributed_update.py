@@ -27,6 +27,7 @@ from update_cases import (
 )
 
 import sglang
+from sglang.srt.weight_sync.protocol import WEIGHTS_RELEASED
 
 UPDATES = [
     ("verl", "fsdp", 1),
@@ -90,7 +91,7 @@ def run(
         {
             seed
             for kind_, _, seed in steps
-            if kind_ not in ("fail", "verl_bad", "memory")
+            if kind_ not in ("fail", "verl_bad", "memory", "released")
         }
     )
     prompts = None
@@ -139,6 +140,8 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
         if tp > 1 or kind != "missing"
     ]
     steps = UPDATES + fails + [("verl", "fsdp", 20), ("memory", "release_resume", 20)]
+    # an update while the weights are released is refused; the next one succeeds
+    steps += [("released", "fsdp", 21), ("verl", "fsdp", 22)]
     model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
     last_good = None
     for record in records[1:]:
@@ -148,6 +151,14 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                 record["generation"] == last_good["generation"]
                 and record["checksums"] == last_good["checksums"]
             )
+        elif kind == "released":
+            assert (
+                record["success"] is False and WEIGHTS_RELEASED in record["message"]
+            ), record.get("message")
+            assert (
+                record["generation"] == last_good["generation"]
+                and record["checksums"] == last_good["checksums"]
+            ), "an update while the weights were released changed what serves"
         elif kind == "fail":
             assert record["success"] is False and FAILURES[arg] in record["message"], (
                 record["message"]

@@ -367,6 +367,19 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 verl.resume_memory_occupation()
                 verl.flush_cache()
                 record["success"] = True
+            elif kind == "released":
+                # an update while the memory saver has released the weights is refused on
+                # every rank; once resumed, the old weights serve
+                verl.release_memory_occupation()
+                try:
+                    verl.update_weights_from_tensor(
+                        as_layout(new_weights(job["model_dir"], seed), arg, mesh)
+                    )
+                    record["success"] = True
+                except RuntimeError as e:
+                    record["success"], record["message"] = False, str(e)
+                verl.resume_memory_occupation()
+                verl.flush_cache()
             elif (
                 kind == "verl_bad"
             ):  # a refused update raises on every rank, whatever the backend
@@ -425,7 +438,12 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             record["forbidden_calls"] = (
                 _forbidden_calls(job["forbidden_log"]) - calls_before
             )
-            if kind not in ("fail", "verl_bad", "memory") and job.get("generate", True):
+            if kind not in (
+                "fail",
+                "verl_bad",
+                "memory",
+                "released",
+            ) and job.get("generate", True):
                 prompts = job["prompts"][seed]
             record["generation"] = generate()
             if leader:

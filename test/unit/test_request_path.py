@@ -975,3 +975,36 @@ def test_http_adapter_posts_the_engine_arguments(monkeypatch):
     ) == io.UpdateWeightsDistributedReqInput(
         update_id="u3", channel=CHANNEL, weight_version="v1"
     )
+
+
+# ---------------------------------------------------------------- weights released by the memory saver
+
+
+def test_update_while_weights_are_released_is_refused_before_anything(manager):
+    """``release_memory_occupation(tags=["weights"])`` records the tag in the manager's
+    ``offload_tags`` on every TP rank: a distributed update is refused there, with no
+    session, payload or barrier, and runs again once the weights are resumed."""
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.protocol import REFUSED, WEIGHTS_RELEASED
+
+    m, log = manager
+    m._session = None
+    m.offload_tags.add("weights")
+    dispatch = _dispatcher(m, log)
+    out = dispatch(_request(flush_cache=False))
+    assert type(out) is io.UpdateWeightsDistributedReqOutput
+    assert (out.success, out.mixed) == (False, False)
+    assert out.message == REFUSED + WEIGHTS_RELEASED
+    assert "call resume_memory_occupation(tags=['weights']) first" in out.message
+    out = dispatch(
+        io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[b"x"],
+            load_format=engine_update.DISTRIBUTED_LOAD_FORMAT,
+        )
+    )
+    assert type(out) is io.UpdateWeightsFromTensorReqOutput and not out.success
+    assert WEIGHTS_RELEASED in out.message
+    assert log == [] and m._session is None  # nothing received, no session opened
+    m.offload_tags.discard("weights")
+    m.offload_tags.add("kv_cache")  # only released weights refuse
+    assert dispatch(_request(flush_cache=False)).success

@@ -12,7 +12,7 @@ post-load fixups where the release has no weight-update session to run them (MLA
 
 from __future__ import annotations
 
-from typing import List, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = (
     "nonfinite_buffers",
     "nonfinite_tensors",
     "refresh_derived",
+    "release_cached_memory",
     "run_post_load",
     "synchronize",
     "write_region",
@@ -56,13 +57,32 @@ def synchronize(tensors) -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def release_cached_memory(tensors) -> None:
+    """Return the caching allocator's free blocks (the update's staging) to the device
+    where ``tensors`` live on a GPU; nothing on the CPU."""
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.empty_cache()
+
+
+def _all_finite(regions: Iterable[torch.Tensor]) -> bool:
+    """Whether every region is finite: the ``isfinite`` reductions accumulate on each
+    region's device and the host reads one flag per device at the end (one host sync per
+    update on a GPU, not one per tensor or expert)."""
+    flags: Dict[torch.device, torch.Tensor] = {}
+    for region in regions:
+        ok = torch.isfinite(region).all()
+        seen = flags.get(region.device)
+        flags[region.device] = ok if seen is None else seen & ok
+    return all(bool(flag) for flag in flags.values())
+
+
 def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> List[str]:
-    """Keys of the floating tensors holding NaN or inf (refused before any write)."""
-    return [
-        k
-        for k, t in tensors.items()
-        if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    ]
+    """Keys of the floating tensors holding NaN or inf (refused before any write): one
+    device flag for all of them, and the tensors are looked at by name only when it is down."""
+    floating = {k: t for k, t in tensors.items() if t.is_floating_point()}
+    if _all_finite(floating.values()):
+        return []
+    return [k for k, t in floating.items() if not _all_finite([t])]
 
 
 def refresh_derived(model: torch.nn.Module) -> None:
@@ -112,16 +132,18 @@ def _filled_regions(target: ParamTarget) -> List[Tuple[Tuple[int, ...], Box]]:
 def nonfinite_buffers(
     targets: Sequence[ParamTarget], buffers: Mapping[str, torch.Tensor]
 ) -> List[str]:
-    """Parameters whose delivered regions hold NaN or inf (only those regions are read)."""
-    bad = []
-    for t in targets:
+    """Parameters whose delivered regions hold NaN or inf (only those regions are read):
+    one device flag for all of them, parameter by parameter only when it is down."""
+
+    def regions(t: ParamTarget) -> List[torch.Tensor]:
         buf = buffers[t.name]
-        if buf.is_floating_point() and not all(
-            bool(torch.isfinite(buf[index][box.slices()]).all())
-            for index, box in _filled_regions(t)
-        ):
-            bad.append(t.name)
-    return bad
+        if not buf.is_floating_point():
+            return []
+        return [buf[index][box.slices()] for index, box in _filled_regions(t)]
+
+    if _all_finite(r for t in targets for r in regions(t)):
+        return []
+    return [t.name for t in targets if not _all_finite(regions(t))]
 
 
 def copy_buffers(

@@ -30,12 +30,15 @@ import torch.distributed as dist
 from sglang.srt.weight_sync.protocol import GRACE_S, MAX_TIMEOUT_S, answer_bound_s
 
 __all__ = (
+    "BoundTooLong",
     "ControlGroup",
     "GRACE_S",
     "PeerLost",
     "PlanDisagreement",
     "answer_bound_s",
+    "check_bound",
     "collective_device",
+    "group_timeout_s",
     "wait",
 )
 
@@ -45,6 +48,10 @@ RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group he
 
 class PeerLost(RuntimeError):
     """A peer of a collective did not answer within the bound (dead, hung or far behind)."""
+
+
+class BoundTooLong(ValueError):
+    """A bounded wait longer than its NCCL group's own timeout (the watchdog would end it first)."""
 
 
 class PlanDisagreement(RuntimeError):
@@ -65,13 +72,51 @@ def wait(work, timeout_s: Optional[float], phase: str) -> None:
         ) from None
 
 
-def collective_device(group: Optional[dist.ProcessGroup]) -> Optional[torch.device]:
-    """Where small control tensors of ``group`` live: CPU when the group has a CPU backend
-    (``gloo``, ``cpu:gloo,cuda:nccl``), the current GPU when it is NCCL only."""
+def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where small control tensors of ``group`` live: the CPU when the group has a CPU
+    backend (``gloo``, ``cpu:gloo,cuda:nccl``), the current GPU when it is NCCL only.
+    Every control tensor is allocated there explicitly, never on the default device
+    (which a ``with torch.device(...)`` block around a caller may have changed)."""
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend or "nccl" not in backend:
-        return None
+        return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def group_timeout_s(
+    group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None
+) -> Optional[float]:
+    """The timeout ``group``'s backend for ``device`` (None: the CPU) was created with, or
+    None where torch does not say."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = pg._get_backend(device or torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def check_bound(
+    group: Optional[dist.ProcessGroup],
+    bound_s: float,
+    what: str,
+    device: Optional[torch.device],
+) -> None:
+    """Refuse (``BoundTooLong``) a wait of up to ``bound_s`` in a collective of ``group`` on
+    ``device`` that the group's own timeout would cut short on NCCL: its watchdog aborts
+    the communicator (and with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` the process) when a
+    collective outlives the group's timeout, so every bound must stay below it. On gloo
+    (``device`` None or the CPU) a wait past the timeout ends in gloo's own error: still
+    bounded, never fatal, so it is not refused. The same answer on every rank."""
+    if device is None or device.type != "cuda":
+        return
+    limit = group_timeout_s(group, device)
+    if limit is not None and bound_s >= limit:
+        raise BoundTooLong(
+            f"{what} waits up to {bound_s:g}s on an NCCL group whose timeout is {limit:g}s: the "
+            "NCCL watchdog would abort the group first; pass a smaller timeout_s or create the "
+            "group with a longer timeout"
+        )
 
 
 class ControlGroup:
@@ -159,11 +204,11 @@ class ControlGroup:
         lengths[self.rank] = len(mine)
         self._reduce(lengths, timeout_s, phase)
         width = int(lengths.max())
-        padded = torch.zeros(width, dtype=torch.uint8)
+        padded = torch.zeros(width, dtype=torch.uint8, device="cpu")
         padded[: len(mine)] = (
             torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
         )
-        padded = padded.to(self.device) if self.device is not None else padded
+        padded = padded.to(self.device)
         gathered = [
             torch.empty(width, dtype=torch.uint8, device=self.device)
             for _ in range(self.size)
@@ -182,16 +227,12 @@ class ControlGroup:
     ) -> List[str]:
         """Every rank's problems (each rank's text cut at ``MESSAGE_BYTES``), through one all-reduce."""
         text = "; ".join(problems).encode()[:MESSAGE_BYTES]
-        table = torch.zeros(self.size, MESSAGE_BYTES, dtype=torch.uint8)
+        table = torch.zeros(self.size, MESSAGE_BYTES, dtype=torch.uint8, device="cpu")
         if text:
             table[self.rank, : len(text)] = torch.frombuffer(
                 bytearray(text), dtype=torch.uint8
             )
-        table = self._reduce(
-            table.to(self.device) if self.device is not None else table,
-            timeout_s,
-            phase,
-        ).cpu()
+        table = self._reduce(table.to(self.device), timeout_s, phase).cpu()
         return [
             bytes(row[row.nonzero().flatten()].tolist()).decode(errors="replace")
             for row in table
@@ -218,20 +259,20 @@ class ControlGroup:
     ) -> bytes:
         """``src``'s ``data`` (at most ``size`` bytes, global rank ``src``) on every rank, as a
         fixed-size tensor broadcast (``broadcast_object_list`` cannot be bounded)."""
-        buf = torch.zeros(size + 8, dtype=torch.uint8)
+        buf = torch.zeros(size + 8, dtype=torch.uint8, device="cpu")
         if data is not None:
             if len(data) > size:
                 raise ValueError(
                     f"{phase}: {len(data)} bytes to broadcast, at most {size}"
                 )
             buf[:8] = torch.tensor(
-                list(len(data).to_bytes(8, "little")), dtype=torch.uint8
+                list(len(data).to_bytes(8, "little")), dtype=torch.uint8, device="cpu"
             )
             if data:
                 buf[8 : 8 + len(data)] = torch.frombuffer(
                     bytearray(data), dtype=torch.uint8
                 )
-        buf = buf.to(self.device) if self.device is not None else buf
+        buf = buf.to(self.device)
         wait(
             dist.broadcast(buf, src=src, group=self.group, async_op=True),
             timeout_s,
@@ -272,6 +313,15 @@ class ControlGroup:
             self.broadcast_bytes(data, src, int(length.item()), timeout_s, phase)
         )
 
+    def _device_barrier(self):
+        """An async barrier on this group's device: on NCCL, on the current GPU by name
+        (torch otherwise guesses the GPU from the rank)."""
+        if self.device.type == "cuda":
+            return dist.barrier(
+                group=self.group, async_op=True, device_ids=[self.device.index]
+            )
+        return dist.barrier(group=self.group, async_op=True)
+
     def barrier(self, timeout_s: Optional[float], phase: str) -> None:
         """A barrier bounded by ``timeout_s``. On failure the error names the ranks that
         never reached it: each rank marks its arrival in the default group's store first
@@ -280,7 +330,7 @@ class ControlGroup:
         unknown length outside an update (a peer starting an engine or generating)."""
         if timeout_s is None:
             try:
-                wait(dist.barrier(group=self.group, async_op=True), None, phase)
+                wait(self._device_barrier(), None, phase)
             except RuntimeError as e:
                 raise PeerLost(f"{phase}: {e}") from None
             return
@@ -296,16 +346,14 @@ class ControlGroup:
             ):  # every rank passed the previous one: its mark is no longer needed
                 store.delete_key(f"{prefix}/{self._barriers - 1}/{me}")
         try:
-            if self.device is None:
+            if self.device.type == "cpu":
                 dist.monitored_barrier(
                     group=self.group,
                     timeout=timedelta(seconds=timeout_s),
                     wait_all_ranks=True,
                 )
             else:
-                dist.barrier(group=self.group, async_op=True).wait(
-                    timeout=timedelta(seconds=timeout_s)
-                )
+                self._device_barrier().wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:
             absent = [
                 r for r, k in keys.items() if store is not None and not store.check([k])

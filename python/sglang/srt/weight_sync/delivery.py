@@ -145,7 +145,8 @@ def _from_frame(frame: bytes, dtype_name: str, shape: Sequence[int]) -> torch.Te
 
 class ShardSender:
     """Trainer side: one PUSH socket to one engine rank. Keeps the last shards alive
-    until the next send or ``close()``, since the engine maps their memory."""
+    until the engine has answered (``release()``, which the trainer's flows call on the
+    reply), the next send or ``close()``, since the engine maps their memory."""
 
     def __init__(self, channel: str, engine_rank: int) -> None:
         self.channel = resolve_channel(channel, engine_rank)
@@ -195,6 +196,10 @@ class ShardSender:
             inline,
         )
         self._sock.send_multipart([header, *frames])
+
+    def release(self) -> None:
+        """Drop the last shards: the engine has answered, so it no longer reads them."""
+        self._alive = []
 
     def close(self) -> None:
         self._alive = []

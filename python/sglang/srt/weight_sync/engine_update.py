@@ -39,6 +39,7 @@ from sglang.srt.weight_sync.apply import (
     nonfinite_buffers,
     nonfinite_tensors,
     refresh_derived,
+    release_cached_memory,
     run_post_load,
     synchronize,
 )
@@ -50,10 +51,11 @@ from sglang.srt.weight_sync.control_plane import (
 )
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derived_targets import DerivedTargets
-from sglang.srt.weight_sync.executor import Subgroups, check_inputs, execute
+from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.planner import CoverageError, Plan, PlanCache
 from sglang.srt.weight_sync.protocol import (
+    DATA_GROUP_TIMEOUT_S,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     DISTRIBUTED_LOAD_FORMAT,
@@ -109,6 +111,11 @@ class ReceivedShards:
     figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
     mixed: bool = False
 
+    def release(self) -> None:
+        """Drop the payload's tensors (CUDA IPC maps of the trainer's memory, or CPU frames)
+        once the update is over, so that nothing of it outlives the update."""
+        self.payload = None
+
     def reply(self, output_cls, success: bool, message: str):
         """The scheduler's reply: upstream's fields, plus the figures and ``mixed`` where
         ``output_cls`` has them (``UpdateWeightsDistributedReqOutput``; the tensor path
@@ -135,8 +142,9 @@ class _Validated:
 class EngineWeightSync:
     """One engine TP rank's state across distributed updates: its channel sockets, the
     derived targets, the targets with live dtypes and their manifest, cached plans, the
-    broadcast subgroups, and the TP group's control collectives. ``close()`` releases the
-    sockets; the owner (tp worker or model runner) going away releases the rest."""
+    data plane's own group over the TP ranks (``data_group``), and the TP group's control
+    collectives. ``close()`` releases the sockets; the owner (tp worker or model runner)
+    going away releases the rest."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -147,7 +155,7 @@ class EngineWeightSync:
         self._layout: Optional[
             Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
         ] = None
-        self.subgroups = Subgroups()
+        self._data: Optional[DataGroup] = None
         self._control: Optional[ControlGroup] = None
 
     @classmethod
@@ -164,6 +172,35 @@ class EngineWeightSync:
         if self._control is None:
             self._control = ControlGroup(tp_state().cpu_group, "engine")
         return self._control
+
+    def data_group(self, bound: float) -> DataGroup:
+        """The data plane's own group over the TP ranks, never SGLang's serving TP group: a
+        wait that times out on NCCL aborts its group's communicator, which must not be the
+        one serving uses. Made, with the TP device group's backend and the explicit timeout
+        ``DATA_GROUP_TIMEOUT_S`` (above every bound), when an update is about to execute a
+        plan that every TP rank agreed on, if any TP rank has none (the first update, or
+        one dropped after a failed wait): the ranks agree on that first (one all-reduce on
+        the control group), so all of them make it together (``new_group`` with local
+        synchronization, so only they take part). Its first use warms it up on every rank
+        (``DataGroup.warm_up``)."""
+        renew = self.control.any(
+            self._data is None,
+            bound,
+            f"engine rank {self.rank}: agreeing whether to make the data group",
+        )
+        if renew:
+            self.drop_data_group()
+            self._data = DataGroup.over_ranks_of(
+                tp_state().device_group, DATA_GROUP_TIMEOUT_S
+            )
+        return self._data
+
+    def drop_data_group(self) -> None:
+        """Abort and forget the data group (after a failed wait on it); the next update that
+        executes a plan makes a new one on every TP rank."""
+        if self._data is not None:
+            self._data.abandon()
+            self._data = None
 
     def close(self) -> None:
         if self._receiver is not None:
@@ -232,8 +269,20 @@ class EngineWeightSync:
             return False, f"{REFUSED}engine rank {self.rank}: {e}"
         if refusal is not None:
             return False, refusal
+        data = None
+        if found.plan is not None and found.local_step is None:
+            try:
+                data = self.data_group(bound)
+            except Exception as e:  # noqa: BLE001 - nothing was written: a refusal
+                logger.exception(
+                    "engine rank %d: the data group could not be made", self.rank
+                )
+                return (
+                    False,
+                    f"{REFUSED}engine rank {self.rank}: {type(e).__name__}: {e}",
+                )
         try:
-            figures = self._write(model, received, found, recv_req, bound)
+            figures = self._write(model, received, found, recv_req, bound, data)
         except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
             logger.exception(
                 "engine rank %d: a distributed weight update failed while writing",
@@ -343,24 +392,35 @@ class EngineWeightSync:
         return None
 
     def _write(
-        self, model, received: ReceivedShards, found: _Validated, recv_req, bound: float
+        self,
+        model,
+        received: ReceivedShards,
+        found: _Validated,
+        recv_req,
+        bound: float,
+        data: Optional[DataGroup],
     ) -> List[List[int]]:
         """Run the plan (or the local step), refresh derived tensors, share the figures."""
         if found.local_step is not None:
             mine = found.local_step.run()
         else:
-            stats = execute(
-                found.plan,
-                self.rank,
-                found.shards,
-                found.params,
-                group=tp_state().device_group,
-                subgroups=self.subgroups,
-                timeout_s=bound,
-            )
+            try:
+                stats = execute(
+                    found.plan,
+                    self.rank,
+                    found.shards,
+                    found.params,
+                    group=data,
+                    timeout_s=bound,
+                )
+            except PeerLost:
+                self.drop_data_group()  # its pending work must not outlive the update
+                raise
             synchronize(
                 found.params.values()
             )  # the trainer may reuse what we read once we reply
+            if stats.peak_staging_bytes:
+                release_cached_memory(found.params.values())
             mine = (
                 stats.bytes_received,
                 found.plan.lower_bound_bytes(self.rank),
@@ -438,7 +498,9 @@ def apply_shards(
 def end_of_update(
     received: ReceivedShards, recv_req, success: bool, message: str
 ) -> Tuple[bool, str]:
-    """Step 3: the scheduler's last step of an update on every TP rank."""
+    """Step 3: the scheduler's last step of an update on every TP rank; the payload is
+    released here, before the reply."""
+    received.release()
     return received.sync.end(recv_req, success, message)
 
 

@@ -1,20 +1,21 @@
 """Execute: run a plan over a process group. The data plane: the only code that moves tensors between ranks.
 
 Every rank runs the same plan. Zero fills and local copies need no
-communication; then each round runs its point-to-point moves as one batch
-(``batch_isend_irecv``) followed by its broadcasts, in plan order, over
-subgroups created once. Data is received straight into the destination
-parameter when the region is contiguous there, and staged otherwise; a sender
-stages only to make a region contiguous or to cast it to the destination dtype
-(so an fp32 trainer shard travels as bf16, one bucket at a time). All buffers
-live on the device of the tensor they serve: gloo on CPU, NCCL on GPU, no
-host/device copies.
+communication; then each round runs all its moves as one batch of point-to-point
+operations (``batch_isend_irecv``), a region that several ranks need sent to each
+of them from its holder (no broadcast subgroups, see ``DataGroup``). Data is
+received straight into the destination parameter when the region is contiguous
+there and on the group's device, and staged otherwise; a sender stages only to
+make a region contiguous, to cast it to the destination dtype (so an fp32 trainer
+shard travels as bf16, one bucket at a time) or to bring it onto the group's
+device (a CPU-offloaded shard on an NCCL group), one round at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,14 @@ from sglang.srt.weight_sync.apply import write_region, write_zeros
 from sglang.srt.weight_sync.control_plane import wait
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 
-__all__ = ("ExecutionError", "ExecutionStats", "Subgroups", "check_inputs", "execute")
+__all__ = (
+    "DataGroup",
+    "ExecutionError",
+    "ExecutionStats",
+    "check_inputs",
+    "data_device",
+    "execute",
+)
 
 
 class ExecutionError(RuntimeError):
@@ -32,7 +40,9 @@ class ExecutionError(RuntimeError):
 
 @dataclass
 class ExecutionStats:
-    """What one rank did; bytes are payload bytes in the destination dtype."""
+    """What one rank did; bytes are payload bytes in the destination dtype (``bytes_sent``
+    counts a region once per receiver). ``broadcasts``: moves with several receivers,
+    each run as one send per receiver."""
 
     bytes_received: int = 0
     bytes_sent: int = 0
@@ -44,63 +54,127 @@ class ExecutionStats:
     broadcasts: int = 0
 
 
-class Subgroups:
-    """Broadcast subgroups, created once per rank set and reused across the updates of their
-    owner (the engine's weight sync).
+def data_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device the data plane moves tensors on over ``group``: the current GPU when the
+    group has an NCCL backend (``nccl``, ``cpu:gloo,cuda:nccl``), else the CPU (also
+    outside a process group: a plan of local copies only)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
-    ``new_group`` is collective over the default process group: every rank of
-    it creates every subgroup of the plan, members or not, in the plan's
-    sorted order, which is the same everywhere. So the plan's group must be the
-    default group (an engine's TP group with pp_size 1) whenever the plan has
-    broadcasts.
+
+class DataGroup:
+    """The process group a data plane runs over, on ``device``, warmed up once.
+
+    Owned by whoever owns the group (the engine's weight sync, the trainer's sync) and
+    kept across its updates. NCCL creates a group's communicator lazily, in the group's
+    first collective, and torch requires every rank to join a ``batch_isend_irecv`` that
+    is a group's first call; the executor skips rounds in which a rank has no move, so
+    a rank might never join that init and the others would block inside it, outside
+    any bounded wait. ``warm_up`` therefore issues one tiny all-reduce on ``device`` on
+    every rank of the group, once, bounded like every other wait, before the first
+    round. On gloo (the CPU tests) it is just that all-reduce; what it guards against
+    is NCCL's only.
+
+    Moves with several receivers are sent point-to-point to each: a broadcast subgroup
+    per distinct rank set would be one more NCCL communicator (and its buffers) for the
+    process's life, and with GQA (kv heads < TP) there are many; point-to-point reuses
+    this group's one communicator, at the cost of the holder sending such a (small,
+    replicated) region once per receiver.
     """
 
-    def __init__(self) -> None:
-        self._groups: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+    def __init__(
+        self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None
+    ) -> None:
+        self.group = group
+        self.device = device if device is not None else data_device(group)
+        self.warm = False
 
-    def get(self, global_ranks: Sequence[int]) -> dist.ProcessGroup:
-        return self._groups[tuple(sorted(global_ranks))]
-
-    def ensure(self, plan: Plan, group: Optional[dist.ProcessGroup], to_global) -> None:
-        if not plan.broadcast_groups:
-            return
-        if group is not None and dist.get_world_size(group) != dist.get_world_size():
+    @classmethod
+    def over_ranks_of(
+        cls, parent: Optional[dist.ProcessGroup], timeout_s: float
+    ) -> DataGroup:
+        """A new group over ``parent``'s ranks (None: the default group's), with its backend
+        and an explicit ``timeout_s``: the data plane's own, so that a wait that times out
+        (on NCCL the communicator is then aborted) never poisons ``parent`` (SGLang's
+        serving TP group). Only ``parent``'s ranks take part (local synchronization), all
+        of them together."""
+        ranks = (
+            dist.get_process_group_ranks(parent)
+            if parent is not None
+            else list(range(dist.get_world_size()))
+        )
+        eager = getattr(
+            dist.distributed_c10d._get_default_group(), "bound_device_id", None
+        )
+        if eager is not None and len(ranks) != dist.get_world_size():
+            # an eagerly initialised default group makes new_group an NCCL comm split, which
+            # every rank of the default group must join: only these ranks reach this point
             raise ExecutionError(
-                f"plan has {len(plan.broadcast_groups)} broadcast subgroups but runs over a group of "
-                f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks; subgroups need every rank"
+                f"the data group over ranks {ranks} cannot be made: the default process group "
+                f"is bound to {eager} (eager NCCL init), so new_group needs all "
+                f"{dist.get_world_size()} ranks, and only the TP ranks run an update"
             )
-        for ranks in plan.broadcast_groups:
-            key = tuple(sorted(to_global(r) for r in ranks))
-            if key not in self._groups:
-                self._groups[key] = dist.new_group(list(key))
+        group = dist.new_group(
+            ranks,
+            timeout=timedelta(seconds=timeout_s),
+            backend=str(dist.get_backend(parent)),
+            use_local_synchronization=True,
+        )
+        return cls(group)
+
+    def abandon(self) -> None:
+        """Abort the group's communicators after a failed wait and never use it again: its
+        pending work would outlive the update, and once past the group's timeout NCCL's
+        watchdog would end the process. The group keeps its name, so a new group over the
+        same ranks gets another one (and a fresh rendezvous in the store)."""
+        try:
+            self.group.abort()
+        except Exception:  # noqa: BLE001 - gloo has no abort; nothing pending outlives a wait there
+            pass
+        self.warm = False
+
+    def warm_up(self, timeout_s: Optional[float], phase: str) -> None:
+        """Join the group's first collective on every rank (once per group; nothing to join
+        outside a process group)."""
+        if self.warm or not dist.is_initialized():
+            return
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        wait(
+            dist.all_reduce(flag, group=self.group, async_op=True),
+            timeout_s,
+            f"{phase} (warming up the data group on {self.device})",
+        )
+        self.warm = True
 
 
 class _Staging:
     """Counts the executor's own buffers so the peak can be checked against the cap."""
 
-    def __init__(self, stats: ExecutionStats) -> None:
-        self.stats, self.live = stats, 0
+    def __init__(self, stats: ExecutionStats, device: torch.device) -> None:
+        self.stats, self.device, self.live = stats, device, 0
         self.sent: Dict[tuple, torch.Tensor] = {}
 
-    def empty(self, sizes, dtype, device) -> torch.Tensor:
-        buf = torch.empty(sizes, dtype=dtype, device=device)
+    def empty(self, sizes, dtype) -> torch.Tensor:
+        buf = torch.empty(sizes, dtype=dtype, device=self.device)
         self._add(buf)
         return buf
 
-    def contiguous_cast(self, view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if view.dtype == dtype and view.is_contiguous():
+    def ready_to_send(self, view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``view`` as the group can send it: contiguous, in ``dtype``, on the group's device
+        (a shard elsewhere, e.g. CPU-offloaded, is staged here one region at a time)."""
+        if view.dtype == dtype and view.is_contiguous() and view.device == self.device:
             return view
-        buf = self.empty(view.shape, dtype, view.device)
+        buf = self.empty(view.shape, dtype)
         buf.copy_(view)
         return buf
 
     def send_buffer(self, shards, move: Move) -> torch.Tensor:
-        """The region ``move`` sends, cast and made contiguous once per round however many
-        ranks it goes to (a rank-local plan sends one region to each receiver separately)."""
+        """The region ``move`` sends, staged once per round however many ranks it goes to."""
         key = (move.tensor, move.holder.buffer, move.region, move.dtype)
         buf = self.sent.get(key)
         if buf is None:
-            buf = self.sent[key] = self.contiguous_cast(
+            buf = self.sent[key] = self.ready_to_send(
                 _src_view(shards, move), move.dtype
             )
         return buf
@@ -119,10 +193,13 @@ def check_inputs(
     rank: int,
     shards: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
+    device: Optional[torch.device] = None,
 ) -> List[str]:
     """Problems with this rank's inputs against the plan, as messages; empty when fine.
 
-    Run before anything is written so a bad update can be refused as a whole.
+    Run before anything is written so a bad update can be refused as a whole. A shard or
+    parameter on another device than the data group's ``device`` is fine (staged one
+    round at a time); one without data (the meta device) is refused, naming both devices.
     """
     problems: List[str] = []
     seen = set()
@@ -145,9 +222,16 @@ def check_inputs(
                 problems.append(
                     f"rank {rank}: {where} dtype {shard.dtype} cannot be cast to {move.dtype}"
                 )
+            elif shard.device.type == "meta":
+                problems.append(
+                    f"rank {rank}: {where} local shard is on {shard.device}, which holds no data; "
+                    f"the data group moves tensors on {device or 'its device'}"
+                )
         for d in move.dests:
             if d.rank == rank:
-                problems.extend(_check_param(params, rank, d.param, d.index, d.shape))
+                problems.extend(
+                    _check_param(params, rank, d.param, d.index, d.shape, device)
+                )
     for z in plan.zero_fills:
         if z.rank == rank and z.param not in params:
             problems.append(f"rank {rank}: no parameter {z.param!r}")
@@ -159,26 +243,27 @@ def execute(
     rank: int,
     shards: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
-    group: Optional[dist.ProcessGroup] = None,
-    subgroups: Optional[Subgroups] = None,
+    group: Union[DataGroup, dist.ProcessGroup, None] = None,
     timeout_s: Optional[float] = None,
 ) -> ExecutionStats:
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
-    -> this rank's tensor) in place. Each round waits at most ``timeout_s`` for its peers
-    (``control_plane.PeerLost``). ``subgroups``: the owner's broadcast subgroups, reused
-    across updates (None: made for this call, for plans run once)."""
-    problems = check_inputs(plan, rank, shards, params)
+    -> this rank's tensor) in place. Every rank of the group calls it together. ``group``:
+    the owner's ``DataGroup``, warmed up on its first use (a plain group or None, the
+    default group: one made for this call). Each round waits at most ``timeout_s`` for
+    its peers (``control_plane.PeerLost``)."""
+    data = group if isinstance(group, DataGroup) else DataGroup(group)
+    problems = check_inputs(plan, rank, shards, params, data.device)
     if problems:
         raise ExecutionError("; ".join(problems))
 
     def to_global(r: int) -> int:
-        return r if group is None else dist.get_global_rank(group, r)
+        return r if data.group is None else dist.get_global_rank(data.group, r)
 
     stats = ExecutionStats()
-    staging = _Staging(stats)
-    subgroups = subgroups if subgroups is not None else Subgroups()
-    subgroups.ensure(plan, group, to_global)
+    staging = _Staging(stats, data.device)
+    # every rank, before any round (a rank-local plan may have none on some ranks)
+    data.warm_up(timeout_s, f"rank {rank}: executor")
 
     for z in plan.zero_fills:
         if z.rank == rank:
@@ -200,49 +285,37 @@ def execute(
             ({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank}
         )
         phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
-        _run_p2p(
-            plan,
+        _run_round(
             rank,
-            [m for m in mine if len(_receivers(m)) == 1],
+            mine,
             shards,
             params,
-            group,
+            data.group,
             staging,
             to_global,
             lambda work: wait(work, timeout_s, phase),
         )
-        for move in mine:
-            if len(_receivers(move)) > 1:
-                _run_broadcast(
-                    plan,
-                    rank,
-                    move,
-                    shards,
-                    params,
-                    staging,
-                    subgroups,
-                    to_global,
-                    lambda work: wait(
-                        work, timeout_s, f"{phase} (broadcast of {move.tensor!r})"
-                    ),
-                )
         staging.release_all()
     return stats
 
 
-def _run_p2p(
-    plan, rank, moves, shards, params, group, staging, to_global, wait_for
+def _run_round(
+    rank, moves, shards, params, group, staging, to_global, wait_for
 ) -> None:
+    """One round's moves as one batch of point-to-point operations; a move with several
+    receivers is sent to each (in receiver order, the same on both ends)."""
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
     for move in moves:
+        receivers = _receivers(move)
+        if len(receivers) > 1:
+            staging.stats.broadcasts += 1
         if move.src == rank:
             buf = staging.send_buffer(shards, move)
-            ops.append(
-                dist.P2POp(dist.isend, buf, to_global(move.dests[0].rank), group)
-            )
-            staging.stats.bytes_sent += move.nbytes
-            staging.stats.p2p_ops += 1
+            for receiver in receivers:
+                ops.append(dist.P2POp(dist.isend, buf, to_global(receiver), group))
+                staging.stats.bytes_sent += move.nbytes
+                staging.stats.p2p_ops += 1
         mine = _my_dests(move, rank)
         if mine:
             buf = _landing(params, mine[0], move, staging)
@@ -257,27 +330,6 @@ def _run_p2p(
         _finish_landing(params, buf, move, mine)
 
 
-def _run_broadcast(
-    plan, rank, move, shards, params, staging, subgroups, to_global, wait_for
-) -> None:
-    group = subgroups.get([to_global(r) for r in _receivers(move) + [move.src]])
-    if move.src == rank:
-        buf = staging.contiguous_cast(_src_view(shards, move), move.dtype)
-        staging.stats.bytes_sent += move.nbytes
-        wait_for(
-            dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True)
-        )
-    else:
-        mine = _my_dests(move, rank)
-        buf = _landing(params, mine[0], move, staging)
-        wait_for(
-            dist.broadcast(buf, src=to_global(move.src), group=group, async_op=True)
-        )
-        staging.stats.bytes_received += move.nbytes
-        _finish_landing(params, buf, move, mine)
-    staging.stats.broadcasts += 1
-
-
 def _receivers(move: Move) -> List[int]:
     return list(dict.fromkeys(d.rank for d in move.dests))
 
@@ -287,11 +339,12 @@ def _my_dests(move: Move, rank: int) -> List[Dest]:
 
 
 def _landing(params, dest: Dest, move: Move, staging: _Staging) -> torch.Tensor:
-    """Receive straight into the parameter when the region is contiguous there."""
+    """Receive straight into the parameter when the region is contiguous there and on the
+    group's device; otherwise into staging on that device."""
     view = _dest_view(params, dest, move)
-    if view.is_contiguous():
+    if view.is_contiguous() and view.device == staging.device:
         return view
-    return staging.empty(view.shape, move.dtype, view.device)
+    return staging.empty(view.shape, move.dtype)
 
 
 def _finish_landing(params, buf: torch.Tensor, move: Move, dests: List[Dest]) -> None:
@@ -312,7 +365,12 @@ def _dest_view(params, dest: Dest, move: Move) -> torch.Tensor:
 
 
 def _check_param(
-    params, rank: int, name: str, index: Tuple[int, ...], shape: Tuple[int, ...]
+    params,
+    rank: int,
+    name: str,
+    index: Tuple[int, ...],
+    shape: Tuple[int, ...],
+    device: Optional[torch.device],
 ) -> List[str]:
     param = params.get(name)
     if param is None:
@@ -320,6 +378,11 @@ def _check_param(
     if tuple(param.shape[len(index) :]) != shape:
         return [
             f"rank {rank}: parameter {name!r} has shape {tuple(param.shape)}, plan expects {shape} after index {index}"
+        ]
+    if param.device.type == "meta":
+        return [
+            f"rank {rank}: parameter {name!r} is on {param.device}, which holds no data; "
+            f"the data group moves tensors on {device or 'its device'}"
         ]
     return []
 

@@ -11,8 +11,8 @@ rank computes identically:
   exactly (needed - held) bytes;
 * otherwise the closest holder wins (same device, then same node), ties go to
   the least-loaded holder so DP replicas share the sending;
-* identical bytes needed by several ranks from one holder become one subgroup
-  broadcast; everything else is point-to-point;
+* identical bytes needed by several ranks from one holder become one move with
+  several receivers (the executor sends it to each); everything else is one receiver;
 * moves are cut and grouped into rounds so that no rank moves more than
   ``bucket_bytes`` in a round (the executor's memory cap).
 

@@ -32,6 +32,7 @@ __all__ = (
     "CHANNEL_PREFIX",
     "CONTROL_FIELDS",
     "ChannelError",
+    "DATA_GROUP_TIMEOUT_S",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DISTRIBUTED_LOAD_FORMAT",
@@ -46,6 +47,7 @@ __all__ = (
     "MIXED",
     "PayloadKind",
     "REFUSED",
+    "WEIGHTS_RELEASED",
     "answer_bound_s",
     "as_tensor_request",
     "carried",
@@ -60,6 +62,7 @@ __all__ = (
     "request_problems",
     "resolve_channel",
     "socket_path",
+    "trainer_bound_s",
 )
 
 # ---------------------------------------------------------------------------- bounds
@@ -79,6 +82,19 @@ def answer_bound_s(timeout_s: float) -> float:
     """How long the tokenizer manager waits for the schedulers' answer to an update bounded
     by ``timeout_s``: every scheduler collective waits at most ``timeout_s + GRACE_S``."""
     return timeout_s + GRACE_S
+
+
+def trainer_bound_s(timeout_s: float) -> float:
+    """How long a trainer rank waits, in one barrier, while the engine applies an update
+    bounded by ``timeout_s``: the engine waits up to ``timeout_s`` for payloads, then up to
+    ``timeout_s + GRACE_S`` for its own ranks."""
+    return 2 * timeout_s + GRACE_S
+
+
+# The timeout of the engine's data-plane group (``executor.DataGroup``): above every bound
+# this package waits with (``trainer_bound_s(MAX_TIMEOUT_S)`` is the largest), so that NCCL's
+# watchdog never ends a wait before the bound does.
+DATA_GROUP_TIMEOUT_S = 2 * (MAX_TIMEOUT_S + GRACE_S)
 
 
 class DeliveryError(RuntimeError):
@@ -347,6 +363,11 @@ def _named_pairs(value) -> bool:
 
 # ---------------------------------------------------------------------------- the reply
 
+# Why an update that arrives while the memory saver has released the weights is refused.
+WEIGHTS_RELEASED = (
+    "weights are released (release_memory_occupation); "
+    "call resume_memory_occupation(tags=['weights']) first"
+)
 # Our figures, one list entry per engine TP rank, in reply fields of their own: the message
 # keeps upstream's text.
 FIGURES = ("bytes_received", "lower_bound_bytes", "peak_staging_bytes")

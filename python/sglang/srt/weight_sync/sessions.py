@@ -9,6 +9,11 @@ runs inside a session of its own: begin (with the request's selector), the updat
 end -- SGLang's own handlers, so end runs ``post_load_weights`` exactly when the
 update loaded no weights through ``model.load_weights``, as an explicit session would.
 An update sent inside an explicit session runs in it, unchanged.
+
+A distributed update (ours, or the tensor path's reserved ``load_format``) that arrives
+while the memory saver has released the weights is refused here, before any session,
+payload or collective, on every TP rank alike (the released tags are replicated): the
+engine keeps serving, and nothing writes into released memory.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ("SESSION_UPDATES", "run_in_session", "with_implicit_sessions")
+__all__ = (
+    "SESSION_UPDATES",
+    "refusal_while_released",
+    "run_in_session",
+    "with_implicit_sessions",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +38,49 @@ SESSION_UPDATES = {
 }
 
 
+def refusal_while_released(manager, recv_req):
+    """The reply refusing a distributed update while the weights are released, or None.
+    ``manager``: what holds SGLang's ``offload_tags`` (0.5.23's weight-updater manager;
+    on older releases the scheduler, whose tensor-path handler calls this, patch 0007)."""
+    from sglang.srt.managers import io_struct
+    from sglang.srt.weight_sync.protocol import (
+        DISTRIBUTED_LOAD_FORMAT,
+        REFUSED,
+        WEIGHTS_RELEASED,
+    )
+    from sglang.srt.weight_sync.sglang_compat import weights_released
+
+    if isinstance(recv_req, io_struct.UpdateWeightsDistributedReqInput):
+        output_cls = io_struct.UpdateWeightsDistributedReqOutput
+    elif (
+        isinstance(recv_req, io_struct.UpdateWeightsFromTensorReqInput)
+        and recv_req.load_format == DISTRIBUTED_LOAD_FORMAT
+    ):
+        output_cls = io_struct.UpdateWeightsFromTensorReqOutput
+    else:
+        return None
+    if not weights_released(manager):
+        return None
+    logger.error("distributed weight update refused: %s", WEIGHTS_RELEASED)
+    return output_cls(success=False, message=REFUSED + WEIGHTS_RELEASED)
+
+
 def run_in_session(manager, update, recv_req):
     """``update(recv_req)`` inside the open session, or inside a one-shot one.
 
     ``begin_weight_update`` refuses only when a session is already open (the state is
     replicated on every TP rank, so every rank takes the same branch); then the
-    update runs in that session and leaves it open.
+    update runs in that session and leaves it open. A distributed update while the
+    weights are released is refused first (``refusal_while_released``).
     """
     from sglang.srt.managers.io_struct import (
         BeginWeightUpdateReqInput,
         EndWeightUpdateReqInput,
     )
+
+    refusal = refusal_while_released(manager, recv_req)
+    if refusal is not None:
+        return refusal
 
     begun = manager.begin_weight_update(
         BeginWeightUpdateReqInput(selector=recv_req.selector)

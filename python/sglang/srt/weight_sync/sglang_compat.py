@@ -26,6 +26,7 @@ __all__ = (
     "server_args_dict",
     "subclass_with_field",
     "tp_state",
+    "weights_released",
 )
 
 
@@ -319,3 +320,13 @@ def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
     return type(
         name, (cls,), {"__annotations__": {field: type_}, field: default}, kw_only=True
     )
+
+
+def weights_released(holder) -> bool:
+    """Whether SGLang's memory saver has released the weights
+    (``release_memory_occupation(tags=["weights"])`` with no resume since): SGLang records
+    the released tags in ``offload_tags``, on the scheduler's weight-updater manager
+    (0.5.23) or on the scheduler (older releases), the same on every TP rank."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+    return GPU_MEMORY_TYPE_WEIGHTS in (getattr(holder, "offload_tags", None) or ())

@@ -40,8 +40,13 @@ from typing import (
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.control_plane import GRACE_S, ControlGroup
+from sglang.srt.weight_sync.control_plane import (
+    ControlGroup,
+    check_bound,
+    collective_device,
+)
 from sglang.srt.weight_sync.delivery import ShardSender, local_shard
+from sglang.srt.weight_sync.executor import DataGroup
 from sglang.srt.weight_sync.manifest import (
     EngineManifest,
     ManifestError,
@@ -54,6 +59,7 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     PayloadKind,
     check_timeout,
+    trainer_bound_s,
 )
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
 from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks, first_uncovered
@@ -132,6 +138,7 @@ class TrainerSync:
             object, dict
         ] = {}  # MegatronRank -> every rank's coordinates
         self._world: Optional[ControlGroup] = None
+        self._data: Optional[DataGroup] = None
         self._finalizer = weakref.finalize(self, TrainerSync._close_all, self._channels)
 
     @classmethod
@@ -157,6 +164,14 @@ class TrainerSync:
             self._world = ControlGroup(None, "trainer-world")
         return self._world
 
+    @property
+    def data(self) -> DataGroup:
+        """The data plane over every trainer rank (the default group), warmed up on its first
+        trainer-side chunk (``executor.DataGroup``)."""
+        if self._data is None:
+            self._data = DataGroup(None)
+        return self._data
+
     def channel(
         self,
         group_ranks: Sequence[int],
@@ -171,6 +186,13 @@ class TrainerSync:
         small integer all-gather tells every rank all engine groups.
         """
         key = tuple(int(r) for r in group_ranks)
+        check_bound(
+            group,
+            trainer_bound_s(timeout_s),
+            f"timeout_s={timeout_s:g}: trainer rank {dist.get_rank()}, while the engine applies "
+            "an update,",
+            collective_device(group),
+        )
         if key not in self._channels:
             me = dist.get_rank()
             control = ControlGroup(group, "trainer")
@@ -370,6 +392,12 @@ def sources_flow(
     if side == "engine":
         return (yield from delivered_flow(chan, deliver_beside()))
     rank, names = dist.get_rank(), sorted(sources)
+    check_bound(
+        None,
+        timeout_s,
+        f"timeout_s={timeout_s:g}: trainer rank {rank}, in each trainer-side round,",
+        sync.data.device,
+    )
     if sync.world.any(
         chan.manifest is None,
         timeout_s,
@@ -401,6 +429,7 @@ def sources_flow(
             bucket_bytes,
             part,
             timeout_s,
+            sync.data,
         )
         report.chunks += 1
         report.bytes_received += result.stats.bytes_received
@@ -422,12 +451,11 @@ def sources_flow(
             names=names,
             fingerprint=chan.manifest.fingerprint,
         )
-        del (
-            result
-        )  # the sender keeps the buffers alive until the next chunk replaces them
+        del result  # the sender keeps the buffers alive until the engine answers
         report.success, report.message = yield ControlRequest(
             report.update_id, chan.channel, chan.control, final=i == len(parts) - 1
         )
+        chan.sender.release()  # the engine has answered: it no longer reads the buffers
         if not report.success:
             chan.manifest = (
                 None  # the engine may have changed its layout: read it again next time
@@ -453,6 +481,7 @@ def delivered_flow(chan: TrainerChannel, update_id: str) -> Flow:
     report.success, report.message = yield ControlRequest(
         update_id, chan.channel, chan.control
     )
+    chan.sender.release()  # the engine has answered: it no longer reads the shards
     return report
 
 
@@ -529,7 +558,7 @@ class _Driver:
         most timeout_s for payloads and timeout_s + GRACE_S for its own ranks."""
         control = self.request.control
         control.barrier(
-            2 * self.timeout_s + GRACE_S,
+            trainer_bound_s(self.timeout_s),
             f"trainer rank {self.me}: while the engine applies the update",
         )
         shared = control.broadcast_result(

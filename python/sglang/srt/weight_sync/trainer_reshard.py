@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.executor import ExecutionStats, execute
+from sglang.srt.weight_sync.executor import DataGroup, ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
 from sglang.srt.weight_sync.planner import (
     Plan,
@@ -258,18 +258,22 @@ class TrainerPlans:
         bucket_bytes: int,
         params: Iterable[str],
         timeout_s: Optional[float] = None,
+        data: Optional[DataGroup] = None,
     ) -> TrainerSideResult:
         """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
-        ``local`` (this rank's tensors by holder key). Every trainer rank calls this with
-        the same names and chunk; each round waits at most ``timeout_s`` for its peers."""
+        ``local`` (this rank's tensors by holder key), on the data group's device. Every
+        trainer rank calls this with the same names and chunk; each round waits at most
+        ``timeout_s`` for its peers. ``data``: the owner's data plane over the default group
+        (None: one for this chunk)."""
         plan, targets = self.plan_to_engines(
             sources, manifest, engine_groups, bucket_bytes, params, rank
         )
-        device = next(iter(local.values())).device if local else torch.device("cpu")
+        data = data if data is not None else DataGroup(None)
         buffers = {
-            t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets
+            t.name: torch.empty(t.shape, dtype=t.dtype, device=data.device)
+            for t in targets
         }
-        stats = execute(plan, rank, local, buffers, timeout_s=timeout_s)
+        stats = execute(plan, rank, local, buffers, data, timeout_s)
         return TrainerSideResult(buffers, stats, plan)
 
 

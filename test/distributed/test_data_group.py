@@ -1,0 +1,133 @@
+"""The data plane's own group, its warm-up on every rank, and point-to-point fan-out, over
+gloo ranks.
+
+What these guard against is NCCL's (a communicator made lazily by a group's first
+collective, which every rank must join; an aborted communicator; one communicator per
+broadcast rank set): gloo shows the decisions the code takes, counted by wrappers around
+``torch.distributed``, not NCCL's failure itself.
+"""
+
+import gc
+import weakref
+
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+
+
+def _count_collectives():
+    """Wrap the collectives the data plane may call in this process; returns the log."""
+    log = []
+    for name in ("all_reduce", "batch_isend_irecv", "new_group", "broadcast"):
+        original = getattr(dist, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            group = kwargs.get("group")
+            if _name == "batch_isend_irecv":  # the group each point-to-point op runs on
+                groups = {op.group for op in args[0]}
+                group = groups.pop() if len(groups) == 1 else groups
+            log.append((_name, group))
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    return log
+
+
+def _fan_out_plan(receivers):
+    """Tensor ``w`` held whole by rank 0 only, needed whole by each of ``receivers``."""
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+    src = {"w": MeshSpec.full((6, 4), torch.float32, [0]).describe("w")}
+    target = ParamTarget(
+        "p", (6, 4), torch.float32, (Piece("w", Box((0, 0), (6, 4)), (), (0, 0)),)
+    )
+    return plan(src, {r: ([target] if r in receivers else []) for r in range(3)})
+
+
+def _data_group_ranks(rank: int, world: int) -> dict:
+    from sglang.srt.weight_sync.control_plane import group_timeout_s
+    from sglang.srt.weight_sync.executor import DataGroup, execute
+    from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
+
+    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+    log = _count_collectives()
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    out = dict(
+        own_group=data.group is not dist.group.WORLD,
+        ranks=dist.get_process_group_ranks(data.group),
+        timeout=group_timeout_s(data.group),
+    )
+    # update 1: rank 1 alone receives, rank 2 has no move at all
+    shards = {"w": full.clone()} if rank == 0 else {}
+    params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
+    execute(_fan_out_plan({1}), rank, shards, params, data, timeout_s=60)
+    out["first"] = [(n, g is data.group) for n, g in log]
+    # update 2: ranks 1 and 2 both need it (a "broadcast" move), sent point-to-point
+    del log[:]
+    params = {"p": torch.zeros(6, 4)} if rank else {}
+    alive = [weakref.ref(t) for t in list(shards.values()) + list(params.values())]
+    stats = execute(_fan_out_plan({1, 2}), rank, shards, params, data, timeout_s=60)
+    out["second"] = [(n, g is data.group) for n, g in log]
+    out["landed"] = all(torch.equal(p, full) for p in params.values())
+    out["broadcasts"], out["sent"] = stats.broadcasts, stats.bytes_sent
+    del shards, params
+    gc.collect()
+    out["held_after"] = sum(ref() is not None for ref in alive)
+    dist.barrier()
+    return out
+
+
+def test_the_data_plane_runs_on_its_own_group_warmed_up_on_every_rank():
+    results = run_ranks(3, _data_group_ranks)
+    for rank, r in enumerate(results):
+        assert r["own_group"] and r["ranks"] == [0, 1, 2], r
+        assert r["timeout"] is not None and r["timeout"] > 7200, r
+        # the first update: one warm-up all-reduce on the data group, on every rank,
+        # the rank without a move (2) included; a P2P batch only where there are moves
+        expected = [("all_reduce", True)] + (
+            [("batch_isend_irecv", True)] if rank in (0, 1) else []
+        )
+        assert r["first"] == expected, (rank, r["first"])
+        # later updates: no second warm-up, no new group, no broadcast subgroup
+        assert r["second"] == [("batch_isend_irecv", True)], (rank, r["second"])
+        assert r["landed"] and r["broadcasts"] == 1, r
+        assert r["held_after"] == 0, f"rank {rank} keeps an update's tensors alive"
+    assert results[0]["sent"] == 2 * 6 * 4 * 4  # the region once per receiver
+
+
+def _engine_renews_together(rank: int, world: int) -> dict:
+    """The engine's data group, with SGLang's TP state faked as the gloo world."""
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.control_plane import group_timeout_s
+    from sglang.srt.weight_sync.sglang_compat import TpState
+
+    engine_update.tp_state = lambda: TpState(rank, world, world, 1, None, None)
+    sync = engine_update.EngineWeightSync(rank)
+    first = sync.data_group(30.0)
+    again = sync.data_group(30.0)
+    out = dict(
+        kept=again is first,
+        timeout=group_timeout_s(first.group),
+        serving_untouched=first.group is not dist.group.WORLD,
+    )
+    if rank == 0:  # a failed wait on rank 0 only: it drops its group
+        sync.drop_data_group()
+    renewed = sync.data_group(30.0)
+    out["renewed"] = renewed is not first
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=renewed.group)
+    out["sum"] = flag.item()
+    dist.barrier()
+    return out
+
+
+def test_the_engine_makes_its_data_group_once_and_anew_on_every_rank_together():
+    """A rank that dropped its group after a failed wait makes every TP rank make a new
+    one at the next update (one control all-reduce first), so they never diverge."""
+    for r in run_ranks(2, _engine_renews_together):
+        assert r["kept"] and r["serving_untouched"], r
+        assert r["timeout"] > 7200, r
+        assert r["renewed"] and r["sum"] == 2.0, r
