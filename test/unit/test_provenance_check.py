@@ -2,7 +2,7 @@
 model into scratch tensors and refuses derived targets that place data elsewhere.
 
 A worker process per platform (SGLang's CPU engine, and the default platform's generic
-loader branches; ``sglang_fakes``) acts as engine rank 1 of TP 2, builds the real model of
+loader branches; ``sglang_fakes``) acts as an engine rank (mostly rank 1 of TP 2), builds the real model of
 each tiny architecture the end-to-end tests use (bf16 parameters filled with seeded random
 values), derives the rank's targets on meta as the engine does, and runs the check:
 
@@ -10,7 +10,8 @@ values), derives the rank's targets on meta as the engine does, and runs the che
   every live tensor bitwise as it was (DeepSeek's ``load_weights`` recomputes ``w_kc``/``w_vc``
   from ``kv_b_proj``: those writes must be dropped);
 * a planted shape-preserving permutation in a live parameter's ``weight_loader`` (gate and
-  up halves of ``gate_up_proj`` swapped; ``down_proj``'s rows reversed) is refused with a
+  up halves of ``gate_up_proj`` swapped; ``down_proj``'s rows reversed), or a loader that
+  writes nothing (``embed_tokens``), is refused with a
   message naming the parameter, the checkpoint tensor and the first differing element, and
   the live parameters are unchanged;
 * the check runs once per derived-targets object: the same object again runs no loader, a
@@ -27,16 +28,20 @@ from pathlib import Path
 import pytest
 import sglang_fakes  # test/support: on sys.path (test/conftest.py) and, as a worker, on PYTHONPATH
 
-# (arch, TP, EP): rank 1 of each
+# (case, tiny model, TP, EP, rank, config overrides). A vocabulary of 500 is padded (to 512 at
+# TP 2): the loader zeroes the padding rows, zero boxes of the targets. At TP 4 the CPU engine
+# pads llama's 8 query heads with 2 KV heads to 16.
 CASES = (
-    ("qwen2", 2, 1),
-    ("llama", 2, 1),
-    ("qwen3", 2, 1),
-    ("qwen3_moe", 2, 1),
-    ("qwen3_moe", 2, 2),
-    ("deepseek_v3", 2, 1),
+    ("qwen2-tp2-ep1", "qwen2", 2, 1, 1, {}),
+    ("llama-tp2-ep1", "llama", 2, 1, 1, {}),
+    ("llama-kv2-tp4-ep1", "llama", 4, 1, 3, {"num_key_value_heads": 2}),
+    ("qwen2-vocab500-tp2-ep1", "qwen2", 2, 1, 1, {"vocab_size": 500}),
+    ("qwen3-tp2-ep1", "qwen3", 2, 1, 1, {}),
+    ("qwen3_moe-tp2-ep1", "qwen3_moe", 2, 1, 1, {}),
+    ("qwen3_moe-tp2-ep2", "qwen3_moe", 2, 2, 1, {}),
+    ("deepseek_v3-tp2-ep1", "deepseek_v3", 2, 1, 1, {}),
 )
-RANK = 1
+RANK = 1  # of the planted cases (qwen2, deepseek_v3)
 MODES = ("cpu", "default")
 
 
@@ -98,19 +103,18 @@ def _worker(mode: str, workdir: Path) -> dict:
         return planted
 
     facts = {}
-    for arch, tp, ep in CASES:
-        case = f"{arch}-tp{tp}-ep{ep}"
+    for case, arch, tp, ep, rank, overrides in CASES:
         directory = workdir / case
         # off the CPU engine, SGLang builds yarn rope only on an accelerator: plain rope there
         plain_rope = mode == "default" and arch == "deepseek_v3"
         config = tiny_models.tiny_config(
-            arch, **({"rope_scaling": None} if plain_rope else {})
+            arch, **overrides, **({"rope_scaling": None} if plain_rope else {})
         )
         config.architectures = [
             transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__
         ]
         config.save_pretrained(directory)
-        with sglang_fakes.fake_engine_rank(tp, RANK, ep):
+        with sglang_fakes.fake_engine_rank(tp, rank, ep):
             model_config, _ = sglang_fakes.sglang_model_config(directory, mode, tp)
             checkpoint = checkpoint_layout(original_hf_config(model_config))
             derived = derive_once_per_layer_kind(
@@ -118,7 +122,7 @@ def _worker(mode: str, workdir: Path) -> dict:
             )
             targets = DerivedTargets(
                 EngineParallel(tp, moe_ep_size=ep),
-                tuple(derived.targets if r == RANK else () for r in range(tp)),
+                tuple(derived.targets if r == rank else () for r in range(tp)),
                 checkpoint.shapes(),
                 checkpoint.aliases,
             )
@@ -139,21 +143,22 @@ def _worker(mode: str, workdir: Path) -> dict:
             check = ProvenanceCheck()
             fact = {
                 "dtype": str(next(model.parameters()).dtype),
-                "kinds": len(representatives(targets.for_rank(RANK))),
-                "targets": len(targets.for_rank(RANK)),
-                "problems": check.problems(model, targets, RANK),
+                "kinds": len(representatives(targets.for_rank(rank))),
+                "targets": len(targets.for_rank(rank)),
+                "zero_boxes": sum(len(t.zeros) for t in targets.for_rank(rank)),
+                "problems": check.problems(model, targets, rank),
                 "loads_first": len(loads),
-                "problems_again": check.problems(model, targets, RANK),
+                "problems_again": check.problems(model, targets, rank),
                 "loads_again": len(loads),
             }
             fact["problems_new_object"] = check.problems(
-                model, dataclasses.replace(targets), RANK
+                model, dataclasses.replace(targets), rank
             )
             fact["loads_new_object"] = len(loads)
             fact["runs"] = check.runs
             fact["changed"] = unchanged(model, before)
             fact["checked"] = check_provenance(
-                model, targets.for_rank(RANK), targets.shapes, RANK
+                model, targets.for_rank(rank), targets.shapes, rank
             )
             if arch in ("qwen2", "deepseek_v3"):
 
@@ -165,21 +170,25 @@ def _worker(mode: str, workdir: Path) -> dict:
                 def reverse_rows(loader):
                     return lambda param, w, *a, **k: loader(param, w.flip(0), *a, **k)
 
+                def write_nothing(loader):
+                    return lambda param, w, *a, **k: None
+
                 for plant_id, suffix, wrap in (
                     ("gate_up_swapped", "gate_up_proj.weight", swap_gate_up),
                     ("down_rows_reversed", "down_proj.weight", reverse_rows),
+                    ("embedding_skipped", "embed_tokens.weight", write_nothing),
                 ):
                     originals = {n: dict(vars(p)) for n, p in model.named_parameters()}
                     planted = plant(model, suffix, wrap)
                     fact[plant_id] = {
                         "planted": planted,
-                        "problems": ProvenanceCheck().problems(model, targets, RANK),
+                        "problems": ProvenanceCheck().problems(model, targets, rank),
                         "changed": unchanged(model, before),
                     }
                     for n, p in model.named_parameters():
                         p.__dict__.clear()
                         p.__dict__.update(originals[n])
-                fact["after_plants"] = ProvenanceCheck().problems(model, targets, RANK)
+                fact["after_plants"] = ProvenanceCheck().problems(model, targets, rank)
         facts[case] = fact
     return facts
 
@@ -202,9 +211,11 @@ def facts(request, tmp_path_factory):
     return json.loads((workdir / "facts.json").read_text())
 
 
-@pytest.mark.parametrize("case", [f"{a}-tp{t}-ep{e}" for a, t, e in CASES])
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_sglang_loaders_place_what_the_derived_targets_say(facts, case):
     fact = facts[case]
+    if "vocab500" in case:
+        assert fact["zero_boxes"] > 0  # the padding is checked too
     assert fact["dtype"] == "torch.bfloat16"
     assert fact["problems"] == []
     # one representative per kind: fewer than the targets (layers repeat), every kind checked
@@ -213,7 +224,7 @@ def test_sglang_loaders_place_what_the_derived_targets_say(facts, case):
     assert fact["changed"] == []  # no live tensor written, none rebound
 
 
-@pytest.mark.parametrize("case", [f"{a}-tp{t}-ep{e}" for a, t, e in CASES])
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_the_check_runs_once_per_targets_object(facts, case):
     fact = facts[case]
     assert fact["loads_first"] == fact["kinds"]  # one load_weights per parameter kind
@@ -230,18 +241,26 @@ def test_the_check_runs_once_per_targets_object(facts, case):
         # rank 1 of TP 2 holds rows 128:256 of gate, then of up; the loader put up's rows first
         (
             "gate_up_swapped",
-            "mlp.gate_up_proj.weight",
-            "mlp.gate_proj.weight",
-            "mlp.gate_proj.weight[128, 0]",
-            "mlp.up_proj.weight[128, 0]",
+            "model.layers.0.mlp.gate_up_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight[128, 0]",
+            "model.layers.0.mlp.up_proj.weight[128, 0]",
         ),
         # down_proj is split by columns (128:256 on rank 1); its first row came from the last
         (
             "down_rows_reversed",
-            "mlp.down_proj.weight",
-            "mlp.down_proj.weight",
-            "mlp.down_proj.weight[0, 128]",
-            "mlp.down_proj.weight[127, 128]",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.mlp.down_proj.weight[0, 128]",
+            "model.layers.0.mlp.down_proj.weight[127, 128]",
+        ),
+        # rank 1 holds vocabulary rows 256:512; the loader wrote none of them
+        (
+            "embedding_skipped",
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight[256, 0]",
+            "nothing (the element was never written)",
         ),
     ],
 )
@@ -252,12 +271,12 @@ def test_a_planted_permutation_is_refused_before_any_write(
     assert fact["planted"] >= 1
     assert len(fact["problems"]) == 1, fact["problems"]
     message = fact["problems"][0]
-    assert message.startswith(f"engine rank {RANK}: parameter 'model.layers.0.{param}'")
-    assert f"checkpoint tensor 'model.layers.0.{tensor}'" in message
+    assert message.startswith(
+        f"engine rank {RANK}: parameter {param!r} (checkpoint tensor {tensor!r}): "
+    )
     # the first differing element: where, what the targets place, what the loader placed
     assert (
-        f"at [0, 0] the targets place model.layers.0.{expected}, "
-        f"the loader placed model.layers.0.{found};" in message
+        f"at [0, 0] the targets place {expected}, the loader placed {found};" in message
     )
     assert "refused before any write" in message
     assert fact["changed"] == []  # the live parameters are as they were

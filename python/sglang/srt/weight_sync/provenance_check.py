@@ -171,12 +171,16 @@ def _check_one(
             model.load_weights(feed())
     found = scratch.detach().view(bits)
 
-    def fail(where: Tuple[int, ...], tensor_name: str, expected: str) -> None:
+    def fail(where: Tuple[int, ...], expected: str, source: Optional[str]) -> None:
+        fed = (
+            f"checkpoint tensor {source!r}" if source else f"checkpoint tensors {names}"
+        )
         raise ProvenanceMismatch(
-            f"parameter {target.name!r} (checkpoint tensor {tensor_name!r}): SGLang's weight "
-            f"loader on {tensor.device} places data elsewhere than the derived targets: at "
-            f"{list(where)} the targets place {expected}, the loader placed "
-            f"{_provenance_of(found, where, names, make, bits)}; the update is refused before any write"
+            f"parameter {target.name!r} ({fed}): SGLang's weight loader on {tensor.device} "
+            f"places data elsewhere than the derived targets: at {list(where)} the targets "
+            f"place {expected}, the loader placed "
+            f"{_provenance_of(found, where, names, make, bits)}; the update is refused "
+            "before any write"
         )
 
     for name in names:
@@ -188,8 +192,8 @@ def _check_one(
                 local = tuple(int(i) for i in bad.nonzero()[0])
                 fail(
                     piece.index + tuple(o + i for o, i in zip(piece.offsets, local)),
-                    name,
                     f"{name}{_source_index(piece, local)}",
+                    name,
                 )
             dest.fill_(_UNWRITTEN)  # checked: the rest must be zero boxes or untouched
         del full
@@ -198,16 +202,12 @@ def _check_one(
         bad = dest != 0
         if bool(bad.any()):
             local = tuple(int(i) for i in bad.nonzero()[0])
-            fail(
-                tuple(o + i for o, i in zip(box.offsets, local)),
-                names[0] if names else "-",
-                "a zero fill",
-            )
+            fail(tuple(o + i for o, i in zip(box.offsets, local)), "a zero fill", None)
         dest.fill_(_UNWRITTEN)
     stray = found != _UNWRITTEN
     if bool(stray.any()):
         where = tuple(int(i) for i in stray.nonzero()[0])
-        fail(where, names[0] if names else "-", "nothing (no piece, no zero fill)")
+        fail(where, "nothing (no piece, no zero fill)", None)
 
 
 def _source_index(piece: Piece, local: Tuple[int, ...]) -> List[int]:
