@@ -116,6 +116,8 @@ def _worker(mode: str, workdir: Path) -> dict:
         config.save_pretrained(directory)
         with sglang_fakes.fake_engine_rank(tp, rank, ep):
             model_config, _ = sglang_fakes.sglang_model_config(directory, mode, tp)
+            # the live model first, as an engine has it before its first update derives
+            model = sglang_fakes._build(model_config, model_config.dtype)
             checkpoint = checkpoint_layout(original_hf_config(model_config))
             derived = derive_once_per_layer_kind(
                 lambda: build_meta_model(model_config), checkpoint
@@ -126,7 +128,6 @@ def _worker(mode: str, workdir: Path) -> dict:
                 checkpoint.shapes(),
                 checkpoint.aliases,
             )
-            model = sglang_fakes._build(model_config, model_config.dtype)
             gen = torch.Generator().manual_seed(1)
             with torch.no_grad():
                 for p in model.parameters():
