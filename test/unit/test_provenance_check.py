@@ -190,6 +190,26 @@ def _worker(mode: str, workdir: Path) -> dict:
                         p.__dict__.clear()
                         p.__dict__.update(originals[n])
                 fact["after_plants"] = ProvenanceCheck().problems(model, targets, rank)
+
+                def raising(loader):
+                    def load(param, w, *a, **k):
+                        raise MemoryError("planted: no memory for the check")
+
+                    return load
+
+                originals = {n: dict(vars(p)) for n, p in model.named_parameters()}
+                plant(model, "down_proj.weight", raising)
+                check = ProvenanceCheck()
+                failed = check.problems(model, targets, rank)
+                for n, p in model.named_parameters():
+                    p.__dict__.clear()
+                    p.__dict__.update(originals[n])
+                fact["raising"] = {
+                    "problems": failed,
+                    "retried": check.problems(model, targets, rank),
+                    "runs": check.runs,
+                    "changed": unchanged(model, before),
+                }
         facts[case] = fact
     return facts
 
@@ -282,6 +302,19 @@ def test_a_planted_permutation_is_refused_before_any_write(
     assert "refused before any write" in message
     assert fact["changed"] == []  # the live parameters are as they were
     assert facts[case]["after_plants"] == []  # the loaders restored, the check passes
+
+
+@pytest.mark.parametrize("case", ["qwen2-tp2-ep1", "deepseek_v3-tp2-ep1"])
+def test_a_check_that_could_not_run_refuses_and_runs_again(facts, case):
+    """A loader that raises (memory, say) refuses the update; the outcome is not kept, so the
+    next update checks again and passes."""
+    fact = facts[case]["raising"]
+    assert fact["problems"] == [
+        f"engine rank {RANK}: the derived targets could not be checked against SGLang's "
+        "loaders: MemoryError: planted: no memory for the check"
+    ]
+    assert fact["retried"] == [] and fact["runs"] == 2
+    assert fact["changed"] == []
 
 
 if __name__ == "__main__":

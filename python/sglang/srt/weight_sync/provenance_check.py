@@ -98,7 +98,9 @@ def check_provenance(
 
 class ProvenanceCheck:
     """The check's outcome per derived-targets object, kept by the engine's weight sync: the
-    check runs once per object (the first update with it), its result is reused after."""
+    check runs once per object (the first update with it), and its outcome, passed or a
+    mismatch (which the same loaders would give again), is reused after. A check that
+    could not run (the loader raised) refuses the update and runs again next time."""
 
     def __init__(self) -> None:
         self._done: Dict[int, Tuple[DerivedTargets, Tuple[str, ...]]] = {}
@@ -128,10 +130,11 @@ class ProvenanceCheck:
                 "engine rank %d: the provenance check of the derived targets failed",
                 rank,
             )
-            found = (
+            # not kept: the next update checks again (the cause may pass, memory say)
+            return [
                 f"engine rank {rank}: the derived targets could not be checked against "
-                f"SGLang's loaders: {type(e).__name__}: {e}",
-            )
+                f"SGLang's loaders: {type(e).__name__}: {e}"
+            ]
         if len(self._done) >= _MEMO:
             self._done.pop(next(iter(self._done)))
         self._done[id(derived)] = (derived, found)
