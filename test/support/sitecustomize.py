@@ -14,7 +14,10 @@ the tensor path's reply keeps upstream's shape, so its figures are only in that 
 
 When ``SGLANG_TEST_FAULT_DIR`` names a directory, an engine rank whose executor has
 written its parameters raises if ``<dir>/fail_after_writes.rank<R>`` exists (the file
-is removed: one fault per file): a peer lost after writes began, on demand.
+is removed: one fault per file): a peer lost after writes began, on demand. And engine
+rank R's provenance check sees SGLang's ``gate_up_proj`` loaders swap gate and up if
+``<dir>/permute_gate_up.rank<R>`` exists (removed likewise): a loader permutation the
+derived targets do not know.
 """
 
 import os
@@ -78,21 +81,69 @@ if _FAULT_DIR:
 
         return call
 
-    class _WrapOnImport(_abc.MetaPathFinder):
-        """Wraps ``engine_update.execute`` once the module is loaded (it is imported late, by the scheduler)."""
+    def _planted_permutation(check):
+        """Swap gate and up in every live ``gate_up_proj``'s weight_loader for one provenance
+        check of engine rank R when ``<dir>/permute_gate_up.rank<R>`` exists (removed: one per
+        file): a shape-preserving permutation the derived targets do not know, on demand."""
 
-        NAME = "sglang.srt.weight_sync.engine_update"
+        def call(model, targets, shapes, rank, *args, **kwargs):
+            flag = os.path.join(_FAULT_DIR, f"permute_gate_up.rank{rank}")
+            if not os.path.exists(flag):
+                return check(model, targets, shapes, rank, *args, **kwargs)
+            os.unlink(flag)
+            planted = []
+            for name, p in model.named_parameters():
+                if name.endswith("gate_up_proj.weight"):
+                    attr = (
+                        "weight_loader"
+                        if "weight_loader" in vars(p)
+                        else "_weight_loader"
+                    )
+                    loader = getattr(p, attr)
+                    planted.append((p, attr, loader))
+                    setattr(
+                        p,
+                        attr,
+                        lambda param, w, shard_id=None, *a, _load=loader, **k: _load(
+                            param, w, 1 - shard_id, *a, **k
+                        ),
+                    )
+            try:
+                return check(model, targets, shapes, rank, *args, **kwargs)
+            finally:
+                for p, attr, loader in planted:
+                    setattr(p, attr, loader)
+
+        return call
+
+    class _WrapOnImport(_abc.MetaPathFinder):
+        """Wraps ``engine_update.execute`` and ``provenance_check.check_provenance`` once their
+        modules are loaded (they are imported late, by the scheduler)."""
+
+        WRAPS = {
+            "sglang.srt.weight_sync.engine_update": lambda m: setattr(
+                m, "execute", _fail_after_writes(m.execute)
+            ),
+            "sglang.srt.weight_sync.provenance_check": lambda m: setattr(
+                m, "check_provenance", _planted_permutation(m.check_provenance)
+            ),
+        }
+
+        def __init__(self):
+            self.pending = dict(self.WRAPS)
 
         def find_spec(self, name, path, target=None):
-            if name != self.NAME:
+            wrap = self.pending.pop(name, None)
+            if wrap is None:
                 return None
-            _sys.meta_path.remove(self)
+            if not self.pending:
+                _sys.meta_path.remove(self)
             spec = _util.find_spec(name)
             load = spec.loader.exec_module
 
             def exec_module(module):
                 load(module)
-                module.execute = _fail_after_writes(module.execute)
+                wrap(module)
 
             spec.loader.exec_module = exec_module
             return spec
