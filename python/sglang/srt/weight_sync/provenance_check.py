@@ -9,8 +9,8 @@ derived-targets object (``ProvenanceCheck``, kept by the engine's weight sync), 
 representative of each parameter kind (name with layer numbers blanked, and shape: one
 layer of each kind of repeated layer), the model's own ``load_weights`` runs on the live
 device and dtype with that parameter's slot holding a scratch tensor (``torch.empty_like``,
-never the live one), fed seeded pseudo-random checkpoint tensors (random bit patterns,
-finite). The scratch is compared bitwise with what the pieces and zero boxes place from
+never the live one), fed seeded pseudo-random checkpoint tensors (random finite bit
+patterns). The scratch is compared bitwise with what the pieces and zero boxes place from
 the same tensors; any difference refuses the update, naming parameter, checkpoint tensor
 and the first differing element (what the targets place there, what the loader did).
 
@@ -27,6 +27,7 @@ parameter's scratch and one checkpoint tensor at a time.
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections import defaultdict
 from contextlib import contextmanager
@@ -268,26 +269,18 @@ def _random(
     device: torch.device,
     seed: int,
 ) -> torch.Tensor:
-    """A pseudo-random checkpoint tensor, the same for the same name and seed: random bit
-    patterns for 16- and 32-bit floats (non-finite ones replaced by 1), so any permutation of
-    distinct elements shows bitwise."""
+    """A pseudo-random checkpoint tensor, the same for the same name and seed: for 16- and
+    32-bit floats random bit patterns with the lowest exponent bit cleared (never inf or
+    NaN; made in place, no temporary), so a permutation of distinct elements shows bitwise."""
     g = torch.Generator(device=device)
     g.manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
     shape = tuple(shape)
     if dtype.is_floating_point and torch.finfo(dtype).bits in (16, 32):
         width = torch.finfo(dtype).bits
-        ints = torch.randint(
-            -(2 ** (width - 1)),
-            2 ** (width - 1),
-            shape,
-            generator=g,
-            dtype=_BITS[width // 8],
-            device=device,
-        )
-        x = ints.view(dtype)
-        return torch.where(
-            torch.isfinite(x), x, torch.ones((), dtype=dtype, device=device)
-        )
+        mantissa = round(-math.log2(torch.finfo(dtype).eps))
+        ints = torch.empty(shape, dtype=_BITS[width // 8], device=device)
+        ints.random_(-(2 ** (width - 1)), 2 ** (width - 1), generator=g)
+        return ints.bitwise_and_(~(1 << mantissa)).view(dtype)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g, device=device).to(dtype)
     if dtype == torch.bool:
