@@ -8,7 +8,7 @@ WHEEL := dist/sglang-$(BASE)+dwu1-*.whl
 SITE   = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 PLANNER = $(SITE)/sglang/srt/weight_sync/planner.py
 
-.PHONY: venv wheel install test smoke bench demo lint format pr clean
+.PHONY: venv wheel install test test-gpu gpu-carry smoke bench demo lint format pr clean
 
 venv:
 	BASE=$(BASE) VENV=$(VENV) bash scripts/setup_env.sh
@@ -29,6 +29,19 @@ install: venv wheel
 TIER ?=
 test: install
 	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider $(if $(TIER),-m "$(TIER)")
+
+# The GPU tier (docs/gpu.md). Without a CUDA device every case is skipped with its reason; on a
+# GPU machine (no network needed, .gpu/ from `make gpu-carry`) it runs test/gpu, then the
+# 8B-shaped update benchmark.
+test-gpu:
+	@if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
+		bash scripts/gpu_run.sh && bash scripts/gpu_run.sh --bench; \
+	else \
+		$(MAKE) -s install && $(PY) -m pytest test/gpu -q -rs -p no:cacheprovider; \
+	fi
+
+gpu-carry:
+	bash scripts/gpu_carry.sh
 
 # The end-to-end smoke on one base (CI runs it on every base but the primary, whose full suite covers it):
 # FSDP trainer ranks -> a TP-2 engine through every entry point, verl 0.9.1's own update code

@@ -9,12 +9,14 @@
 
 * ``configure_cpu_env()`` runs at import, before any test module imports ``sglang``:
   ``SGLANG_USE_CPU_ENGINE=1`` and ``test/support`` on ``PYTHONPATH`` for the engine's
-  spawned processes (see ``test/support/engine.py``).
+  spawned processes (see ``test/support/engine.py``); not when ``SGLANG_TEST_GPU=1``
+  (``scripts/gpu_run.sh``, the GPU tier), where SGLang must take its CUDA branches.
 * Every test gets the marker of its folder (``unit``, ``distributed``, ``e2e``,
-  ``reliability``; registered in ``pytest.ini``): ``pytest test -m unit`` runs one tier,
+  ``reliability``, ``gpu``; registered in ``pytest.ini``): ``pytest test -m unit`` runs one tier,
   ``make test TIER=unit`` the same.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,9 +32,10 @@ if str(ROOT) not in sys.path:
 
 from engine import configure_cpu_env  # noqa: E402
 
-configure_cpu_env()
+if os.environ.get("SGLANG_TEST_GPU") != "1":
+    configure_cpu_env()
 
-TIERS = ("unit", "distributed", "e2e", "reliability")
+TIERS = ("unit", "distributed", "e2e", "reliability", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):

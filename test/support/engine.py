@@ -481,6 +481,9 @@ DEFAULT_ENGINE_ARGS = dict(
     disable_cuda_graph=True,
     random_seed=0,
     log_level="warning",
+    # An idle scheduler polls its sockets instead of spinning: on a machine with few cores an
+    # idle engine would otherwise take a core from the test and trainer processes beside it.
+    sleep_on_idle=True,
 )
 
 # The same, for engines that tests start in worker processes, whose warnings would only add noise.

@@ -22,8 +22,8 @@ How TP is faked (the same way SGLang's own tests do it, see
   which is all that layers read (``get_group_rank_size``). Such a group raises on anything else, so a
   construction path that would need a real collective is reported, not hidden.
 
-Two platform modes, each run in its own subprocess because SGLang reads
-``SGLANG_USE_CPU_ENGINE`` once, at import:
+Three platform modes, each run in its own subprocess because SGLang reads
+``SGLANG_USE_CPU_ENGINE`` (and ``is_cuda()``) once, at import:
 
 * ``default``: no CPU engine. The loaders take their generic (CUDA) branches:
   plain ``narrow``; FusedMoE without padded loading, default runner (triton
@@ -36,6 +36,9 @@ Two platform modes, each run in its own subprocess because SGLang reads
   FusedMoE ``use_padded_loading``), and the HF config is first passed through
   ``adjust_config_with_unaligned_cpu_tp`` exactly as ``ModelRunner`` does when
   ``device == "cpu"``.
+* ``cuda``: on a GPU machine (the GPU tier): SGLang's ``is_cuda()`` is true, so the loaders,
+  post-load processing and the derivation on meta take the CUDA branches; the real load
+  builds the model on the GPU, as ``DefaultModelLoader`` does there.
 
 Usage as a worker: ``python sglang_fakes.py JOB.json OUT.pt`` (see ``run_job``).
 The light helpers (index encoding, decoding) import nothing from SGLang.
@@ -359,15 +362,14 @@ def sglang_model_config(directory: Path, mode: str, tp_size: int):
     return model_config, changes
 
 
-def _build(model_config, dtype: torch.dtype = torch.float32):
+def _build(model_config, dtype: torch.dtype = torch.float32, device=None):
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(dtype):
-        return _initialize_model(
-            model_config, LoadConfig(), None
-        )  # as DefaultModelLoader builds it
+    # as DefaultModelLoader builds it (on its device: the "cuda" mode's GPU)
+    with set_default_torch_dtype(dtype), torch.device(device or "cpu"):
+        return _initialize_model(model_config, LoadConfig(), None)
 
 
 def _computed(model) -> Dict[str, torch.Tensor]:
@@ -396,29 +398,35 @@ def _load(model, full) -> None:
 
 
 def load_rank(
-    model_config, full: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    model_config,
+    full: Dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device=None,
 ):
     """SGLang's parameters on the current (faked) engine rank after ``load_weights`` of the full
-    tensors, and the tensors loading computes from them (MLA's w_kc/w_vc, Gemma's weight + 1)."""
-    model = _build(model_config, dtype)
+    tensors, and the tensors loading computes from them (MLA's w_kc/w_vc, Gemma's weight + 1);
+    built on ``device`` (None: CPU), returned on CPU."""
+    model = _build(model_config, dtype, device)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(SENTINEL)
     before = {n: t.clone() for n, t in _computed(model).items()}
     _load(model, full)
     computed = {
-        n: t.detach().clone()
+        n: t.detach().cpu().clone()
         for n, t in _computed(model).items()
         if n not in before or not torch.equal(before[n], t)
     }
     return (
         model,
-        {name: p.detach().clone() for name, p in model.named_parameters()},
+        {name: p.detach().cpu().clone() for name, p in model.named_parameters()},
         computed,
     )
 
 
-def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[str, str]:
+def refresh_check(
+    model, model_config, full: Dict[str, torch.Tensor], device=None
+) -> Dict[str, str]:
     """Write the parameters SGLang loads from other weights (``2 * full``) in place, as an update
     does, then run SGLang's refresh (``apply.refresh_derived``, then what follows
     an update on this release, ``sglang_compat.after_update``): each computed tensor must equal
@@ -426,7 +434,7 @@ def refresh_check(model, model_config, full: Dict[str, torch.Tensor]) -> Dict[st
     from sglang.srt.weight_sync.apply import refresh_derived
     from sglang.srt.weight_sync.sglang_compat import after_update
 
-    fresh = _build(model_config)
+    fresh = _build(model_config, device=device)
     _load(fresh, {n: 2 * t for n, t in full.items()})
     storages = {n: t.untyped_storage().data_ptr() for n, t in _computed(model).items()}
     with torch.no_grad():
@@ -473,10 +481,11 @@ def run_job(job: dict, out_path: str) -> None:
         "is_cpu": bool(sgl_utils.is_cpu()),
         "is_cuda": bool(sgl_utils.is_cuda()),
     }
-    if platform["is_cpu"] != (mode == "cpu"):
-        raise RuntimeError(
-            f"mode {mode!r} but SGLang sees is_cpu()={platform['is_cpu']}"
-        )
+    if platform["is_cpu"] != (mode == "cpu") or (
+        mode == "cuda" and not platform["is_cuda"]
+    ):
+        raise RuntimeError(f"mode {mode!r} but SGLang sees {platform}")
+    device = "cuda" if mode == "cuda" else None
 
     checkpoints, results = {}, {}
     workdir = Path(job["workdir"])
@@ -505,7 +514,9 @@ def run_job(job: dict, out_path: str) -> None:
                     }
                     continue
                 full = index_encoded(checkpoints[cfg_id]["tensors"])
-                model, params, computed = load_rank(model_config, full)
+                model, params, computed = load_rank(
+                    model_config, full, device=device
+                )
                 results[case_id] = {
                     "params": params,
                     "computed": computed,
@@ -531,7 +542,7 @@ def run_job(job: dict, out_path: str) -> None:
                     )
                     if computed:
                         results[case_id]["refresh_problems"] = refresh_check(
-                            model, model_config, full
+                            model, model_config, full, device
                         )
         except Exception:  # reported per case by the test
             results[case_id] = {"error": traceback.format_exc()}
@@ -541,7 +552,7 @@ def run_job(job: dict, out_path: str) -> None:
 
 
 def worker_env(mode: str) -> Dict[str, str]:
-    """Environment for a worker subprocess of ``mode`` ("default" or "cpu")."""
+    """Environment for a worker subprocess of ``mode`` ("default", "cpu" or "cuda")."""
     env = dict(os.environ)
     # Start from a neutral platform even when the pytest process was set up for the CPU
     # engine (test/conftest.py sets SGLANG_USE_CPU_ENGINE=1 and puts STUBS on PYTHONPATH).

@@ -18,9 +18,39 @@ is removed: one fault per file): a peer lost after writes began, on demand. And 
 rank R's provenance check sees SGLang's ``gate_up_proj`` loaders swap gate and up if
 ``<dir>/permute_gate_up.rank<R>`` exists (removed likewise): a loader permutation the
 derived targets do not know.
+
+When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
+``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
+live parameters' ``data_ptr``s there, so a test can check an update wrote in place.
 """
 
 import os
+
+
+def _on_import(name: str, patch) -> None:
+    """Run ``patch(module)`` right after module ``name`` is first loaded (the scheduler
+    imports SGLang's modules late, so they cannot be patched from here directly)."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _PatchOnImport())
+
 
 _LOG_DIR = os.environ.get("SGLANG_TEST_FORBIDDEN_LOG")
 
@@ -64,9 +94,6 @@ if _FIGURES_DIR:
 _FAULT_DIR = os.environ.get("SGLANG_TEST_FAULT_DIR")
 
 if _FAULT_DIR:
-    import importlib.abc as _abc
-    import importlib.util as _util
-    import sys as _sys
 
     def _fail_after_writes(execute):
         def call(*args, **kwargs):
@@ -80,6 +107,11 @@ if _FAULT_DIR:
             return stats
 
         return call
+
+    def _wrap_execute(module):
+        module.execute = _fail_after_writes(module.execute)
+
+    _on_import("sglang.srt.weight_sync.engine_update", _wrap_execute)
 
     def _planted_permutation(check):
         """Swap gate and up in every live ``gate_up_proj``'s weight_loader for one provenance
@@ -116,39 +148,10 @@ if _FAULT_DIR:
 
         return call
 
-    class _WrapOnImport(_abc.MetaPathFinder):
-        """Wraps ``engine_update.execute`` and ``provenance_check.check_provenance`` once their
-        modules are loaded (they are imported late, by the scheduler)."""
+    def _wrap_check(module):
+        module.check_provenance = _planted_permutation(module.check_provenance)
 
-        WRAPS = {
-            "sglang.srt.weight_sync.engine_update": lambda m: setattr(
-                m, "execute", _fail_after_writes(m.execute)
-            ),
-            "sglang.srt.weight_sync.provenance_check": lambda m: setattr(
-                m, "check_provenance", _planted_permutation(m.check_provenance)
-            ),
-        }
-
-        def __init__(self):
-            self.pending = dict(self.WRAPS)
-
-        def find_spec(self, name, path, target=None):
-            wrap = self.pending.pop(name, None)
-            if wrap is None:
-                return None
-            if not self.pending:
-                _sys.meta_path.remove(self)
-            spec = _util.find_spec(name)
-            load = spec.loader.exec_module
-
-            def exec_module(module):
-                load(module)
-                wrap(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    _sys.meta_path.insert(0, _WrapOnImport())
+    _on_import("sglang.srt.weight_sync.provenance_check", _wrap_check)
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE"):
     import torch as _torch
@@ -157,3 +160,26 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         # The CUDA torch build that SGLang 0.5.10/0.5.12 pin, on a machine without GPU: SGLang 0.5.12's
         # weight checker calls torch.cuda.synchronize(), which has nothing to wait for here.
         _torch.cuda.synchronize = lambda device=None: None
+
+_PTRS_DIR = os.environ.get("SGLANG_TEST_PARAM_PTRS")
+
+if _PTRS_DIR:
+    import json as _json
+
+    def _dump_param_ptrs(self, tag: str) -> None:
+        """``Engine.collective_rpc("test_dump_param_ptrs", tag=...)``: each rank writes
+        ``<dir>/<tag>.rank<R>.json``, {name: [data_ptr, dtype, shape]} of its live model."""
+        worker = self.tp_worker
+        runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
+        ptrs = {
+            name: [p.data_ptr(), str(p.dtype), list(p.shape)]
+            for name, p in runner.model.named_parameters()
+        }
+        path = os.path.join(_PTRS_DIR, f"{tag}.rank{self.tp_rank}.json")
+        with open(path, "w") as out:
+            _json.dump(ptrs, out)
+
+    def _add_ptr_dump(module):
+        module.Scheduler.test_dump_param_ptrs = _dump_param_ptrs
+
+    _on_import("sglang.srt.managers.scheduler", _add_ptr_dump)

@@ -9,7 +9,15 @@ resolves to a function that raises ``NotImplementedError`` when called, so impor
 succeed and an unexpected use fails loudly. The same holds for the submodules that SGLang
 imports unconditionally (``SUBMODULES``: ``mamba`` on 0.5.23, also ``kvcacheio`` on 0.5.10 and
 0.5.12), which a finder at the end of ``sys.meta_path`` creates on import; the others stay
-absent, because SGLang catches their ImportError (e.g. ``scalar_type``) and falls back.
+absent, because SGLang catches their ImportError (e.g. ``scalar_type``) and falls back; on
+the GPU tier (``SGLANG_TEST_GPU=1``), whose CUDA branches import many more at module level,
+every submodule is served.
+
+On a GPU (``test/gpu``, where no sgl-kernel build can be installed) SGLang's CUDA branch calls
+the elementwise kernels of a dense model's forward: RMSNorm (plain and Gemma, fused with the
+residual add) and the gated activations. They are implemented here in plain torch with the
+kernels' semantics (fp32 math, in-place where the kernel is in place), so a tiny model runs with
+CUDA graphs; everything else still raises when called.
 
 No ``torch.ops.sgl_kernel`` ops are registered: SGLang's AMX check
 (``cpu_has_amx_support``) needs ``torch.ops.sgl_kernel.convert_weight_packed``, so the
@@ -23,6 +31,7 @@ are spawned and inherit the environment. With a full sglang install (real CUDA
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -30,6 +39,16 @@ import torch
 
 __version__ = "0.0.0+torch-stand-in"
 SUBMODULES = ("mamba", "kvcacheio")
+# On the GPU tier SGLang's CUDA branches import many more submodules at module level
+# (``sgl_kernel.quantization``, ``.flash_attn``, ...):
+# every one is served there, but those SGLang probes and replaces when absent.
+_SERVE_ALL = os.environ.get("SGLANG_TEST_GPU") == "1"
+PROBED = ("scalar_type",)
+# Submodule functions that answer a question rather than run a kernel.
+SUBMODULE_ATTRS = {"utils": {"is_arch_support_pdl": lambda: False}}
+# Operators SGLang's CUDA branches register fake (meta) kernels for at import time, so they must
+# exist as ``torch.ops.sgl_kernel.*``; defined on the GPU tier only, never called.
+FAKED_OPS = ("moe_fused_gate", "fused_linear_sigmoid_mul", "int8_scaled_mm_with_quant")
 
 
 def assign_req_to_token_pool_cpu(
@@ -57,6 +76,66 @@ def assign_req_to_token_pool_cpu(
         pt += n
 
 
+def _rms(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    w = weight.float()
+    return (xf * (1.0 + w if gemma else w)).to(x.dtype)
+
+
+def _into(result: torch.Tensor, out):
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """``sgl_kernel.rmsnorm``: ``out = input / rms(input) * weight``, computed in fp32."""
+    return _into(_rms(input, weight, eps, gemma=False), out)
+
+
+def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """``sgl_kernel.fused_add_rmsnorm``, in place: ``residual += input``, then
+    ``input = rmsnorm(residual)``."""
+    residual.add_(input)
+    input.copy_(_rms(residual, weight, eps, gemma=False))
+
+
+def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """``sgl_kernel.gemma_rmsnorm``: RMSNorm with ``1 + weight``."""
+    return _into(_rms(input, weight, eps, gemma=True), out)
+
+
+def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """``sgl_kernel.gemma_fused_add_rmsnorm``, in place, with ``1 + weight``."""
+    residual.add_(input)
+    input.copy_(_rms(residual, weight, eps, gemma=True))
+
+
+def _gated(act, input, out):
+    d = input.shape[-1] // 2
+    result = act(input[..., :d].float()) * input[..., d:].float()
+    return _into(result.to(input.dtype), out)
+
+
+def silu_and_mul(input, out=None, enable_pdl=None):
+    """``sgl_kernel.silu_and_mul``: ``silu(x[..., :d]) * x[..., d:]``."""
+    return _gated(torch.nn.functional.silu, input, out)
+
+
+def gelu_and_mul(input, out=None, enable_pdl=None):
+    """``sgl_kernel.gelu_and_mul`` (exact GELU)."""
+    return _gated(torch.nn.functional.gelu, input, out)
+
+
+def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
+    """``sgl_kernel.gelu_tanh_and_mul`` (tanh-approximated GELU)."""
+    return _gated(lambda x: torch.nn.functional.gelu(x, approximate="tanh"), input, out)
+
+
 def missing(module: str, name: str):
     """What ``from <module> import <name>`` gets for a kernel the stand-in lacks: a callable
     that raises if used (dunders raise AttributeError, as Python's import machinery expects)."""
@@ -81,18 +160,26 @@ class _StandInSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves ``sgl_kernel.<one of SUBMODULES>`` as a module whose every attribute is ``missing(...)``."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in {f"{__name__}.{name}" for name in SUBMODULES}:
+        if not fullname.startswith(f"{__name__}."):
+            return None
+        name = fullname[len(__name__) + 1 :]
+        if (_SERVE_ALL and name not in PROBED) or name in SUBMODULES:
             return importlib.machinery.ModuleSpec(fullname, self)
         return None
 
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
+        module.__dict__.update(SUBMODULE_ATTRS.get(spec.name.rpartition(".")[2], {}))
         module.__getattr__ = lambda name: missing(spec.name, name)
         return module
 
     def exec_module(self, module):
         pass
 
+
+if _SERVE_ALL and not hasattr(torch.ops.sgl_kernel, FAKED_OPS[0]):
+    for _op in FAKED_OPS:
+        torch.library.define(f"sgl_kernel::{_op}", "(Tensor input) -> Tensor")
 
 if not any(isinstance(f, _StandInSubmodules) for f in sys.meta_path):
     sys.meta_path.append(_StandInSubmodules())

@@ -11,7 +11,11 @@ timeout or for ever. Nothing here pickles what a peer sent, except
 
 A ``ControlGroup`` belongs to the object that runs updates over its group (the
 engine's weight sync, a trainer channel, ``VerlEngine``): its barrier count, which must
-be the same on every rank, lives and dies with that object.
+be the same on every rank, lives and dies with that object. Over a group that is not
+gloo alone (a trainer's ``cpu:gloo,cuda:nccl`` or NCCL mesh group) it runs on a gloo group
+of its own over the same ranks: control tensors stay on the host, barriers can name the
+ranks that never came (``monitored_barrier`` is gloo's), and a control wait that times out
+never aborts a NCCL communicator the trainer computes with.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.protocol import GRACE_S, answer_bound_s
+from sglang.srt.weight_sync.protocol import GRACE_S, MAX_TIMEOUT_S, answer_bound_s
 
 __all__ = (
     "ControlGroup",
@@ -79,14 +83,15 @@ class ControlGroup:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], name: str) -> None:
-        self.group, self.name = group, name
-        self.device = collective_device(group)
+        self.name = name
         self.ranks: Tuple[int, ...] = (
             tuple(dist.get_process_group_ranks(group))
             if group is not None
             else tuple(range(dist.get_world_size()))
         )
-        self.rank = dist.get_rank(group)  # this process's rank in the group
+        self.group = _gloo_group(group, self.ranks)
+        self.device = collective_device(self.group)
+        self.rank = dist.get_rank(self.group)  # this process's rank in the group
         self._barriers = 0
 
     @property
@@ -307,6 +312,23 @@ class ControlGroup:
             ]
             named = f"ranks {absent} never reached it; " if absent else ""
             raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
+
+
+def _gloo_group(
+    group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...]
+) -> Optional[dist.ProcessGroup]:
+    """``group`` itself when it is gloo alone, else a gloo group over the same ranks
+    (created by those ranks only, in the same order everywhere: the owners of a
+    ``ControlGroup`` build it at the same point of their flow). Its timeout is above every
+    bound an update waits for, so the bounds here are what ends a wait."""
+    if str(dist.get_backend(group)).lower() == "gloo" or not dist.is_gloo_available():
+        return group
+    return dist.new_group(
+        list(ranks),
+        backend="gloo",
+        timeout=timedelta(seconds=answer_bound_s(MAX_TIMEOUT_S) + GRACE_S),
+        use_local_synchronization=True,
+    )
 
 
 def _store() -> Optional[dist.Store]:

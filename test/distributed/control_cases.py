@@ -1,0 +1,59 @@
+"""Rank functions for test_control_plane.py (importable by the forkserver workers)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from sglang.srt.weight_sync.control_plane import ControlGroup, PeerLost
+
+NCCL_BACKENDS = ("cpu:gloo,cuda:nccl", "nccl")
+
+
+def _as_if(group, backend: str):
+    """Make ``dist.get_backend`` report ``backend`` for ``group``, as a GPU trainer's mesh
+    group reports it (this CPU build has no NCCL to create one with)."""
+    real = dist.get_backend
+    dist.get_backend = lambda g=None: backend if g is group else real(g)
+    return real
+
+
+def control_over_nccl_backends(rank: int, world: int) -> dict:
+    """Over a group whose backend names NCCL, the control group runs on gloo of its own
+    over the same ranks, and its collectives and monitored barriers work there."""
+    out = {}
+    for backend in NCCL_BACKENDS:
+        group = dist.new_group(list(range(world)))
+        real = _as_if(group, backend)
+        try:
+            control = ControlGroup(group, f"control-{backend}")
+        finally:
+            dist.get_backend = real
+        own = control.group is not group and real(control.group) == "gloo"
+        control.barrier(30, "barrier")
+        out[backend] = {
+            "own_gloo_group": own,
+            "ranks": control.ranks,
+            "device": str(control.device),
+            "agree": control.all_equal(7, 30, "agree"),
+            "disagree": control.all_equal(rank, 30, "disagree"),
+            "any": control.any(rank == world - 1, 30, "any"),
+        }
+    return out
+
+
+def barrier_names_absent_rank(rank: int, world: int) -> str:
+    """The last rank never reaches a barrier of a control group built over an NCCL-named
+    group: the others' bounded barrier names it."""
+    group = dist.new_group(list(range(world)))
+    real = _as_if(group, "cpu:gloo,cuda:nccl")
+    try:
+        control = ControlGroup(group, "absent")
+    finally:
+        dist.get_backend = real
+    if rank == world - 1:
+        return "absent"
+    try:
+        control.barrier(3, "test barrier")
+    except PeerLost as e:
+        return str(e)
+    return "passed"

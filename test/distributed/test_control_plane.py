@@ -1,0 +1,26 @@
+"""Control collectives over the groups GPU trainers hand us (backends naming NCCL)."""
+
+from control_cases import (
+    NCCL_BACKENDS,
+    barrier_names_absent_rank,
+    control_over_nccl_backends,
+)
+from ranks import run_ranks
+
+
+def test_control_group_runs_on_gloo_of_its_own_over_nccl_groups():
+    results = run_ranks(3, control_over_nccl_backends)
+    for rank, out in enumerate(results):
+        for backend in NCCL_BACKENDS:
+            r = out[backend]
+            assert r["own_gloo_group"], f"rank {rank} {backend}: {r}"
+            assert r["ranks"] == (0, 1, 2) and r["device"] == "None", r
+            assert r["agree"] is True and r["disagree"] is False, r
+            assert r["any"] is True, r
+
+
+def test_barrier_over_nccl_group_names_the_absent_rank():
+    results = run_ranks(3, barrier_names_absent_rank)
+    assert results[2] == "absent"
+    for message in results[:2]:
+        assert "test barrier" in message and "[2]" in message, message

@@ -1,0 +1,74 @@
+"""Derived targets on SGLang's CUDA branch equal its real load on the GPU (17 architectures).
+
+The same cases and checks as ``test/unit/test_derived_targets.py`` (which runs the generic
+and CPU branches on this machine's CPU), in a third platform mode, ``cuda``
+(``test/support/sglang_fakes.py``): SGLang's ``is_cuda()`` is true in the worker, the real
+load builds each model on the GPU and runs the loaders' and post-load processing's CUDA
+branches, and the derivation runs on meta under the same branches. Every parameter SGLang
+loads must equal what the derived targets place, element by element (index-encoded
+checkpoints: each element names its source), not only in shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sglang_fakes
+import torch
+
+UNIT = Path(__file__).resolve().parent.parent / "unit"
+sys.path.insert(0, str(UNIT))
+try:
+    derived = importlib.import_module("test_derived_targets")
+finally:
+    sys.path.remove(str(UNIT))
+
+MODE = "cuda"
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    base = tmp_path_factory.mktemp("derived_cuda")
+    job = {
+        "mode": MODE,
+        "workdir": str(base / MODE),
+        "derive": True,
+        "configs": {a: derived.ARCHS[a][0] for a in derived.ARCHS},
+        "cases": [list(c) for c in derived.CASES],
+    }
+    job_path, out_path = base / "job.json", base / "out.pt"
+    job_path.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, sglang_fakes.__file__, str(job_path), str(out_path)],
+        env=sglang_fakes.worker_env(MODE),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"cuda worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    result = torch.load(out_path, weights_only=False)
+    assert result["platform"]["is_cuda"], result["platform"]
+    return {MODE: result}
+
+
+@pytest.mark.parametrize("case", derived.CASES, ids=[c[0] for c in derived.CASES])
+def test_derived_targets_equal_sglang_cuda_load(loaded, case):
+    result = loaded[MODE]["results"][case[0]]
+    if "error" in result:
+        pytest.fail(
+            f"{case[0]} (cuda): SGLang could not build, load or derive:\n{result['error']}"
+        )
+    full = sglang_fakes.index_encoded(loaded[MODE]["checkpoints"][case[1]]["tensors"])
+    problems = derived._problems(result, full, derived.REFUSED.get(case[1], ""))
+    if problems:
+        pytest.fail(
+            f"{case[0]} (cuda, config changes {result['config_changes']}):\n"
+            + "\n".join(problems[:8]),
+            pytrace=False,
+        )

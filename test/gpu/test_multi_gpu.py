@@ -1,0 +1,155 @@
+"""Two GPUs: FSDP2 trainer ranks on both, updating engines that span them.
+
+Each test runs on every rank of a ``torchrun`` world of 2 (one process per GPU, colocated
+with the engine ranks as verl places them). Run on a machine with two GPUs, from the
+repository root with ``.gpu/`` in it::
+
+    bash scripts/gpu_run.sh --torchrun 2
+
+which installs the carry and runs ``torchrun --nproc-per-node 2 -m pytest
+test/gpu/test_multi_gpu.py`` with the tier's environment. Under plain pytest, or on one GPU,
+each test is skipped with that line as its reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import GPU_ENGINE_ARGS
+from engine import engine_greedy
+from tiny_models import qwen2, write_modified_checkpoint
+from update_cases import as_layout, new_weights
+
+RUN = "bash scripts/gpu_run.sh --torchrun 2"
+WORLD = 2
+PROMPTS = [[11, 12, 13, 14, 15], [101, 7, 9]]
+MAX_NEW = 8
+SHAPE = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
+)
+
+pytestmark = [
+    pytest.mark.gpus(WORLD),
+    pytest.mark.skipif(
+        os.environ.get("WORLD_SIZE") != str(WORLD),
+        reason=f"runs on every rank of a torchrun world of {WORLD}: {RUN}",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """This rank's GPU and the trainer's process group; the model written by rank 0."""
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
+    shared = os.environ.get("SGLANG_GPU_SHARED_DIR", "/tmp/sglang-gpu-multi")
+    model_dir = os.path.join(shared, "qwen2")
+    if rank == 0:
+        qwen2(model_dir, seed=0, **SHAPE)
+    dist.barrier()
+    yield rank, model_dir
+    dist.destroy_process_group()
+
+
+def _engine_args(**extra):
+    args = {k: v for k, v in GPU_ENGINE_ARGS.items() if k != "tp_size"}
+    return {**args, "mem_fraction_static": 0.2, **extra}
+
+
+def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
+    """FSDP2-style fp32 Shard(0) DTensors on 2 GPUs -> one TP-2 engine over the same GPUs
+    (``VerlEngine``, engine-side resharding: NCCL point-to-point between the engine's
+    ranks). Greedy generation equals a freshly loaded TP-2 engine's with the same weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sglang.srt.entrypoints.verl_engine import VerlEngine
+
+    rank, model_dir = world
+    cpu_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    trainer_mesh = init_device_mesh("cuda", (WORLD,), mesh_dim_names=("fsdp",))
+    weights = new_weights(model_dir, seed=3)
+    shards = as_layout(
+        weights, "fsdp32", trainer_mesh
+    )  # distribute_tensor moves to cuda
+    expected = {n: t.float().to(torch.bfloat16) for n, t in weights.items()}
+    reference_dir = os.path.join(os.path.dirname(model_dir), "reference")
+    if rank == 0:
+        write_modified_checkpoint(model_dir, reference_dir, expected)
+
+    verl = VerlEngine(cpu_mesh, model_path=model_dir, **_engine_args())
+    try:
+        verl.update_weights_from_tensor(shards)
+        verl.flush_cache()
+        got = verl.generate(
+            input_ids=PROMPTS,
+            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0},
+        )
+    finally:
+        verl.shutdown()
+    dist.barrier()
+    fresh = VerlEngine(cpu_mesh, model_path=reference_dir, **_engine_args())
+    try:
+        want = fresh.generate(
+            input_ids=PROMPTS,
+            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0},
+        )
+    finally:
+        fresh.shutdown()
+    if rank == 0:
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+
+
+def test_trainer_side_one_hop_into_two_tp1_engines(world):
+    """The same trainer feeding one TP-1 engine per GPU (``weight_sync.utils.update_weights``
+    with an ("dp", "infer_tp") mesh of (2, 1)): each engine receives the whole model from both
+    trainer ranks over NCCL in one hop, resharded on the trainer side."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import sglang
+    from sglang.srt.weight_sync.utils import update_weights
+
+    rank, model_dir = world
+    trainer_mesh = init_device_mesh("cuda", (WORLD,), mesh_dim_names=("fsdp",))
+    engines = init_device_mesh("cuda", (WORLD, 1), mesh_dim_names=("dp", "infer_tp"))
+    weights = new_weights(model_dir, seed=4)
+    shards = as_layout(weights, "fsdp32", trainer_mesh)
+    engine = sglang.Engine(
+        model_path=model_dir,
+        base_gpu_id=rank,
+        **{**_engine_args(), "tp_size": 1},
+    )
+    try:
+
+        class Client:
+            async def update_weights_from_tensor(self, req):
+                return await engine.tokenizer_manager.update_weights_from_tensor(
+                    req, None
+                )
+
+        out = engine.loop.run_until_complete(
+            update_weights(Client(), shards, "infer_tp", engines)
+        )
+        assert out[0], out
+        got = engine_greedy(engine, PROMPTS, MAX_NEW)
+    finally:
+        engine.shutdown()
+    reference_dir = os.path.join(os.path.dirname(model_dir), f"reference-{rank}")
+    write_modified_checkpoint(
+        model_dir,
+        reference_dir,
+        {n: t.float().to(torch.bfloat16) for n, t in weights.items()},
+    )
+    fresh = sglang.Engine(
+        model_path=reference_dir, base_gpu_id=rank, **{**_engine_args(), "tp_size": 1}
+    )
+    try:
+        assert got == engine_greedy(fresh, PROMPTS, MAX_NEW)
+    finally:
+        fresh.shutdown()
