@@ -51,7 +51,9 @@ def loaded(tmp_path_factory):
         timeout=900,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"cuda worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise RuntimeError(
+            f"cuda worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+        )
     result = torch.load(out_path, weights_only=False)
     assert result["platform"]["is_cuda"], result["platform"]
     return {MODE: result}

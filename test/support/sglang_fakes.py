@@ -514,9 +514,7 @@ def run_job(job: dict, out_path: str) -> None:
                     }
                     continue
                 full = index_encoded(checkpoints[cfg_id]["tensors"])
-                model, params, computed = load_rank(
-                    model_config, full, device=device
-                )
+                model, params, computed = load_rank(model_config, full, device=device)
                 results[case_id] = {
                     "params": params,
                     "computed": computed,

@@ -14,7 +14,10 @@ the tensor path's reply keeps upstream's shape, so its figures are only in that 
 
 When ``SGLANG_TEST_FAULT_DIR`` names a directory, an engine rank whose executor has
 written its parameters raises if ``<dir>/fail_after_writes.rank<R>`` exists (the file
-is removed: one fault per file): a peer lost after writes began, on demand.
+is removed: one fault per file): a peer lost after writes began, on demand. And engine
+rank R's provenance check sees SGLang's ``gate_up_proj`` loaders swap gate and up if
+``<dir>/permute_gate_up.rank<R>`` exists (removed likewise): a loader permutation the
+derived targets do not know.
 
 When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
 ``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
@@ -109,6 +112,46 @@ if _FAULT_DIR:
         module.execute = _fail_after_writes(module.execute)
 
     _on_import("sglang.srt.weight_sync.engine_update", _wrap_execute)
+
+    def _planted_permutation(check):
+        """Swap gate and up in every live ``gate_up_proj``'s weight_loader for one provenance
+        check of engine rank R when ``<dir>/permute_gate_up.rank<R>`` exists (removed: one per
+        file): a shape-preserving permutation the derived targets do not know, on demand."""
+
+        def call(model, targets, shapes, rank, *args, **kwargs):
+            flag = os.path.join(_FAULT_DIR, f"permute_gate_up.rank{rank}")
+            if not os.path.exists(flag):
+                return check(model, targets, shapes, rank, *args, **kwargs)
+            os.unlink(flag)
+            planted = []
+            for name, p in model.named_parameters():
+                if name.endswith("gate_up_proj.weight"):
+                    attr = (
+                        "weight_loader"
+                        if "weight_loader" in vars(p)
+                        else "_weight_loader"
+                    )
+                    loader = getattr(p, attr)
+                    planted.append((p, attr, loader))
+                    setattr(
+                        p,
+                        attr,
+                        lambda param, w, shard_id=None, *a, _load=loader, **k: _load(
+                            param, w, 1 - shard_id, *a, **k
+                        ),
+                    )
+            try:
+                return check(model, targets, shapes, rank, *args, **kwargs)
+            finally:
+                for p, attr, loader in planted:
+                    setattr(p, attr, loader)
+
+        return call
+
+    def _wrap_check(module):
+        module.check_provenance = _planted_permutation(module.check_provenance)
+
+    _on_import("sglang.srt.weight_sync.provenance_check", _wrap_check)
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE"):
     import torch as _torch

@@ -6,8 +6,9 @@ engine does, with the ranks' exchange played in-process (each rank's bytes, in r
 The per-rank records must equal the generic derivation (``derive_engine_rank``), the
 assembled targets must be every rank's, a restart must read the disk entries without
 deriving, a rank whose derivation fails must still join the exchange with its error, and the
-cache key must change with the model config, the server args that shape loading and the
-parallel layout, but not with ports or log settings.
+cache key must change with the model config, the server args that shape loading, the
+parallel layout, the device (GPU name, compute capability) and the kernel packages' versions,
+but not with ports, log settings or unrelated packages.
 """
 
 from __future__ import annotations
@@ -202,7 +203,72 @@ def _worker(workdir: Path) -> dict:
         "tp size": key_with(model_config, tp_size=4) == base,
         "ep size": key_with(model_config, ep_size=2) == base,
     }
+    facts["device_keys"], facts["kernel_keys"] = _device_and_kernel_keys(
+        lambda: key_with(model_config), base
+    )
     return facts
+
+
+def _device_and_kernel_keys(key, base):
+    """The cache key with the device lookups (torch.cuda) and the kernel packages' versions
+    (importlib.metadata) patched: it must follow each, and nothing else."""
+    import importlib.metadata
+
+    import torch
+
+    from sglang.srt.weight_sync import target_cache
+
+    real_version = importlib.metadata.version
+    cuda_names = (
+        "is_available",
+        "current_device",
+        "get_device_capability",
+        "get_device_name",
+    )
+    real_cuda = {n: getattr(torch.cuda, n) for n in cuda_names}
+
+    def patched(cuda=None, versions=None):
+        try:
+            if cuda is not None:
+                name, capability = cuda
+                torch.cuda.is_available = lambda: True
+                torch.cuda.current_device = lambda: 0
+                torch.cuda.get_device_capability = lambda index=None: capability
+                torch.cuda.get_device_name = lambda index=None: name
+            if versions is not None:
+
+                def version(dist):
+                    if dist not in versions:
+                        return real_version(dist)
+                    if versions[dist] is None:
+                        raise importlib.metadata.PackageNotFoundError(dist)
+                    return versions[dist]
+
+                importlib.metadata.version = version
+            return key()
+        finally:
+            importlib.metadata.version = real_version
+            for n, f in real_cuda.items():
+                setattr(torch.cuda, n, f)
+
+    h100 = ("NVIDIA H100 80GB HBM3", (9, 0))
+    device = {
+        "same GPU twice": patched(cuda=h100) == patched(cuda=h100),
+        "GPU vs none": patched(cuda=h100) == base,
+        "capability": patched(cuda=(h100[0], (10, 0))) == patched(cuda=h100),
+        "device name": patched(cuda=("NVIDIA H200", (9, 0))) == patched(cuda=h100),
+        "lookups restored": key() == base,
+    }
+    kernels = {"unrelated package": patched(versions={"numpy": "0.0"}) == base}
+    for dist in target_cache.KERNEL_PACKAGES:
+        one = patched(versions={dist: "9.9.9"})
+        kernels[dist] = dict(
+            same_twice=one == patched(versions={dist: "9.9.9"}),
+            installed_vs_before=one == base,
+            version=one == patched(versions={dist: "9.9.10"}),
+            absent=one == patched(versions={dist: None}),
+        )
+    return device, kernels
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +341,26 @@ def test_cache_key_follows_what_derivation_depends_on(facts):
         "loading server arg": False,
         "tp size": False,
         "ep size": False,
+    }
+
+
+def test_cache_key_follows_the_device_and_the_kernel_packages(facts):
+    """A GPU's name and compute capability, and each kernel package's version (or absence),
+    are part of the key; the same lookups give the same key, unrelated packages none."""
+    assert facts["device_keys"] == {
+        "same GPU twice": True,
+        "GPU vs none": False,
+        "capability": False,
+        "device name": False,
+        "lookups restored": True,
+    }
+    kernels = facts["kernel_keys"]
+    assert kernels.pop("unrelated package") is True
+    assert kernels == {
+        dist: dict(
+            same_twice=True, installed_vs_before=False, version=False, absent=False
+        )
+        for dist in ("sgl-kernel", "flashinfer-python", "deep-gemm", "triton")
     }
 
 

@@ -69,6 +69,7 @@ from sglang.srt.weight_sync.protocol import (
     request_problems,
     resolve_channel,
 )
+from sglang.srt.weight_sync.provenance_check import ProvenanceCheck
 from sglang.srt.weight_sync.sglang_compat import (
     field_names,
     subclass_with_field,
@@ -156,6 +157,8 @@ class EngineWeightSync:
             Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
         ] = None
         self._data: Optional[DataGroup] = None
+        # checks each derived targets once, before their first write
+        self.provenance = ProvenanceCheck()
         self._control: Optional[ControlGroup] = None
 
     @classmethod
@@ -258,6 +261,8 @@ class EngineWeightSync:
             _timeout(recv_req) + GRACE_S
         )  # every rank waited at most timeout_s for its payload
         derived, problems = self._derived_targets(model_config, bound)
+        if derived is not None:
+            problems += self.provenance.problems(model, derived, self.rank)
         found = (
             self._validate(model, derived, received, recv_req)
             if derived is not None

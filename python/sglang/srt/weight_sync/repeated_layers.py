@@ -30,9 +30,17 @@ import torch
 
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
-__all__ = ("LayerKind", "LayerSampling", "LayersDiffer", "layer_of", "sample_layers")
+__all__ = (
+    "LayerKind",
+    "LayerSampling",
+    "LayersDiffer",
+    "layer_of",
+    "layer_pattern",
+    "sample_layers",
+)
 
 _NUMBERED = re.compile(r"\.(\d+)\.")
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
 
 # (name, shape, dtype) of a tensor, checkpoint's or engine's.
 TensorSpec = Tuple[str, Tuple[int, ...], torch.dtype]
@@ -47,6 +55,12 @@ def layer_of(name: str) -> Optional[Tuple[str, int]]:
     (``model.layers.7.mlp.experts.3.w1`` -> ``("model.layers", 7)``), or None."""
     split = _split(name)
     return None if split is None else split[:2]
+
+
+def layer_pattern(name: str) -> str:
+    """``name`` with every numbered component blanked (``model.layers.7.mlp.experts.w13_weight``
+    -> ``model.layers.*.mlp.experts.w13_weight``): the same for a tensor of every layer of a kind."""
+    return _NUMBER.sub("*", name)
 
 
 def _split(name: str) -> Optional[Tuple[str, int, str]]:

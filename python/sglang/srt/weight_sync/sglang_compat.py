@@ -19,6 +19,7 @@ __all__ = (
     "as_tp_rank",
     "field_names",
     "initialize_meta_model",
+    "load_synchronously",
     "module_globals",
     "original_hf_config",
     "parallel_widths",
@@ -301,6 +302,14 @@ def rebind_parameter_aliases(model) -> None:
     presharded = getattr(loader, "PreshardedModelLoader", None)
     if presharded is not None:
         presharded._rebind_parameter_aliases(model)
+
+
+def load_synchronously(tensor):
+    """``tensor`` marked so that SGLang's loaders consume it in the calling thread (0.5.23's
+    ``should_async_load`` hands host tensors to a thread pool unless they carry the RunAI
+    streamer's mark; older releases have no mark and do so for every host tensor)."""
+    tensor._sglang_runai_streamer_tensor = True
+    return tensor
 
 
 def field_names(cls) -> Tuple[str, ...]:

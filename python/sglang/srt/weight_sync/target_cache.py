@@ -8,7 +8,11 @@ rank's derivation, not T of them. Each rank's entry on disk is keyed by everythi
 the derivation depends on, all read from what the engine already holds (nothing is
 built to compute it): SGLang's and transformers' versions, the model config as on
 disk and as the engine adjusted it, the server args that shape loading, the
-parallel layout and the platform. The checkpoint's names, shapes and dtypes are a
+parallel layout and the platform, the device (CUDA: its name and compute capability;
+the CPU engine: "cpu") and the versions of the kernel packages whose presence and
+release change what loaders and post-load processing do (``KERNEL_PACKAGES``: a GPU
+engine's loaders take other branches than the meta derivation run elsewhere would
+see, and a kernel upgrade can change a shuffle or a w13/w31 order). The checkpoint's names, shapes and dtypes are a
 function of the config and transformers' version (``checkpoint_layout``), so they
 are keyed through those.
 """
@@ -42,10 +46,13 @@ __all__ = (
     "CACHE_DIR_ENV",
     "Exchange",
     "FORMAT",
+    "KERNEL_PACKAGES",
     "assemble",
     "cache_dir",
     "cache_key",
+    "device_facts",
     "engine_derived_targets",
+    "kernel_versions",
     "own_rank_record",
 )
 
@@ -66,6 +73,10 @@ _VOLATILE = (
     "file_storage",
     "socket",
 )
+
+# Packages whose kernels SGLang's loaders and post-load processing branch on (MoE runner
+# shuffles, w13/w31 order, deep_gemm layouts), by distribution name.
+KERNEL_PACKAGES = ("sgl-kernel", "flashinfer-python", "deep-gemm", "triton")
 
 # Every TP rank's bytes, in rank order, on every rank: a collective over the engine's TP group.
 Exchange = Callable[[bytes], Sequence[bytes]]
@@ -176,6 +187,37 @@ def _versions() -> Tuple[str, ...]:
     return version("sglang"), version("transformers"), version("torch")
 
 
+def kernel_versions() -> Tuple[Tuple[str, str], ...]:
+    """(distribution, version, or "absent") of each of ``KERNEL_PACKAGES`` as installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in KERNEL_PACKAGES:
+        try:
+            out.append((name, version(name)))
+        except PackageNotFoundError:
+            out.append((name, "absent"))
+    return tuple(out)
+
+
+def device_facts() -> Tuple[str, ...]:
+    """The device the engine's loaders run for: ("cpu",) for SGLang's CPU engine; on CUDA
+    (or ROCm) the kind, the device's name and its compute capability; else what the server
+    args name."""
+    import torch
+
+    from sglang.srt.utils import is_cpu
+
+    if is_cpu():
+        return ("cpu",)
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        kind = "hip" if getattr(torch.version, "hip", None) else "cuda"
+        return (kind, torch.cuda.get_device_name(index), f"{major}.{minor}")
+    return (str(server_args_dict().get("device") or "unknown"),)
+
+
 def cache_key(model_config) -> str:
     """What a derivation depends on, hashed; computed from what the engine holds, in milliseconds."""
     from sglang.srt.utils import is_cpu
@@ -195,6 +237,8 @@ def cache_key(model_config) -> str:
             server_args,
             list(parallel_widths()),
             bool(is_cpu()),
+            device_facts(),
+            kernel_versions(),
         ],
         sort_keys=True,
         default=str,
