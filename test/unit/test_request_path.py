@@ -893,7 +893,9 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
         {"update_id": "u", "channel": ["c"]},
     ],
 )
-def test_http_route_rejects_malformed_bodies_with_4xx(monkeypatch, body):
+def test_http_route_rejects_malformed_bodies_with_400(monkeypatch, body):
+    """SGLang's server answers a body its schema rejects with 400 (its
+    RequestValidationError handler replaces FastAPI's 422), as docs/usage.md says."""
     from fastapi.testclient import TestClient
 
     import sglang.srt.entrypoints.http_server as http_server
@@ -912,7 +914,47 @@ def test_http_route_rejects_malformed_bodies_with_4xx(monkeypatch, body):
     response = TestClient(http_server.app).post(
         "/update_weights_distributed", json=body
     )
-    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    assert response.status_code == 400, (response.status_code, response.text)
+
+
+@pytest.mark.parametrize(
+    "channel,text",
+    [
+        (CHANNEL + "\x00x", "holds a NUL byte"),
+        ("/tmp/sglang-weights-\udcff", "JSON decode error"),
+    ],
+)
+def test_http_route_refuses_unusable_channel_paths_with_400(
+    monkeypatch, single_dp, channel, text
+):
+    """A channel path with a NUL or undecodable bytes is answered 400 naming the channel
+    (the tokenizer manager's own check), never 500, and reaches no scheduler."""
+    from fastapi.testclient import TestClient
+
+    import sglang.srt.entrypoints.http_server as http_server
+
+    tm = _FakeTokenizerManager([])
+    tm.update_weights_distributed = lambda obj, request: (
+        tm._mixin.update_weights_distributed(tm, obj, request)
+    )
+    monkeypatch.setattr(
+        http_server,
+        "_global_state",
+        SimpleNamespace(tokenizer_manager=tm, template_manager=None, scheduler_info={}),
+    )
+    response = TestClient(http_server.app).post(
+        "/update_weights_distributed",
+        # ASCII JSON: the path's NUL or lone surrogate travels as a \u escape
+        content=json.dumps({"update_id": "u", "channel": channel}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400, (response.status_code, response.text)
+    message = str(response.json()["message"])
+    if text == "JSON decode error":  # the server's JSON parser refuses the body itself
+        assert "invalid high surrogate" in message, message
+    else:
+        assert f"channel {channel!r}" in message and text in message, message
+    assert tm.events == []  # nothing aborted, locked or sent
 
 
 def test_http_adapter_posts_the_engine_arguments(monkeypatch):

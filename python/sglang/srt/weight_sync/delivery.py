@@ -10,21 +10,26 @@ tensor's name and ``MeshSpec``; fused local buffers (Megatron-core) travel
 without a spec, and the HF tensors they hold pieces of come with
 ``HoldersSpec``s) and its local tensors. CUDA tensors go as CUDA IPC handles
 (SGLang's ``MultiprocessingSerializer``), so no payload bytes are copied or
-gathered; CPU tensors (tests, CPU engines) travel inline, one frame each after
-the header, described by dtype and shape: no shared-memory manager (torch's
+gathered; the engine unpickles them naming only what rebuilds a CUDA tensor from
+its handle (``protocol.payload_globals``: no fd passing, nothing that connects to
+a socket or waits on a peer). CPU tensors (tests, CPU engines) travel inline, one
+frame each after the header, described by dtype and shape: no shared-memory manager (torch's
 must answer within a second, which a loaded machine misses), no
 multiprocessing authkey (an engine launched separately has another), nothing
 left in /dev/shm, and nothing unpickled. The engine reads and checks the header
-before it unpickles or decodes anything, refuses update ids it has already
-consumed, and never dies of a malformed message.
+(bounded: size, nesting, integers only, known keys and types) before it unpickles
+or decodes anything, drops a malformed message on arrival (logged), refuses update
+ids it has already consumed, and never dies of a malformed message.
 """
 
 from __future__ import annotations
 
 import collections
+import io
 import logging
 import math
 import os
+import pickle
 import stat
 import time
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from sglang.srt.weight_sync.protocol import (
     check_timeout,
     decode_header,
     encode_header,
+    payload_globals,
     resolve_channel,
     socket_path,
 )
@@ -54,6 +60,7 @@ __all__ = (
     "ShardReceiver",
     "ShardSender",
     "local_shard",
+    "unpickle_handles",
 )
 
 logger = logging.getLogger(__name__)
@@ -141,6 +148,36 @@ def _from_frame(frame: bytes, dtype_name: str, shape: Sequence[int]) -> torch.Te
         if expected
         else torch.empty(shape, dtype=dtype)
     )
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    """Unpickles what names only ``allowed`` globals (``protocol.payload_globals``)."""
+
+    def __init__(self, data: bytes, allowed: frozenset) -> None:
+        super().__init__(io.BytesIO(data))
+        self.allowed = allowed
+
+    def find_class(self, module, name):
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(
+                f"global {module}.{name} refused (allowed: "
+                f"{'CUDA IPC handles only' if self.allowed else 'nothing'})"
+            )
+        return super().find_class(module, name)
+
+
+def unpickle_handles(data: bytes, kind: PayloadKind, cuda: bool):
+    """The tensors a pickled payload frame carries as CUDA IPC handles, decoded with
+    ``payload_globals(kind, cuda)`` only: nothing at all on an engine without CUDA."""
+    allowed = payload_globals(kind, cuda)
+    if not allowed:
+        raise pickle.UnpicklingError(
+            "a pickled payload is refused: this engine has no CUDA, so tensors must travel "
+            "inline (CPU tensors), and nothing is unpickled"
+            if not cuda
+            else f"a pickled {PayloadKind(kind).value!r} payload is refused: it carries no tensors"
+        )
+    return _HandleUnpickler(bytes(data), allowed).load()
 
 
 class ShardSender:
@@ -272,11 +309,11 @@ class ShardReceiver:
             )
         sock = self._socket(channel)
         deadline = time.monotonic() + timeout_s
-        dropped: List[str] = []
+        dropped: Deque[str] = collections.deque(maxlen=3)
         while True:
             left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
             if not sock.poll(left_ms):
-                note = f" (dropped: {'; '.join(dropped[-3:])})" if dropped else ""
+                note = f" (dropped: {'; '.join(dropped)})" if dropped else ""
                 raise self._error(
                     f"no payload for update {update_id!r} within {timeout_s:g}s on channel {channel!r}: the "
                     f"trainer rank beside this engine rank did not deliver (dead, late or another update){note}"
@@ -284,14 +321,17 @@ class ShardReceiver:
             frames = sock.recv_multipart()
             try:
                 header = decode_header(frames)
-            except DeliveryError as e:
+            except Exception as e:  # noqa: BLE001 - whatever a message holds, it is dropped, never raised
+                reason = (
+                    e if isinstance(e, DeliveryError) else f"{type(e).__name__}: {e}"
+                )
                 logger.warning(
                     "engine rank %d: dropping a malformed message on channel %s: %s",
                     self.engine_rank,
                     channel,
-                    e,
+                    reason,
                 )
-                dropped.append(f"malformed message: {e}")
+                dropped.append(f"malformed message: {reason}")
                 continue
             if header["update_id"] != update_id:
                 logger.warning(
@@ -326,7 +366,9 @@ class ShardReceiver:
             )
         try:
             if header["inline"] is None:
-                tensors = MultiprocessingSerializer.deserialize(frames[0])
+                tensors = unpickle_handles(
+                    frames[0], header["kind"], torch.cuda.is_available()
+                )
             else:
                 tensors = [
                     _from_frame(f, *desc) for f, desc in zip(frames, header["inline"])

@@ -49,6 +49,7 @@ from sglang.srt.weight_sync.control_plane import (
     PeerLost,
     PlanDisagreement,
 )
+from sglang.srt.weight_sync.delivered import agree_on_delivery
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derived_targets import DerivedTargets
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
@@ -269,7 +270,9 @@ class EngineWeightSync:
             else _Validated([])
         )
         try:
-            refusal = self._agree(problems + found.problems, found.plan, bound)
+            refusal = self._agree(
+                problems + found.problems, found.plan, bound, received.payload
+            )
         except PeerLost as e:
             return False, f"{REFUSED}engine rank {self.rank}: {e}"
         if refusal is not None:
@@ -374,7 +377,11 @@ class EngineWeightSync:
             )
 
     def _agree(
-        self, problems: List[str], plan: Optional[Plan], bound: float
+        self,
+        problems: List[str],
+        plan: Optional[Plan],
+        bound: float,
+        payload: Optional[Payload] = None,
     ) -> Optional[str]:
         """Every rank's problems on every rank, then the plan agreed: the refusal, or None."""
         if problems:
@@ -391,6 +398,9 @@ class EngineWeightSync:
             return REFUSED + "; ".join(everyone)
         if plan is not None:
             try:
+                agree_on_delivery(
+                    self.control, payload, bound, f"rank {self.rank}", IGNORED_SUFFIXES
+                )
                 self.control.agree_on_plan(plan.fingerprint, bound, f"rank {self.rank}")
             except PlanDisagreement as e:
                 return f"{REFUSED}{e}"

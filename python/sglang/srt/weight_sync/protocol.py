@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pickle
+import re
 import stat
 import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -39,12 +40,15 @@ __all__ = (
     "DeliveryError",
     "FIGURES",
     "GRACE_S",
+    "CUDA_IPC_GLOBALS",
     "HEADER_BYTES",
+    "HEADER_DEPTH",
     "IPC_PATH_MAX",
     "MAX_TIMEOUT_S",
     "MAX_UPDATE_ID_CHARS",
     "MIN_BUCKET_BYTES",
     "MIXED",
+    "MAX_RANK",
     "PayloadKind",
     "REFUSED",
     "WEIGHTS_RELEASED",
@@ -57,6 +61,7 @@ __all__ = (
     "encode_header",
     "is_mixed",
     "make_channel",
+    "payload_globals",
     "read_control",
     "reply_body",
     "request_problems",
@@ -141,6 +146,15 @@ def resolve_channel(channel, engine_rank: int = 0) -> str:
     enough for the socket path of ``engine_rank``. Raises ChannelError naming the problem."""
     if not isinstance(channel, str) or not channel:
         raise ChannelError(f"channel {channel!r}: must be a non-empty path string")
+    if "\x00" in channel:
+        raise ChannelError(
+            f"channel {channel!r} holds a NUL byte, which no path can hold"
+        )
+    if not _encodable(channel):
+        raise ChannelError(
+            f"channel {channel!r} is not valid UTF-8 (undecodable bytes); pass the "
+            "directory make_channel() returned"
+        )
     spelled = os.path.abspath(channel)
     if os.path.islink(spelled):
         raise ChannelError(
@@ -202,10 +216,14 @@ def request_problems(req) -> List[str]:
         getattr(req, "update_id", None),
         getattr(req, "bucket_bytes", None),
     )
-    if not isinstance(update_id, str) or not 0 < len(update_id) <= MAX_UPDATE_ID_CHARS:
+    if (
+        not isinstance(update_id, str)
+        or not 0 < len(update_id) <= MAX_UPDATE_ID_CHARS
+        or not _encodable(update_id)
+    ):
         problems.append(
-            f"update_id={update_id!r}: must be a non-empty string of at most {MAX_UPDATE_ID_CHARS} "
-            "characters"
+            f"update_id={update_id!r}: must be a non-empty string of at most "
+            f"{MAX_UPDATE_ID_CHARS} characters, valid UTF-8"
         )
     try:
         check_timeout(getattr(req, "timeout_s", None))
@@ -294,71 +312,328 @@ def encode_header(
 
 
 def decode_header(frames: List[bytes]) -> dict:
-    """The checked header of a message (nothing is unpickled here); DeliveryError when malformed."""
-    if not frames or len(frames[0]) > HEADER_BYTES:
-        raise DeliveryError(f"{len(frames)} frame(s); expected a header and the shards")
-    try:
-        header = json.loads(frames[0])
-        inline = header.get("inline")
-        update_id, trainer, pairs, tensors, pieces = (
-            header["update_id"],
-            header["trainer_rank"],
-            header["rank_map"],
-            header["tensors"],
-            header["pieces"],
-        )
-        rank_map = {int(k): int(v) for k, v in pairs}
-        kind, names, fingerprint = (
-            header.get("kind", "shards"),
-            header.get("names", []),
-            header.get("fingerprint", ""),
-        )
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise DeliveryError(f"unreadable header: {type(e).__name__}: {e}") from None
-    if (
-        not isinstance(update_id, str)
-        or not isinstance(trainer, int)
-        or not _named_pairs(tensors)
-        or not _named_pairs(pieces)
-        or not isinstance(names, list)
-        or not all(isinstance(n, str) for n in names)
-        or not isinstance(fingerprint, str)
-    ):
-        raise DeliveryError("header fields have the wrong types")
-    if inline is not None and not (
-        _named_pairs(inline) and len(inline) == len(tensors)
-    ):
+    """The checked header of a message (nothing is unpickled here), or DeliveryError
+    saying why it is malformed. Bounded before anything is interpreted: the header's size
+    and nesting depth are checked before it is parsed, numbers must be integers within
+    range (no float, NaN or inf), keys are known and unique, and every field has its
+    type, so what a peer sends can neither exhaust the parser nor reach later code in a
+    shape it does not expect."""
+    if not frames:
+        raise DeliveryError("an empty message; expected a header and the shards")
+    raw = frames[0]
+    if len(raw) > HEADER_BYTES:
         raise DeliveryError(
-            "header field 'inline' must describe each tensor as [dtype, shape]"
+            f"a header of {len(raw)} bytes; at most {HEADER_BYTES} are read"
         )
+    depth = _nesting_depth(bytes(raw))
+    if depth > HEADER_DEPTH:
+        raise DeliveryError(
+            f"the header nests deeper than {HEADER_DEPTH} levels; a real one nests "
+            "a few levels"
+        )
+    try:
+        header = json.loads(
+            bytes(raw),
+            parse_float=_no_float,
+            parse_constant=_no_float,
+            parse_int=_bounded_int,
+            object_pairs_hook=_unique_keys,
+        )
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and ours are ValueError
+        raise DeliveryError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise DeliveryError(
+            f"the header is a JSON {type(header).__name__}, not an object"
+        )
+    unknown = sorted(set(header) - _HEADER_KEYS)
+    missing = sorted(_REQUIRED_KEYS - set(header))
+    if unknown or missing:
+        raise DeliveryError(
+            f"header keys: unknown {unknown}, missing {missing}; expected "
+            f"{sorted(_HEADER_KEYS)}"
+        )
+    update_id, trainer = header["update_id"], header["trainer_rank"]
+    _check(
+        _is_str(update_id, MAX_UPDATE_ID_CHARS) and update_id,
+        "update_id",
+        update_id,
+        f"a non-empty string of at most {MAX_UPDATE_ID_CHARS} characters",
+    )
+    _check(_is_rank(trainer), "trainer_rank", trainer, f"a rank in [0, {MAX_RANK})")
+    pairs = header["rank_map"]
+    _check(
+        _is_list(pairs, MAX_RANK)
+        and all(
+            _is_list(p, 2) and len(p) == 2 and all(map(_is_rank, p)) for p in pairs
+        ),
+        "rank_map",
+        pairs,
+        "a list of [trainer rank, engine rank] pairs",
+    )
+    rank_map = {k: v for k, v in pairs}
+    _check(len(rank_map) == len(pairs), "rank_map", pairs, "each trainer rank once")
+    tensors, pieces = header["tensors"], header["pieces"]
+    _check(
+        _is_list(tensors) and all(_is_entry(t, _is_mesh_wire, True) for t in tensors),
+        "tensors",
+        tensors,
+        "a list of [name, [shape, dtype, mesh, placements] or null]",
+    )
+    _check(
+        _is_list(pieces) and all(_is_entry(t, _is_holders_wire) for t in pieces),
+        "pieces",
+        pieces,
+        'a list of [name, ["holders", shape, dtype, holders]]',
+    )
+    kind = header.get("kind", PayloadKind.SHARDS.value)
+    names = header.get("names", [])
+    fingerprint = header.get("fingerprint", "")
+    _check(
+        isinstance(kind, str) and kind in _KINDS,
+        "kind",
+        kind,
+        f"one of {sorted(_KINDS)}",
+    )
+    _check(
+        _is_list(names) and all(_is_str(n, MAX_NAME_CHARS) for n in names),
+        "names",
+        names,
+        "a list of tensor names",
+    )
+    _check(_is_str(fingerprint, MAX_NAME_CHARS), "fingerprint", fingerprint, "a string")
+    inline = header.get("inline")
+    _check(
+        inline is None
+        or (
+            _is_list(inline)
+            and len(inline) == len(tensors)
+            and all(
+                _is_list(d, 2)
+                and len(d) == 2
+                and _is_str(d[0], MAX_NAME_CHARS)
+                and _is_shape(d[1])
+                for d in inline
+            )
+        ),
+        "inline",
+        inline,
+        "null or [dtype, shape] for each tensor",
+    )
     expected = 1 if inline is None else len(inline)
     if len(frames) - 1 != expected:
         raise DeliveryError(
             f"{len(frames)} frame(s); expected a header and {expected} more"
         )
-    try:
-        kind = PayloadKind(kind)
-    except ValueError:
-        raise DeliveryError(
-            f"unknown payload kind {kind!r}; expected one of {[k.value for k in PayloadKind]}"
-        ) from None
     return {
         "update_id": update_id,
         "trainer_rank": trainer,
         "rank_map": rank_map,
         "tensors": tensors,
         "pieces": pieces,
-        "kind": kind,
+        "kind": PayloadKind(kind),
         "names": names,
         "fingerprint": fingerprint,
         "inline": inline,
     }
 
 
-def _named_pairs(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) for t in value
+# Header bounds: a real header nests a few levels (an entry's mesh of ranks is the deepest);
+# ranks, sizes and names stay far below these.
+HEADER_DEPTH = 32
+MAX_RANK = 1 << 24
+MAX_SIZE = 1 << 62
+MAX_NDIM = 64
+MAX_NAME_CHARS = 4096
+_REQUIRED_KEYS = frozenset(
+    ("update_id", "trainer_rank", "rank_map", "tensors", "pieces")
+)
+_HEADER_KEYS = _REQUIRED_KEYS | {"kind", "names", "fingerprint", "inline"}
+_KINDS = frozenset(k.value for k in PayloadKind)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENING = frozenset(b"[{")
+
+
+def _nesting_depth(raw: bytes) -> int:
+    """How deep the JSON text ``raw`` nests (strings left out), without parsing it; stops
+    counting past ``HEADER_DEPTH``."""
+    depth = deepest = 0
+    for c in _JSON_STRING.sub(b'""', raw).translate(None, _NOT_BRACKETS):
+        if c in _OPENING:
+            depth += 1
+            if depth > HEADER_DEPTH:
+                return depth
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _no_float(text: str):
+    raise ValueError(f"{text} is not an integer (a header holds integers only)")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19:
+        raise ValueError(f"the integer {text[:24]}... is out of range")
+    return int(text)
+
+
+def _unique_keys(pairs) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"an object repeats a key ({sorted(keys)})")
+    return dict(pairs)
+
+
+def _check(ok, field: str, value, expected: str) -> None:
+    if not ok:
+        shown = repr(value)
+        shown = shown if len(shown) <= 120 else shown[:120] + "..."
+        raise DeliveryError(f"header field {field!r} is {shown}; expected {expected}")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8
+        return False
+    return True
+
+
+def _is_list(value, most: int = MAX_SIZE) -> bool:
+    return isinstance(value, list) and len(value) <= most
+
+
+def _is_int(value, low: int, high: int) -> bool:
+    return type(value) is int and low <= value < high
+
+
+def _is_rank(value) -> bool:
+    return _is_int(value, 0, MAX_RANK)
+
+
+def _is_str(value, most: int) -> bool:
+    return isinstance(value, str) and len(value) <= most and _encodable(value)
+
+
+def _is_shape(value) -> bool:
+    return _is_list(value, MAX_NDIM) and all(_is_int(n, 0, MAX_SIZE) for n in value)
+
+
+def _is_mesh(value, depth: int = 0) -> bool:
+    if value is None or _is_rank(value):
+        return True
+    return (
+        depth < MAX_NDIM
+        and isinstance(value, list)
+        and all(_is_mesh(v, depth + 1) for v in value)
     )
+
+
+_PLACEMENT_ARITY = {"S": 1, "SS": 2, "R": 0}
+
+
+def _is_placement(p) -> bool:
+    """("S", dim), ("SS", dim, split factor), ("R",), or a placement type's name alone
+    (refused by name when the layout is read)."""
+    if not (_is_list(p, 3) and p and _is_str(p[0], 64)):
+        return False
+    arity = _PLACEMENT_ARITY.get(p[0], 0)
+    return len(p) == 1 + arity and all(_is_int(n, 0, MAX_SIZE) for n in p[1:])
+
+
+def _is_mesh_wire(w) -> bool:
+    """A ``MeshSpec`` on the wire: [shape, dtype, mesh of ranks, placements]."""
+    return (
+        _is_list(w, 4)
+        and len(w) == 4
+        and _is_shape(w[0])
+        and _is_str(w[1], 64)
+        and _is_mesh(w[2])
+        and _is_list(w[3], MAX_NDIM)
+        and all(_is_placement(p) for p in w[3])
+    )
+
+
+def _is_holder(h) -> bool:
+    return (
+        _is_list(h, 6)
+        and len(h) == 6
+        and _is_rank(h[0])
+        and all(_is_shape(h[i]) for i in (1, 2, 4, 5))
+        and _is_str(h[3], MAX_NAME_CHARS)
+    )
+
+
+def _is_holders_wire(w) -> bool:
+    """A ``HoldersSpec`` on the wire: ["holders", shape, dtype, holders]."""
+    return (
+        _is_list(w, 4)
+        and len(w) == 4
+        and w[0] == "holders"
+        and _is_shape(w[1])
+        and _is_str(w[2], 64)
+        and _is_list(w[3])
+        and all(_is_holder(h) for h in w[3])
+    )
+
+
+def _is_entry(entry, is_wire, may_be_null: bool = False) -> bool:
+    return (
+        _is_list(entry, 2)
+        and len(entry) == 2
+        and _is_str(entry[0], MAX_NAME_CHARS)
+        and ((may_be_null and entry[1] is None) or is_wire(entry[1]))
+    )
+
+
+# What a pickled payload frame may name, by payload kind: only CUDA tensors travel pickled
+# (as CUDA IPC handles), so only the globals that rebuild one from its handle, and only on an
+# engine with CUDA; CPU tensors travel inline and "describe" carries none. Nothing here
+# passes fds, connects to a socket or waits on a peer (SGLang's own unpickler allows fd
+# passing, ``DupFd``, which connects to a socket the sender names and waits there).
+_DTYPES = (
+    "bfloat16",
+    "bool",
+    "complex128",
+    "complex64",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "int16",
+    "int32",
+    "int64",
+    "int8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "uint8",
+)
+CUDA_IPC_GLOBALS = frozenset(
+    (
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+        ("torch", "Tensor"),
+        ("torch", "Size"),
+        ("torch.storage", "TypedStorage"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch", "UntypedStorage"),
+        *(("torch", d) for d in _DTYPES),
+    )
+)
+
+
+def payload_globals(kind: PayloadKind, cuda: bool) -> frozenset:
+    """The globals a pickled frame of a ``kind`` payload may name on an engine with
+    (``cuda``) or without CUDA: CUDA IPC's rebuild of a tensor, or nothing."""
+    if not cuda or PayloadKind(kind) == PayloadKind.DESCRIBE:
+        return frozenset()
+    return CUDA_IPC_GLOBALS
 
 
 # ---------------------------------------------------------------------------- the reply

@@ -1,0 +1,376 @@
+"""What a peer can push into an engine rank's socket, at unit level: the header decoder
+is bounded (nesting, size, integers, keys, types) and raises nothing but DeliveryError,
+a receiver drops every malformed message and still takes the next good payload, and a
+pickled frame names nothing beyond CUDA IPC's rebuild of a tensor (nothing on CPU).
+Channel paths with NUL or undecodable bytes are refused by name, and the tensors only
+some trainer ranks delivered are named (``delivered``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import uuid
+
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang.srt.weight_sync.delivered import missing_deliveries
+from sglang.srt.weight_sync.delivery import ShardReceiver, unpickle_handles
+from sglang.srt.weight_sync.protocol import (
+    CUDA_IPC_GLOBALS,
+    ChannelError,
+    DeliveryError,
+    PayloadKind,
+    decode_header,
+    encode_header,
+    make_channel,
+    request_problems,
+    resolve_channel,
+)
+from sglang.srt.weight_sync.source_layout import MeshSpec
+
+NESTED = b"[" * 400_000 + b"]" * 400_000  # the issue's input: 400,000 levels
+
+
+def _good_header(update_id: str = "u", kind=PayloadKind.SHARDS) -> dict:
+    spec = MeshSpec.sharded((4, 2), torch.float32, 0, [[0, 1], [2, 3]]).to_wire()
+    return json.loads(
+        encode_header(
+            update_id,
+            0,
+            {0: 0, 1: 1},
+            [("w", spec)],
+            [],
+            kind,
+            ["w"],
+            "f" * 16,
+            [("torch.float32", [2, 2])],
+        )
+    )
+
+
+def _issue_inputs():
+    """The issue's headers: 400,000 nesting levels; ``1e400`` where ranks go."""
+    overflow = json.dumps(_good_header()).replace(
+        '"trainer_rank": 0', '"trainer_rank": 1e400'
+    )
+    ranks = json.dumps(_good_header()).replace(
+        '"rank_map": [[0, 0]', '"rank_map": [[1e400, 0]'
+    )
+    assert "1e400" in overflow and "1e400" in ranks
+    return {
+        "nested": [NESTED, b"x"],
+        "1e400 as the trainer rank": [overflow.encode(), b"x" * 16],
+        "1e400 in the rank map": [ranks.encode(), b"x" * 16],
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_issue_inputs()))
+def test_the_issues_headers_are_refused_as_malformed(case):
+    with pytest.raises(DeliveryError) as e:
+        decode_header(_issue_inputs()[case])
+    assert ("deeper than" if case == "nested" else "1e400 is not an integer") in str(
+        e.value
+    )
+
+
+def test_a_good_header_decodes():
+    header = decode_header([json.dumps(_good_header()).encode(), b"x" * 16])
+    assert header["rank_map"] == {0: 0, 1: 1} and header["kind"] == PayloadKind.SHARDS
+    assert header["tensors"][0][0] == "w" and header["inline"] == [
+        ["torch.float32", [2, 2]]
+    ]
+
+
+@pytest.mark.parametrize(
+    "field,value,text",
+    [
+        ("trainer_rank", -1, "header field 'trainer_rank' is -1"),
+        ("trainer_rank", True, "header field 'trainer_rank' is True"),
+        ("rank_map", [[0, 0], [0, 1]], "each trainer rank once"),
+        ("kind", ["shards"], "header field 'kind'"),
+        ("update_id", "", "header field 'update_id'"),
+        ("inline", [["torch.float32", [-1]]], "header field 'inline'"),
+        (
+            "tensors",
+            [["w", [[4], "float32", [0, "1"], [["R"]]]]],
+            "header field 'tensors'",
+        ),
+        (
+            "pieces",
+            [["q", ["holders", [4], "float32", [[0]]]]],
+            "header field 'pieces'",
+        ),
+        ("surplus", 1, "unknown ['surplus']"),
+    ],
+)
+def test_header_fields_are_checked_by_type_and_range(field, value, text):
+    header = dict(_good_header(), **{field: value})
+    with pytest.raises(DeliveryError, match="header") as e:
+        decode_header([json.dumps(header).encode(), b"x" * 16])
+    assert text in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "raw,text",
+    [
+        (b'{"update_id": "a", "update_id": "b"}', "repeats a key"),
+        (b'{"trainer_rank": NaN}', "NaN is not an integer"),
+        (b'{"trainer_rank": -Infinity}', "-Infinity is not an integer"),
+        (b'{"trainer_rank": 1.5}', "1.5 is not an integer"),
+        (b'{"trainer_rank": ' + b"9" * 5000 + b"}", "out of range"),
+        (b"\xff\xfe garbage", "unreadable header"),
+        (b'"\\ud800"', "not an object"),
+        (b"x" * ((1 << 20) + 1), "at most 1048576 are read"),
+    ],
+)
+def test_unreadable_or_unbounded_headers_are_refused(raw, text):
+    with pytest.raises(DeliveryError) as e:
+        decode_header([raw, b"x"])
+    assert text in str(e.value)
+
+
+def test_frame_count_must_match_the_header():
+    raw = json.dumps(_good_header()).encode()
+    for frames in ([raw], [raw, b"x" * 16, b"y"]):
+        with pytest.raises(DeliveryError, match="expected a header and 1 more"):
+            decode_header(frames)
+    with pytest.raises(DeliveryError, match="an empty message"):
+        decode_header([])
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+HEADER_KEYS = sorted(_good_header())
+
+
+@st.composite
+def hostile_messages(draw):
+    """Any byte string, any JSON value, or a good header with one field replaced by any
+    JSON value (or removed), each with any number of further frames."""
+    choice = draw(st.sampled_from(["bytes", "json", "field", "deep"]))
+    if choice == "bytes":
+        head = draw(st.binary(max_size=256))
+    elif choice == "json":
+        head = json.dumps(draw(JSON_VALUES)).encode()
+    elif choice == "deep":
+        depth = draw(st.integers(30, 5000))
+        head = b'{"update_id": ' + b"[" * depth + b"]" * depth + b"}"
+    else:
+        header = _good_header(draw(st.text(max_size=8)))
+        key = draw(st.sampled_from(HEADER_KEYS))
+        if draw(st.booleans()):
+            header.pop(key)
+        else:
+            header[key] = draw(JSON_VALUES)
+        head = json.dumps(header).encode()
+    rest = draw(st.lists(st.binary(max_size=32), max_size=3))
+    return [head, *rest]
+
+
+@settings(max_examples=400, deadline=None)
+@given(frames=hostile_messages())
+def test_decoder_raises_nothing_but_delivery_error(frames):
+    try:
+        header = decode_header(frames)
+    except DeliveryError:
+        return
+    # accepted: every field has the type later code reads it as
+    assert isinstance(header["update_id"], str) and isinstance(
+        header["trainer_rank"], int
+    )
+    assert all(
+        isinstance(k, int) and isinstance(v, int) for k, v in header["rank_map"].items()
+    )
+    assert isinstance(header["kind"], PayloadKind)
+
+
+@pytest.fixture(scope="module")
+def pushed():
+    """A receiver (engine rank 0) on a fresh channel and a PUSH socket into it."""
+    channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
+    receiver._socket(channel)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(f"ipc://{os.path.join(channel, 'tp0.sock')}")
+    yield channel, receiver, sock
+    sock.close(0)
+    ctx.term()
+    receiver.close()
+
+
+def _good_message(update_id: str):
+    header = _good_header(update_id)
+    header["rank_map"] = [[0, 0], [1, 1]]
+    return [json.dumps(header).encode(), torch.arange(4.0).numpy().tobytes()]
+
+
+def test_the_issues_headers_are_dropped_and_the_next_update_succeeds(pushed):
+    channel, receiver, sock = pushed
+    for frames in _issue_inputs().values():
+        sock.send_multipart(frames)
+    update_id = f"good-{uuid.uuid4().hex}"
+    sock.send_multipart(_good_message(update_id))
+    payload = receiver.receive(channel, update_id, timeout_s=30)
+    assert torch.equal(payload.tensors["w"], torch.arange(4.0).reshape(2, 2))
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(messages=st.lists(hostile_messages(), min_size=1, max_size=3))
+def test_after_any_message_the_next_good_payload_is_taken(pushed, messages):
+    channel, receiver, sock = pushed
+    for frames in messages:
+        sock.send_multipart(frames)
+    update_id = f"good-{uuid.uuid4().hex}"
+    sock.send_multipart(_good_message(update_id))
+    payload = receiver.receive(channel, update_id, timeout_s=30)
+    assert payload.update_id == update_id and payload.trainer_rank == 0
+
+
+def test_a_malformed_header_is_dropped_and_named_when_nothing_else_comes(pushed):
+    channel, receiver, sock = pushed
+    sock.send_multipart(_issue_inputs()["nested"])
+    with pytest.raises(DeliveryError, match="no payload for update 'never'") as e:
+        receiver.receive(channel, "never", timeout_s=1)
+    assert "malformed message: the header nests deeper than 32 levels" in str(e.value)
+
+
+# ---------------------------------------------------------------- pickled frames
+
+
+class _SocketFromSender:
+    """The issue's pickle: only classes SGLang's safe unpickler allows (``DupFd`` rebuilt
+    by ``_rebuild_socket``), which connects to the sender's unix socket and waits."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __reduce__(self):
+        from multiprocessing import reduction, resource_sharer
+
+        dup = object.__new__(resource_sharer.DupFd)
+        dup._id = (self.address, 1)
+        return (reduction._rebuild_socket, (dup, socket.AF_UNIX, socket.SOCK_STREAM, 0))
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("kind", list(PayloadKind))
+def test_a_pickled_socket_is_refused_without_connecting(tmp_path, cuda, kind):
+    address = str(tmp_path / "listener")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+    listener.setblocking(False)
+    try:
+        data = pickle.dumps([_SocketFromSender(address)], protocol=4)
+        with pytest.raises(pickle.UnpicklingError) as e:
+            unpickle_handles(data, kind, cuda=cuda)
+        if cuda and kind != PayloadKind.DESCRIBE:
+            assert "refused (allowed: CUDA IPC handles only)" in str(e.value)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("multiprocessing.resource_sharer", "DupFd"),
+        ("multiprocessing.reduction", "_rebuild_socket"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("functools", "partial"),
+        ("builtins", "getattr"),
+        ("os", "system"),
+    ],
+)
+def test_cuda_handles_name_only_what_rebuilds_a_cuda_tensor(module, name):
+    assert (module, name) not in CUDA_IPC_GLOBALS
+    data = _global_pickle(module, name)
+    with pytest.raises(pickle.UnpicklingError, match=f"global {module}.{name} refused"):
+        unpickle_handles(data, PayloadKind.SHARDS, cuda=True)
+
+
+def _global_pickle(module: str, name: str) -> bytes:
+    """A protocol-4 pickle whose only content is the global ``module.name``."""
+
+    def unicode(s: str) -> bytes:
+        raw = s.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    return (
+        b"\x80\x04" + unicode(module) + unicode(name) + b"\x93."
+    )  # STACK_GLOBAL, STOP
+
+
+def test_cuda_ipc_globals_load_and_nothing_loads_on_cpu():
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    data = pickle.dumps(
+        [torch.Size([2, 3]), torch.bfloat16, torch.Tensor, rebuild_cuda_tensor]
+    )
+    assert unpickle_handles(data, PayloadKind.PARAMS, cuda=True) == [
+        torch.Size([2, 3]),
+        torch.bfloat16,
+        torch.Tensor,
+        rebuild_cuda_tensor,
+    ]
+    for kind, cuda in ((PayloadKind.SHARDS, False), (PayloadKind.DESCRIBE, True)):
+        with pytest.raises(pickle.UnpicklingError, match="refused"):
+            unpickle_handles(data, kind, cuda=cuda)
+
+
+# ---------------------------------------------------------------- channel paths
+
+
+@pytest.mark.parametrize(
+    "channel,text",
+    [
+        ("/tmp/sglang-weights-a\x00b", "holds a NUL byte"),
+        ("/tmp/sglang-weights-\udcff", "is not valid UTF-8"),
+    ],
+)
+def test_channel_paths_with_nul_or_undecodable_bytes_are_refused_by_name(channel, text):
+    with pytest.raises(ChannelError) as e:
+        resolve_channel(channel)
+    assert f"channel {channel!r}" in str(e.value) and text in str(e.value)
+    req = type(
+        "Req",
+        (),
+        dict(update_id="u", channel=channel, timeout_s=1.0, bucket_bytes=None),
+    )
+    assert any(f"channel {channel!r}" in p and text in p for p in request_problems(req))
+
+
+# ---------------------------------------------------------------- who delivered what
+
+
+def test_tensors_only_some_trainer_ranks_delivered_are_named():
+    assert missing_deliveries([(0, ["a", "b"]), (1, ["b", "a"])]) == []
+    assert missing_deliveries([(0, ["a", "b"]), (1, ["b"]), (2, ["b"])]) == [
+        "tensor 'a' was delivered by trainer rank(s) [0] but not by trainer rank(s) [1, 2]"
+    ]
+    assert missing_deliveries([(3, ["b"]), (1, ["a"])]) == [
+        "tensor 'a' was delivered by trainer rank(s) [1] but not by trainer rank(s) [3]",
+        "tensor 'b' was delivered by trainer rank(s) [3] but not by trainer rank(s) [1]",
+    ]
