@@ -57,3 +57,30 @@ def barrier_names_absent_rank(rank: int, world: int) -> str:
     except PeerLost as e:
         return str(e)
     return "passed"
+
+
+def delivered_names(rank: int, world: int) -> dict:
+    """``delivered.agree_on_delivery`` over ``world`` gloo ranks: equal deliveries pass (one
+    digest all-reduce); trainer rank 2 leaving tensor 'b' out, and trainer rank 0 sending
+    an extra 'z', are named on every rank; ignored names do not count."""
+    from sglang.srt.weight_sync.control_plane import PlanDisagreement
+    from sglang.srt.weight_sync.delivered import agree_on_delivery
+    from sglang.srt.weight_sync.delivery import Payload
+
+    def payload(names):
+        return Payload("u", rank, {}, {}, {n: None for n in names})
+
+    control = ControlGroup(None, "delivered")
+    out = {}
+    same = ["a", "b"] + (["x.rotary_emb.inv_freq"] if rank == 1 else [])
+    agree_on_delivery(
+        control, payload(same), 60, f"rank {rank}", ("rotary_emb.inv_freq",)
+    )
+    out["same"] = "agreed"
+    differ = ["a"] if rank == 2 else ["a", "b"] + (["z"] if rank == 0 else [])
+    try:
+        agree_on_delivery(control, payload(differ), 60, f"rank {rank}")
+        out["differ"] = "agreed"
+    except PlanDisagreement as e:
+        out["differ"] = str(e)
+    return out

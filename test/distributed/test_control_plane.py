@@ -4,6 +4,7 @@ from control_cases import (
     NCCL_BACKENDS,
     barrier_names_absent_rank,
     control_over_nccl_backends,
+    delivered_names,
 )
 from ranks import run_ranks
 
@@ -24,3 +25,21 @@ def test_barrier_over_nccl_group_names_the_absent_rank():
     assert results[2] == "absent"
     for message in results[:2]:
         assert "test barrier" in message and "[2]" in message, message
+
+
+def test_tensors_only_some_trainer_ranks_delivered_are_named_on_every_rank():
+    results = run_ranks(3, delivered_names)
+    for rank, out in enumerate(results):
+        assert out["same"] == "agreed", out
+        message = out["differ"]
+        assert message.startswith(
+            f"rank {rank}: the trainer ranks delivered different tensors"
+        ), message
+        assert (
+            "tensor 'b' was delivered by trainer rank(s) [0, 1] but not by trainer rank(s) [2]"
+            in message
+        ), message
+        assert (
+            "tensor 'z' was delivered by trainer rank(s) [0] but not by trainer rank(s) [1, 2]"
+            in message
+        ), message

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 import zmq
-from faults import TP, engine_fds, full_shards, generate, state, update
+from faults import TP, engine_fds, full_shards, generate, send, state, update
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
 
@@ -326,3 +326,281 @@ def test_one_socket_per_resolved_channel_and_a_bounded_number(engine, baseline):
         assert not update(eng, _channel(), f"more-{i}", timeout_s=0.1)[0]
     assert engine_fds() <= fds, "sockets accumulate in the engine"
     assert_unchanged(eng, baseline)
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 24 ("holes found from outside"): each input, then a good update that succeeds, with
+# generation served throughout.
+
+
+def _good_update(eng, model_dir, baseline, update_id, channel=None):
+    """A good update (the baseline's weights, a fresh id) succeeds, and the engine serves."""
+    weights = full_shards(new_weights(model_dir, 1))
+    success, message, _ = update(
+        eng, channel or _channel(), update_id, [weights] * TP, timeout_s=60
+    )
+    assert success, message
+    assert_unchanged(eng, baseline)
+
+
+def _http_post(eng, monkeypatch, body: bytes):
+    """POST /update_weights_distributed to SGLang's own HTTP app, served on the engine's
+    event loop over its tokenizer manager: (status, JSON body)."""
+    import types
+
+    import httpx
+
+    import sglang.srt.entrypoints.http_server as http_server
+
+    monkeypatch.setattr(
+        http_server,
+        "_global_state",
+        types.SimpleNamespace(
+            tokenizer_manager=eng.tokenizer_manager,
+            template_manager=None,
+            scheduler_info={},
+        ),
+    )
+
+    async def post():
+        transport = httpx.ASGITransport(app=http_server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+            return await c.post(
+                "/update_weights_distributed",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+
+    response = eng.loop.run_until_complete(post())
+    return response.status_code, response.json()
+
+
+def _header(update_id, rank, **fields) -> bytes:
+    import json
+
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+
+    spec = MeshSpec.full((4,), torch.float32, [0, 1]).to_wire()
+    header = {
+        "update_id": update_id,
+        "trainer_rank": rank,
+        "rank_map": [[0, 0], [1, 1]],
+        "tensors": [["model.norm.weight", spec]],
+        "pieces": [],
+        **fields,
+    }
+    return json.dumps(header).encode()
+
+
+def _issue_messages(rank: int):
+    """The issue's inputs 2 and 3, as pushed into engine rank ``rank``'s socket."""
+    overflow = (
+        _header("someone-else", 0)
+        .replace(b'"trainer_rank": 0', b'"trainer_rank": 1e400')
+        .replace(b'"rank_map": [[0, 0]', b'"rank_map": [[1e400, 0]')
+    )
+    assert overflow.count(b"1e400") == 2
+    return {
+        "nested": [b"[" * 400_000 + b"]" * 400_000, b"x"],
+        "1e400": [overflow, b"\x00" * 16],
+    }
+
+
+@pytest.mark.parametrize("case", ["nested", "1e400"])
+def test_malformed_headers_left_in_the_socket_never_touch_the_next_update(
+    engine, baseline, case
+):
+    """Issue 24, items 2 and 3: a header nested 400,000 levels deep, or with 1e400 where
+    ranks go, is dropped on arrival; the next good update on that channel succeeds."""
+    eng, model_dir, _ = engine
+    channel = _channel()
+    assert not update(eng, channel, f"bind-{case}", timeout_s=0.1)[
+        0
+    ]  # binds the sockets
+    threads = [
+        _push_when_bound(channel, r, [_issue_messages(r)[case]], delay=0.1)
+        for r in range(TP)
+    ]
+    for t in threads:
+        t.join(30)
+    assert generate(eng, PROMPTS) == baseline["generation"]
+    _good_update(eng, model_dir, baseline, f"after-{case}", channel)
+
+
+def test_nul_in_the_channel_is_refused_naming_it_on_every_route(
+    engine, baseline, monkeypatch
+):
+    """Issue 24, item 1: a NUL byte in the channel path is a 4xx naming the channel through
+    HTTP, the Engine method and the tensor path (never a 500)."""
+    import json
+
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.engine_update import DISTRIBUTED_LOAD_FORMAT
+
+    eng, model_dir, _ = engine
+    channel = _channel() + "\x00tail"
+    expected = f"channel {channel!r} holds a NUL byte"
+    status, body = _http_post(
+        eng,
+        monkeypatch,
+        json.dumps({"update_id": "nul-http", "channel": channel}).encode(),
+    )
+    assert status == 400 and expected in body["message"], (status, body)
+    success, message, took = update(eng, channel, "nul-engine", timeout_s=30)
+    assert not success and expected in message and took < 5, message
+    control = {"update_id": "nul-tensor", "channel": channel, "timeout_s": 30}
+    req = UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(control)] * TP,
+        load_format=DISTRIBUTED_LOAD_FORMAT,
+    )
+    eng.begin_weight_update()
+    try:
+        success, message = eng.loop.run_until_complete(
+            eng.tokenizer_manager.update_weights_from_tensor(req, None)
+        )
+    finally:
+        eng.end_weight_update()
+    assert not success and expected in message, message
+    assert generate(eng, PROMPTS) == baseline["generation"]
+    _good_update(eng, model_dir, baseline, "after-nul")
+
+
+def test_schema_errors_are_answered_400_as_documented(engine, baseline, monkeypatch):
+    """Issue 24, item 6: a body the server's schema refuses is answered 400 (SGLang's
+    server replaces FastAPI's 422), as docs/usage.md says; then a good update over HTTP."""
+    import json
+
+    eng, model_dir, _ = engine
+    for body in (
+        {"update_id": 7, "channel": _channel()},
+        {"update_id": "u", "channel": _channel(), "timeout_s": "soon"},
+        {"channel": _channel()},
+    ):
+        status, reply = _http_post(eng, monkeypatch, json.dumps(body).encode())
+        assert status == 400, (status, reply)
+    assert generate(eng, PROMPTS) == baseline["generation"]
+    channel = _channel()
+    senders = send(
+        channel, "schema-good", [full_shards(new_weights(model_dir, 1))] * TP
+    )
+    try:
+        status, reply = _http_post(
+            eng,
+            monkeypatch,
+            json.dumps(
+                {"update_id": "schema-good", "channel": channel, "timeout_s": 60}
+            ).encode(),
+        )
+    finally:
+        for s in senders:
+            s.close()
+    assert status == 200 and reply["success"], reply
+    assert_unchanged(eng, baseline)
+
+
+def _fsdp_shards(weights):
+    """Each trainer rank's FSDP shard (dim 0, torch's chunking) of every tensor."""
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+
+    return [
+        [
+            (
+                n,
+                t.chunk(TP, dim=0)[r].contiguous(),
+                MeshSpec.sharded(t.shape, t.dtype, 0, list(range(TP))),
+            )
+            for n, t in sorted(weights.items())
+        ]
+        for r in range(TP)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["full", "fsdp"])
+def test_a_tensor_only_some_trainer_ranks_deliver_is_named(engine, baseline, layout):
+    """Issue 24, item 4: the refusal names the tensor and the trainer ranks that did and
+    did not deliver it (not a plan mismatch)."""
+    eng, model_dir, _ = engine
+    weights = new_weights(model_dir, 2)
+    name = "model.layers.0.mlp.down_proj.weight"
+    per_rank = (
+        [full_shards(weights)] * TP if layout == "full" else _fsdp_shards(weights)
+    )
+    per_rank = [per_rank[0], [s for s in per_rank[1] if s[0] != name]]
+    success, message, _ = update(
+        eng, _channel(), f"partial-{layout}", per_rank, timeout_s=30
+    )
+    expected = (
+        f"tensor {name!r} was delivered by trainer rank(s) [0] but not by trainer "
+        "rank(s) [1]"
+    )
+    assert not success and expected in message and "no parameter changed" in message, (
+        message
+    )
+    assert_unchanged(eng, baseline)
+    if layout == "fsdp":  # the same layout, complete, goes through
+        success, message, _ = update(
+            eng,
+            _channel(),
+            "fsdp-good",
+            _fsdp_shards(new_weights(model_dir, 1)),
+            timeout_s=60,
+        )
+        assert success, message
+        assert_unchanged(eng, baseline)
+    else:
+        _good_update(eng, model_dir, baseline, f"after-partial-{layout}")
+
+
+class _SocketFromSender:
+    """Issue 24, item 5: a pickle of classes SGLang's safe unpickler allows (``DupFd``
+    rebuilt by ``_rebuild_socket``) that connects to the sender's unix socket and waits."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __reduce__(self):
+        import socket
+        from multiprocessing import reduction, resource_sharer
+
+        dup = object.__new__(resource_sharer.DupFd)
+        dup._id = (self.address, 1)
+        return (reduction._rebuild_socket, (dup, socket.AF_UNIX, socket.SOCK_STREAM, 0))
+
+
+def test_a_pickled_socket_is_refused_at_once_and_generation_goes_on(
+    engine, baseline, tmp_path
+):
+    import pickle
+    import socket
+
+    eng, model_dir, _ = engine
+    address = str(tmp_path / "listener")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    listener.setblocking(False)
+    channel = _channel()
+    try:
+        hostile = [_header("dupfd", 0), pickle.dumps([_SocketFromSender(address)])]
+        thread = _push_when_bound(channel, 0, [hostile], delay=0.1)
+        from sglang.srt.weight_sync.delivery import ShardSender
+
+        beside = ShardSender(channel, 1)  # rank 1's trainer delivers properly
+        beside.send("dupfd", 1, {0: 0, 1: 1}, full_shards(new_weights(model_dir, 1)))
+        try:
+            success, message, took = update(eng, channel, "dupfd", timeout_s=20)
+        finally:
+            beside.close()
+        thread.join(10)
+        assert not success and "cannot read the shards of trainer rank 0" in message, (
+            message
+        )
+        assert "a pickled payload is refused" in message and took < 10, (took, message)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # the engine never connected
+    finally:
+        listener.close()
+    assert generate(eng, PROMPTS) == baseline["generation"]
+    _good_update(eng, model_dir, baseline, "after-dupfd")
