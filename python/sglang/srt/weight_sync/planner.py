@@ -122,8 +122,8 @@ class Move:
 
     ``region`` is in global (HF) coordinates, inside the box ``holder`` holds
     (``src_shard``) on rank ``src``. With one dest equal to ``src`` it is a local copy; one
-    other dest, a point-to-point send; several, a broadcast over
-    ``(src,) + dest ranks``. Bytes are counted in the destination dtype, which
+    other dest, a point-to-point send; several, one send to each (the executor runs no
+    broadcast subgroups, see ``executor.DataGroup``). Bytes are counted in the destination dtype, which
     is what travels: the sender casts.
     """
 
@@ -167,7 +167,9 @@ class Plan:
     """The whole job, identical on every rank (``plan``), or one rank's part of it
     (``rank_plan.plan_for_rank``: only the moves it sends or receives, ``round_ids``
     naming its rounds in the order every rank runs them). ``rounds`` run in order; inside
-    a round, point-to-point moves run as one batch, then broadcasts in list order.
+    a round, every send and receive runs as one point-to-point batch.
+    ``broadcast_groups``: the rank sets of moves with several receivers (a figure; they
+    travel point-to-point).
     ``fingerprint`` is the digest of the inputs it was planned from: planning is
     deterministic, so ranks that agree on it run the same plan."""
 
