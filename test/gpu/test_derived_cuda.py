@@ -12,14 +12,11 @@ checkpoints: each element names its source), not only in shape.
 from __future__ import annotations
 
 import importlib
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import sglang_fakes
-import torch
 
 UNIT = Path(__file__).resolve().parent.parent / "unit"
 sys.path.insert(0, str(UNIT))
@@ -41,20 +38,7 @@ def loaded(tmp_path_factory):
         "configs": {a: derived.ARCHS[a][0] for a in derived.ARCHS},
         "cases": [list(c) for c in derived.CASES],
     }
-    job_path, out_path = base / "job.json", base / "out.pt"
-    job_path.write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, sglang_fakes.__file__, str(job_path), str(out_path)],
-        env=sglang_fakes.worker_env(MODE),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"cuda worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-        )
-    result = torch.load(out_path, weights_only=False)
+    result = sglang_fakes.run_job_in_worker(job, base, MODE)
     assert result["platform"]["is_cuda"], result["platform"]
     return {MODE: result}
 

@@ -16,8 +16,8 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import gpu_engine
 from engine import engine_greedy, weight_update_session
+from gpu_engines import gpu_engine
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, _saved_checksums, new_weights
 

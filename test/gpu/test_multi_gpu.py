@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import GPU_ENGINE_ARGS
 from engine import engine_greedy
+from gpu_engines import GPU_ENGINE_ARGS
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import as_layout, new_weights
 

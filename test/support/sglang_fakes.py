@@ -571,6 +571,35 @@ def worker_env(mode: str) -> Dict[str, str]:
     return env
 
 
+def run_worker(args: Sequence, mode: str, timeout: float = 900) -> None:
+    """``python *args`` in a subprocess with ``worker_env(mode)``; raises with the end of its
+    stderr if it fails."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)],
+        env=worker_env(mode),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{mode} worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+        )
+
+
+def run_job_in_worker(job: dict, base: Path, name: str, timeout: float = 900) -> dict:
+    """``run_job(job)`` in a worker subprocess of ``job["mode"]``: what it wrote (the file,
+    tens of MB, is removed once loaded)."""
+    job_path, out_path = base / f"job-{name}.json", base / f"out-{name}.pt"
+    job_path.write_text(json.dumps(job))
+    run_worker([__file__, job_path, out_path], job["mode"], timeout)
+    result = torch.load(out_path, weights_only=False)
+    out_path.unlink()
+    return result
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         run_job(json.load(f), sys.argv[2])

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Tuple
 
@@ -396,22 +394,7 @@ def loaded(tmp_path_factory):
             "configs": {a: ARCHS[a][0] for a in ARCHS},
             "cases": [list(c) for c in CASES],
         }
-        job_path, out_path = base / f"job-{mode}.json", base / f"out-{mode}.pt"
-        job_path.write_text(json.dumps(job))
-        proc = subprocess.run(
-            [sys.executable, sglang_fakes.__file__, str(job_path), str(out_path)],
-            env=sglang_fakes.worker_env(mode),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{mode} worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-            )
-        result = torch.load(out_path, weights_only=False)
-        out_path.unlink()
-        return result
+        return sglang_fakes.run_job_in_worker(job, base, mode)
 
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(MODES, pool.map(run, MODES)))

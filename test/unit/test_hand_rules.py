@@ -20,9 +20,6 @@ Two platforms, each in its own worker process (SGLang reads the platform at impo
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Tuple
 
@@ -237,22 +234,7 @@ def oracle(tmp_path_factory):
     }
 
     def run(mode):
-        job_path, out_path = base / f"job-{mode}.json", base / f"oracle-{mode}.pt"
-        job_path.write_text(json.dumps(jobs[mode]))
-        proc = subprocess.run(
-            [sys.executable, sglang_fakes.__file__, str(job_path), str(out_path)],
-            env=sglang_fakes.worker_env(mode),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{mode} worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-            )
-        result = torch.load(out_path, weights_only=False)
-        out_path.unlink()  # tens of MB; everything needed is in memory now
-        return result
+        return sglang_fakes.run_job_in_worker(jobs[mode], base, mode)
 
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(jobs, pool.map(run, jobs)))

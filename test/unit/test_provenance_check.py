@@ -21,7 +21,6 @@ values), derives the rank's targets on meta as the engine does, and runs the che
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -218,17 +217,7 @@ def _worker(mode: str, workdir: Path) -> dict:
 def facts(request, tmp_path_factory):
     mode = request.param
     workdir = tmp_path_factory.mktemp(f"provenance-{mode}")
-    proc = subprocess.run(
-        [sys.executable, __file__, mode, str(workdir)],
-        env=sglang_fakes.worker_env(mode),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{mode} worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-        )
+    sglang_fakes.run_worker([__file__, mode, workdir], mode)
     return json.loads((workdir / "facts.json").read_text())
 
 

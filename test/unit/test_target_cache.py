@@ -14,7 +14,6 @@ but not with ports, log settings or unrelated packages.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -274,17 +273,7 @@ def _device_and_kernel_keys(key, base):
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("target_cache")
-    proc = subprocess.run(
-        [sys.executable, __file__, str(workdir)],
-        env=sglang_fakes.worker_env("default"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"worker failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-        )
+    sglang_fakes.run_worker([__file__, workdir], "default", timeout=600)
     return json.loads((workdir / "facts.json").read_text())
 
 

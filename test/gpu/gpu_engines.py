@@ -1,0 +1,56 @@
+"""The GPU tier's engine arguments, the engine context manager and the skip rule (imported
+by ``conftest.py`` and the tests; a module of its own, since several ``conftest`` modules
+share that name under ``test/``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+GPU_ENGINE_ARGS = dict(
+    tp_size=1,
+    attention_backend="triton",  # pure Triton: no flashinfer / sgl-kernel attention build needed
+    sampling_backend="pytorch",
+    grammar_backend="none",  # xgrammar is not carried (scripts/gpu_carry.sh)
+    skip_tokenizer_init=True,
+    mem_fraction_static=0.3,
+    cuda_graph_max_bs=4,  # decode CUDA graphs on (captured over the parameters' addresses)
+    disable_piecewise_cuda_graph=True,  # torch.compile'd prefill graphs need sgl-kernel's weak refs
+    random_seed=0,
+    log_level="error",
+)
+
+
+def gpu_skip_reason(devices: int = 1) -> str:
+    """Why this machine cannot run a GPU test needing ``devices`` GPUs ("" if it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device: test/gpu runs on a GPU machine (docs/gpu.md, scripts/gpu_run.sh)"
+    if os.environ.get("SGLANG_TEST_GPU") != "1":
+        return "SGLANG_TEST_GPU is not 1: run test/gpu through scripts/gpu_run.sh"
+    if torch.cuda.device_count() < devices:
+        return f"needs {devices} GPUs, this machine has {torch.cuda.device_count()}"
+    return ""
+
+
+@contextlib.contextmanager
+def gpu_engine(model_dir, **kwargs) -> Iterator[object]:
+    """``sglang.Engine`` on the current GPU with ``GPU_ENGINE_ARGS`` (overridden by ``kwargs``)."""
+    from engine import _launch_sigquit_handler
+
+    import sglang
+
+    # Upstream's handler kills the whole process tree, pytest included, when a scheduler
+    # fails to start; the engine raises on its own then.
+    args = {
+        "custom_sigquit_handler": _launch_sigquit_handler,
+        **GPU_ENGINE_ARGS,
+        **kwargs,
+    }
+    engine = sglang.Engine(model_path=str(model_dir), **args)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
