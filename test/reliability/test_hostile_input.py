@@ -19,6 +19,7 @@ import pytest
 import torch
 import zmq
 from faults import TP, engine_fds, full_shards, generate, send, state, update
+from hostile_pickles import SocketFromSender
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
 
@@ -200,6 +201,17 @@ def test_garbage_and_blocked_pickles_pushed_into_the_socket(engine, baseline):
     assert_unchanged(eng, baseline)
 
 
+def _tensor_path(eng, req):
+    """``req`` through the tokenizer manager's tensor path, inside a weight-update session."""
+    eng.begin_weight_update()
+    try:
+        return eng.loop.run_until_complete(
+            eng.tokenizer_manager.update_weights_from_tensor(req, None)
+        )[:2]
+    finally:
+        eng.end_weight_update()
+
+
 def test_reserved_tensor_format_with_unreadable_control_payloads(engine, baseline):
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
@@ -217,13 +229,7 @@ def test_reserved_tensor_format_with_unreadable_control_payloads(engine, baselin
         req = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[payload] * TP, load_format=DISTRIBUTED_LOAD_FORMAT
         )
-        eng.begin_weight_update()
-        try:
-            success, message = eng.loop.run_until_complete(
-                eng.tokenizer_manager.update_weights_from_tensor(req, None)
-            )
-        finally:
-            eng.end_weight_update()
+        success, message = _tensor_path(eng, req)
         assert not success and text in message and "engine rank 1" in message, message
     assert_unchanged(eng, baseline)
 
@@ -455,13 +461,7 @@ def test_nul_in_the_channel_is_refused_naming_it_on_every_route(
         serialized_named_tensors=[MultiprocessingSerializer.serialize(control)] * TP,
         load_format=DISTRIBUTED_LOAD_FORMAT,
     )
-    eng.begin_weight_update()
-    try:
-        success, message = eng.loop.run_until_complete(
-            eng.tokenizer_manager.update_weights_from_tensor(req, None)
-        )
-    finally:
-        eng.end_weight_update()
+    success, message = _tensor_path(eng, req)
     assert not success and expected in message, message
     assert generate(eng, PROMPTS) == baseline["generation"]
     _good_update(eng, model_dir, baseline, "after-nul")
@@ -553,22 +553,6 @@ def test_a_tensor_only_some_trainer_ranks_deliver_is_named(engine, baseline, lay
         _good_update(eng, model_dir, baseline, f"after-partial-{layout}")
 
 
-class _SocketFromSender:
-    """Issue 24, item 5: a pickle of classes SGLang's safe unpickler allows (``DupFd``
-    rebuilt by ``_rebuild_socket``) that connects to the sender's unix socket and waits."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-
-    def __reduce__(self):
-        import socket
-        from multiprocessing import reduction, resource_sharer
-
-        dup = object.__new__(resource_sharer.DupFd)
-        dup._id = (self.address, 1)
-        return (reduction._rebuild_socket, (dup, socket.AF_UNIX, socket.SOCK_STREAM, 0))
-
-
 def test_a_pickled_socket_is_refused_at_once_and_generation_goes_on(
     engine, baseline, tmp_path
 ):
@@ -583,7 +567,7 @@ def test_a_pickled_socket_is_refused_at_once_and_generation_goes_on(
     listener.setblocking(False)
     channel = _channel()
     try:
-        hostile = [_header("dupfd", 0), pickle.dumps([_SocketFromSender(address)])]
+        hostile = [_header("dupfd", 0), pickle.dumps([SocketFromSender(address)])]
         thread = _push_when_bound(channel, 0, [hostile], delay=0.1)
         from sglang.srt.weight_sync.delivery import ShardSender
 

@@ -139,24 +139,9 @@ def test_cpu_tensors_travel_inline_in_every_dtype_and_shape():
         receiver.close()
 
 
-@pytest.mark.parametrize(
-    "inline,frame,problem",
-    [
-        (
-            [["torch.float32", [4]]],
-            b"\x00" * 15,
-            "15 bytes for a torch.float32 tensor of shape [4] (16 bytes)",
-        ),
-        (
-            [["torch.complex64", [1]]],
-            b"\x00" * 8,
-            "dtype 'torch.complex64' is not one of",
-        ),
-    ],
-)
-def test_inline_frames_that_disagree_with_their_description_are_refused(
-    inline, frame, problem
-):
+def _receive_one(inline, frame: bytes, timeout_s: float) -> str:
+    """Push one message with header field ``inline`` and ``frame`` into a fresh receiver's
+    socket, then wait for update 'u': the ``DeliveryError`` it raises, as text."""
     import json
 
     import zmq
@@ -176,46 +161,44 @@ def test_inline_frames_that_disagree_with_their_description_are_refused(
     }
     sock.send_multipart([json.dumps(header).encode(), frame])
     try:
-        with pytest.raises(
-            DeliveryError, match="cannot read the shards of trainer rank 0"
-        ) as e:
-            receiver.receive(channel, "u", timeout_s=30)
-        assert problem in str(e.value)
+        with pytest.raises(DeliveryError) as e:
+            receiver.receive(channel, "u", timeout_s=timeout_s)
+        return str(e.value)
     finally:
         sock.close(0)
         ctx.term()
         receiver.close()
+
+
+@pytest.mark.parametrize(
+    "inline,frame,problem",
+    [
+        (
+            [["torch.float32", [4]]],
+            b"\x00" * 15,
+            "15 bytes for a torch.float32 tensor of shape [4] (16 bytes)",
+        ),
+        (
+            [["torch.complex64", [1]]],
+            b"\x00" * 8,
+            "dtype 'torch.complex64' is not one of",
+        ),
+    ],
+)
+def test_inline_frames_that_disagree_with_their_description_are_refused(
+    inline, frame, problem
+):
+    message = _receive_one(inline, frame, timeout_s=30)
+    assert "cannot read the shards of trainer rank 0" in message
+    assert problem in message
 
 
 def test_a_negative_size_in_the_header_drops_the_message():
     """A header that describes a tensor of size -1 is malformed: dropped on arrival (and
     named when the update times out), never read as the awaited payload."""
-    import json
-
-    import zmq
-
-    channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
-    receiver._socket(channel)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(f"ipc://{os.path.join(channel, 'tp0.sock')}")
-    header = {
-        "update_id": "u",
-        "trainer_rank": 0,
-        "rank_map": [[0, 0]],
-        "pieces": [],
-        "inline": [["torch.float32", [-1]]],
-        "tensors": [["w", MeshSpec.full((4,), torch.float32, [0]).to_wire()]],
-    }
-    sock.send_multipart([json.dumps(header).encode(), b""])
-    try:
-        with pytest.raises(DeliveryError, match="no payload for update 'u'") as e:
-            receiver.receive(channel, "u", timeout_s=1)
-        assert (
-            "malformed message: header field 'inline' is [['torch.float32', [-1]]]"
-            in str(e.value)
-        )
-    finally:
-        sock.close(0)
-        ctx.term()
-        receiver.close()
+    message = _receive_one([["torch.float32", [-1]]], b"", timeout_s=1)
+    assert "no payload for update 'u'" in message
+    assert (
+        "malformed message: header field 'inline' is [['torch.float32', [-1]]]"
+        in message
+    )

@@ -16,6 +16,7 @@ import uuid
 import pytest
 import torch
 import zmq
+from hostile_pickles import SocketFromSender
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -257,21 +258,6 @@ def test_a_malformed_header_is_dropped_and_named_when_nothing_else_comes(pushed)
 # ---------------------------------------------------------------- pickled frames
 
 
-class _SocketFromSender:
-    """The issue's pickle: only classes SGLang's safe unpickler allows (``DupFd`` rebuilt
-    by ``_rebuild_socket``), which connects to the sender's unix socket and waits."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-
-    def __reduce__(self):
-        from multiprocessing import reduction, resource_sharer
-
-        dup = object.__new__(resource_sharer.DupFd)
-        dup._id = (self.address, 1)
-        return (reduction._rebuild_socket, (dup, socket.AF_UNIX, socket.SOCK_STREAM, 0))
-
-
 @pytest.mark.parametrize("cuda", [False, True])
 @pytest.mark.parametrize("kind", list(PayloadKind))
 def test_a_pickled_socket_is_refused_without_connecting(tmp_path, cuda, kind):
@@ -281,7 +267,7 @@ def test_a_pickled_socket_is_refused_without_connecting(tmp_path, cuda, kind):
     listener.listen(1)
     listener.setblocking(False)
     try:
-        data = pickle.dumps([_SocketFromSender(address)], protocol=4)
+        data = pickle.dumps([SocketFromSender(address)], protocol=4)
         with pytest.raises(pickle.UnpicklingError) as e:
             unpickle_handles(data, kind, cuda=cuda)
         if cuda and kind != PayloadKind.DESCRIBE:
