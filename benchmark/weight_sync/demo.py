@@ -16,8 +16,11 @@ the weights (the upstream design loads them with SGLang's own loader, so this ch
 distributed update against SGLang's own load); the demo exits non-zero otherwise. It is
 also compared with HF transformers' on prompts chosen without bf16 near-ties (as the
 end-to-end tests do) and the count printed: SGLang's CPU kernels and HF round bf16
-differently, so a prompt may differ from HF after both designs alike. Printed: one table with, per design, seconds per update (median), bytes each
-trainer rank receives, the largest transient buffer it holds, and the generation check.
+differently, so a prompt may differ from HF after both designs alike. Printed: one table with, per
+design, the first update (the engine derives its targets from SGLang's loaders and plans, once) and
+the steady state (every later update, median) apart: seconds per update, bytes each trainer rank
+receives, the memory it holds for the engine, and the generation check; one line under it says what
+the numbers mean.
 Upstream's import-time warnings (AWQ/GGUF/Triton on CPU, deprecations) are silenced here
 and in the processes the demo starts.
 """
@@ -51,15 +54,11 @@ configure_cpu_env()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-MODEL = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_hidden_layers=4,
-    vocab_size=8192,
-)
-STEPS = 3
+from benchmark.weight_sync.update_speed import SIZES  # noqa: E402
+from benchmark.weight_sync.upstream_path import upstream_update  # noqa: E402
+
+MODEL = SIZES["21m"]
+STEPS = 4
 # This model's logits reach ~20, where a bf16 ulp is 0.125: the tests' 0.25 margin (tuned for the tiny
 # models' ~8-10) is 2 ulps here, and SGLang's CPU kernels and HF round differently. 1.0 is 8 ulps.
 MIN_MARGIN = 1.0
@@ -75,38 +74,6 @@ def _weights(model_dir, step):
         ).to(t.dtype)
         for i, (n, t) in enumerate(sorted(ckpt.items()))
     }
-
-
-def _upstream_update(verl, dtensors, rank):
-    """SGLang 0.5.23's gathered path, as weight_sync.utils.update_weights does it."""
-    from sglang.srt.model_executor.model_runner_components.weight_updater import (
-        LocalSerializedTensor,
-    )
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    received = peak = 0
-    handles = []
-    fulls = []  # upstream keeps each full tensor alive until the engine has loaded it
-    for name, d in dtensors:
-        full = d.full_tensor()
-        received += (full.numel() - d.to_local().numel()) * full.element_size()
-        fulls.append(full)
-        peak += full.numel() * full.element_size()
-        handles.append((name, MultiprocessingSerializer.serialize(full)))
-    gathered = [None, None] if rank == 0 else None
-    dist.gather_object(handles, gathered, dst=0)
-    if rank == 0:
-        named = [
-            (group[0][0], LocalSerializedTensor(values=[h for _, h in group]))
-            for group in zip(*gathered)
-        ]
-        engine = verl._engine
-        engine.begin_weight_update()
-        ok, message = engine.update_weights_from_tensor(named, flush_cache=True)
-        engine.end_weight_update()
-        assert ok, message
-    dist.barrier()
-    return received, peak
 
 
 def _progress_while(label: str, every: float = 10.0) -> threading.Event:
@@ -172,10 +139,10 @@ def _rank(rank, world, store, model_dir, out_dir, prompts):
             dist.barrier()
             t0 = time.perf_counter()
             if design == "distributed":
-                verl.update_weights_from_tensor(dtensors)
-                received = peak = None
+                report = verl.update_weights_from_tensor(dtensors)
+                received, peak = None, report.shared_bytes
             else:
-                received, peak = _upstream_update(verl, dtensors, rank)
+                received, peak = upstream_update(verl._engine, dtensors, rank, 2)
             seconds = time.perf_counter() - t0
             generation = [
                 o["output_ids"]
@@ -276,51 +243,46 @@ def main() -> None:
             )
             if design == "distributed":
                 received = max(r["planned"] for r in ranks)
-                transient = 0  # the trainer keeps its shards; the engine stages at most the bucket cap
-                bound = (
-                    "yes"
-                    if all(r["planned"] == r["lower_bound"] for r in ranks)
-                    else "NO"
-                )
+                bound = all(r["planned"] == r["lower_bound"] for r in ranks)
             else:
                 received = max(r["rows"][design][-1]["received"] for r in ranks)
-                transient = max(r["rows"][design][-1]["peak"] for r in ranks)
-                bound = (
-                    "yes"
-                    if all(
-                        r["rows"][design][-1]["received"] == r["lower_bound"]
-                        for r in ranks
-                    )
-                    else "no"
+                bound = all(
+                    r["rows"][design][-1]["received"] == r["lower_bound"] for r in ranks
                 )
-            table.append(
-                (
-                    design,
-                    statistics.median(r["seconds"] for r in rows),
-                    received,
-                    transient,
-                    bound,
-                    equal,
-                    sum(len(expected[row["step"]]) for row in rows),
-                )
-            )
+            held = max(row["peak"] for r in ranks for row in r["rows"][design])
+            prompts = f"{equal}/{sum(len(expected[row['step']]) for row in rows)}"
+            for when, seconds in (
+                ("first", rows[0]["seconds"]),
+                ("steady", statistics.median(r["seconds"] for r in rows[1:])),
+            ):
+                table.append((design, when, seconds, received, held, bound, prompts))
         print()
         print(
-            f"{'design':<12} {'s/update':>9} {'MiB received':>13} {'transient MiB':>14} {'= lower':>8} "
-            f"{'greedy = HF':>12}"
+            f"{'design':<12} {'update':<7} {'seconds':>8} {'MiB received':>13} {'MiB held':>14} "
+            f"{'= lower':>8} {'greedy = HF':>12}"
         )
         print(
-            f"{'':<12} {'(median)':>9} {'/rank':>13} {'/trainer rank':>14} {'bound':>8} "
-            f"{'(prompts)':>12}"
+            f"{'':<12} {'':<7} {'':>8} {'/trainer rank':>13} {'/trainer rank':>14} "
+            f"{'bound':>8} {'(prompts)':>12}"
         )
-        for design, seconds, received, transient, bound, equal, total in table:
+        for design, when, seconds, received, held, bound, prompts in table:
             print(
-                f"{design:<12} {seconds:>9.3f} {received / 2**20:>13.2f} {transient / 2**20:>14.2f} {bound:>8} "
-                f"{f'{equal}/{total}':>12}"
+                f"{design:<12} {when:<7} {seconds:>8.3f} {received / 2**20:>13.2f} {held / 2**20:>14.2f} "
+                f"{'yes' if bound else 'no':>8} {prompts if when == 'first' else '':>12}"
             )
-        (_, d_s, d_b, *_), (_, u_s, u_b, *_) = table
+        steady = {
+            design: seconds for design, when, seconds, *_ in table if when == "steady"
+        }
+        bytes_ = {design: received for design, when, _, received, *_ in table}
         print(
-            f"\nupstream / distributed: {u_s / d_s:.1f}x the time, {u_b / max(d_b, 1):.1f}x the bytes "
+            "first: the engine derives its targets from SGLang's own loaders and plans (once per "
+            f"engine); steady: every later update (median of {STEPS - 1}). MiB held: what a trainer "
+            "rank keeps for the engine (ours: its shards in shared memory, in the engine's dtype, "
+            "kept between updates; upstream: every full tensor during an update)."
+        )
+        print(
+            f"\nupstream / distributed, steady state: {steady['upstream'] / steady['distributed']:.1f}x "
+            f"the time, {bytes_['upstream'] / max(bytes_['distributed'], 1):.1f}x the bytes "
             f"({STEPS} steps x 2 prompts x 8 tokens; {time.perf_counter() - t0:.0f} s in all)"
         )
         differ = [

@@ -84,3 +84,31 @@ def delivered_names(rank: int, world: int) -> dict:
     except PlanDisagreement as e:
         out["differ"] = str(e)
     return out
+
+
+def one_round_trip_agreement(rank: int, world: int) -> dict:
+    """``ControlGroup.agree`` over ``world`` gloo ranks: values, flags and the absence of
+    problems in one all-reduce; problems cost a second collective, and only then."""
+    control = ControlGroup(None, "agree")
+    out = {}
+    before = control.round_trips
+    quiet = control.agree(
+        [],
+        {"same": 7, "mine": rank},
+        {"last": rank == world - 1, "never": False},
+        30,
+        "a",
+    )
+    out["quiet"] = (list(quiet.problems), list(quiet.unequal), list(quiet.raised))
+    out["quiet_trips"] = control.round_trips - before
+    before = control.round_trips
+    loud = control.agree(
+        [f"rank {rank} is unwell"] if rank == 1 else [],
+        {"same": 2**61},
+        {},
+        30,
+        "b",
+    )
+    out["loud"] = (list(loud.problems), list(loud.unequal))
+    out["loud_trips"] = control.round_trips - before
+    return out

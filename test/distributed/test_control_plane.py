@@ -5,6 +5,7 @@ from control_cases import (
     barrier_names_absent_rank,
     control_over_nccl_backends,
     delivered_names,
+    one_round_trip_agreement,
 )
 from ranks import run_ranks
 
@@ -43,3 +44,10 @@ def test_tensors_only_some_trainer_ranks_delivered_are_named_on_every_rank():
             "tensor 'z' was delivered by trainer rank(s) [0] but not by trainer rank(s) [1, 2]"
             in message
         ), message
+
+
+def test_ranks_agree_in_one_round_trip_and_share_problems_only_when_there_are_some():
+    results = run_ranks(3, one_round_trip_agreement)
+    for r in results:
+        assert r["quiet"] == ([], ["mine"], ["last"]) and r["quiet_trips"] == 1
+        assert r["loud"] == (["rank 1 is unwell"], []) and r["loud_trips"] == 2

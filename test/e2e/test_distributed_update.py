@@ -16,6 +16,7 @@ import pytest
 import tiny_models
 import torch
 from engine import hf_greedy, stable_prompts
+from phase_checks import check_engine_breakdown, check_trainer_breakdown
 from ranks import run_ranks
 from update_cases import (
     BAD_NAME,
@@ -191,12 +192,28 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
 def test_smoke_fsdp_trainer_updates_engine(tmp_path):
     """The end-to-end smoke CI runs on every SGLang base wheel (``make smoke BASE=...``): FSDP
     Shard(0) trainer ranks update a TP-2 engine through VerlEngine, weight_sync.utils.update_weights
-    and Engine.update_weights_distributed; after each, parameters bit-exact and generation equal to HF."""
+    and Engine.update_weights_distributed; after each, parameters bit-exact and generation equal to HF.
+    Every update says where its time went: the trainer's phases cover its measured wall time
+    within 10 %; on 0.5.23 the engine's reply gives every TP rank's phases, and a later update
+    finds its plan cached and agrees with one control round trip (plus the figures' share)."""
     steps = [("verl", "fsdp", 1), ("utils", "fsdp", 2), ("engine", "fsdp", 3)]
     model_dir, config, prompts, (records,) = run("qwen2", 2, 2, steps, tmp_path)
+    replies_phases = sglang.__version__.split("+")[0] == "0.5.23"
     for record in records[1:]:
         assert record.get("success", True), record.get("message")
         check_update(record, model_dir, config, record["step"][2], 2, prompts)
+        kind = record["step"][0]
+        if kind == "verl":
+            check_trainer_breakdown(record["seconds"], record["phases"])
+            if replies_phases:
+                engine = check_engine_breakdown(
+                    record["engine_phases"], 2, record["phases"]["engine"]
+                )
+                assert engine["plan_cold"] == [1.0, 1.0]  # the first update plans
+        elif kind == "engine" and replies_phases:
+            engine = check_engine_breakdown(record["phases"], 2, float("inf"))
+            assert engine["plan_cold"] == [0.0, 0.0]
+            assert engine["round_trips"] == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])

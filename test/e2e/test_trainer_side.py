@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import torch
+from phase_checks import check_trainer_breakdown
 from test_distributed_update import check_update, run
 from update_cases import hsdp_ranks, placements
 
@@ -102,6 +103,8 @@ def test_four_trainer_ranks_to_two_engines_of_tp2(tmp_path):
     assert described.count(True) == 4, (
         "the engines' layout is asked for once per channel, on the first update"
     )
+    for (step, rank), r in reports(tmp_path, 4).items():  # where every rank's time went
+        check_trainer_breakdown(r["seconds"], r["phases"])
 
 
 def test_fsdp2_to_two_engines_of_tp1_streams_a_model_larger_than_the_cap(tmp_path):

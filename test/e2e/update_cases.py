@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Dict, List, Tuple
 
 import torch
@@ -279,8 +280,9 @@ def _bad_shards(kind: str, weights, mesh) -> list:
     return shards
 
 
-def _write_report(job: dict, rank: int, step, report) -> None:
-    """This rank's runtime counters of one update, for the test to check against the lower bound."""
+def _write_report(job: dict, rank: int, step, report, seconds=None) -> None:
+    """This rank's runtime counters of one update, for the test to check against the lower
+    bound, and its phases with the wall time measured around the update."""
     import json
 
     if job.get("reports_dir"):
@@ -296,6 +298,8 @@ def _write_report(job: dict, rank: int, step, report) -> None:
                         peak_buffer_bytes=report.peak_buffer_bytes,
                         chunks=report.chunks,
                         described=report.described,
+                        phases=report.phases,
+                        seconds=seconds,
                     )
                 )
                 + "\n"
@@ -353,13 +357,18 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             record = dict(step=step)
             calls_before = _forbidden_calls(job["forbidden_log"])
             if kind == "verl":
-                report = verl.update_weights_from_tensor(
-                    as_layout(
-                        new_weights(job["model_dir"], seed), arg, meshes.get(arg, mesh)
-                    )
+                shards = as_layout(
+                    new_weights(job["model_dir"], seed), arg, meshes.get(arg, mesh)
+                )
+                start = time.perf_counter()
+                report = verl.update_weights_from_tensor(shards)
+                record["seconds"] = time.perf_counter() - start
+                record["phases"], record["engine_phases"] = (
+                    report.phases,
+                    report.engine_phases,
                 )
                 record["success"] = True
-                _write_report(job, rank, step, report)
+                _write_report(job, rank, step, report, record["seconds"])
             elif (
                 kind == "memory"
             ):  # VerlEngine's other duties: the same model must come back

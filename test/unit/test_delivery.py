@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from payload_samples import every_dtype_and_shape
 from torch.distributed.tensor.placement_types import Shard
 
 from sglang.srt.weight_sync.box import Box
@@ -110,21 +111,14 @@ def test_channel_must_be_private():
 
 
 def test_cpu_tensors_travel_inline_in_every_dtype_and_shape():
-    """CPU payloads need no shared-memory manager or authkey: bytes inline, exact, nothing pickled."""
+    """CPU payloads need no shared-memory manager or authkey: bytes inline, exact, nothing
+    pickled. A sender whose engine rank has not bound its segment socket yet (the first
+    update of a channel) sends inline; later ones share memory (test_shared_segment.py)."""
     channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
-    sent = [
-        ("bf16", torch.randn(3, 5).to(torch.bfloat16)),
-        ("scalar", torch.tensor(2.5)),
-        ("empty", torch.empty(0, 4)),
-        ("ints", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
-        ("strided", torch.arange(12.0).reshape(3, 4).t()),
-    ]
+    sent = every_dtype_and_shape()
     sender = ShardSender(channel, engine_rank=0)
     try:
-        receiver._socket(
-            channel
-        )  # bind first: the PUSH socket connects to an existing path
-        sender.send(
+        sender.send(  # ZeroMQ's PUSH socket connects once the engine rank binds
             "u",
             0,
             {0: 0},

@@ -35,7 +35,15 @@ FIGURES = {
     "lower_bound_bytes": [4, 6],
     "peak_staging_bytes": [2, 3],
 }
-NO_FIGURES = {"bytes_received": [], "lower_bound_bytes": [], "peak_staging_bytes": []}
+# where each engine rank's seconds went (weight_sync.phase_timing), in the reply beside the figures
+PHASES = {"apply": [0.5, 0.25], "rounds": [1.0, 2.0]}
+REPLY = {**FIGURES, "phases": PHASES}
+NO_FIGURES = {
+    "bytes_received": [],
+    "lower_bound_bytes": [],
+    "peak_staging_bytes": [],
+    "phases": {},
+}
 
 
 def _request(**kw) -> io.UpdateWeightsDistributedReqInput:
@@ -123,9 +131,7 @@ def test_request_round_trips_through_scheduler_ipc_msgpack():
 
 def test_output_constructs_and_round_trips():
     for out in (
-        io.UpdateWeightsDistributedReqOutput(
-            success=True, message="Success", **FIGURES
-        ),
+        io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **REPLY),
         io.UpdateWeightsDistributedReqOutput(success=False, message="refused"),
     ):
         back = io.msgpack_decode(io.msgpack_encode(out))
@@ -161,7 +167,7 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
     class FakeTokenizerManager:
         async def update_weights_distributed(self, obj, request):
             seen.append((obj, request))
-            return {"success": True, "message": "Success", **FIGURES}
+            return {"success": True, "message": "Success", **REPLY}
 
     engine = SimpleNamespace(
         loop=asyncio.new_event_loop(), tokenizer_manager=FakeTokenizerManager()
@@ -179,7 +185,7 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
         )
     finally:
         engine.loop.close()
-    assert result == {"success": True, "message": "Success", **FIGURES}
+    assert result == {"success": True, "message": "Success", **REPLY}
     ((obj, request),) = seen
     assert request is None
     assert obj == io.UpdateWeightsDistributedReqInput(
@@ -262,7 +268,7 @@ def single_dp(monkeypatch):
 
 def test_tokenizer_method_takes_writer_lock_and_applies_version(single_dp):
     ok = [
-        io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **FIGURES)
+        io.UpdateWeightsDistributedReqOutput(success=True, message="Success", **REPLY)
     ]
     tm = _FakeTokenizerManager(ok)
     req = _request(weight_version="v3", abort_all_requests=True)
@@ -271,7 +277,7 @@ def test_tokenizer_method_takes_writer_lock_and_applies_version(single_dp):
         "success": True,
         "message": "Success Weight version updated to v3.",
         "mixed": False,
-        **FIGURES,
+        **REPLY,
     }
     assert tm.events == [
         ("abort", True),
@@ -422,7 +428,9 @@ def manager(monkeypatch):
     )
 
     class TpWorker:
-        received = ReceivedShards(None, None, figures=dict(FIGURES))
+        received = ReceivedShards(
+            None, None, figures=dict(FIGURES), phases=dict(PHASES)
+        )
 
         def weight_update_runners(self):
             return [("target", _Runner("target", log))]
@@ -486,6 +494,7 @@ def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
     assert (out.bytes_received, out.lower_bound_bytes, out.peak_staging_bytes) == tuple(
         FIGURES.values()
     )
+    assert out.phases == PHASES
     received = m.tp_worker.received
     assert log == [
         ("receive", req),
@@ -848,7 +857,7 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
     class FakeTokenizerManager:
         async def update_weights_distributed(self, obj, request):
             seen.append(obj)
-            return {"success": success, "message": "msg", **FIGURES}
+            return {"success": success, "message": "msg", **REPLY}
 
     monkeypatch.setattr(
         http_server,
@@ -870,7 +879,7 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
         "/update_weights_distributed", json=body
     )
     assert response.status_code == status, response.text
-    assert response.json() == {"success": success, "message": "msg", **FIGURES}
+    assert response.json() == {"success": success, "message": "msg", **REPLY}
     assert seen == [
         io.UpdateWeightsDistributedReqInput(
             update_id="u2",

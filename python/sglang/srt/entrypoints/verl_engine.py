@@ -182,7 +182,7 @@ class VerlEngine:
             flush_cache=request.final,
             timeout_s=self._timeout_s,
         )
-        return as_reply(result)
+        return as_reply(result, request)
 
     def release_memory_occupation(self) -> None:
         if self._tp_rank == 0:

@@ -64,21 +64,58 @@ def release_cached_memory(tensors) -> None:
         torch.cuda.empty_cache()
 
 
+def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """``regions`` as few 1-d views as they allow: contiguous regions of one dtype that lie
+    back to back in one storage (a payload's shared-memory segment) become one run, read
+    in one operation; any other region stays as it is."""
+    groups: Dict[tuple, List[torch.Tensor]] = {}
+    runs: List[torch.Tensor] = []
+    for r in regions:
+        if r.numel() == 0:
+            continue
+        if not r.is_contiguous():
+            runs.append(r)
+            continue
+        key = (r.device, r.dtype, r.untyped_storage().data_ptr())
+        groups.setdefault(key, []).append(r)
+    for rs in groups.values():
+        rs.sort(key=torch.Tensor.data_ptr)
+        first, count = rs[0], rs[0].numel()
+        for r in rs[1:]:
+            if r.data_ptr() == first.data_ptr() + count * first.element_size():
+                count += r.numel()
+                continue
+            runs.append(first.as_strided((count,), (1,), first.storage_offset()))
+            first, count = r, r.numel()
+        runs.append(first.as_strided((count,), (1,), first.storage_offset()))
+    return runs
+
+
 def _all_finite(regions: Iterable[torch.Tensor]) -> bool:
-    """Whether every region is finite: the ``isfinite`` reductions accumulate on each
-    region's device and the host reads one flag per device at the end (one host sync per
-    update on a GPU, not one per tensor or expert)."""
-    flags: Dict[torch.device, torch.Tensor] = {}
-    for region in regions:
-        ok = torch.isfinite(region).all()
-        seen = flags.get(region.device)
-        flags[region.device] = ok if seen is None else seen & ok
-    return all(bool(flag) for flag in flags.values())
+    """Whether every region holds only finite values, reading each element once: per run
+    of regions (``_runs``) one reduction that is finite exactly when the run is (a sum in
+    its own dtype, which propagates NaN and inf; for float16, whose sums overflow early,
+    its minimum and maximum), unless finite values add up past the dtype's range (then
+    each region is tested on its own). The results gather on each device and the host
+    reads one value per device (one host sync per update on a GPU, not one per tensor)."""
+    regions = list(regions)
+    totals: Dict[torch.device, torch.Tensor] = {}
+    for run in _runs(regions):
+        if run.dtype == torch.float16:
+            s = torch.stack(torch.aminmax(run)).to(torch.float64).sum()
+        else:
+            s = run.sum().to(torch.float64)
+        seen = totals.get(run.device)
+        totals[run.device] = s if seen is None else seen + s
+    if all(bool(torch.isfinite(t)) for t in totals.values()):
+        return True
+    return all(bool(torch.isfinite(r).all()) for r in regions)
 
 
 def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> List[str]:
     """Keys of the floating tensors holding NaN or inf (refused before any write): one
-    device flag for all of them, and the tensors are looked at by name only when it is down."""
+    check of all of them (``_all_finite``), and the tensors are looked at by name only
+    when it fails."""
     floating = {k: t for k, t in tensors.items() if t.is_floating_point()}
     if _all_finite(floating.values()):
         return []

@@ -21,8 +21,9 @@ never aborts a NCCL communicator the trainer computes with.
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from sglang.srt.weight_sync.protocol import GRACE_S, MAX_TIMEOUT_S, answer_bound_s
 
 __all__ = (
+    "Agreement",
     "BoundTooLong",
     "ControlGroup",
     "GRACE_S",
@@ -38,6 +40,7 @@ __all__ = (
     "answer_bound_s",
     "check_bound",
     "collective_device",
+    "plan_disagreement",
     "group_timeout_s",
     "wait",
 )
@@ -119,6 +122,24 @@ def check_bound(
         )
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What ``ControlGroup.agree`` found: every rank's problems (empty: none), the names of
+    the values that differ between ranks, and the names of the flags some rank raised."""
+
+    problems: Tuple[str, ...]
+    unequal: Tuple[str, ...]
+    raised: Tuple[str, ...]
+
+
+def plan_disagreement(fingerprint: str, who: str) -> PlanDisagreement:
+    """The error for ranks about to run different plans (``fingerprint``: this rank's)."""
+    return PlanDisagreement(
+        f"{who}: the TP ranks computed different plans (this rank's {fingerprint[:15]}): "
+        "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
+    )
+
+
 class ControlGroup:
     """The control collectives over ``group`` (None: the default group), each bounded.
 
@@ -138,6 +159,7 @@ class ControlGroup:
         self.device = collective_device(self.group)
         self.rank = dist.get_rank(self.group)  # this process's rank in the group
         self._barriers = 0
+        self.round_trips = 0  # collectives waited on so far (``phase_timing``)
 
     @property
     def size(self) -> int:
@@ -150,6 +172,7 @@ class ControlGroup:
         phase: str,
         op=dist.ReduceOp.SUM,
     ) -> torch.Tensor:
+        self.round_trips += 1
         wait(
             dist.all_reduce(t, op=op, group=self.group, async_op=True), timeout_s, phase
         )
@@ -173,10 +196,37 @@ class ControlGroup:
         if not self.all_equal(
             int(fingerprint[:15], 16), timeout_s, f"{who}: plan agreement"
         ):
-            raise PlanDisagreement(
-                f"{who}: the TP ranks computed different plans (this rank's {fingerprint[:15]}): "
-                "the trainer ranks delivered different tensor names or layouts (MeshSpec) for this update"
-            )
+            raise plan_disagreement(fingerprint, who)
+
+    def agree(
+        self,
+        problems: Sequence[str],
+        values: Mapping[str, int],
+        flags: Mapping[str, bool],
+        timeout_s: Optional[float],
+        phase: str,
+    ) -> Agreement:
+        """Whether any rank has problems, which ``values`` (non-negative, below 2**62) differ
+        between ranks and which ``flags`` some rank raised, in one all-reduce; every rank's
+        problems follow (``share_problems``) only when some rank has one. Every rank passes
+        the same names, in the same order."""
+        names, raised = list(values), list(flags)
+        vector = [int(bool(problems))]
+        for name in names:
+            vector += [int(values[name]), -int(values[name])]
+        vector += [int(bool(flags[name])) for name in raised]
+        t = torch.tensor(vector, dtype=torch.int64, device=self.device)
+        got = self._reduce(t, timeout_s, phase, dist.ReduceOp.MAX).tolist()
+        every = tuple(self.share_problems(problems, timeout_s, phase)) if got[0] else ()
+        unequal = tuple(
+            name for i, name in enumerate(names) if got[1 + 2 * i] != -got[2 + 2 * i]
+        )
+        base = 1 + 2 * len(names)
+        return Agreement(
+            every,
+            unequal,
+            tuple(name for i, name in enumerate(raised) if got[base + i]),
+        )
 
     def all_gather_ints(
         self, mine: Sequence[int], timeout_s: Optional[float], phase: str
@@ -186,6 +236,7 @@ class ControlGroup:
         every = torch.empty(
             self.size * len(mine), dtype=torch.int64, device=self.device
         )
+        self.round_trips += 1
         wait(
             dist.all_gather_into_tensor(every, t, group=self.group, async_op=True),
             timeout_s,
@@ -213,6 +264,7 @@ class ControlGroup:
             torch.empty(width, dtype=torch.uint8, device=self.device)
             for _ in range(self.size)
         ]
+        self.round_trips += 1
         wait(
             dist.all_gather(gathered, padded, group=self.group, async_op=True),
             timeout_s,
@@ -273,6 +325,7 @@ class ControlGroup:
                     bytearray(data), dtype=torch.uint8
                 )
         buf = buf.to(self.device)
+        self.round_trips += 1
         wait(
             dist.broadcast(buf, src=src, group=self.group, async_op=True),
             timeout_s,
@@ -304,6 +357,7 @@ class ControlGroup:
             dtype=torch.int64,
             device=self.device,
         )
+        self.round_trips += 1
         wait(
             dist.broadcast(length, src=src, group=self.group, async_op=True),
             timeout_s,
@@ -328,6 +382,7 @@ class ControlGroup:
         (a dead peer's closed connection makes gloo say only "Connection closed by peer").
         ``timeout_s=None``: bounded by the group's own timeout only, for waits on work of
         unknown length outside an update (a peer starting an engine or generating)."""
+        self.round_trips += 1
         if timeout_s is None:
             try:
                 wait(self._device_barrier(), None, phase)

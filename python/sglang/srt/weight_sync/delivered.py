@@ -18,7 +18,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sglang.srt.weight_sync.control_plane import ControlGroup, PlanDisagreement
 from sglang.srt.weight_sync.delivery import Payload
 
-__all__ = ("agree_on_delivery", "missing_deliveries")
+__all__ = (
+    "agree_on_delivery",
+    "delivery_digest",
+    "explain_delivery",
+    "missing_deliveries",
+)
 
 SHOWN = 3  # tensors named in full in a refusal; the rest are counted
 
@@ -53,15 +58,41 @@ def agree_on_delivery(
     """Raise ``PlanDisagreement`` naming the tensors that only some trainer ranks
     delivered (names ending in ``ignored`` aside: the engine skips them); every TP rank
     calls it together, before the plans are compared."""
-    names = sorted(
+    phase = f"{who}: comparing the delivered tensor names"
+    if control.all_equal(delivery_digest(payload, ignored), timeout_s, phase):
+        return
+    explain_delivery(control, payload, timeout_s, who, ignored)
+
+
+def _names(payload: Optional[Payload], ignored: Tuple[str, ...]) -> List[str]:
+    return sorted(
         n
         for n in (payload.specs if payload is not None else ())
         if not n.endswith(ignored)
     )
-    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
+
+
+def delivery_digest(payload: Optional[Payload], ignored: Tuple[str, ...] = ()) -> int:
+    """A digest of the tensor names ``payload`` delivered (60 bits), the same on every
+    engine rank whose trainer rank delivered the same tensors."""
+    digest = hashlib.blake2b(
+        "\n".join(_names(payload, ignored)).encode(), digest_size=8
+    ).hexdigest()
+    return int(digest[:15], 16)
+
+
+def explain_delivery(
+    control: ControlGroup,
+    payload: Optional[Payload],
+    timeout_s: float,
+    who: str,
+    ignored: Tuple[str, ...] = (),
+) -> None:
+    """Once the digests differ: every rank's names (one exchange), and ``PlanDisagreement``
+    naming the tensors that only some trainer ranks delivered; every TP rank calls it
+    together."""
     phase = f"{who}: comparing the delivered tensor names"
-    if control.all_equal(int(digest[:15], 16), timeout_s, phase):
-        return
+    names = _names(payload, ignored)
     trainer = payload.trainer_rank if payload is not None else -1
     mine = json.dumps([trainer, names]).encode()
     every = [json.loads(b) for b in control.share_bytes(mine, timeout_s, phase)]

@@ -12,10 +12,13 @@ without a spec, and the HF tensors they hold pieces of come with
 (SGLang's ``MultiprocessingSerializer``), so no payload bytes are copied or
 gathered; the engine unpickles them naming only what rebuilds a CUDA tensor from
 its handle (``protocol.payload_globals``: no fd passing, nothing that connects to
-a socket or waits on a peer). CPU tensors (tests, CPU engines) travel inline, one
-frame each after the header, described by dtype and shape: no shared-memory manager (torch's
-must answer within a second, which a loaded machine misses), no
-multiprocessing authkey (an engine launched separately has another), nothing
+a socket or waits on a peer). CPU tensors (tests, CPU engines) are copied once into a
+shared-memory segment (``shared_segment``: a memfd passed over the channel's datagram
+socket) that the engine maps and reads in place, each tensor described in the header by
+dtype, shape and offset; until the engine has bound that socket (the first update of a
+channel), they travel inline, one frame each after the header. Either way: no
+shared-memory manager (torch's must answer within a second, which a loaded machine
+misses), no multiprocessing authkey (an engine launched separately has another), nothing
 left in /dev/shm, and nothing unpickled. The engine reads and checks the header
 (bounded: size, nesting, integers only, known keys and types) before it unpickles
 or decodes anything, drops a malformed message on arrival (logged), refuses update
@@ -49,9 +52,20 @@ from sglang.srt.weight_sync.protocol import (
     encode_header,
     payload_globals,
     resolve_channel,
+    segment_socket_path,
     socket_path,
 )
+from sglang.srt.weight_sync.shared_segment import (
+    SEGMENT_DTYPES,
+    SegmentError,
+    SegmentInbox,
+    SegmentWriter,
+    map_tensors,
+    new_segment_id,
+    send_segment,
+)
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
+from sglang.srt.weight_sync.wire_dtypes import DtypeFile, dtypes_path
 
 __all__ = (
     "ChannelError",
@@ -106,22 +120,8 @@ def local_shard(
     return tensor, spec
 
 
-# dtypes a CPU payload may carry inline, by the name the header gives them
-INLINE_DTYPES = {
-    str(d): d
-    for d in (
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+# dtypes a CPU payload may carry inline, by the name the header gives them: those of a segment
+INLINE_DTYPES = SEGMENT_DTYPES
 
 
 def _inline_frame(t: torch.Tensor) -> memoryview:
@@ -181,17 +181,21 @@ def unpickle_handles(data: bytes, kind: PayloadKind, cuda: bool):
 
 
 class ShardSender:
-    """Trainer side: one PUSH socket to one engine rank. Keeps the last shards alive
-    until the engine has answered (``release()``, which the trainer's flows call on the
-    reply), the next send or ``close()``, since the engine maps their memory."""
+    """Trainer side: one PUSH socket to one engine rank. Keeps the last shards (CUDA) or
+    the shared-memory segment they were copied into (CPU) for the engine until it has
+    answered (``release()``, which the trainer's flows call on the reply), the next send
+    or ``close()``, since the engine maps that memory."""
 
     def __init__(self, channel: str, engine_rank: int) -> None:
         self.channel = resolve_channel(channel, engine_rank)
+        self._segment_path = segment_socket_path(self.channel, engine_rank)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{socket_path(self.channel, engine_rank)}")
         self._alive: List[torch.Tensor] = []
+        self._segment = SegmentWriter()
+        self._dtypes = DtypeFile(dtypes_path(self.channel, engine_rank))
 
     def send(
         self,
@@ -207,17 +211,23 @@ class ShardSender:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
         "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
-        # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
-        self._alive = [
-            t.detach() if t.is_contiguous() else t.detach().contiguous()
-            for _, t, _ in shards
-        ]
-        inline = None
-        if any(t.is_cuda for t in self._alive):
+        tensors = [t.detach() for _, t, _ in shards]
+        inline = shared = None
+        self._alive = []
+        if any(t.is_cuda for t in tensors):
+            # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
+            self._alive = [t if t.is_contiguous() else t.contiguous() for t in tensors]
             frames = [MultiprocessingSerializer.serialize(self._alive)]
         else:
-            inline = [(str(t.dtype), t.shape) for t in self._alive]
-            frames, self._alive = [_inline_frame(t) for t in self._alive], []
+            shared = self._share(
+                tensors, [self._wire_dtype(n, t, spec) for n, t, spec in shards]
+            )
+            if shared is not None:
+                frames = []
+            else:
+                contiguous = [t.contiguous() for t in tensors]
+                inline = [(str(t.dtype), t.shape) for t in contiguous]
+                frames = [_inline_frame(t) for t in contiguous]
         header = encode_header(
             update_id,
             trainer_rank,
@@ -231,15 +241,71 @@ class ShardSender:
             names,
             fingerprint,
             inline,
+            shared,
         )
         self._sock.send_multipart([header, *frames])
 
+    def _wire_dtype(self, name: str, t: torch.Tensor, spec) -> torch.dtype:
+        """The dtype a CPU shard travels in: the engine's, where it keeps the tensor in one
+        smaller floating dtype (``wire_dtypes``: the cast the engine would make, made once
+        in the copy into shared memory), else its own."""
+        want = self._dtypes.get().get(name) if isinstance(spec, MeshSpec) else None
+        if (
+            want is not None
+            and t.is_floating_point()
+            and want.itemsize < t.element_size()
+        ):
+            return want
+        return t.dtype
+
+    def buffers(
+        self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[torch.dtype]
+    ) -> Optional[List[torch.Tensor]]:
+        """CPU tensors of ``shapes`` and ``dtypes`` in the shared-memory segment the next
+        ``send`` passes to the engine rank (which then copies nothing on this side), or
+        None while the engine has not bound its segment socket (then ``send`` copies)."""
+        if not hasattr(os, "memfd_create") or not os.path.exists(self._segment_path):
+            return None
+        return self._segment.allocate(shapes, dtypes)[0]
+
+    def _share(self, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]):
+        """Put CPU ``tensors`` into the segment (copied and cast to ``dtypes``, unless they
+        are the segment's own ``buffers``) and pass it to the engine rank: (segment id,
+        placement per tensor) for the header, or None when the engine has not bound its
+        segment socket yet (its first update on this channel) or shared memory is
+        unavailable: then they go inline. The segment is written either way, so that the
+        next update finds its pages in place."""
+        if not tensors or not hasattr(os, "memfd_create"):
+            return None
+        if self._segment.holds(tensors):
+            dtypes = [t.dtype for t in tensors]
+            fd = self._segment.fd
+            offsets = self._segment.offsets
+        else:
+            fd, offsets = self._segment.write(tensors, dtypes)
+        segment_id = new_segment_id()
+        if not send_segment(self._segment_path, segment_id, fd):
+            self._segment.release()  # never reached the engine: free for the next send
+            return None
+        return segment_id, [
+            (str(d), list(t.shape), off) for t, d, off in zip(tensors, dtypes, offsets)
+        ]
+
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory this sender holds for the engine rank (its segment, kept between
+        updates so that the next finds its pages in place)."""
+        return self._segment.nbytes
+
     def release(self) -> None:
-        """Drop the last shards: the engine has answered, so it no longer reads them."""
+        """Drop the last shards: the engine has answered, so it no longer reads them (the
+        segment they were copied into may take the next update's)."""
         self._alive = []
+        self._segment.release()
 
     def close(self) -> None:
         self._alive = []
+        self._segment.close()
         self._sock.close()
         self._ctx.term()
 
@@ -255,6 +321,7 @@ class ShardReceiver:
         self._socks: collections.OrderedDict[str, zmq.Socket] = (
             collections.OrderedDict()
         )
+        self._inboxes: Dict[str, SegmentInbox] = {}  # by channel, beside its socket
         self._consumed: Set[str] = set()
         self._consumed_order: Deque[str] = collections.deque()
 
@@ -284,6 +351,14 @@ class ShardReceiver:
                 self.max_channels,
             )
             sock.close()
+            self._inboxes.pop(old).close()
+        seg_path = segment_socket_path(real, self.engine_rank)
+        try:
+            inbox = SegmentInbox(seg_path)
+        except (OSError, SegmentError) as e:
+            raise ChannelError(
+                f"engine rank {self.engine_rank}: channel {channel!r}: cannot bind {seg_path!r}: {e}"
+            ) from None
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, -1)
@@ -291,10 +366,12 @@ class ShardReceiver:
             sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             sock.close()
+            inbox.close()
             raise ChannelError(
                 f"engine rank {self.engine_rank}: channel {channel!r}: cannot bind {path!r}: {e}"
             ) from None
         self._socks[real] = sock
+        self._inboxes[real] = inbox
         return sock
 
     def receive(
@@ -308,6 +385,7 @@ class ShardReceiver:
                 f"update id {update_id!r} was already consumed; a replay is refused"
             )
         sock = self._socket(channel)
+        inbox = self._inboxes[resolve_channel(channel, self.engine_rank)]
         deadline = time.monotonic() + timeout_s
         dropped: Deque[str] = collections.deque(maxlen=3)
         while True:
@@ -343,7 +421,7 @@ class ShardReceiver:
                 dropped.append(f"payload of update {header['update_id']!r}")
                 continue
             self._consume(update_id)
-            return self._payload(header, frames[1:])
+            return self._payload(header, frames[1:], inbox)
 
     def _consume(self, update_id: str) -> None:
         self._consumed.add(update_id)
@@ -351,8 +429,11 @@ class ShardReceiver:
         if len(self._consumed_order) > CONSUMED_IDS:
             self._consumed.discard(self._consumed_order.popleft())
 
-    def _payload(self, header: dict, frames: List[bytes]) -> Payload:
-        """The payload of the awaited update: checked, then (only then) decoded or unpickled."""
+    def _payload(
+        self, header: dict, frames: List[bytes], inbox: SegmentInbox
+    ) -> Payload:
+        """The payload of the awaited update: checked, then (only then) decoded, mapped from
+        its shared-memory segment (taken from ``inbox``) or unpickled."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
         if header["rank_map"].get(trainer) != self.engine_rank:
             raise self._error(
@@ -365,7 +446,10 @@ class ShardReceiver:
                 f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}"
             )
         try:
-            if header["inline"] is None:
+            if header["shared"] is not None:
+                segment, placed = header["shared"]
+                tensors = map_tensors(inbox.take(segment), placed)
+            elif header["inline"] is None:
                 tensors = unpickle_handles(
                     frames[0], header["kind"], torch.cuda.is_available()
                 )
@@ -417,5 +501,8 @@ class ShardReceiver:
     def close(self) -> None:
         for sock in self._socks.values():
             sock.close()
+        for inbox in self._inboxes.values():
+            inbox.close()
         self._socks.clear()
+        self._inboxes.clear()
         self._ctx.term()

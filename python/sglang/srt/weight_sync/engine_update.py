@@ -48,12 +48,20 @@ from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
     PlanDisagreement,
+    plan_disagreement,
 )
-from sglang.srt.weight_sync.delivered import agree_on_delivery
+from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derived_targets import DerivedTargets
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
+from sglang.srt.weight_sync.phase_timing import (
+    Count,
+    Phase,
+    PhaseClock,
+    describe_phases,
+    from_wire,
+)
 from sglang.srt.weight_sync.planner import CoverageError, Plan, PlanCache
 from sglang.srt.weight_sync.protocol import (
     DATA_GROUP_TIMEOUT_S,
@@ -76,9 +84,14 @@ from sglang.srt.weight_sync.sglang_compat import (
     subclass_with_field,
     tp_state,
 )
-from sglang.srt.weight_sync.source_layout import LayoutError
+from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 from sglang.srt.weight_sync.trainer_reshard import restrict
+from sglang.srt.weight_sync.wire_dtypes import (
+    cast_problems,
+    engine_dtypes,
+    write_dtypes,
+)
 
 __all__ = (
     "DISTRIBUTED_LOAD_FORMAT",
@@ -94,6 +107,9 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
+CHANNELS_TOLD = (
+    64  # channels remembered as told of this engine's dtypes (then told again)
+)
 # Checkpoint names SGLang's own loaders skip; trainers may send them.
 IGNORED_SUFFIXES = (
     "rotary_emb.inv_freq",
@@ -105,13 +121,17 @@ IGNORED_SUFFIXES = (
 @dataclass
 class ReceivedShards:
     """This rank's payload, or why there is none; after the update, every TP rank's figures
-    (``FIGURES``, summed over the runners the update wrote) and whether writes failed midway."""
+    (``FIGURES``, summed over the runners the update wrote), every TP rank's phases
+    (``phase_timing``, by name) and whether writes failed midway. ``clock`` times this
+    rank's phases from the moment the scheduler takes the update."""
 
     sync: EngineWeightSync
     payload: Optional[Payload]
     error: Optional[str] = None
     figures: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
     mixed: bool = False
+    clock: PhaseClock = dataclasses.field(default_factory=PhaseClock)
+    phases: Dict[str, List[float]] = dataclasses.field(default_factory=dict)
 
     def release(self) -> None:
         """Drop the payload's tensors (CUDA IPC maps of the trainer's memory, or CPU frames)
@@ -124,6 +144,8 @@ class ReceivedShards:
         keeps upstream's struct)."""
         fields = field_names(output_cls)
         extra = {k: v for k, v in self.figures.items() if k in fields}
+        if "phases" in fields:
+            extra["phases"] = self.phases
         if "mixed" in fields:
             extra["mixed"] = self.mixed and not success
         return output_cls(success=success, message=message, **extra)
@@ -158,6 +180,8 @@ class EngineWeightSync:
             Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
         ] = None
         self._data: Optional[DataGroup] = None
+        # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
+        self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
         # checks each derived targets once, before their first write
         self.provenance = ProvenanceCheck()
         self._control: Optional[ControlGroup] = None
@@ -177,7 +201,7 @@ class EngineWeightSync:
             self._control = ControlGroup(tp_state().cpu_group, "engine")
         return self._control
 
-    def data_group(self, bound: float) -> DataGroup:
+    def data_group(self, bound: float, renew: Optional[bool] = None) -> DataGroup:
         """The data plane's own group over the TP ranks, never SGLang's serving TP group: a
         wait that times out on NCCL aborts its group's communicator, which must not be the
         one serving uses. Made, with the TP device group's backend and the explicit timeout
@@ -186,12 +210,14 @@ class EngineWeightSync:
         one dropped after a failed wait): the ranks agree on that first (one all-reduce on
         the control group), so all of them make it together (``new_group`` with local
         synchronization, so only they take part). Its first use warms it up on every rank
-        (``DataGroup.warm_up``)."""
-        renew = self.control.any(
-            self._data is None,
-            bound,
-            f"engine rank {self.rank}: agreeing whether to make the data group",
-        )
+        (``DataGroup.warm_up``). ``renew``: whether some rank lacks one, when the ranks
+        already agreed on it (``_agree``)."""
+        if renew is None:
+            renew = self.control.any(
+                self._data is None,
+                bound,
+                f"engine rank {self.rank}: agreeing whether to make the data group",
+            )
         if renew:
             self.drop_data_group()
             self._data = DataGroup.over_ranks_of(
@@ -214,7 +240,15 @@ class EngineWeightSync:
     # ---------------------------------------------------------------- step 1
 
     def receive(self, recv_req) -> ReceivedShards:
-        """This rank's payload for ``recv_req.update_id``, or why there is none (never raises)."""
+        """This rank's payload for ``recv_req.update_id``, or why there is none (never raises);
+        its clock starts here (``phase_timing``)."""
+        clock = PhaseClock()
+        with clock.phase(Phase.DELIVER):
+            received = self._receive(recv_req)
+        received.clock = clock
+        return received
+
+    def _receive(self, recv_req) -> ReceivedShards:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         try:
@@ -261,18 +295,22 @@ class EngineWeightSync:
         bound = (
             _timeout(recv_req) + GRACE_S
         )  # every rank waited at most timeout_s for its payload
-        derived, problems = self._derived_targets(model_config, bound)
-        if derived is not None:
-            problems += self.provenance.problems(model, derived, self.rank)
-        found = (
-            self._validate(model, derived, received, recv_req)
-            if derived is not None
-            else _Validated([])
-        )
-        try:
-            refusal = self._agree(
-                problems + found.problems, found.plan, bound, received.payload
+        clock, trips = received.clock, self.control.round_trips
+        with clock.phase(Phase.DESCRIBE):
+            derived, problems = self._derived_targets(model_config, bound)
+            if derived is not None:
+                problems += self.provenance.problems(model, derived, self.rank)
+        with clock.phase(Phase.VALIDATE):
+            found = (
+                self._validate(model, derived, received, recv_req)
+                if derived is not None
+                else _Validated([])
             )
+        try:
+            with clock.phase(Phase.AGREE):
+                refusal, renew = self._agree(
+                    problems + found.problems, found.plan, bound, received.payload
+                )
         except PeerLost as e:
             return False, f"{REFUSED}engine rank {self.rank}: {e}"
         if refusal is not None:
@@ -280,7 +318,8 @@ class EngineWeightSync:
         data = None
         if found.plan is not None and found.local_step is None:
             try:
-                data = self.data_group(bound)
+                with clock.phase(Phase.AGREE):
+                    data = self.data_group(bound, renew)
             except Exception as e:  # noqa: BLE001 - nothing was written: a refusal
                 logger.exception(
                     "engine rank %d: the data group could not be made", self.rank
@@ -290,7 +329,7 @@ class EngineWeightSync:
                     f"{REFUSED}engine rank {self.rank}: {type(e).__name__}: {e}",
                 )
         try:
-            figures = self._write(model, received, found, recv_req, bound, data)
+            figures = self._write(model, received, found, recv_req, bound, data, trips)
         except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
             logger.exception(
                 "engine rank %d: a distributed weight update failed while writing",
@@ -305,6 +344,7 @@ class EngineWeightSync:
         for key, values in zip(FIGURES, figures):
             previous = received.figures.get(key, [0] * self.control.size)
             received.figures[key] = [a + b for a, b in zip(previous, values)]
+        received.phases = from_wire(figures[len(FIGURES) :])  # as of the last runner's
         return True, "Success"  # upstream's text: callers test for it
 
     def _derived_targets(
@@ -339,28 +379,33 @@ class EngineWeightSync:
         """This rank's problems with its payload, and the plan (or local step) if there are none."""
         if received.error:
             return _Validated([received.error])
-        rank = self.rank
+        rank, clock = self.rank, received.clock
         try:
-            targets, params, manifest = engine_targets(model, derived, rank, self)
+            with clock.phase(Phase.DESCRIBE):
+                targets, params, manifest = engine_targets(model, derived, rank, self)
             if received.payload.kind != PayloadKind.SHARDS:
                 step = _published_layout_step(
                     received.payload, targets, manifest, params, rank, recv_req.channel
                 )
                 return _Validated(step.problems, local_step=step)
-            sources, shards = _sources(received.payload, targets)
-            needed = {
-                r: restrict(targets.for_rank(r), sources, targets.aliases)
-                for r in range(self.control.size)
-            }
-            # needed follows from the manifest and the sources' names: its fingerprint stands for it
-            plan = self.plans.get(
-                sources,
-                needed,
-                bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
-                aliases=targets.aliases,
-                targets_digest=manifest.fingerprint,
-                local_ranks=(rank,),
-            )
+            kept = self.kept_dtypes(manifest, recv_req.channel)
+            sources, shards = _sources(received.payload, targets, kept)
+            with clock.phase(Phase.PLAN):
+                needed = {
+                    r: restrict(targets.for_rank(r), sources, targets.aliases)
+                    for r in range(self.control.size)
+                }
+                misses = self.plans.misses
+                # needed follows from the manifest and the sources' names: its fingerprint stands for it
+                plan = self.plans.get(
+                    sources,
+                    needed,
+                    bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
+                    aliases=targets.aliases,
+                    targets_digest=manifest.fingerprint,
+                    local_ranks=(rank,),
+                )
+                clock.count(Count.PLAN_COLD, self.plans.misses - misses)
             return _Validated(
                 check_inputs(plan, rank, shards, params), plan, shards, params
             )
@@ -382,29 +427,37 @@ class EngineWeightSync:
         plan: Optional[Plan],
         bound: float,
         payload: Optional[Payload] = None,
-    ) -> Optional[str]:
-        """Every rank's problems on every rank, then the plan agreed: the refusal, or None."""
+    ) -> Tuple[Optional[str], bool]:
+        """Every rank's problems on every rank, the delivered tensors and the plan agreed,
+        and whether some rank lacks a data group, in one round trip (the problems' text,
+        or the names some trainer rank did not deliver, follow only when there are some):
+        the refusal or None, and whether to make the data group."""
         if problems:
             logger.error(
                 "distributed weight update, rank %d: %s", self.rank, "; ".join(problems)
             )
-        everyone = self.control.share_problems(
+        who = f"rank {self.rank}"
+        agreed = self.control.agree(
             problems,
+            {
+                "delivery": delivery_digest(payload, IGNORED_SUFFIXES),
+                "plan": int(plan.fingerprint[:15], 16) if plan is not None else 0,
+            },
+            {"no data group": self._data is None},
             bound,
-            f"sharing problems with the other TP ranks (one is dead or stuck; "
-            f"{self.control.size} ranks)",
+            f"agreeing on problems, deliveries and the plan with the other TP ranks "
+            f"(one is dead or stuck; {self.control.size} ranks)",
         )
-        if everyone:
-            return REFUSED + "; ".join(everyone)
-        if plan is not None:
-            try:
-                agree_on_delivery(
-                    self.control, payload, bound, f"rank {self.rank}", IGNORED_SUFFIXES
-                )
-                self.control.agree_on_plan(plan.fingerprint, bound, f"rank {self.rank}")
-            except PlanDisagreement as e:
-                return f"{REFUSED}{e}"
-        return None
+        if agreed.problems:
+            return REFUSED + "; ".join(agreed.problems), False
+        try:
+            if "delivery" in agreed.unequal:
+                explain_delivery(self.control, payload, bound, who, IGNORED_SUFFIXES)
+            if "plan" in agreed.unequal or "delivery" in agreed.unequal:
+                raise plan_disagreement(plan.fingerprint if plan else "0" * 15, who)
+        except PlanDisagreement as e:
+            return f"{REFUSED}{e}", False
+        return None, "no data group" in agreed.raised
 
     def _write(
         self,
@@ -414,26 +467,38 @@ class EngineWeightSync:
         recv_req,
         bound: float,
         data: Optional[DataGroup],
+        trips: int,
     ) -> List[List[int]]:
-        """Run the plan (or the local step), refresh derived tensors, share the figures."""
+        """Run the plan (or the local step), refresh derived tensors, share the figures
+        and this rank's phases (one all-reduce)."""
+        clock = received.clock
         if found.local_step is not None:
-            mine = found.local_step.run()
+            with clock.phase(Phase.APPLY):
+                mine = found.local_step.run()
         else:
             try:
-                stats = execute(
-                    found.plan,
-                    self.rank,
-                    found.shards,
-                    found.params,
-                    group=data,
-                    timeout_s=bound,
-                )
+                with clock.phase(Phase.EXECUTE):
+                    stats = execute(
+                        found.plan,
+                        self.rank,
+                        found.shards,
+                        found.params,
+                        group=data,
+                        timeout_s=bound,
+                    )
+                    clock.add(Phase.APPLY, stats.copy_seconds)
             except PeerLost:
                 self.drop_data_group()  # its pending work must not outlive the update
                 raise
-            synchronize(
-                found.params.values()
-            )  # the trainer may reuse what we read once we reply
+            clock.count(Count.ROUNDS, stats.rounds)
+            clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
+            clock.count(
+                Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
+            )
+            with clock.phase(Phase.APPLY):
+                synchronize(
+                    found.params.values()
+                )  # the trainer may reuse what we read once we reply
             if stats.peak_staging_bytes:
                 release_cached_memory(found.params.values())
             mine = (
@@ -451,13 +516,16 @@ class EngineWeightSync:
         if received.payload.kind != PayloadKind.DESCRIBE:
             # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
             # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
-            refresh_derived(model)
-        return self.control.share_figures(
-            mine,
-            bound,
-            f"sharing the update's figures with the other TP ranks "
-            f"({self.control.size} ranks)",
-        )
+            with clock.phase(Phase.REFRESH):
+                refresh_derived(model)
+        clock.count(Count.ROUND_TRIPS, self.control.round_trips - trips + 1)
+        with clock.phase(Phase.CONTROL):
+            return self.control.share_figures(
+                [*mine, *clock.to_wire()],
+                bound,
+                f"sharing the update's figures with the other TP ranks "
+                f"({self.control.size} ranks)",
+            )
 
     def with_live_dtypes(
         self, derived: DerivedTargets, dtype_of: Dict[str, torch.dtype]
@@ -473,6 +541,33 @@ class EngineWeightSync:
             targets = dataclasses.replace(derived, dtype_of=dtype_of)
             self._layout = (derived, dtypes, targets, EngineManifest.of(targets))
         return self._layout[2], self._layout[3]
+
+    def kept_dtypes(
+        self, manifest: EngineManifest, channel: str
+    ) -> Dict[str, torch.dtype]:
+        """The dtype this engine keeps each HF tensor in (``wire_dtypes``): made once per
+        layout, and written once into each channel for the trainer rank beside this one,
+        which then casts while it copies its shards (a failed write only costs that)."""
+        if self._kept is None or self._kept[0] != manifest.fingerprint:
+            kept = engine_dtypes(manifest.ranks, manifest.aliases)
+            self._kept = (manifest.fingerprint, kept, set())
+        fingerprint, kept, told = self._kept
+        if channel not in told:
+            try:
+                write_dtypes(
+                    resolve_channel(channel, self.rank), self.rank, fingerprint, kept
+                )
+                if len(told) >= CHANNELS_TOLD:
+                    told.clear()
+                told.add(channel)
+            except OSError as e:
+                logger.warning(
+                    "engine rank %d: could not write its dtypes into channel %s: %s",
+                    self.rank,
+                    channel,
+                    e,
+                )
+        return kept
 
     # ---------------------------------------------------------------- step 3
 
@@ -514,9 +609,18 @@ def end_of_update(
     received: ReceivedShards, recv_req, success: bool, message: str
 ) -> Tuple[bool, str]:
     """Step 3: the scheduler's last step of an update on every TP rank; the payload is
-    released here, before the reply."""
+    released here, before the reply. Logs this rank's phases (one line)."""
     received.release()
-    return received.sync.end(recv_req, success, message)
+    with received.clock.phase(Phase.CONTROL):
+        success, message = received.sync.end(recv_req, success, message)
+    logger.info(
+        "distributed weight update %s, engine rank %d, %s: %s",
+        recv_req.update_id,
+        received.sync.rank,
+        "applied" if success else "not applied",
+        describe_phases(received.clock.snapshot()),
+    )
+    return success, message
 
 
 def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
@@ -533,7 +637,8 @@ def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
     if not success or received.payload.kind == PayloadKind.DESCRIBE:
         return success, message
     try:
-        run_post_load(runner.model)
+        with received.clock.phase(Phase.REFRESH):
+            run_post_load(runner.model)
     except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
         logger.exception(
             "engine rank %d: the post-load fixups after a distributed weight update failed",
@@ -545,6 +650,12 @@ def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
             "tensors computed from them old); generation is refused until a distributed weight "
             "update succeeds"
         )
+    logger.info(
+        "distributed weight update %s, engine rank %d: %s",
+        recv_req.update_id,
+        received.sync.rank,
+        describe_phases(received.clock.snapshot()),
+    )
     return success, message
 
 
@@ -713,10 +824,15 @@ def engine_targets(
     return live_targets, params, manifest
 
 
-def _sources(payload: Payload, targets: DerivedTargets):
+def _sources(
+    payload: Payload,
+    targets: DerivedTargets,
+    kept: Optional[Dict[str, torch.dtype]] = None,
+):
     """Source layout from the payload's specs, and the local buffers it reads (by key);
-    refuses names and shapes the model does not have, and tensors SGLang's loader does not
-    copy (quantised, computed: an update cannot write them)."""
+    refuses names and shapes the model does not have, tensors SGLang's loader does not
+    copy (quantised, computed: an update cannot write them), and a tensor the trainer
+    cast to a dtype the engine does not keep it in (``kept``: ``wire_dtypes``)."""
     expected = targets.tensor_shapes()
     sources = {}
     for name, spec in payload.specs.items():
@@ -738,6 +854,10 @@ def _sources(payload: Payload, targets: DerivedTargets):
                 f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype"
             )
         sources[name] = spec.describe(name, payload.rank_map)
+    held = {n: s.dtype for n, s in payload.specs.items() if isinstance(s, MeshSpec)}
+    cast = cast_problems(payload.tensors, held, kept or {}, payload.trainer_rank)
+    if cast:
+        raise ValueError(cast[0] + (f" (and {len(cast) - 1} more)" if cast[1:] else ""))
     bad = nonfinite_tensors(payload.tensors)
     if bad:
         raise ValueError(

@@ -13,6 +13,7 @@ device (a CPU-offloaded shard on an NCCL group), one round at a time.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, List, Mapping, Optional, Tuple, Union
@@ -52,6 +53,10 @@ class ExecutionStats:
     rounds: int = 0
     p2p_ops: int = 0
     broadcasts: int = 0
+    # wall seconds of zero fills, local copies and landing copies (``phase_timing``'s apply),
+    # and of waiting for the rounds' point-to-point operations
+    copy_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 def data_device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -265,17 +270,25 @@ def execute(
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
 
+    rounds = [mine for mine in (_mine(moves, rank) for moves in plan.rounds) if mine]
+    # the first round's transfers run while this rank makes its local copies
+    flight = (
+        _start_round(rank, rounds[0], shards, params, data, staging, to_global)
+        if rounds
+        else None
+    )
+    t0 = time.perf_counter()
     for z in plan.zero_fills:
         if z.rank == rank:
             write_zeros(params[z.param][z.box.slices()])
     for move in plan.local_for(rank):
         write_region(_dest_view(params, move.dests[0], move), _src_view(shards, move))
         stats.bytes_copied_locally += move.nbytes
+    stats.copy_seconds += time.perf_counter() - t0
 
-    for moves in plan.rounds:
-        mine = [m for m in moves if rank in m.group]
-        if not mine:
-            continue
+    for i, mine in enumerate(rounds):
+        if i:
+            flight = _start_round(rank, mine, shards, params, data, staging, to_global)
         stats.rounds += 1
         stats.largest_round_bytes = max(
             stats.largest_round_bytes,
@@ -285,27 +298,26 @@ def execute(
             ({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank}
         )
         phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
-        _run_round(
-            rank,
-            mine,
-            shards,
-            params,
-            data.group,
-            staging,
-            to_global,
-            lambda work: wait(work, timeout_s, phase),
+        _finish_round(
+            params, flight, staging, lambda work: wait(work, timeout_s, phase)
         )
         staging.release_all()
     return stats
 
 
-def _run_round(
-    rank, moves, shards, params, group, staging, to_global, wait_for
-) -> None:
-    """One round's moves as one batch of point-to-point operations; a move with several
-    receivers is sent to each (in receiver order, the same on both ends)."""
+def _mine(moves: List[Move], rank: int) -> List[Move]:
+    return [m for m in moves if rank in m.group]
+
+
+def _start_round(
+    rank, moves, shards, params, data: DataGroup, staging, to_global
+) -> Tuple[list, List[Tuple[torch.Tensor, Move, List[Dest]]]]:
+    """Start one round's moves as one batch of point-to-point operations (a move with
+    several receivers is sent to each, in receiver order, the same on both ends); returns
+    the pending work and where the received regions land."""
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
+    group = data.group
     for move in moves:
         receivers = _receivers(move)
         if len(receivers) > 1:
@@ -323,11 +335,20 @@ def _run_round(
             landings.append((buf, move, mine))
             staging.stats.bytes_received += move.nbytes
             staging.stats.p2p_ops += 1
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            wait_for(work)
+    return (dist.batch_isend_irecv(ops) if ops else []), landings
+
+
+def _finish_round(params, flight, staging, wait_for) -> None:
+    """Wait for a started round's work, then land what it received."""
+    works, landings = flight
+    t0 = time.perf_counter()
+    for work in works:
+        wait_for(work)
+    staging.stats.wait_seconds += time.perf_counter() - t0
+    t0 = time.perf_counter()
     for buf, move, mine in landings:
         _finish_landing(params, buf, move, mine)
+    staging.stats.copy_seconds += time.perf_counter() - t0
 
 
 def _receivers(move: Move) -> List[int]:

@@ -721,6 +721,7 @@ class PlanCache:
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
         self._plans: Dict[Tuple[str, Optional[Tuple[int, ...]]], Plan] = {}
+        self.misses = 0  # plans made (not found in the cache) so far
 
     def get(
         self,
@@ -740,6 +741,7 @@ class PlanCache:
             )
         key = (fingerprint, None if local_ranks is None else tuple(sorted(local_ranks)))
         if key not in self._plans:
+            self.misses += 1
             if len(self._plans) >= self.capacity:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan(

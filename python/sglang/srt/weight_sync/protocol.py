@@ -8,7 +8,8 @@
 * The channel: a private directory with one ``ipc://`` socket per engine TP rank.
 * The payload a trainer rank sends the engine rank beside it: its ``PayloadKind`` and the
   JSON header that describes it, checked before anything is decoded.
-* The reply: upstream's ``success``/``message``, per-rank ``FIGURES``, and ``mixed``.
+* The reply: upstream's ``success``/``message``, per-rank ``FIGURES``, ``mixed``, and
+  per-rank ``phases`` (``phase_timing``).
 
 Nothing here talks to a peer; ``delivery`` moves payloads, ``control_plane`` runs the
 collectives, ``engine_update`` and ``trainer_flow`` are the two ends.
@@ -66,6 +67,7 @@ __all__ = (
     "reply_body",
     "request_problems",
     "resolve_channel",
+    "segment_socket_path",
     "socket_path",
     "trainer_bound_s",
 )
@@ -138,6 +140,12 @@ def make_channel() -> str:
 def socket_path(channel: str, engine_rank: int) -> str:
     """Where engine rank ``engine_rank`` listens in ``channel``."""
     return os.path.join(channel, f"tp{engine_rank}.sock")
+
+
+def segment_socket_path(channel: str, engine_rank: int) -> str:
+    """Where engine rank ``engine_rank`` takes the shared-memory segments of CPU payloads
+    in ``channel`` (a unix datagram socket, ``shared_segment``)."""
+    return os.path.join(channel, f"tp{engine_rank}.seg")
 
 
 def resolve_channel(channel, engine_rank: int = 0) -> str:
@@ -293,9 +301,12 @@ def encode_header(
     names: Sequence[str],
     fingerprint: str,
     inline: Optional[Sequence[Tuple[str, Sequence[int]]]],
+    shared: Optional[Tuple[str, Sequence[Tuple[str, Sequence[int], int]]]] = None,
 ) -> bytes:
     """The JSON header of a payload: ``tensors`` and ``pieces`` as (name, wire layout or
-    None); ``inline``: (dtype, shape) per tensor when they follow as raw frames."""
+    None); ``inline``: (dtype, shape) per tensor when they follow as raw frames;
+    ``shared``: (segment id, (dtype, shape, offset) per tensor) when they lie in a
+    shared-memory segment passed beside the message (``shared_segment``)."""
     header = {
         "update_id": str(update_id),
         "trainer_rank": int(trainer_rank),
@@ -308,6 +319,11 @@ def encode_header(
     }
     if inline is not None:
         header["inline"] = [[str(d), [int(s) for s in shape]] for d, shape in inline]
+    if shared is not None:
+        header["shared"] = [
+            str(shared[0]),
+            [[str(d), [int(s) for s in shape], int(o)] for d, shape, o in shared[1]],
+        ]
     return json.dumps(header).encode()
 
 
@@ -419,7 +435,30 @@ def decode_header(frames: List[bytes]) -> dict:
         inline,
         "null or [dtype, shape] for each tensor",
     )
-    expected = 1 if inline is None else len(inline)
+    shared = header.get("shared")
+    _check(
+        shared is None
+        or (
+            inline is None
+            and _is_list(shared, 2)
+            and len(shared) == 2
+            and _is_str(shared[0], MAX_SEGMENT_ID_CHARS)
+            and _is_list(shared[1])
+            and len(shared[1]) == len(tensors)
+            and all(
+                _is_list(d, 3)
+                and len(d) == 3
+                and _is_str(d[0], MAX_NAME_CHARS)
+                and _is_shape(d[1])
+                and _is_int(d[2], 0, MAX_SIZE)
+                for d in shared[1]
+            )
+        ),
+        "shared",
+        shared,
+        "null, or (without inline) [segment id, [dtype, shape, offset] for each tensor]",
+    )
+    expected = (1 if shared is None else 0) if inline is None else len(inline)
     if len(frames) - 1 != expected:
         raise DeliveryError(
             f"{len(frames)} frame(s); expected a header and {expected} more"
@@ -434,6 +473,7 @@ def decode_header(frames: List[bytes]) -> dict:
         "names": names,
         "fingerprint": fingerprint,
         "inline": inline,
+        "shared": shared,
     }
 
 
@@ -444,10 +484,11 @@ MAX_RANK = 1 << 24
 MAX_SIZE = 1 << 62
 MAX_NDIM = 64
 MAX_NAME_CHARS = 4096
+MAX_SEGMENT_ID_CHARS = 64
 _REQUIRED_KEYS = frozenset(
     ("update_id", "trainer_rank", "rank_map", "tensors", "pieces")
 )
-_HEADER_KEYS = _REQUIRED_KEYS | {"kind", "names", "fingerprint", "inline"}
+_HEADER_KEYS = _REQUIRED_KEYS | {"kind", "names", "fingerprint", "inline", "shared"}
 _KINDS = frozenset(k.value for k in PayloadKind)
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -590,7 +631,8 @@ def _is_entry(entry, is_wire, may_be_null: bool = False) -> bool:
 
 # What a pickled payload frame may name, by payload kind: only CUDA tensors travel pickled
 # (as CUDA IPC handles), so only the globals that rebuild one from its handle, and only on an
-# engine with CUDA; CPU tensors travel inline and "describe" carries none. Nothing here
+# engine with CUDA; CPU tensors travel in a shared-memory segment or inline, described by the
+# header, and "describe" carries none. Nothing here
 # passes fds, connects to a socket or waits on a peer (SGLang's own unpickler allows fd
 # passing, ``DupFd``, which connects to a socket the sender names and waits there).
 _DTYPES = (
@@ -665,14 +707,18 @@ def is_mixed(output) -> bool:
 
 def reply_body(success: bool, message: str, outputs) -> dict:
     """What ``Engine.update_weights_distributed`` and the HTTP route return: upstream's
-    ``success``/``message``, ``mixed``, and the figures of the (single data-parallel)
-    scheduler's reply."""
+    ``success``/``message``, ``mixed``, the figures of the (single data-parallel)
+    scheduler's reply, and its ``phases`` (``phase_timing``: per phase or counter, one
+    value per engine TP rank; empty where the reply has none)."""
     first = outputs[0] if outputs else None
     return {
         "success": success,
         "message": message,
         "mixed": any(is_mixed(o) for o in outputs or ()),
         **{k: list(getattr(first, k, [])) for k in FIGURES},
+        "phases": {
+            k: list(v) for k, v in (getattr(first, "phases", None) or {}).items()
+        },
     }
 
 

@@ -17,6 +17,7 @@ sequence of control requests (``update_flow``) that the caller serves with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -52,6 +53,12 @@ from sglang.srt.weight_sync.manifest import (
     ManifestError,
     fingerprint_int,
     read_manifest,
+)
+from sglang.srt.weight_sync.phase_timing import (
+    Count,
+    Phase,
+    PhaseClock,
+    describe_phases,
 )
 from sglang.srt.weight_sync.protocol import (
     CHANNEL_PREFIX,
@@ -307,13 +314,16 @@ class ControlRequest:
     """What the group's first rank asks the engine to do: take update ``update_id`` from
     ``channel`` (``describe``: publish its layout there instead). ``final``: the last
     request of this update, after which the engine may flush its cache. ``control``: the
-    group's control collectives, with which ``drive`` hears and shares the answer."""
+    group's control collectives, with which ``drive`` hears and shares the answer.
+    ``clock``: the update's phases on this rank (``drive`` adds its waits; ``as_reply``
+    keeps the engine's phases from its answer)."""
 
     update_id: str
     channel: str
     control: ControlGroup = field(compare=False, repr=False)
     describe: bool = False
     final: bool = True
+    clock: Optional[PhaseClock] = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -321,7 +331,12 @@ class UpdateReport:
     """One update as this trainer rank saw it. Bytes are payload bytes this rank received
     from other trainer ranks (trainer-side mode; in the engine's dtype) and the lower
     bound for it (needed - held); engine-side moves are counted by the engine (message).
-    ``peak_buffer_bytes``: the largest chunk of parameter buffers held for the engine."""
+    ``peak_buffer_bytes``: the largest chunk of parameter buffers held for the engine;
+    ``shared_bytes``: the shared memory this rank keeps for the engine rank beside it
+    (``shared_segment``: CPU payloads only).
+    ``phases``: where this rank's seconds went (``phase_timing``: seconds by phase, and
+    counters); ``engine_phases``: the engine's, per name one value per engine TP rank, as
+    its last answer gave them (on the rank that called the engine; empty elsewhere)."""
 
     mode: str
     update_id: str = ""
@@ -333,6 +348,32 @@ class UpdateReport:
     peak_buffer_bytes: int = 0
     chunks: int = 0
     described: bool = False
+    shared_bytes: int = 0
+    phases: Dict[str, float] = field(default_factory=dict)
+    engine_phases: Dict[str, List[float]] = field(default_factory=dict)
+
+    def finish(self, clock: PhaseClock, rank: int, sender: ShardSender) -> UpdateReport:
+        """Take this rank's phases (and the engine's) from ``clock`` and the shared memory it
+        holds from ``sender``; log them in one line."""
+        self.phases, self.engine_phases = clock.snapshot(), dict(clock.engine)
+        self.shared_bytes = sender.shared_bytes
+        moved = (
+            f"; {self.chunks} chunk(s), received {self.bytes_received} bytes (lower bound "
+            f"{self.lower_bound_bytes}), staged at most {self.peak_staging_bytes}, buffers at "
+            f"most {self.peak_buffer_bytes}"
+            if self.mode == "trainer"
+            else ""
+        )
+        logger.info(
+            "weight update %s (%s-side), trainer rank %d, %s: %s%s",
+            self.update_id,
+            self.mode,
+            rank,
+            "applied" if self.success else "not applied",
+            describe_phases(self.phases),
+            moved,
+        )
+        return self
 
 
 Reply = Tuple[bool, str]
@@ -356,9 +397,12 @@ def update_flow(
     first asks every engine to publish its layout and reads it from the channel.
     Trainer-side rounds wait at most ``timeout_s`` for their peers.
     """
-    chan = sync.channel(group_ranks, group, timeout_s)
-    shards = prepare_shards(named_tensors)
-    sources = {name: spec.describe(name) for name, _, spec in shards}
+    clock = PhaseClock()
+    with clock.phase(Phase.CONTROL):
+        chan = sync.channel(group_ranks, group, timeout_s)
+    with clock.phase(Phase.DESCRIBE):
+        shards = prepare_shards(named_tensors)
+        sources = {name: spec.describe(name) for name, _, spec in shards}
     return (
         yield from sources_flow(
             sync,
@@ -369,6 +413,7 @@ def update_flow(
             mode,
             bucket_bytes,
             timeout_s,
+            clock,
         )
     )
 
@@ -382,15 +427,21 @@ def sources_flow(
     mode: Mode = "auto",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    clock: Optional[PhaseClock] = None,
 ) -> Flow:
     """``update_flow`` for any source layout: ``sources`` (HF tensors as holders of this
     rank's ``local`` tensors, by holder key; DTensor shards or Megatron-core buffers).
     Engine-side, ``deliver_beside()`` hands this rank's part to the engine rank beside it
-    and returns the update id; trainer-side, one hop straight to the engine's layout."""
-    side = choose_side(sources, chan.engine_groups, mode)
+    and returns the update id; trainer-side, one hop straight to the engine's layout.
+    ``clock``: the update's phases on this rank so far (a new one when None)."""
+    clock = clock if clock is not None else PhaseClock()
+    with clock.phase(Phase.DESCRIBE):
+        side = choose_side(sources, chan.engine_groups, mode)
     report = UpdateReport(side)
     if side == "engine":
-        return (yield from delivered_flow(chan, deliver_beside()))
+        with clock.phase(Phase.DELIVER):
+            update_id = deliver_beside()
+        return (yield from delivered_flow(chan, update_id, clock))
     rank, names = dist.get_rank(), sorted(sources)
     check_bound(
         None,
@@ -398,27 +449,33 @@ def sources_flow(
         f"timeout_s={timeout_s:g}: trainer rank {rank}, in each trainer-side round,",
         sync.data.device,
     )
-    if sync.world.any(
-        chan.manifest is None,
-        timeout_s,
-        f"trainer rank {rank}: agreeing whether the engines' layout must be read",
-    ):
+    with clock.phase(Phase.CONTROL):
+        describe = sync.world.any(
+            chan.manifest is None,
+            timeout_s,
+            f"trainer rank {rank}: agreeing whether the engines' layout must be read",
+        )
+    if describe:
         report.described = True
-        chan.manifest = yield from _describe(sync, chan, timeout_s)
-    digest = sync.plans.inputs_digest(
-        sources, chan.manifest, chan.engine_groups, bucket_bytes
-    )
-    if not sync.world.all_equal(
-        fingerprint_int(digest),
-        timeout_s,
-        f"trainer rank {rank}: checking that every rank plans alike",
-    ):
+        chan.manifest = yield from _describe(sync, chan, timeout_s, clock)
+    with clock.phase(Phase.PLAN):
+        digest = sync.plans.inputs_digest(
+            sources, chan.manifest, chan.engine_groups, bucket_bytes
+        )
+    with clock.phase(Phase.AGREE):
+        alike = sync.world.all_equal(
+            fingerprint_int(digest),
+            timeout_s,
+            f"trainer rank {rank}: checking that every rank plans alike",
+        )
+    if not alike:
         raise ValueError(
             f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
             f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
             "the same sources"
         )
-    parts = chunks(chan.manifest, names, bucket_bytes)
+    with clock.phase(Phase.PLAN):
+        parts = chunks(chan.manifest, names, bucket_bytes)
     for i, part in enumerate(parts):
         result = sync.plans.reshard_to_engines(
             sources,
@@ -430,6 +487,8 @@ def sources_flow(
             part,
             timeout_s,
             sync.data,
+            clock,
+            _segment_buffers(chan.sender) if sync.data.device.type == "cpu" else None,
         )
         report.chunks += 1
         report.bytes_received += result.stats.bytes_received
@@ -441,19 +500,24 @@ def sources_flow(
             report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values())
         )
         report.update_id = chan.next_update_id()
-        _cuda_ipc_ready(result.buffers.values())
-        chan.sender.send(
-            report.update_id,
-            rank,
-            chan.rank_map,
-            [(n, t, None) for n, t in result.buffers.items()],
-            kind=PayloadKind.PARAMS,
-            names=names,
-            fingerprint=chan.manifest.fingerprint,
-        )
+        with clock.phase(Phase.DELIVER):
+            _cuda_ipc_ready(result.buffers.values())
+            chan.sender.send(
+                report.update_id,
+                rank,
+                chan.rank_map,
+                [(n, t, None) for n, t in result.buffers.items()],
+                kind=PayloadKind.PARAMS,
+                names=names,
+                fingerprint=chan.manifest.fingerprint,
+            )
         del result  # the sender keeps the buffers alive until the engine answers
         report.success, report.message = yield ControlRequest(
-            report.update_id, chan.channel, chan.control, final=i == len(parts) - 1
+            report.update_id,
+            chan.channel,
+            chan.control,
+            final=i == len(parts) - 1,
+            clock=clock,
         )
         chan.sender.release()  # the engine has answered: it no longer reads the buffers
         if not report.success:
@@ -461,54 +525,62 @@ def sources_flow(
                 None  # the engine may have changed its layout: read it again next time
             )
             break
-    logger.info(
-        "weight update %s: trainer-side in %d chunk(s), rank %d received %d bytes (lower bound %d), "
-        "staged at most %d, buffers at most %d",
-        report.update_id,
-        report.chunks,
-        rank,
-        report.bytes_received,
-        report.lower_bound_bytes,
-        report.peak_staging_bytes,
-        report.peak_buffer_bytes,
-    )
-    return report
+    return report.finish(clock, rank, chan.sender)
 
 
-def delivered_flow(chan: TrainerChannel, update_id: str) -> Flow:
-    """The engine-side flow once every rank has delivered under ``update_id``: one request."""
+def _segment_buffers(sender: ShardSender):
+    """Parameter buffers in ``sender``'s shared memory (None while it has none to give)."""
+
+    def alloc(targets) -> Optional[Dict[str, torch.Tensor]]:
+        views = sender.buffers([t.shape for t in targets], [t.dtype for t in targets])
+        return None if views is None else {t.name: v for t, v in zip(targets, views)}
+
+    return alloc
+
+
+def delivered_flow(
+    chan: TrainerChannel, update_id: str, clock: Optional[PhaseClock] = None
+) -> Flow:
+    """The engine-side flow once every rank has delivered under ``update_id``: one request.
+    ``clock``: the update's phases on this rank so far (a new one when None)."""
+    clock = clock if clock is not None else PhaseClock()
     report = UpdateReport("engine", update_id)
     report.success, report.message = yield ControlRequest(
-        update_id, chan.channel, chan.control
+        update_id, chan.channel, chan.control, clock=clock
     )
     chan.sender.release()  # the engine has answered: it no longer reads the shards
-    return report
+    return report.finish(
+        clock, dist.get_rank() if dist.is_initialized() else 0, chan.sender
+    )
 
 
 def _describe(
-    sync: TrainerSync, chan: TrainerChannel, timeout_s: float
+    sync: TrainerSync, chan: TrainerChannel, timeout_s: float, clock: PhaseClock
 ) -> Generator[ControlRequest, Reply, EngineManifest]:
     """Ask the engine to publish its layout; every trainer rank reads its engine rank's
     copy, and all must agree (one tiny all-reduce): engines are replicas of one layout."""
     update_id = chan.next_update_id()
-    chan.sender.send(
-        update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
-    )
+    with clock.phase(Phase.DELIVER):
+        chan.sender.send(
+            update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
+        )
     success, message = yield ControlRequest(
-        update_id, chan.channel, chan.control, describe=True
+        update_id, chan.channel, chan.control, describe=True, clock=clock
     )
     manifest, problem = None, message
-    if success:
-        try:
-            manifest = read_manifest(chan.sender.channel, chan.engine_rank)
-        except ManifestError as e:
-            problem = str(e)
+    with clock.phase(Phase.DESCRIBE):
+        if success:
+            try:
+                manifest = read_manifest(chan.sender.channel, chan.engine_rank)
+            except ManifestError as e:
+                problem = str(e)
     digest = fingerprint_int(manifest.fingerprint) if manifest else 0
-    agreed = sync.world.all_equal(
-        digest,
-        timeout_s,
-        f"trainer rank {dist.get_rank()}: checking that every engine published one layout",
-    )
+    with clock.phase(Phase.AGREE):
+        agreed = sync.world.all_equal(
+            digest,
+            timeout_s,
+            f"trainer rank {dist.get_rank()}: checking that every engine published one layout",
+        )
     if manifest is None or not agreed:
         raise ManifestError(
             f"trainer rank {dist.get_rank()}: engines did not publish one common layout "
@@ -517,13 +589,14 @@ def _describe(
     return manifest
 
 
-def as_reply(result) -> Reply:
-    """(success, message) from an Engine tuple or an HTTP adapter's JSON body."""
-    return (
-        (result["success"], result["message"])
-        if isinstance(result, dict)
-        else (bool(result[0]), str(result[1]))
-    )
+def as_reply(result, request: Optional[ControlRequest] = None) -> Reply:
+    """(success, message) from an Engine tuple or an HTTP adapter's JSON body; the body's
+    ``phases`` (the engine's, per TP rank) go to ``request``'s clock."""
+    if not isinstance(result, dict):
+        return bool(result[0]), str(result[1])
+    if request is not None and request.clock is not None:
+        request.clock.engine = dict(result.get("phases") or {})
+    return result["success"], result["message"]
 
 
 class _Driver:
@@ -545,11 +618,20 @@ class _Driver:
         self.me = dist.get_rank()
         self.leader = self.me == group_ranks[0]
 
+    def timed(self, phase: Phase):
+        """Time a step of the driver in the request's clock (when it has one), as a round trip."""
+        clock = self.request.clock
+        if clock is None:
+            return contextlib.nullcontext()
+        clock.count(Count.ROUND_TRIPS)
+        return clock.phase(phase)
+
     def ready(self) -> bool:
-        self.request.control.barrier(
-            self.timeout_s,
-            f"trainer rank {self.me}: before the engine reads the payloads",
-        )
+        with self.timed(Phase.CONTROL):
+            self.request.control.barrier(
+                self.timeout_s,
+                f"trainer rank {self.me}: before the engine reads the payloads",
+            )
         return self.leader
 
     def advance(self, reply: Optional[Reply]) -> bool:
@@ -557,17 +639,19 @@ class _Driver:
         so that a rank lost meanwhile is named (gloo's monitored barrier); the engine waits at
         most timeout_s for payloads and timeout_s + GRACE_S for its own ranks."""
         control = self.request.control
-        control.barrier(
-            trainer_bound_s(self.timeout_s),
-            f"trainer rank {self.me}: while the engine applies the update",
-        )
-        shared = control.broadcast_result(
-            reply,
-            self.group_ranks[0],
-            self.timeout_s,
-            f"trainer rank {self.me}: hearing the engine's answer from rank "
-            f"{self.group_ranks[0]}",
-        )
+        with self.timed(Phase.ENGINE):
+            control.barrier(
+                trainer_bound_s(self.timeout_s),
+                f"trainer rank {self.me}: while the engine applies the update",
+            )
+        with self.timed(Phase.CONTROL):
+            shared = control.broadcast_result(
+                reply,
+                self.group_ranks[0],
+                self.timeout_s,
+                f"trainer rank {self.me}: hearing the engine's answer from rank "
+                f"{self.group_ranks[0]}",
+            )
         try:
             self.request = self.flow.send(shared)
             return True
@@ -598,7 +682,8 @@ def drive(
         reply = None
         if d.ready():
             try:
-                reply = call(d.request)
+                with d.timed(Phase.ENGINE):
+                    reply = call(d.request)
             except Exception as e:  # noqa: BLE001
                 reply = _failed(e)
         if not d.advance(reply):
@@ -619,7 +704,8 @@ async def adrive(
         reply = None
         if d.ready():
             try:
-                reply = await call(d.request)
+                with d.timed(Phase.ENGINE):
+                    reply = await call(d.request)
             except Exception as e:  # noqa: BLE001
                 reply = _failed(e)
         if not d.advance(reply):
@@ -687,7 +773,7 @@ async def update_weights_distributed(
         raw[:] = [
             await engine.update_weights_from_tensor(as_tensor_request(obj, len(ranks)))
         ]
-        return as_reply(raw[0])
+        return as_reply(raw[0], request)
 
     await adrive(flow, ranks, group, call, first, timeout_s)
     return raw[0] if raw else None

@@ -15,13 +15,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import (
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import torch
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import DataGroup, ExecutionStats, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
+from sglang.srt.weight_sync.phase_timing import Count, Phase, PhaseClock
 from sglang.srt.weight_sync.planner import (
     Plan,
     holder_boxes,
@@ -139,6 +150,7 @@ class TrainerPlans:
         self._plans: Dict[str, Plan] = {}
         self._digest: Optional[Tuple[SourceLayout, str]] = None
         self._targets: Optional[tuple] = None
+        self.misses = 0  # plans made (not found in the cache) so far
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -166,6 +178,7 @@ class TrainerPlans:
         key = hashlib.sha256(repr((digest, params, rank)).encode()).hexdigest()
         plan = self._plans.get(key)
         if plan is None:
+            self.misses += 1
             receivers = self.chunk_receivers(sources, manifest, engine_groups, params)
             plan = plan_for_rank(
                 self._class_targets(sources, manifest)[0],
@@ -259,21 +272,40 @@ class TrainerPlans:
         params: Iterable[str],
         timeout_s: Optional[float] = None,
         data: Optional[DataGroup] = None,
+        clock: Optional[PhaseClock] = None,
+        alloc: Optional[
+            Callable[[Sequence[ParamTarget]], Optional[Dict[str, torch.Tensor]]]
+        ] = None,
     ) -> TrainerSideResult:
         """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
         ``local`` (this rank's tensors by holder key), on the data group's device. Every
         trainer rank calls this with the same names and chunk; each round waits at most
         ``timeout_s`` for its peers. ``data``: the owner's data plane over the default group
-        (None: one for this chunk)."""
-        plan, targets = self.plan_to_engines(
-            sources, manifest, engine_groups, bucket_bytes, params, rank
-        )
+        (None: one for this chunk). ``clock``: the update's phases, which this adds to.
+        ``alloc``: where the buffers go (the sender's shared memory, so that the executor
+        writes straight into what the engine reads), when it has room for them."""
+        clock = clock if clock is not None else PhaseClock()
+        with clock.phase(Phase.PLAN):
+            misses = self.misses
+            plan, targets = self.plan_to_engines(
+                sources, manifest, engine_groups, bucket_bytes, params, rank
+            )
+            clock.count(Count.PLAN_COLD, self.misses - misses)
         data = data if data is not None else DataGroup(None)
-        buffers = {
-            t.name: torch.empty(t.shape, dtype=t.dtype, device=data.device)
-            for t in targets
-        }
-        stats = execute(plan, rank, local, buffers, data, timeout_s)
+        with clock.phase(Phase.EXECUTE):
+            buffers = alloc(targets) if alloc is not None else None
+            if buffers is None:
+                buffers = {
+                    t.name: torch.empty(t.shape, dtype=t.dtype, device=data.device)
+                    for t in targets
+                }
+            stats = execute(plan, rank, local, buffers, data, timeout_s)
+            clock.add(Phase.APPLY, stats.copy_seconds)
+        clock.count(Count.ROUNDS, stats.rounds)
+        clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
+        clock.count(
+            Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
+        )
         return TrainerSideResult(buffers, stats, plan)
 
 

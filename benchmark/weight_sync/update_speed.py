@@ -1,0 +1,270 @@
+"""How fast an update is, against upstream's path and against a memory copy, in one run.
+
+``python -m benchmark.weight_sync.update_speed [--size 254m] [--updates 10] [--upstream 3]
+[--sweep] [--json out.json]`` starts a real SGLang engine (TP 2, CPU, bf16) for a
+Qwen2-shaped model and two trainer ranks (gloo) holding it as FSDP2 ``Shard(0)`` fp32
+DTensors; rank 0 hosts the engine through ``VerlEngine``. Then, side by side in one run:
+
+* ``ours``: ``VerlEngine.update_weights_from_tensor`` (each rank delivers its local shards;
+  the engine reshards), ``--updates`` times in a row, each with new weights;
+* ``upstream``: SGLang 0.5.23's own path (``upstream_path``: ``full_tensor()`` on every
+  rank, ``gather_object`` to rank 0, ``update_weights_from_tensor``), ``--upstream`` times;
+* ``memcpy``: a copy of one engine rank's bf16 parameter bytes into memory already touched,
+  one thread (the engine ranks run one thread each), the floor an update is measured
+  against.
+
+Printed: every update's seconds, the first (which derives targets and plans) apart from
+the rest, the ratios to memcpy and upstream, and the phase breakdown each side reports
+(``phase_timing``). ``--sweep`` repeats it over model sizes, one engine per size. Both
+paths must leave the engine generating the same greedy tokens from the same weights
+(checked after each size; the run fails otherwise). This machine is shared: only ratios
+measured in one run mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+warnings.simplefilter("ignore")
+
+SUPPORT = Path(__file__).resolve().parents[2] / "test" / "support"
+sys.path.insert(0, str(SUPPORT))
+
+from engine import configure_cpu_env  # noqa: E402
+
+configure_cpu_env()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WORLD = 2
+
+
+def _qwen2(hidden: int, intermediate: int, heads: int, layers: int, vocab: int) -> dict:
+    """A Qwen2 config: 4 KV heads and sizes that keep SGLang's CPU engine from padding at TP 2."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=4,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+    )
+
+
+# Qwen2-shaped models by name (parameters, untied embeddings)
+SIZES = {
+    "21m": _qwen2(512, 1536, 8, 4, 8192),  # the demo's
+    "64m": _qwen2(768, 2048, 12, 6, 16384),
+    "254m": _qwen2(1024, 2816, 16, 16, 35840),
+    "520m": _qwen2(1536, 4096, 16, 16, 35840),
+    "1b": _qwen2(2048, 5632, 16, 20, 35840),
+}
+PROMPTS = [[5, 17, 42, 7, 300, 2], [77, 1, 3, 120, 9, 11]]
+
+
+def _config(size: str):
+    from tiny_models import tiny_config
+
+    config = tiny_config("qwen2", **SIZES[size])
+    config.architectures = ["Qwen2ForCausalLM"]
+    return config
+
+
+def _shapes(size: str):
+    """HF tensor name -> shape of the model, from a model built on meta."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config(size))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of one thread copying ``nbytes`` into memory already touched."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+        dst = torch.zeros_like(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _local_shards(shapes, mesh, rank: int, step: int):
+    """FSDP2-style ``Shard(0)`` fp32 DTensors, each rank making only its own rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = []
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        rows = -(-shape[0] // WORLD)
+        lo, hi = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+        g = torch.Generator().manual_seed(step * 100003 + i * 17 + rank)
+        local = torch.randn((hi - lo, *shape[1:]), generator=g) * 0.05
+        if len(shape) == 1 and "norm" in name:
+            local += 1.0
+        out.append(
+            (
+                name,
+                DTensor.from_local(
+                    local,
+                    mesh,
+                    (Shard(0),),
+                    shape=torch.Size(shape),
+                    stride=torch.empty(shape, device="meta").stride(),
+                    run_check=False,
+                ),
+            )
+        )
+    return out
+
+
+def _bump(dtensors) -> None:
+    """New weights in place (as a training step leaves them), outside the timed region."""
+    with torch.no_grad():
+        for _, d in dtensors:
+            d.to_local().mul_(-1.0)
+
+
+def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
+    from engine import omp_bind
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmark.weight_sync.upstream_path import upstream_update
+    from sglang.srt.entrypoints.verl_engine import VerlEngine
+
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(WORLD)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD
+    )
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    verl = VerlEngine(
+        mesh,
+        model_path=str(model_dir),
+        load_format="dummy",
+        device="cpu",
+        attention_backend="torch_native",
+        skip_tokenizer_init=True,
+        mem_fraction_static=0.5,  # of the memory the CPU platform finds free; the KV cache is capped below
+        max_total_tokens=4096,
+        disable_cuda_graph=True,
+        random_seed=0,
+        log_level="warning",
+        sleep_on_idle=True,
+    )
+    shapes = _shapes(size)
+    dtensors = _local_shards(shapes, mesh, rank, 1)
+    engine_bytes = sum(
+        torch.Size(s).numel() for s in shapes.values()
+    )  # bf16: 2 bytes, half per TP rank
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    result = dict(ours=[], upstream=[], memcpy=[])
+    result["memcpy"].append(memcpy_seconds(engine_bytes))
+    for i in range(updates):
+        _bump(dtensors)
+        dist.barrier()
+        t0 = time.perf_counter()
+        report = verl.update_weights_from_tensor(dtensors)
+        seconds = time.perf_counter() - t0
+        result["ours"].append(
+            dict(seconds=seconds, phases=report.phases, engine=report.engine_phases)
+        )
+        if rank == 0:
+            print(f"      ours {i + 1}: {seconds:.3f} s", flush=True)
+    ours_tokens = verl.generate(input_ids=PROMPTS, sampling_params=params)
+    result["memcpy"].append(memcpy_seconds(engine_bytes))
+    for i in range(upstream):
+        if i:
+            _bump(dtensors)
+            _bump(dtensors)  # back to the weights ours wrote last, after the first
+        dist.barrier()
+        t0 = time.perf_counter()
+        upstream_update(verl._engine, dtensors, rank, WORLD)
+        seconds = time.perf_counter() - t0
+        result["upstream"].append(dict(seconds=seconds))
+        if rank == 0:
+            print(f"      upstream {i + 1}: {seconds:.3f} s", flush=True)
+    upstream_tokens = verl.generate(input_ids=PROMPTS, sampling_params=params)
+    result["memcpy"].append(memcpy_seconds(engine_bytes))
+    result["same_generation"] = [o["output_ids"] for o in ours_tokens] == [
+        o["output_ids"] for o in upstream_tokens
+    ]
+    result["engine_rank_bytes"] = engine_bytes
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    verl.shutdown()
+
+
+def run_size(size: str, updates: int, upstream: int) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        model_dir.mkdir()
+        _config(size).save_pretrained(model_dir)
+        n = sum(torch.Size(s).numel() for s in _shapes(size).values())
+        print(
+            f"{size}: Qwen2-shaped, {n / 1e6:.0f} M params; engine TP 2 bf16 (CPU), "
+            f"trainer 2 ranks FSDP2 Shard(0) fp32",
+            flush=True,
+        )
+        mp.spawn(
+            _rank,
+            args=(
+                os.path.join(tmp, "store"),
+                model_dir,
+                size,
+                updates,
+                upstream,
+                tmp,
+            ),
+            nprocs=WORLD,
+        )
+        ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(WORLD)]
+    r0 = ranks[0]
+    return dict(size=size, params=n, **r0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="254m", choices=sorted(SIZES))
+    parser.add_argument("--updates", type=int, default=10)
+    parser.add_argument("--upstream", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    sizes = list(SIZES) if args.sweep else [args.size]
+    results = [run_size(s, args.updates, args.upstream) for s in sizes]
+    for r in results:
+        memcpy = statistics.median(r["memcpy"])
+        ours = [u["seconds"] for u in r["ours"]]
+        up = [u["seconds"] for u in r["upstream"]]
+        print(
+            f"{r['size']}: memcpy {memcpy:.4f} s; ours first {ours[0]:.3f} s, then "
+            f"{' '.join(f'{s:.3f}' for s in ours[1:])}; upstream {' '.join(f'{s:.3f}' for s in up)}; "
+            f"same generation: {r['same_generation']}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
