@@ -32,6 +32,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import List
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 warnings.simplefilter("ignore")
@@ -243,27 +244,189 @@ def run_size(size: str, updates: int, upstream: int) -> dict:
     return dict(size=size, params=n, **r0)
 
 
+# The breakdown's columns: (trainer or engine, phase, heading). The engine's are engine rank
+# 0's (its answer's); "transit" is the trainer's wait for the answer less that rank's total:
+# the request's way to the scheduler and back, the cache flush and the closing barrier.
+COLUMNS = (
+    ("trainer", "describe", "describe"),
+    ("trainer", "deliver", "deliver"),
+    ("trainer", "control", "control"),
+    ("engine", "deliver", "e:receive"),
+    ("engine", "describe", "e:describe"),
+    ("engine", "validate", "e:validate"),
+    ("engine", "agree", "e:agree"),
+    ("engine", "plan", "e:plan"),
+    ("engine", "execute", "e:execute"),
+    ("engine", "apply", "e:apply"),
+    ("engine", "refresh", "e:refresh"),
+    ("engine", "control", "e:control"),
+    ("transit", "", "transit"),
+    ("other", "", "other"),
+)
+
+
+def breakdown(update: dict) -> List[float]:
+    """One update of ours as ``COLUMNS``: they add up to its measured seconds."""
+    t, e = update["phases"], update["engine"]
+    engine_total = e["total_us"][0] / 1e6 if e else 0.0
+    out = []
+    for side, phase, _ in COLUMNS:
+        if side == "trainer":
+            out.append(t[phase])
+        elif side == "engine":
+            out.append(e[phase][0] if e else 0.0)
+        elif side == "transit":
+            out.append(max(0.0, t["engine"] - engine_total))
+        else:  # what neither side's phases cover: the trainer's and engine rank 0's other
+            out.append(
+                update["seconds"]
+                - sum(t[p] for p in NAMED)
+                + (e["other"][0] if e else 0.0)
+            )
+    return out
+
+
+NAMED = (
+    "describe",
+    "deliver",
+    "plan",
+    "execute",
+    "apply",
+    "control",
+    "engine",
+    "agree",
+)
+
+
+def summary(r: dict) -> dict:
+    """The figures a size's run is judged by (the first update apart)."""
+    memcpy = statistics.median(r["memcpy"])
+    ours = [u["seconds"] for u in r["ours"]]
+    later = ours[1:]
+    up = [u["seconds"] for u in r["upstream"]]
+    up_later = up[1:] or up
+    rows = [breakdown(u) for u in r["ours"]]
+    steady = [statistics.median(col) for col in zip(*rows[1:])] if rows[1:] else []
+    return dict(
+        size=r["size"],
+        params=r["params"],
+        engine_rank_bytes=r["engine_rank_bytes"],
+        memcpy_s=memcpy,
+        ours_first_s=ours[0],
+        ours_second_s=later[0] if later else None,
+        ours_steady_s=statistics.median(later) if later else None,
+        ours_worst_later_s=max(later) if later else None,
+        ours_last_s=ours[-1],
+        upstream_first_s=up[0] if up else None,
+        upstream_steady_s=statistics.median(up_later) if up else None,
+        x_memcpy_steady=statistics.median(later) / memcpy if later else None,
+        x_memcpy_worst=max(later) / memcpy if later else None,
+        faster_than_upstream=(
+            statistics.median(up_later) / statistics.median(later)
+            if up and later
+            else None
+        ),
+        second_over_last=later[0] / ours[-1] if later else None,
+        breakdown_first=dict(zip((c[2] for c in COLUMNS), rows[0])),
+        breakdown_steady=dict(zip((c[2] for c in COLUMNS), steady)),
+        covered=[
+            1 - row[-1] / u["seconds"] for row, u in zip(rows, r["ours"])
+        ],  # the phases' share of each measured update
+        same_generation=r["same_generation"],
+    )
+
+
+def print_table(summaries: List[dict]) -> None:
+    print()
+    print(
+        f"{'model':>6} {'MiB/engine':>10} {'memcpy':>7} | {'ours: 1st':>9} {'2nd':>6} "
+        f"{'steady':>7} {'worst':>6} {'x memcpy':>8} | {'upstream: 1st':>13} {'steady':>7} "
+        f"{'/ ours':>7} | {'same':>4}"
+    )
+    print(
+        f"{'':>6} {'rank (bf16)':>10} {'s':>7} | {'s':>9} {'s':>6} {'s':>7} {'s':>6} {'steady':>8} | {'s':>13} {'s':>7} {'steady':>7} | {'gen':>4}"
+    )
+    for s in summaries:
+
+        def f(v, w, d=3):
+            return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
+
+        print(
+            f"{s['size']:>6} {s['engine_rank_bytes'] / 2**20:>10.0f} {f(s['memcpy_s'], 7, 4)} | "
+            f"{f(s['ours_first_s'], 9)} {f(s['ours_second_s'], 6)} {f(s['ours_steady_s'], 7)} "
+            f"{f(s['ours_worst_later_s'], 6)} {f(s['x_memcpy_steady'], 8, 1)} | "
+            f"{f(s['upstream_first_s'], 13)} {f(s['upstream_steady_s'], 7)} "
+            f"{f(s['faster_than_upstream'], 7, 1)} | {'yes' if s['same_generation'] else 'NO':>4}"
+        )
+    print(
+        "steady: the median of every update after the first; worst: the slowest of them; "
+        "x memcpy: steady / a one-thread copy of one engine rank's bf16 parameter bytes."
+    )
+    heads = [c[2] for c in COLUMNS]
+    print()
+    print(
+        "where ours spends its seconds (trainer rank 0, engine rank 0; e: the engine):"
+    )
+    print(
+        f"{'model':>6} {'update':>7} "
+        + " ".join(f"{h:>{max(7, len(h))}}" for h in heads)
+        + f" {'covered':>8}"
+    )
+    for s in summaries:
+        for when in ("first", "steady"):
+            row = s[f"breakdown_{when}"]
+            if not row:
+                continue
+            cover = (
+                s["covered"][0]
+                if when == "first"
+                else statistics.median(s["covered"][1:])
+            )
+            print(
+                f"{s['size']:>6} {when:>7} "
+                + " ".join(f"{row[h]:>{max(7, len(h))}.4f}" for h in heads)
+                + f" {cover * 100:>7.1f}%"
+            )
+    print(
+        "covered: the share of the measured seconds that named phases account for (the rest "
+        "is 'other'); transit: the request's way to the engine's schedulers and back."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="254m", choices=sorted(SIZES))
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--upstream", type=int, default=3)
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const=",".join(SIZES),
+        default=None,
+        help="sizes to run one after another (default: all)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    sizes = list(SIZES) if args.sweep else [args.size]
-    results = [run_size(s, args.updates, args.upstream) for s in sizes]
-    for r in results:
-        memcpy = statistics.median(r["memcpy"])
-        ours = [u["seconds"] for u in r["ours"]]
-        up = [u["seconds"] for u in r["upstream"]]
-        print(
-            f"{r['size']}: memcpy {memcpy:.4f} s; ours first {ours[0]:.3f} s, then "
-            f"{' '.join(f'{s:.3f}' for s in ours[1:])}; upstream {' '.join(f'{s:.3f}' for s in up)}; "
-            f"same generation: {r['same_generation']}"
+    sizes = args.sweep.split(",") if args.sweep else [args.size]
+    results, summaries = [], []
+    for size in sizes:
+        results.append(run_size(size, args.updates, args.upstream))
+        summaries.append(summary(results[-1]))
+        print_table(summaries[-1:])
+        if args.json:  # kept as it grows: a long sweep leaves what it measured
+            Path(args.json).write_text(
+                json.dumps(dict(summaries=summaries, runs=results), indent=1)
+            )
+    if len(summaries) > 1:
+        print_table(summaries)
+    print(
+        json.dumps([{k: v for k, v in s.items() if k != "covered"} for s in summaries])
+    )
+    if not all(s["same_generation"] for s in summaries):
+        raise SystemExit(
+            "the engine generates differently after ours and after upstream's update of the "
+            "same weights"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Execute: run a plan over a process group. The data plane: the only code that moves tensors between ranks.
 
 Every rank runs the same plan. Zero fills and local copies need no
-communication; then each round runs all its moves as one batch of point-to-point
-operations (``batch_isend_irecv``), a region that several ranks need sent to each
+communication, and run while the first round's transfers are in flight; each round
+runs all its moves as one batch of point-to-point operations (``batch_isend_irecv``), a region that several ranks need sent to each
 of them from its holder (no broadcast subgroups, see ``DataGroup``). Data is
 received straight into the destination parameter when the region is contiguous
 there and on the group's device, and staged otherwise; a sender stages only to
@@ -278,12 +278,23 @@ def execute(
         else None
     )
     t0 = time.perf_counter()
-    for z in plan.zero_fills:
-        if z.rank == rank:
-            write_zeros(params[z.param][z.box.slices()])
-    for move in plan.local_for(rank):
-        write_region(_dest_view(params, move.dests[0], move), _src_view(shards, move))
-        stats.bytes_copied_locally += move.nbytes
+    try:
+        for z in plan.zero_fills:
+            if z.rank == rank:
+                write_zeros(params[z.param][z.box.slices()])
+        for move in plan.local_for(rank):
+            write_region(
+                _dest_view(params, move.dests[0], move), _src_view(shards, move)
+            )
+            stats.bytes_copied_locally += move.nbytes
+    except BaseException:
+        if flight is not None:  # no transfer of this update outlives it
+            for work in flight[0]:
+                try:
+                    wait(work, timeout_s, f"rank {rank}: executor, after a failed copy")
+                except Exception:  # noqa: BLE001 - the copy's error is the one to raise
+                    pass
+        raise
     stats.copy_seconds += time.perf_counter() - t0
 
     for i, mine in enumerate(rounds):
