@@ -177,7 +177,14 @@ def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
     )  # bf16: 2 bytes, half per TP rank
     params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     result = dict(ours=[], upstream=[], memcpy=[])
-    result["memcpy"].append(memcpy_seconds(engine_bytes))
+
+    def floor() -> None:  # rank 0 copies alone: the other rank waits
+        dist.barrier()
+        if rank == 0:
+            result["memcpy"].append(memcpy_seconds(engine_bytes))
+        dist.barrier()
+
+    floor()
     for i in range(updates):
         _bump(dtensors)
         dist.barrier()
@@ -190,7 +197,7 @@ def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
         if rank == 0:
             print(f"      ours {i + 1}: {seconds:.3f} s", flush=True)
     ours_tokens = verl.generate(input_ids=PROMPTS, sampling_params=params)
-    result["memcpy"].append(memcpy_seconds(engine_bytes))
+    floor()
     for i in range(upstream):
         if i:
             _bump(dtensors)
@@ -203,7 +210,7 @@ def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
         if rank == 0:
             print(f"      upstream {i + 1}: {seconds:.3f} s", flush=True)
     upstream_tokens = verl.generate(input_ids=PROMPTS, sampling_params=params)
-    result["memcpy"].append(memcpy_seconds(engine_bytes))
+    floor()
     result["same_generation"] = [o["output_ids"] for o in ours_tokens] == [
         o["output_ids"] for o in upstream_tokens
     ]
