@@ -114,11 +114,7 @@ def run(
         forbidden_log=str(forbidden_log),
         reports_dir=reports_dir,
     )
-    results = [
-        r
-        for r in run_ranks(world, engine_job, job, timeout=600, start_method="spawn")
-        if r
-    ]
+    results = [r for r in run_ranks(world, engine_job, job, timeout=600) if r]
     for records in results:
         for record in records[1:]:
             assert record["forbidden_calls"] == 0, (
