@@ -482,7 +482,10 @@ DEFAULT_ENGINE_ARGS = dict(
     device="cpu",
     attention_backend="torch_native",
     skip_tokenizer_init=True,
-    mem_fraction_static=0.05,
+    # On CPU the engine refuses to start if free system memory fell by more than this fraction
+    # while it loaded its weights: engines started side by side (several per test) need room.
+    # The KV cache stays bounded by max_total_tokens, whatever the fraction.
+    mem_fraction_static=0.3,
     max_total_tokens=4096,  # without it the CPU platform sizes the KV cache from system RAM (~1 GB)
     disable_cuda_graph=True,
     random_seed=0,
