@@ -16,6 +16,13 @@ gloo alone (a trainer's ``cpu:gloo,cuda:nccl`` or NCCL mesh group) it runs on a 
 of its own over the same ranks: control tensors stay on the host, barriers can name the
 ranks that never came (``monitored_barrier`` is gloo's), and a control wait that times out
 never aborts a NCCL communicator the trainer computes with.
+
+A wait that fails leaves its group unusable: gloo keeps the collective given up on
+pending (a peer that comes late completes it with this rank's contribution) and a barrier
+that times out closes its connections. The group is then marked ``lost`` and its owner
+makes a new one: the engine's weight sync does so on every TP rank at the start of the
+next update, over a gloo group of its own (``own``), never SGLang's TP group, whose
+collectives serving relies on.
 """
 
 from __future__ import annotations
@@ -50,7 +57,12 @@ RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group he
 
 
 class PeerLost(RuntimeError):
-    """A peer of a collective did not answer within the bound (dead, hung or far behind)."""
+    """A peer of a collective did not answer within the bound (dead, hung or far behind).
+
+    ``outcome``: raised by a trainer rank while an engine applied an update, what this rank
+    knows of the engine's answer (``trainer_flow.UpdateOutcome``); None elsewhere."""
+
+    outcome = None
 
 
 class BoundTooLong(ValueError):
@@ -145,25 +157,41 @@ class ControlGroup:
 
     ``name`` keeps the barrier marks of two owners of the same ranks apart in the
     store; every rank of the group creates its ``ControlGroup`` with the same name and
-    enters its barriers in the same order.
+    enters its barriers in the same order. ``own``: run on a gloo group of its own even
+    over a gloo ``group`` (the engine's: a wait given up on SGLang's own TP group would
+    leave that group out of step for serving). A wait that fails marks the group ``lost``.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], name: str) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup], name: str, own: bool = False
+    ) -> None:
         self.name = name
         self.ranks: Tuple[int, ...] = (
             tuple(dist.get_process_group_ranks(group))
             if group is not None
             else tuple(range(dist.get_world_size()))
         )
-        self.group = _gloo_group(group, self.ranks)
+        self.group = _gloo_group(group, self.ranks, own)
+        self.own = own
         self.device = collective_device(self.group)
         self.rank = dist.get_rank(self.group)  # this process's rank in the group
         self._barriers = 0
         self.round_trips = 0  # collectives waited on so far (``phase_timing``)
+        # why a wait on this group failed: its peers may still complete the collective it
+        # gave up (gloo keeps it pending) or find its connections closed, so it is not used again
+        self.lost: Optional[str] = None
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def _wait(self, work, timeout_s: Optional[float], phase: str) -> None:
+        """``wait``, marking the group lost when the wait fails."""
+        try:
+            wait(work, timeout_s, phase)
+        except PeerLost as e:
+            self.lost = str(e)
+            raise
 
     def _reduce(
         self,
@@ -173,7 +201,7 @@ class ControlGroup:
         op=dist.ReduceOp.SUM,
     ) -> torch.Tensor:
         self.round_trips += 1
-        wait(
+        self._wait(
             dist.all_reduce(t, op=op, group=self.group, async_op=True), timeout_s, phase
         )
         return t
@@ -237,7 +265,7 @@ class ControlGroup:
             self.size * len(mine), dtype=torch.int64, device=self.device
         )
         self.round_trips += 1
-        wait(
+        self._wait(
             dist.all_gather_into_tensor(every, t, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -265,7 +293,7 @@ class ControlGroup:
             for _ in range(self.size)
         ]
         self.round_trips += 1
-        wait(
+        self._wait(
             dist.all_gather(gathered, padded, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -326,7 +354,7 @@ class ControlGroup:
                 )
         buf = buf.to(self.device)
         self.round_trips += 1
-        wait(
+        self._wait(
             dist.broadcast(buf, src=src, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -358,7 +386,7 @@ class ControlGroup:
             device=self.device,
         )
         self.round_trips += 1
-        wait(
+        self._wait(
             dist.broadcast(length, src=src, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -381,13 +409,18 @@ class ControlGroup:
         never reached it: each rank marks its arrival in the default group's store first
         (a dead peer's closed connection makes gloo say only "Connection closed by peer").
         ``timeout_s=None``: bounded by the group's own timeout only, for waits on work of
-        unknown length outside an update (a peer starting an engine or generating)."""
+        unknown length outside an update (a peer starting an engine or generating).
+
+        On a group of its own (``own``, the engine's) every rank's wait is bounded alike:
+        gloo's ``monitored_barrier`` bounds only its first rank's wait, and the others wait
+        without bound for that rank's reply, which never comes once it gave the group up."""
         self.round_trips += 1
         if timeout_s is None:
             try:
-                wait(self._device_barrier(), None, phase)
+                self._wait(self._device_barrier(), None, phase)
             except RuntimeError as e:
-                raise PeerLost(f"{phase}: {e}") from None
+                self.lost = f"{phase}: {e}"
+                raise PeerLost(self.lost) from None
             return
         me, tag = dist.get_rank(), ",".join(map(str, self.ranks))
         self._barriers += 1
@@ -401,7 +434,7 @@ class ControlGroup:
             ):  # every rank passed the previous one: its mark is no longer needed
                 store.delete_key(f"{prefix}/{self._barriers - 1}/{me}")
         try:
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and not self.own:
                 dist.monitored_barrier(
                     group=self.group,
                     timeout=timedelta(seconds=timeout_s),
@@ -414,17 +447,20 @@ class ControlGroup:
                 r for r, k in keys.items() if store is not None and not store.check([k])
             ]
             named = f"ranks {absent} never reached it; " if absent else ""
-            raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
+            self.lost = f"{phase}: {named}{e} (within {timeout_s:g}s)"
+            raise PeerLost(self.lost) from None
 
 
 def _gloo_group(
-    group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...]
+    group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...], own: bool = False
 ) -> Optional[dist.ProcessGroup]:
-    """``group`` itself when it is gloo alone, else a gloo group over the same ranks
-    (created by those ranks only, in the same order everywhere: the owners of a
-    ``ControlGroup`` build it at the same point of their flow). Its timeout is above every
-    bound an update waits for, so the bounds here are what ends a wait."""
-    if str(dist.get_backend(group)).lower() == "gloo" or not dist.is_gloo_available():
+    """``group`` itself when it is gloo alone (and ``own`` is not asked), else a gloo group
+    over the same ranks (created by those ranks only, in the same order everywhere: the
+    owners of a ``ControlGroup`` build it at the same point of their flow). Its timeout is
+    above every bound an update waits for, so the bounds here are what ends a wait."""
+    if not dist.is_gloo_available() or (
+        not own and str(dist.get_backend(group)).lower() == "gloo"
+    ):
         return group
     return dist.new_group(
         list(ranks),

@@ -37,7 +37,7 @@ class Phase(str, enum.Enum):
         "deliver"  # trainer: hand the payload over; engine: take it from the channel
     )
     VALIDATE = "validate"  # checks of the payload and the plan's inputs, finite values
-    AGREE = "agree"  # the collectives that agree on problems, deliveries and the plan
+    AGREE = "agree"  # agreeing on problems, deliveries and the plan; the commit vote
     PLAN = "plan"  # planning, or finding the plan in the cache (``Count.PLAN_COLD``)
     EXECUTE = (
         "execute"  # rounds of point-to-point moves, waits included (``Count.WAIT_US``)
