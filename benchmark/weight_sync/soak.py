@@ -4,7 +4,8 @@
 starts a real TP-2 SGLang engine on CPU (tiny Qwen2) and, acting as both trainer ranks,
 delivers full shards to each engine rank and asks for the update, ``--updates`` times
 in a row; every ``--every`` updates it records the engine processes' RSS and open file
-descriptors, this process's, and the files in ``/dev/shm``. Then ``--loaded`` updates
+descriptors, this process's, the files in ``/dev/shm``, and the payload segments
+(memfd descriptors and mappings, ``shared_segment``) any of these processes still holds. Then ``--loaded`` updates
 run while generation requests (``--concurrency`` at a time) are in flight; each
 generation must finish and, after the last update, greedy output must equal a fresh
 generation of the final weights. Prints a table and writes JSON (``--out``). Not a test.
@@ -31,6 +32,28 @@ from engine import configure_cpu_env  # noqa: E402
 configure_cpu_env()
 
 
+def _segments(pid: int) -> int:
+    """Payload segments (``shared_segment``'s memfds) process ``pid`` still holds: its
+    descriptors of one and its mappings of one."""
+    held = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                held += SEGMENT_NAME in os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                pass
+        with open(f"/proc/{pid}/maps") as maps:
+            held += sum(SEGMENT_NAME in line for line in maps)
+    except OSError:
+        pass
+    return held
+
+
+SEGMENT_NAME = (
+    "memfd:sglang-weights"  # how /proc names a segment's descriptor and mapping
+)
+
+
 def _sample(step: int) -> dict:
     import psutil
 
@@ -50,6 +73,7 @@ def _sample(step: int) -> dict:
         own_rss_mib=round(me.memory_info().rss / 2**20, 1),
         own_fds=me.num_fds(),
         dev_shm_files=len(os.listdir("/dev/shm")),
+        segments=sum(_segments(p.pid) for p in [me, *procs]),
     )
 
 
@@ -164,12 +188,12 @@ def main() -> None:
     result["samples"] = samples
     print(
         f"{'update':>7} {'engine RSS MiB':>15} {'engine fds':>11} {'own RSS MiB':>12} {'own fds':>8} "
-        f"{'/dev/shm':>9}"
+        f"{'/dev/shm':>9} {'segments':>9}"
     )
     for s in samples:
         print(
             f"{s['update']:>7} {s['engine_rss_mib']:>15} {s['engine_fds']:>11} {s['own_rss_mib']:>12} "
-            f"{s['own_fds']:>8} {s['dev_shm_files']:>9}"
+            f"{s['own_fds']:>8} {s['dev_shm_files']:>9} {s['segments']:>9}"
         )
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
