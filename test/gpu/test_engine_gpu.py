@@ -182,8 +182,14 @@ def test_memory_cycle_keeps_memory_flat(model_dir, trainer_group, tmp_path):
 
 def test_update_refused_while_weights_released(model_dir, trainer_group):
     """An update while the memory saver holds the weights released is refused, naming the
-    call that brings them back, and the engine serves its weights once resumed."""
-    with gpu_engine(model_dir, enable_memory_saver=True) as engine:
+    call that brings them back, and the engine serves its weights once resumed.
+
+    Without ``enable_weights_cpu_backup`` SGLang's resume maps fresh memory whose contents are
+    undefined (verl's cycle writes new weights right after it); the backup makes "serves its
+    old weights" a property of the refused update rather than of luck."""
+    with gpu_engine(
+        model_dir, enable_memory_saver=True, enable_weights_cpu_backup=True
+    ) as engine:
         old = engine_greedy(engine, PROMPTS, MAX_NEW)
         engine.release_memory_occupation(tags=["weights"])
         success, message = _update(
