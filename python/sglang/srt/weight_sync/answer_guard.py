@@ -41,6 +41,7 @@ __all__ = (
     "BoundedCommunicator",
     "bound_answers",
     "distributed_update",
+    "guard_of",
     "refuse_generation_if_unsafe",
 )
 
@@ -89,6 +90,12 @@ class _Guard:
         mixed = [o.message for o in outputs if is_mixed(o)]
         if mixed:
             self.mixed = f"distributed weight update {update_id!r}: {mixed[0]}"
+
+    def hold(self, update_id: str, bound: float, answer: asyncio.Future) -> None:
+        """An update whose answer did not come within ``bound``: until it comes (then it is
+        settled), its weights are unknown and generation and later updates are refused."""
+        self.unanswered = _Unanswered(update_id, bound, answer)
+        answer.add_done_callback(_late_answer(update_id, time.monotonic(), self))
 
     def serving_refusal(self) -> Optional[str]:
         """Why generation must not run now, or None."""
@@ -148,8 +155,7 @@ class BoundedCommunicator:
             outputs = answer.result()
             self._guard.settle(update_id, outputs)
             return outputs
-        self._guard.unanswered = _Unanswered(update_id, bound, answer)
-        answer.add_done_callback(_late_answer(update_id, time.monotonic(), self._guard))
+        self._guard.hold(update_id, bound, answer)
         message = (
             f"no answer from the engine within {bound:g}s to distributed weight update {update_id!r} "
             f"(timeout_s={timeout_s:g} plus {GRACE_S:g}s grace), waiting for its schedulers to receive and apply "
@@ -203,6 +209,12 @@ def bound_answers(manager) -> None:
                     name in UPDATES,
                 ),
             )
+
+
+def guard_of(manager) -> Optional[_Guard]:
+    """The guard ``bound_answers`` gave ``manager`` (None before it ran): the remote path's
+    tokenizer-side steps settle and hold their updates through it."""
+    return getattr(manager, "_weight_sync_guard", None)
 
 
 def refuse_generation_if_unsafe(manager) -> None:

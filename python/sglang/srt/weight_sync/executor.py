@@ -26,11 +26,15 @@ from sglang.srt.weight_sync.planner import Dest, Move, Plan
 
 __all__ = (
     "DataGroup",
+    "Deferred",
     "ExecutionError",
     "ExecutionStats",
+    "Landing",
     "check_inputs",
     "data_device",
     "execute",
+    "write_landings",
+    "write_zero_fills",
 )
 
 
@@ -148,6 +152,35 @@ class DataGroup:
         self.warm = True
 
 
+@dataclass(frozen=True)
+class Landing:
+    """A region received into staging (``buf``, in the move's dtype) and where it lands
+    (``dests``, this rank's), written later by ``write_landings``."""
+
+    buf: torch.Tensor
+    move: Move
+    dests: Tuple[Dest, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+
+class Deferred:
+    """A receiver whose writes into its parameters come later than the rounds (an engine
+    that keeps serving while it receives): every region lands in staging of its own,
+    handed over per round (``landed``) and written by the owner (``write_landings``).
+    ``reserve`` is called before a round with the bytes the round will stage and may wait
+    (bounded, the owner's policy) until that much staging is free."""
+
+    def reserve(self, nbytes: int) -> None:
+        """Called before a round allocates ``nbytes`` of staging."""
+
+    def landed(self, landings: List[Landing]) -> None:
+        """The round's regions, received; the owner keeps them until it writes them."""
+        raise NotImplementedError
+
+
 class _Staging:
     """Counts the executor's own buffers so the peak can be checked against the cap."""
 
@@ -245,13 +278,16 @@ def execute(
     params: Mapping[str, torch.Tensor],
     group: Union[DataGroup, dist.ProcessGroup, None] = None,
     timeout_s: Optional[float] = None,
+    deferred: Optional[Deferred] = None,
 ) -> ExecutionStats:
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
     -> this rank's tensor) in place. Every rank of the group calls it together. ``group``:
     the owner's ``DataGroup``, warmed up on its first use (a plain group or None, the
     default group: one made for this call). Each round waits at most ``timeout_s`` for
-    its peers (``control_plane.PeerLost``)."""
+    its peers (``control_plane.PeerLost``). With ``deferred`` nothing is written into
+    ``params`` (checked against the plan only): zero fills wait for ``write_zero_fills``
+    and every region received or copied is handed to ``deferred`` instead."""
     data = group if isinstance(group, DataGroup) else DataGroup(group)
     problems = check_inputs(plan, rank, shards, params, data.device)
     if problems:
@@ -265,12 +301,16 @@ def execute(
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
 
-    for z in plan.zero_fills:
-        if z.rank == rank:
-            write_zeros(params[z.param][z.box.slices()])
-    for move in plan.local_for(rank):
+    if deferred is None:
+        write_zero_fills(plan, rank, params)
+    local = plan.local_for(rank)
+    if deferred is not None and local:
+        deferred.landed(
+            [Landing(_src_view(shards, m).clone(), m, m.dests[:1]) for m in local]
+        )
+    for move in local if deferred is None else ():
         write_region(_dest_view(params, move.dests[0], move), _src_view(shards, move))
-        stats.bytes_copied_locally += move.nbytes
+    stats.bytes_copied_locally += sum(m.nbytes for m in local)
 
     for moves in plan.rounds:
         mine = [m for m in moves if rank in m.group]
@@ -294,18 +334,36 @@ def execute(
             staging,
             to_global,
             lambda work: wait(work, timeout_s, phase),
+            deferred,
         )
         staging.release_all()
     return stats
 
 
+def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) -> None:
+    """Zero the regions of ``rank``'s parameters that no checkpoint tensor fills."""
+    for z in plan.zero_fills:
+        if z.rank == rank:
+            write_zeros(params[z.param][z.box.slices()])
+
+
+def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) -> int:
+    """Write deferred landings into ``params`` (``apply.write_region``, cast on the fly);
+    returns the bytes written."""
+    for landing in landings:
+        _finish_landing(params, landing.buf, landing.move, list(landing.dests))
+    return sum(landing.nbytes for landing in landings)
+
+
 def _run_round(
-    rank, moves, shards, params, group, staging, to_global, wait_for
+    rank, moves, shards, params, group, staging, to_global, wait_for, deferred=None
 ) -> None:
     """One round's moves as one batch of point-to-point operations; a move with several
     receivers is sent to each (in receiver order, the same on both ends)."""
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
+    if deferred is not None:
+        deferred.reserve(sum(m.nbytes for m in moves if _my_dests(m, rank)))
     for move in moves:
         receivers = _receivers(move)
         if len(receivers) > 1:
@@ -318,7 +376,13 @@ def _run_round(
                 staging.stats.p2p_ops += 1
         mine = _my_dests(move, rank)
         if mine:
-            buf = _landing(params, mine[0], move, staging)
+            buf = (
+                _landing(params, mine[0], move, staging)
+                if deferred is None
+                else torch.empty(
+                    move.region.sizes, dtype=move.dtype, device=staging.device
+                )
+            )
             ops.append(dist.P2POp(dist.irecv, buf, to_global(move.src), group))
             landings.append((buf, move, mine))
             staging.stats.bytes_received += move.nbytes
@@ -326,6 +390,9 @@ def _run_round(
     if ops:
         for work in dist.batch_isend_irecv(ops):
             wait_for(work)
+    if deferred is not None:
+        deferred.landed([Landing(buf, m, tuple(d)) for buf, m, d in landings])
+        return
     for buf, move, mine in landings:
         _finish_landing(params, buf, move, mine)
 
