@@ -140,14 +140,28 @@ def remote_group_job(rank: int, world: int, job: dict) -> dict:
             t.name: torch.full(t.shape, 7.0, dtype=t.dtype)
             for t in targets.for_rank(tp_rank)
         }
-        collected = Collected()
-        try:
-            result = group.run_update(None, 60, None, params, collected.deferred)
-        except Exception as e:  # noqa: BLE001 - the test reads the message
-            out["updates"].append({"error": f"{type(e).__name__}: {e}"})
-            continue
-        write_zero_fills(result.plan, rank, params)
-        write_landings(params, collected.landings)
+        peak = None
+        if job.get("staging"):  # the engine's own staging, drained as its pause does
+            from sglang.srt.weight_sync.remote_engine import (
+                Receive,
+                Staging,
+                write_staged,
+            )
+
+            staging = Staging(job["staging"], 60, group.who)
+            receiving = Receive(group, staging, None, params, 60)
+            write_staged(receiving, params, 60)
+            receiving.thread.join()
+            result, peak = receiving.result, staging.peak
+        else:
+            collected = Collected()
+            try:
+                result = group.run_update(None, 60, None, params, collected.deferred)
+            except Exception as e:  # noqa: BLE001 - the test reads the message
+                out["updates"].append({"error": f"{type(e).__name__}: {e}"})
+                continue
+            write_zero_fills(result.plan, rank, params)
+            write_landings(params, collected.landings)
         wrong = [
             t.name
             for t in targets.for_rank(tp_rank)
@@ -162,6 +176,8 @@ def remote_group_job(rank: int, world: int, job: dict) -> dict:
                 ),
                 "wrong": wrong,
                 "rounds": result.stats.rounds,
+                "staging_peak": peak,
+                "largest_round": result.stats.largest_round_bytes,
             }
         )
     group.close()

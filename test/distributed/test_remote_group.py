@@ -39,6 +39,27 @@ def test_trainer_ranks_send_straight_to_two_engines():
         assert sum(sent) == received, (sent, received)
 
 
+def test_a_share_larger_than_the_staging_streams_into_the_parameters():
+    """An engine rank whose staging holds less than its share: the receiving thread waits
+    for the pause to write what landed, the rest streams in (a round written while the
+    next is on the wire), and the parameters still end bit for bit."""
+    cap = 100_000
+    job = dict(
+        port=_port(),
+        trainers=2,
+        engines=ENGINES[:1],
+        seeds=[1],
+        bucket=1 << 20,
+        staging=cap,
+    )
+    results = run_ranks(4, remote_group_job, job, timeout=300)
+    for rank, r in enumerate(results[2:], start=2):
+        u = r["updates"][0]
+        assert not u["wrong"], f"rank {rank}: parameters differ: {u['wrong'][:4]}"
+        assert u["received"] == u["lower_bound"] == u["param_bytes"] > 2 * cap, u
+        assert u["rounds"] > 1 and u["staging_peak"] <= cap + u["largest_round"], u
+
+
 def test_nan_on_a_trainer_rank_refuses_the_update_on_every_rank():
     job = dict(
         port=_port(),

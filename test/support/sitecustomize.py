@@ -173,7 +173,7 @@ if _FAULT_DIR:
         return call
 
     def _wrap_staging(module):
-        module._Staging.landed = _die_in_receive(module._Staging.landed)
+        module.Staging.landed = _die_in_receive(module.Staging.landed)
 
     _on_import("sglang.srt.weight_sync.remote_engine", _wrap_staging)
 

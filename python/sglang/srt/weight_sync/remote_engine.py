@@ -12,7 +12,7 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
   is released first: an engine that restarted, or whose trainer restarted, just joins.
 * update, in the steps the tokenizer manager sends (``remote_protocol.UpdateStep``):
   ``receive`` starts a thread that takes part in the group's update and receives this
-  rank's regions into staging (``_Staging``, at most ``staging_bytes``) while the scheduler
+  rank's regions into staging (``Staging``, at most ``staging_bytes``) while the scheduler
   goes on serving; ``status`` tells how far every TP rank is (one small all-reduce over the
   TP group); ``apply``, under the tokenizer manager's writer lock and between batches,
   writes the staged regions into the live parameters (and streams the rest when the
@@ -77,12 +77,12 @@ from sglang.srt.weight_sync.remote_protocol import (
 from sglang.srt.weight_sync.sglang_compat import field_names, tp_state, weights_released
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 
-__all__ = ("RemoteEngineSync", "scheduler_step")
+__all__ = ("Receive", "RemoteEngineSync", "Staging", "scheduler_step", "write_staged")
 
 logger = logging.getLogger(__name__)
 
 
-class _Staging(Deferred):
+class Staging(Deferred):
     """Where one rank's regions wait between the round that received them and the pause
     that writes them: at most ``cap`` bytes (a round is admitted into empty staging
     whatever its size; rounds are at most half a bucket). A full staging makes the
@@ -137,10 +137,10 @@ class _Staging(Deferred):
             self.cond.notify_all()
 
 
-class _Receive:
+class Receive:
     """One update's receiving on this rank, in a thread of its own."""
 
-    def __init__(self, group: SyncGroup, staging: _Staging, check, params, timeout_s):
+    def __init__(self, group: SyncGroup, staging: Staging, check, params, timeout_s):
         self.group, self.staging = group, staging
         self.result: Optional[UpdateResult] = None
         self.error: Optional[str] = None
@@ -198,7 +198,7 @@ class RemoteEngineSync:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.members: Dict[str, _Member] = {}
-        self.receiving: Optional[Tuple[str, _Receive]] = None
+        self.receiving: Optional[Tuple[str, Receive]] = None
         self._control: Optional[ControlGroup] = None
 
     @classmethod
@@ -354,9 +354,9 @@ class RemoteEngineSync:
                 )
             return problems
 
-        receive = _Receive(
+        receive = Receive(
             member.group,
-            _Staging(cap, req.timeout_s, who),
+            Staging(cap, req.timeout_s, who),
             check,
             params,
             req.timeout_s,
@@ -390,7 +390,7 @@ class RemoteEngineSync:
         refused = mine is not None and mine.refused
         return ReceiveState.FAILED, (REFUSED if refused else "") + "; ".join(errors)
 
-    def receive_of(self, req) -> Optional[_Receive]:
+    def receive_of(self, req) -> Optional[Receive]:
         if self.receiving is None or self.receiving[0] != req.group_name:
             return None
         return self.receiving[1]
@@ -428,7 +428,7 @@ class RemoteEngineSync:
             self._done(mine)
             return False, REFUSED + "; ".join(before), False, {}
         try:
-            wrote = self._write(mine, params, req.timeout_s)
+            wrote = write_staged(mine, params, req.timeout_s)
             refresh_derived(runner.model)
             synchronize(params.values())
             release_cached_memory(params.values())
@@ -481,28 +481,7 @@ class RemoteEngineSync:
         )
         return True, "Success", False, figures
 
-    def _write(
-        self, mine: _Receive, params: Mapping[str, torch.Tensor], timeout_s
-    ) -> bool:
-        """Zero fills, then every staged region as it comes, until receiving ended."""
-        wrote = False
-        while True:
-            landings = mine.staging.take(timeout_s)
-            if landings is None:
-                raise PeerLost(
-                    f"{mine.group.who}: no region arrived within {timeout_s:g}s while writing"
-                )
-            if not landings:
-                break
-            mine.staging.written(write_landings(params, landings))
-            wrote = True
-        if mine.error is not None:
-            raise RuntimeError(mine.error)
-        plan = mine.result.plan
-        write_zero_fills(plan, mine.group.rank, params)
-        return wrote or bool(plan.zero_fills)
-
-    def _done(self, mine: Optional[_Receive]) -> None:
+    def _done(self, mine: Optional[Receive]) -> None:
         if self.receiving is not None and self.receiving[1] is mine:
             self.receiving = None
 
@@ -510,6 +489,29 @@ class RemoteEngineSync:
         mine = self.receive_of(req)
         if mine is not None:
             self._done(mine)
+
+
+def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -> bool:
+    """The pause's writes on one rank: every staged region as it comes (a share larger than
+    the staging streams in: the receiving thread refills what each write frees, so a round
+    is written while the next is on the wire), until receiving ended, then the zero fills.
+    Whether anything was written."""
+    wrote = False
+    while True:
+        landings = mine.staging.take(timeout_s)
+        if landings is None:
+            raise PeerLost(
+                f"{mine.group.who}: no region arrived within {timeout_s:g}s while writing"
+            )
+        if not landings:
+            break
+        mine.staging.written(write_landings(params, landings))
+        wrote = True
+    if mine.error is not None:
+        raise RuntimeError(mine.error)
+    plan = mine.result.plan
+    write_zero_fills(plan, mine.group.rank, params)
+    return wrote or bool(plan.zero_fills)
 
 
 # -------------------------------------------------------------------- the hook
