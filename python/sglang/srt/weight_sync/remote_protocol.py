@@ -251,6 +251,19 @@ class Membership:
         ]
         return f"group {self.group_name!r} epoch {self.epoch} ranks " + "; ".join(parts)
 
+    def join_request(self, member: Member, timeout_s: float) -> dict:
+        """The fields of ``member``'s join request (``JoinWeightSyncGroupReqInput``)."""
+        return dict(
+            group_name=self.group_name,
+            master_address=self.address,
+            master_port=self.port,
+            rank_offset=member.offset,
+            world_size=self.world_size,
+            epoch=self.epoch,
+            backend=self.backend,
+            timeout_s=timeout_s,
+        )
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 

@@ -52,6 +52,12 @@ from sglang.srt.weight_sync.protocol import (
     check_timeout,
     trainer_bound_s,
 )
+from sglang.srt.weight_sync.remote_endpoints import (
+    EngineEndpoint,
+    HttpEndpoint,
+    LocalEndpoint,
+    RemoteSyncError,
+)
 from sglang.srt.weight_sync.remote_group import (
     GroupRefusal,
     SyncGroup,
@@ -81,100 +87,6 @@ IGNORED_SUFFIXES = (
     "rotary_emb.cos_cached",
     "rotary_emb.sin_cached",
 )
-
-
-class RemoteSyncError(RuntimeError):
-    """A join or an update of a weight-sync group that failed; the message names the ranks
-    and phases, on every trainer rank alike."""
-
-
-class EngineEndpoint:
-    """How the trainer's first rank reaches one engine: ``name`` (used in messages and as
-    the member's name), its TP size, whether it answers, and its three control requests
-    (each a dict like the HTTP routes' JSON bodies)."""
-
-    name: str = ""
-
-    def tp_size(self) -> int:
-        raise NotImplementedError
-
-    def alive(self) -> bool:
-        return True
-
-    def join(self, body: dict, timeout_s: float) -> dict:
-        raise NotImplementedError
-
-    def update(self, body: dict, timeout_s: float) -> dict:
-        raise NotImplementedError
-
-    def leave(self, body: dict, timeout_s: float) -> dict:
-        raise NotImplementedError
-
-
-class HttpEndpoint(EngineEndpoint):
-    """An SGLang HTTP server (``http://host:port``)."""
-
-    def __init__(self, url: str, tp_size: Optional[int] = None) -> None:
-        self.url = self.name = url.rstrip("/")
-        self._tp = tp_size
-
-    def _post(self, route: str, body: dict, timeout_s: float) -> dict:
-        import requests
-
-        reply = requests.post(f"{self.url}/{route}", json=body, timeout=timeout_s)
-        if reply.status_code == 404:
-            raise RemoteSyncError(
-                f"engine {self.url} has no /{route}: weight-sync groups with remote engines "
-                "need this wheel's SGLang 0.5.23 base (0.5.12 and 0.5.10.post1 do not support "
-                "them)"
-            )
-        if reply.status_code not in (200, 400):
-            reply.raise_for_status()
-        return reply.json()
-
-    def tp_size(self) -> int:
-        if self._tp is None:
-            import requests
-
-            info = requests.get(f"{self.url}/server_info", timeout=30).json()
-            self._tp = int(info["tp_size"])
-        return self._tp
-
-    def alive(self) -> bool:
-        import requests
-
-        try:
-            return requests.get(f"{self.url}/health", timeout=10).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def join(self, body: dict, timeout_s: float) -> dict:
-        return self._post("join_weight_sync_group", body, timeout_s)
-
-    def update(self, body: dict, timeout_s: float) -> dict:
-        return self._post("update_weights_remote", body, timeout_s)
-
-    def leave(self, body: dict, timeout_s: float) -> dict:
-        return self._post("leave_weight_sync_group", body, timeout_s)
-
-
-class LocalEndpoint(EngineEndpoint):
-    """An ``sglang.Engine`` in this process (its schedulers are processes of their own)."""
-
-    def __init__(self, engine, name: str = "local") -> None:
-        self.engine, self.name = engine, name
-
-    def tp_size(self) -> int:
-        return int(self.engine.server_args.tp_size)
-
-    def join(self, body: dict, timeout_s: float) -> dict:
-        return self.engine.join_weight_sync_group(**body)
-
-    def update(self, body: dict, timeout_s: float) -> dict:
-        return self.engine.update_weights_remote(**body)
-
-    def leave(self, body: dict, timeout_s: float) -> dict:
-        return self.engine.leave_weight_sync_group(**body)
 
 
 def named_specs(
@@ -291,16 +203,7 @@ class RemoteSync:
         joins = {}
         if self.rank == 0 and drive:
             for member in membership.engines:
-                body = dict(
-                    group_name=self.group_name,
-                    master_address=self.address,
-                    master_port=self.port,
-                    rank_offset=member.offset,
-                    world_size=membership.world_size,
-                    epoch=membership.epoch,
-                    backend=membership.backend,
-                    timeout_s=timeout_s,
-                )
+                body = membership.join_request(member, timeout_s)
                 joins[member.name] = self._pool.submit(
                     self.engines[member.name].join, body, trainer_bound_s(timeout_s)
                 )
