@@ -31,6 +31,24 @@ class _Url:
         self.server_args = type("Args", (), {"url": lambda _: url})()
 
 
+def fsdp2_model(model_dir, seed: int, world: int):
+    """The tiny model with the weights of ``seed``, fp32, FSDP2-sharded over the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from update_cases import new_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.load_state_dict(
+        {n: t.float() for n, t in new_weights(model_dir, seed).items()}, strict=False
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def group_of(job: dict):
     """This trainer rank's ``RemoteSync`` of the job's group, servers and port."""
     from sglang.srt.weight_sync.remote_trainer import HttpEndpoint, RemoteSync

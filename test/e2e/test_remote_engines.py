@@ -44,15 +44,15 @@ def prompts_for(model_dir, seed):
     return stable_prompts([(model_dir, new_weights(model_dir, seed))], 2, MAX_NEW)
 
 
-def check_state(states, model_dir, config, seed, prompts, what):
+def check_state(states, model_dir, config, seed, prompts, what, tp=TP):
     """Every server's parameters bit-exact (``states``: ``remote_cases.server_state``), its
     greedy generation HF's."""
     weights = new_weights(model_dir, seed)
-    expected = expected_checksums(config, weights, TP, 1)
+    expected = expected_checksums(config, weights, tp, 1)
     reference = hf_greedy(model_dir, prompts, MAX_NEW, weights=weights)
     for i, state in enumerate(states):
         got = state["checksums"]
-        for r in range(TP):
+        for r in range(tp):
             wrong = sorted(n for n in expected[r] if got[r][n] != expected[r][n])
             assert not wrong, (
                 f"{what}: server {i} rank {r} differs from SGLang's slicing: {wrong[:5]}"

@@ -19,8 +19,6 @@ import pickle
 import time
 from pathlib import Path
 
-import torch
-
 BACKEND = "sglang_remote"
 MODULE = "sglang.srt.weight_sync.verl_checkpoint_engine"
 
@@ -91,11 +89,8 @@ def _steps(rank, world, job, directory, ce_call, update):
 def _actor(rank, actors, world, job, directory):
     import torch.distributed as dist
     from ranks import gathers_allowed
+    from remote_cases import fsdp2_model
     from test_verl_release import _verl_producer
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-    from update_cases import new_weights
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     dist.init_process_group(
@@ -113,17 +108,7 @@ def _actor(rank, actors, world, job, directory):
     )
 
     def update(step, kind, seed):
-        model = AutoModelForCausalLM.from_pretrained(
-            job["model_dir"], torch_dtype=torch.float32
-        )
-        model.load_state_dict(
-            {n: t.float() for n, t in new_weights(job["model_dir"], seed).items()},
-            strict=False,
-        )
-        mesh = init_device_mesh("cpu", (actors,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fsdp2_model(job["model_dir"], seed, actors)
         os.environ["VERL_ROLLOUT_LOCAL_SHARDS"] = "1" if kind == "patched" else "0"
         produced = _verl_producer(
             job["verl_sources"][kind], model.state_dict(), model.config.model_type
