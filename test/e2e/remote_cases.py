@@ -115,12 +115,16 @@ def fsdp_trainer_job(rank: int, world: int, job: dict) -> dict:
     dist.barrier()
     if rank == 0:
         out["state"] = server_state(job["urls"], job["prompts"])
-    if job.get("broadcast_seed") is not None:
-        tensors = as_layout(
-            new_weights(job["model_dir"], job["broadcast_seed"]), "fsdp32", mesh
-        )
+    seeds = job.get("broadcast_seeds") or [job.get("broadcast_seed")]
+    ports = job.get("broadcast_ports") or [job.get("broadcast_port")]
+    for seed, port in zip(seeds, ports):
+        if seed is None:
+            continue
+        tensors = as_layout(new_weights(job["model_dir"], seed), "fsdp32", mesh)
         with gathers_allowed():
-            out["broadcast"] = upstream_broadcast(rank, tensors, job)
+            out["broadcast"] = upstream_broadcast(rank, tensors, dict(job, broadcast_port=port))
+        if rank == 0:
+            out.setdefault("broadcasts", []).append(out["broadcast"])
     dist.barrier()
     sync.close()
     return out
