@@ -122,7 +122,9 @@ def fsdp_trainer_job(rank: int, world: int, job: dict) -> dict:
             continue
         tensors = as_layout(new_weights(job["model_dir"], seed), "fsdp32", mesh)
         with gathers_allowed():
-            out["broadcast"] = upstream_broadcast(rank, tensors, dict(job, broadcast_port=port))
+            out["broadcast"] = upstream_broadcast(
+                rank, tensors, dict(job, broadcast_port=port)
+            )
         if rank == 0:
             out.setdefault("broadcasts", []).append(out["broadcast"])
     dist.barrier()

@@ -13,14 +13,10 @@ cannot run them (see each test).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tiny_models
-import torch
 from engine import hf_greedy
 from test_distributed_update import run
 from update_cases import MAX_NEW, new_weights
@@ -28,53 +24,49 @@ from update_cases import MAX_NEW, new_weights
 STEPS = [("verl", "fsdp", 1), ("utils", "tp", 2)]
 
 
-def sglang_load_checksums(model_dir, weights, tp: int, workdir: Path, ep: int = 1):
-    """Per-rank checksums of SGLang's own load of ``weights`` on its CPU engine (faked ranks)."""
+def sglang_load_checksums(model_dir, weights_by_seed, tp: int, workdir: Path, ep=1):
+    """Per-seed, per-rank checksums of SGLang's own load of each seed's weights on its CPU
+    engine (faked ranks), all in one worker process."""
     import sglang_fakes
 
-    tiny_models.write_modified_checkpoint(model_dir, workdir / "new", weights)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for seed, weights in weights_by_seed.items():
+        tiny_models.write_modified_checkpoint(model_dir, workdir / f"s{seed}", weights)
     job = {
         "mode": "cpu",
         "workdir": str(workdir),
         "checksums": True,
-        "configs": {"new": None},
-        "cases": [[f"r{r}", "new", tp, r, ep] for r in range(tp)],
-    }
-    (workdir / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            sglang_fakes.__file__,
-            str(workdir / "job.json"),
-            str(workdir / "out.pt"),
+        "configs": {f"s{seed}": None for seed in weights_by_seed},
+        "cases": [
+            [f"s{seed}r{r}", f"s{seed}", tp, r, ep]
+            for seed in weights_by_seed
+            for r in range(tp)
         ],
-        env=sglang_fakes.worker_env("cpu"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(workdir / "out.pt", weights_only=False)["results"]
-    for r in range(tp):
-        assert "error" not in results[f"r{r}"], results[f"r{r}"]["error"]
-    return {r: results[f"r{r}"]["checksums"] for r in range(tp)}
+    }
+    results = sglang_fakes.run_job_in_worker(job, workdir, "load", timeout=600)[
+        "results"
+    ]
+    out = {}
+    for seed in weights_by_seed:
+        for r in range(tp):
+            case = results[f"s{seed}r{r}"]
+            assert "error" not in case, case["error"]
+            out.setdefault(seed, {})[r] = case["checksums"]
+    return out
 
 
 def check_models_update(kind: str, tmp_path, generate: bool = True, **engine_kwargs):
     model_dir, _, prompts, (records,) = run(
         kind, 2, 2, STEPS, tmp_path, generate=generate, **engine_kwargs
     )
+    weights = {r["step"][2]: new_weights(model_dir, r["step"][2]) for r in records[1:]}
+    expected_by_seed = sglang_load_checksums(
+        model_dir, weights, 2, tmp_path / "load", engine_kwargs.get("ep_size", 1)
+    )
     for record in records[1:]:
         assert record.get("success", True), record.get("message")
         seed = record["step"][2]
-        weights = new_weights(model_dir, seed)
-        expected = sglang_load_checksums(
-            model_dir,
-            weights,
-            2,
-            tmp_path / f"load-{seed}",
-            engine_kwargs.get("ep_size", 1),
-        )
+        expected = expected_by_seed[seed]
         for r in range(2):
             wrong = sorted(
                 n
@@ -85,7 +77,9 @@ def check_models_update(kind: str, tmp_path, generate: bool = True, **engine_kwa
                 f"{kind} {record['step']}: rank {r} differs from SGLang's own load: {wrong[:5]}"
             )
         if generate:
-            reference = hf_greedy(model_dir, prompts[seed], MAX_NEW, weights=weights)
+            reference = hf_greedy(
+                model_dir, prompts[seed], MAX_NEW, weights=weights[seed]
+            )
             assert record["generation"] == reference, (
                 f"{kind} {record['step']}: generation differs from HF"
             )

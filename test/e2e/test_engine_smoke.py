@@ -9,6 +9,7 @@ import time
 import pytest
 import tiny_models
 from engine import (
+    COMPILED,
     cpu_engine,
     engine_greedy,
     greedy_mismatches,
@@ -34,7 +35,7 @@ def qwen2(tiny_model):
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
 def engine(request, qwen2):
     path = qwen2[0]
-    with cpu_engine(path, tp_size=request.param) as eng:
+    with cpu_engine(path, tp_size=request.param, env=COMPILED) as eng:
         yield eng
     print(
         f"tp{request.param} timings: "

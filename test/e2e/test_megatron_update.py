@@ -64,7 +64,7 @@ def check_megatron_update(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
         prompts=prompts,
         forbidden_log=str(forbidden_log),
     )
-    records = run_ranks(world, megatron_job, job, timeout=900, start_method="spawn")
+    records = run_ranks(world, megatron_job, job, timeout=900)
     reference = hf_greedy(model_dir, prompts, MAX_NEW, weights=weights)
     expected = expected_checksums(config, weights, engine_tp, 1)
     for rank, record in enumerate(records):

@@ -188,14 +188,23 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     if rank == job["die_rank"]:
         _arrange_death(job["when"])
     start = time.monotonic()
+    known = (
+        None  # what the survivor's error says of the engine's answer (PeerLost.outcome)
+    )
     try:
         update(2)
         outcome = "returned"
     except Exception as e:  # noqa: BLE001 - the survivor's error is what the test checks
         outcome = f"{type(e).__name__}: {e}"
+        if getattr(e, "outcome", None) is not None:
+            known = dict(
+                update_id=e.outcome.update_id,
+                applied=e.outcome.applied,
+                answer=e.outcome.answer,
+            )
     elapsed = time.monotonic() - start
     trainer_flow.TrainerSync.of(mesh).close()  # what VerlEngine.shutdown() does
-    return dict(first=first, elapsed=elapsed, outcome=outcome)
+    return dict(first=first, elapsed=elapsed, outcome=outcome, known=known)
 
 
 def run_trainers(

@@ -1,6 +1,7 @@
-"""A trainer rank dies before delivery, after delivery, or mid-update (trainer-side
-resharding): the surviving rank raises within the update's bound with a message naming
-the missing rank and the phase, and the engine keeps serving consistent weights.
+"""A trainer rank dies before delivery or mid-update (trainer-side resharding): the
+surviving rank raises within the update's bound with a message naming the missing rank
+and the phase, and the engine keeps serving consistent weights. A rank that dies after
+delivery: ``test_outcome_agreement.py``.
 
 Measured before this suite: a killed trainer rank made the survivor wait 121 s.
 """
@@ -20,9 +21,10 @@ PROMPTS = [[5, 17, 42, 7]]
 CASES = {
     # phase named in the survivor's error; the bound it must fail within
     "before_delivery": ("before the engine reads the payloads", TIMEOUT_S + 5),
-    "after_delivery": ("while the engine applies the update", 2 * TIMEOUT_S + 30 + 5),
     "mid_update": ("executor round", TIMEOUT_S + 5),
 }
+# "after_delivery" (the engine may apply the update before the survivor finds its peer gone):
+# test_outcome_agreement.py, which also checks that the survivor's error says what the engine did
 
 
 @pytest.mark.parametrize("when", list(CASES))
@@ -47,12 +49,5 @@ def test_trainer_rank_dies(engine, when):
         f"the missing rank is not named: {outcome}"
     )
     before = expected_checksums(config, new_weights(model_dir, 1), TP, 1)
-    after = expected_checksums(config, new_weights(model_dir, 2), TP, 1)
-    now = state(eng)
-    if (
-        when == "after_delivery"
-    ):  # the engine may have read both payloads before rank 1 died
-        assert now in (before, after), "the weights are mixed"
-    else:
-        assert now == before, "a parameter changed"
+    assert state(eng) == before, "a parameter changed"
     assert len(generate(eng, PROMPTS)[0]) == 4, "the engine no longer serves"

@@ -92,6 +92,12 @@ def configure_cpu_env() -> None:
         # NCCL loads from the nvidia wheels, and SGLang's TP groups would then build a pynccl
         # communicator for a CPU device and fail; a library name that cannot load disables it.
         os.environ.setdefault("SGLANG_NCCL_SO_PATH", "libnccl-disabled-on-cpu.so")
+    # SGLang torch.compiles a few small helpers on CPU (the vocab-parallel embedding's input
+    # mask, the seeded sampler); the first generation of every engine process then spends
+    # most of its time in dynamo and inductor. They are pure index arithmetic with eager
+    # equivalents, so the tests run them eagerly; test_engine_smoke.py keeps them compiled
+    # (``COMPILED``) and checks that engine against HF too.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -476,7 +482,10 @@ DEFAULT_ENGINE_ARGS = dict(
     device="cpu",
     attention_backend="torch_native",
     skip_tokenizer_init=True,
-    mem_fraction_static=0.05,
+    # On CPU the engine refuses to start if free system memory fell by more than this fraction
+    # while it loaded its weights: engines started side by side (several per test) need room.
+    # The KV cache stays bounded by max_total_tokens, whatever the fraction.
+    mem_fraction_static=0.3,
     max_total_tokens=4096,  # without it the CPU platform sizes the KV cache from system RAM (~1 GB)
     disable_cuda_graph=True,
     random_seed=0,
@@ -485,6 +494,10 @@ DEFAULT_ENGINE_ARGS = dict(
     # idle engine would otherwise take a core from the test and trainer processes beside it.
     sleep_on_idle=True,
 )
+
+# ``cpu_engine(..., env=COMPILED)``: the engine's processes run SGLang's torch.compile'd helpers
+# compiled, as a user's engine does (``configure_cpu_env`` disables dynamo for the others).
+COMPILED: Mapping[str, Optional[str]] = {"TORCHDYNAMO_DISABLE": None}
 
 # The same, for engines that tests start in worker processes, whose warnings would only add noise.
 WORKER_ENGINE_ARGS = {**DEFAULT_ENGINE_ARGS, "log_level": "error"}

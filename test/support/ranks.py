@@ -96,12 +96,21 @@ def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
             dist.destroy_process_group()
 
 
-PRELOAD = ["torch.distributed.tensor", "sglang.srt.weight_sync.executor"]
+# What the fork server imports once: the data plane for the distributed tests, and SGLang's
+# Engine for the end-to-end ranks that start one (each rank then starts in milliseconds
+# instead of importing SGLang for seconds; the engine's own processes are spawned by SGLang).
+PRELOAD = [
+    "torch.distributed.tensor",
+    "sglang.srt.weight_sync.executor",
+    "sglang.srt.entrypoints.engine",
+]
 
 
 def _context(start_method: str):
-    """By default a fork server that imported torch and sglang once, so each rank starts
-    in milliseconds; "spawn" for ranks that start engines (fresh interpreters)."""
+    """By default a fork server that imported torch and sglang once (``PRELOAD``): every
+    process it starts has this process's environment as the server started with it (the
+    CPU engine's, ``test/conftest.py``), so a rank sets what differs in its own
+    ``os.environ``. "spawn" for fresh interpreters."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)

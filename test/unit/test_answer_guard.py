@@ -60,12 +60,17 @@ class FakeManager:
         }
 
 
-@pytest.fixture
-def manager(monkeypatch):
-    monkeypatch.setattr(answer_guard, "answer_bound_s", lambda timeout_s: BOUND_S)
+def guarded(monkeypatch, bound_s: float = BOUND_S) -> FakeManager:
+    """A fake manager whose communicators the guard wraps, its bound shortened to ``bound_s``."""
+    monkeypatch.setattr(answer_guard, "answer_bound_s", lambda timeout_s: bound_s)
     m = FakeManager()
     bound_answers(m)
     return m
+
+
+@pytest.fixture
+def manager(monkeypatch):
+    return guarded(monkeypatch)
 
 
 def distributed(update_id="u1", timeout_s=5.0):
@@ -121,7 +126,7 @@ def test_no_answer_fails_within_the_bound_then_refuses_until_the_late_answer(man
         manager.inner["update_weights_distributed"].answer.set_result(
             ["late"]
         )  # the scheduler answers late
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # the task ends, then its done callbacks run
         after = asyncio.ensure_future(
             manager.end_weight_update_communicator(io.EndWeightUpdateReqInput())
         )
@@ -180,8 +185,8 @@ def test_other_tensor_updates_keep_upstreams_wait(manager):
 
 def test_reserved_format_request_is_read_for_its_id_and_timeout():
     req = as_tensor_request(distributed("u3", timeout_s=9.5), 2)
-    assert distributed_update(req) == ("u3", 9.5)
-    assert distributed_update(distributed("u4", 3.0)) == ("u4", 3.0)
+    assert distributed_update(req) == ("u3", 9.5, "/tmp/x")
+    assert distributed_update(distributed("u4", 3.0)) == ("u4", 3.0, "/tmp/x")
     assert (
         distributed_update(
             io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"])
@@ -208,7 +213,7 @@ def test_unreadable_control_bounds_by_the_default(payload, capsys):
     req = io.UpdateWeightsFromTensorReqInput(
         serialized_named_tensors=[payload], load_format="distributed_shards"
     )
-    assert distributed_update(req) == ("", DEFAULT_TIMEOUT_S)
+    assert distributed_update(req) == ("", DEFAULT_TIMEOUT_S, "")
     assert "loaded" not in capsys.readouterr().out, "a pickled global was called"
 
 
@@ -217,7 +222,7 @@ def test_invalid_timeout_bounds_by_the_default():
         serialized_named_tensors=[pickle.dumps({"update_id": "u", "timeout_s": -1})],
         load_format="distributed_shards",
     )
-    assert distributed_update(req) == ("u", DEFAULT_TIMEOUT_S)
+    assert distributed_update(req) == ("u", DEFAULT_TIMEOUT_S, "")
 
 
 def test_upstream_generate_request_asks_the_guard_first():
@@ -295,6 +300,9 @@ def test_the_mixed_field_decides_and_the_text_only_where_the_reply_has_no_field(
 
 
 def test_generation_is_refused_while_an_update_is_unanswered(manager):
+    """A late success does not lift the refusal: the caller was told the update failed, so
+    the weights it applied are not served until an update succeeds in time (issue 24)."""
+
     async def go():
         reply = await manager.update_weights_distributed_communicator(distributed("u5"))
         with pytest.raises(
@@ -304,13 +312,20 @@ def test_generation_is_refused_while_an_update_is_unanswered(manager):
             refuse_generation_if_unsafe(manager)
         manager.inner["update_weights_distributed"].answer.set_result(
             [_out(True, "Success")]
-        )  # late, but whole
-        await asyncio.sleep(0)
-        refuse_generation_if_unsafe(manager)
+        )  # late: applied after its caller was told it failed
+        await asyncio.sleep(0.01)  # the task ends, then its done callbacks run
+        with pytest.raises(
+            ValueError,
+            match=r"until a distributed weight update succeeds: distributed weight update "
+            r"'u5' was applied after the engine had answered that it failed",
+        ):
+            refuse_generation_if_unsafe(manager)
         return reply
 
     [reply] = asyncio.run(go())
     assert reply.success is False
+    _answer(manager, "u6", [_out(True, "Success")])
+    refuse_generation_if_unsafe(manager)  # a timely success: served again
 
 
 def test_a_late_answer_saying_mixed_keeps_generation_refused(manager):

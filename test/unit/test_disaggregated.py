@@ -6,7 +6,6 @@ about the number of NICs at work."""
 
 from benchmark.weight_sync.disaggregated import Disaggregated, run
 from benchmark.weight_sync.simulate import InferLayout, TrainLayout
-
 from sglang.srt.weight_sync.target_layout import EngineParallel
 
 
@@ -22,7 +21,7 @@ def test_small_disaggregated_scenario():
     assert r["received_per_engine_rank_max"] == r["lower_bound_per_engine_rank_max"]
     assert r["trainer_ranks_sending"] == 8 and r["sent_spread"] <= 1.1, r
     # every byte of both engines leaves some trainer rank once
-    assert abs(r["sent_per_trainer_rank_mean"] * 8 - 2 * 4 * r["received_per_engine_rank_max"]) <= (
-        0.01 * r["sent_per_trainer_rank_mean"] * 8
-    ), r
+    assert abs(
+        r["sent_per_trainer_rank_mean"] * 8 - 2 * 4 * r["received_per_engine_rank_max"]
+    ) <= (0.01 * r["sent_per_trainer_rank_mean"] * 8), r
     assert r["modelled_seconds"] < r["broadcast_modelled_seconds"] / 3, r

@@ -299,7 +299,7 @@ def test_the_engine_drops_the_payload_before_it_replies():
     shard = torch.randn(16, 16)
     alive = weakref.ref(shard)
     sync = engine_update.EngineWeightSync(0)
-    sync._control = SimpleNamespace(barrier=lambda timeout_s, phase: None)
+    sync._control = SimpleNamespace(barrier=lambda timeout_s, phase: None, lost=None)
     received = engine_update.ReceivedShards(
         sync, Payload("u-1", 0, {0: 0}, {"w": shard}, {})
     )

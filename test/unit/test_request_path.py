@@ -530,6 +530,8 @@ def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, befo
     calls = []
 
     class Control:  # the engine's TP control group: its barrier never completes
+        lost = None
+
         def barrier(self, timeout_s, phase):
             calls.append((timeout_s, phase))
             raise PeerLost(
@@ -556,7 +558,7 @@ def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, befo
         if not before[0]
         else "distributed weight update failed: engine rank 0: at the end of the update"
     )
-    sync._control = SimpleNamespace(barrier=lambda timeout_s, phase: None)
+    sync._control = SimpleNamespace(barrier=lambda timeout_s, phase: None, lost=None)
     assert engine_update.end_of_update(received, _request(), *before) == before
 
 

@@ -11,11 +11,19 @@ would leave upstream's communicator expecting an answer it then drops or hands t
 next caller); until its answer comes, later distributed updates and session calls are
 refused at once instead of queueing behind it.
 
+When the bound passes, the guard records in the update's channel that it gave up on the
+update (``outcome``), unless engine rank 0 has already recorded that it is applying it:
+an abandoned update is refused by every TP rank before any write, so a scheduler that
+resumes later never applies what the caller was told failed, and the answer says which
+of the two happened.
+
 The same guard keeps the engine from serving weights nobody can vouch for: while an
-update is unanswered (its schedulers' weights are unknown), or after one failed once
-writes had begun (some parameters new, some old), generation requests are refused
+update is unanswered (its schedulers' weights are unknown), after one failed once
+writes had begun (some parameters new, some old), or after a late answer said that an
+update the caller was told failed was applied, generation requests are refused
 (``refuse_generation_if_unsafe``, a ``ValueError`` as upstream's own request checks
-raise: HTTP 400) until a distributed update succeeds.
+raise: HTTP 400) until a distributed update succeeds. A late refusal leaves the weights
+as they were, and serving resumes.
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
+from sglang.srt.weight_sync.outcome import Outcome, decide, forget
 from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     DISTRIBUTED_LOAD_FORMAT,
@@ -39,9 +48,11 @@ from sglang.srt.weight_sync.protocol import (
 
 __all__ = (
     "BoundedCommunicator",
+    "DistributedUpdate",
     "bound_answers",
     "distributed_update",
     "guard_of",
+    "no_answer_message",
     "refuse_generation_if_unsafe",
 )
 
@@ -59,56 +70,100 @@ SESSIONS = {
 NO_ANSWER = "an engine rank did not answer (a scheduler may have died or hung)"
 
 
+class DistributedUpdate(NamedTuple):
+    """What the guard reads of a distributed update request."""
+
+    update_id: str
+    timeout_s: float
+    channel: str
+
+
 @dataclass
 class _Unanswered:
-    """A distributed update whose answer did not come within its bound (still awaited)."""
+    """A distributed update whose answer did not come within its bound (still awaited), and
+    what its outcome record said then (None: nothing could be recorded)."""
 
     update_id: str
     bound_s: float
     answer: asyncio.Future
+    recorded: Optional[Outcome]
 
 
 class _Guard:
     """What the wrapped communicators of one tokenizer manager share: the unanswered update,
-    and the answer that said the weights are mixed (until an update succeeds)."""
+    and why the weights cannot be vouched for (mixed, or applied after the caller was told
+    the update failed) until an update succeeds."""
 
     def __init__(self) -> None:
         self.unanswered: Optional[_Unanswered] = None
-        self.mixed: Optional[str] = None
+        self.unsafe: Optional[str] = None
 
     def pending(self) -> Optional[_Unanswered]:
-        if self.unanswered is not None and self.unanswered.answer.done():
-            self.unanswered = None
+        """The unanswered update, until its late answer has been settled (not merely come:
+        nothing may be served between the two)."""
         return self.unanswered
 
     def settle(self, update_id: str, outputs) -> None:
-        """What an update's answer says of the weights: a success on every scheduler makes them
-        whole, a failure after writes began mixed; a refusal (nothing written) leaves them as they were."""
-        if outputs and all(getattr(o, "success", False) for o in outputs):
-            self.mixed = None
+        """What an update's timely answer says of the weights: a success on every scheduler
+        makes them whole, a failure after writes began mixed; a refusal (nothing written)
+        leaves them as they were."""
+        if _succeeded(outputs):
+            self.unsafe = None
             return
         mixed = [o.message for o in outputs if is_mixed(o)]
         if mixed:
-            self.mixed = f"distributed weight update {update_id!r}: {mixed[0]}"
+            self.unsafe = f"distributed weight update {update_id!r}: {mixed[0]}"
 
-    def hold(self, update_id: str, bound: float, answer: asyncio.Future) -> None:
-        """An update whose answer did not come within ``bound``: until it comes (then it is
-        settled), its weights are unknown and generation and later updates are refused."""
-        self.unanswered = _Unanswered(update_id, bound, answer)
-        answer.add_done_callback(_late_answer(update_id, time.monotonic(), self))
+    def settle_late(self, update_id: str, bound_s: float, outputs) -> None:
+        """A late answer decides as a timely one, except a success: its caller was told the
+        update failed, so weights it believes were never applied must not be served (the
+        engine refuses an update it knows was abandoned, so only an update committed before
+        the bound can end so)."""
+        if _succeeded(outputs):
+            self.unsafe = (
+                f"distributed weight update {update_id!r} was applied after the engine had "
+                f"answered that it failed (no answer within {bound_s:g}s), so its caller "
+                "believes it was not applied"
+            )
+            return
+        self.settle(update_id, outputs)
+
+    def give_up(
+        self, update_id: str, bound_s: float, answer: asyncio.Future, channel: str
+    ) -> Tuple[Optional[Outcome], str]:
+        """``answer`` did not come within ``bound_s``: record in ``channel`` that the caller
+        is told the update failed, unless engine rank 0 recorded first that it is applying
+        it, and hold the update (generation and later updates refused) until its answer
+        comes and is settled. The outcome that holds, or None and why nothing was recorded."""
+        recorded, why = _abandon(channel, update_id)
+        unanswered = _Unanswered(update_id, bound_s, answer, recorded)
+        self.unanswered = unanswered
+        answer.add_done_callback(
+            _late_answer(unanswered, channel, time.monotonic(), self)
+        )
+        return recorded, why
 
     def serving_refusal(self) -> Optional[str]:
         """Why generation must not run now, or None."""
         pending = self.pending()
         if pending is not None:
+            what = (
+                "the update is abandoned and will not be applied, but a scheduler does not "
+                "answer: wait for its answer, or restart the engine"
+                if pending.recorded is Outcome.ABANDONED
+                else "its weights are unknown, possibly mixed: restart the engine"
+            )
             return (
                 f"generation refused: the engine has not answered distributed weight update "
-                f"{pending.update_id!r} within {pending.bound_s:g}s ({NO_ANSWER}); its weights are unknown, "
-                "possibly mixed: restart the engine"
+                f"{pending.update_id!r} within {pending.bound_s:g}s ({NO_ANSWER}); {what}"
             )
-        if self.mixed is not None:
-            return f"generation refused until a distributed weight update succeeds: {self.mixed}"
+        if self.unsafe is not None:
+            return f"generation refused until a distributed weight update succeeds: {self.unsafe}"
         return None
+
+
+def _succeeded(outputs) -> bool:
+    return bool(outputs) and all(getattr(o, "success", False) for o in outputs)
 
 
 class BoundedCommunicator:
@@ -135,7 +190,7 @@ class BoundedCommunicator:
         pending = self._guard.pending()
         if pending is not None:
             what = (
-                f"distributed weight update {update[0]!r}"
+                f"distributed weight update {update.update_id!r}"
                 if update
                 else type(obj).__name__
             )
@@ -147,20 +202,17 @@ class BoundedCommunicator:
             ]
         if update is None:
             return await self._inner(obj)
-        update_id, timeout_s = update
+        update_id, timeout_s, channel = update
         bound = answer_bound_s(timeout_s)
         answer = asyncio.ensure_future(self._inner(obj))
         done, _ = await asyncio.wait({answer}, timeout=bound)
         if done:
+            forget(channel, update_id)
             outputs = answer.result()
             self._guard.settle(update_id, outputs)
             return outputs
-        self._guard.hold(update_id, bound, answer)
-        message = (
-            f"no answer from the engine within {bound:g}s to distributed weight update {update_id!r} "
-            f"(timeout_s={timeout_s:g} plus {GRACE_S:g}s grace), waiting for its schedulers to receive and apply "
-            f"it: {NO_ANSWER}. Its weights are unknown, possibly mixed: restart the engine"
-        )
+        recorded, why = self._guard.give_up(update_id, bound, answer, channel)
+        message = no_answer_message(update_id, timeout_s, bound, recorded, why)
         logger.error(message)
         return [self._answer(message)]
 
@@ -168,8 +220,56 @@ class BoundedCommunicator:
         return self._output_cls(success=False, message=message)
 
 
-def _late_answer(update_id: str, since: float, guard: _Guard):
+def _abandon(channel: str, update_id: str) -> Tuple[Optional[Outcome], str]:
+    """Record that the caller is told the update failed, unless engine rank 0 recorded first
+    that it is applying it: the outcome that holds, or None and why nothing was recorded."""
+    try:
+        return decide(channel, update_id, Outcome.ABANDONED), ""
+    except (OSError, ValueError, DeliveryError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def no_answer_message(
+    update_id: str,
+    timeout_s: float,
+    bound: float,
+    recorded: Optional[Outcome],
+    why: str = "",
+) -> str:
+    """The answer to an update its schedulers left unanswered past ``bound``: what became of
+    it, as its outcome record says."""
+    if recorded is Outcome.ABANDONED:
+        fate = (
+            "The update is abandoned: the engine will not apply it (a scheduler that resumes "
+            "refuses it), so the engine keeps the weights of its last update that succeeded; "
+            "until the engine answers, generation and updates are refused (if it never "
+            "answers, restart the engine)"
+        )
+    elif recorded is Outcome.COMMITTED:
+        fate = (
+            "The engine had already committed to applying it when the bound passed: its "
+            "weights are unknown (the new ones, or mixed), and generation is refused until a "
+            "distributed weight update succeeds"
+        )
+    else:
+        fate = (
+            f"Whether the engine may still apply it could not be recorded ({why}): its weights "
+            "are unknown, possibly mixed: restart the engine"
+        )
+    return (
+        f"no answer from the engine within {bound:g}s to distributed weight update {update_id!r} "
+        f"(timeout_s={timeout_s:g} plus {GRACE_S:g}s grace), waiting for its schedulers to receive "
+        f"and apply it: {NO_ANSWER}. {fate}"
+    )
+
+
+def _late_answer(unanswered: _Unanswered, channel: str, since: float, guard: _Guard):
+    update_id = unanswered.update_id
+
     def settle(answer: asyncio.Future) -> None:
+        forget(channel, update_id)
+        if guard.unanswered is unanswered:
+            guard.unanswered = None
         late = time.monotonic() - since
         if answer.cancelled() or answer.exception() is not None:
             logger.error(
@@ -177,7 +277,7 @@ def _late_answer(update_id: str, since: float, guard: _Guard):
                 update_id,
                 "cancelled" if answer.cancelled() else answer.exception(),
             )
-            guard.mixed = f"distributed weight update {update_id!r} never got an answer: its weights are unknown"
+            guard.unsafe = f"distributed weight update {update_id!r} never got an answer: its weights are unknown"
         else:
             logger.error(
                 "distributed weight update %r: answered %.1fs after its bound: %s",
@@ -185,7 +285,7 @@ def _late_answer(update_id: str, since: float, guard: _Guard):
                 late,
                 " | ".join(str(getattr(r, "message", r)) for r in answer.result()),
             )
-            guard.settle(update_id, answer.result())
+            guard.settle_late(update_id, unanswered.bound_s, answer.result())
 
     return settle
 
@@ -213,7 +313,7 @@ def bound_answers(manager) -> None:
 
 def guard_of(manager) -> Optional[_Guard]:
     """The guard ``bound_answers`` gave ``manager`` (None before it ran): the remote path's
-    tokenizer-side steps settle and hold their updates through it."""
+    tokenizer-side steps settle and give up on their updates through it."""
     return getattr(manager, "_weight_sync_guard", None)
 
 
@@ -226,21 +326,28 @@ def refuse_generation_if_unsafe(manager) -> None:
         raise ValueError(refusal)
 
 
-def distributed_update(obj) -> Optional[Tuple[str, float]]:
-    """(update id, timeout_s) of a distributed update, as ``UpdateWeightsDistributedReqInput``
-    or as a tensor-path request with the reserved load_format; None for any other request.
-    A timeout the schedulers refuse bounds them by the default, as here."""
+def distributed_update(obj) -> Optional[DistributedUpdate]:
+    """Update id, timeout_s and channel of a distributed update, as
+    ``UpdateWeightsDistributedReqInput`` or as a tensor-path request with the reserved
+    load_format; None for any other request. A timeout the schedulers refuse bounds them
+    by the default, as here."""
     if getattr(obj, "load_format", None) == DISTRIBUTED_LOAD_FORMAT:
         control = _read_control(obj.serialized_named_tensors)
     elif type(obj).__name__ == "UpdateWeightsDistributedReqInput":
-        control = {"update_id": obj.update_id, "timeout_s": obj.timeout_s}
+        control = {
+            "update_id": obj.update_id,
+            "timeout_s": obj.timeout_s,
+            "channel": obj.channel,
+        }
     else:
         return None
     try:
         timeout_s = check_timeout(control.get("timeout_s", DEFAULT_TIMEOUT_S))
     except DeliveryError:
         timeout_s = DEFAULT_TIMEOUT_S
-    return str(control.get("update_id", "")), timeout_s
+    return DistributedUpdate(
+        str(control.get("update_id", "")), timeout_s, str(control.get("channel", ""))
+    )
 
 
 def _read_control(payloads) -> dict:

@@ -16,6 +16,13 @@ gloo alone (a trainer's ``cpu:gloo,cuda:nccl`` or NCCL mesh group) it runs on a 
 of its own over the same ranks: control tensors stay on the host, barriers can name the
 ranks that never came (``monitored_barrier`` is gloo's), and a control wait that times out
 never aborts a NCCL communicator the trainer computes with.
+
+A wait that fails leaves its group unusable: gloo keeps the collective given up on
+pending (a peer that comes late completes it with this rank's contribution) and a barrier
+that times out closes its connections. The group is then marked ``lost`` and its owner
+makes a new one: the engine's weight sync does so on every TP rank at the start of the
+next update, over a gloo group of its own (``own``), never SGLang's TP group, whose
+collectives serving relies on.
 """
 
 from __future__ import annotations
@@ -52,7 +59,12 @@ RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group he
 
 
 class PeerLost(RuntimeError):
-    """A peer of a collective did not answer within the bound (dead, hung or far behind)."""
+    """A peer of a collective did not answer within the bound (dead, hung or far behind).
+
+    ``outcome``: raised by a trainer rank while an engine applied an update, what this rank
+    knows of the engine's answer (``trainer_flow.UpdateOutcome``); None elsewhere."""
+
+    outcome = None
 
 
 class BoundTooLong(ValueError):
@@ -129,13 +141,16 @@ class ControlGroup:
 
     ``name`` keeps the barrier marks of two owners of the same ranks apart in the
     store; every rank of the group creates its ``ControlGroup`` with the same name and
-    enters its barriers in the same order.
+    enters its barriers in the same order. ``own``: run on a gloo group of its own even
+    over a gloo ``group`` (the engine's: a wait given up on SGLang's own TP group would
+    leave that group out of step for serving). A wait that fails marks the group ``lost``.
     """
 
     def __init__(
         self,
         group: Optional[dist.ProcessGroup],
         name: str,
+        own: bool = False,
         rank: Optional[int] = None,
         store: Optional[dist.Store] = None,
     ) -> None:
@@ -145,17 +160,29 @@ class ControlGroup:
             if group is not None
             else tuple(range(dist.get_world_size()))
         )
-        self.group = _gloo_group(group, self.ranks)
+        self.group = _gloo_group(group, self.ranks, own)
+        self.own = own
         self.device = collective_device(self.group)
         # this process's rank in the group; a group that spans processes of other worlds
         # (``join_group``) says so itself, as torch maps ranks through this world's
         self.rank = dist.get_rank(self.group) if rank is None else rank
         self._store = store
         self._barriers = 0
+        # why a wait on this group failed: its peers may still complete the collective it
+        # gave up (gloo keeps it pending) or find its connections closed, so it is not used again
+        self.lost: Optional[str] = None
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def _wait(self, work, timeout_s: Optional[float], phase: str) -> None:
+        """``wait``, marking the group lost when the wait fails."""
+        try:
+            wait(work, timeout_s, phase)
+        except PeerLost as e:
+            self.lost = str(e)
+            raise
 
     def _reduce(
         self,
@@ -164,7 +191,7 @@ class ControlGroup:
         phase: str,
         op=dist.ReduceOp.SUM,
     ) -> torch.Tensor:
-        wait(
+        self._wait(
             dist.all_reduce(t, op=op, group=self.group, async_op=True), timeout_s, phase
         )
         return t
@@ -200,7 +227,7 @@ class ControlGroup:
         every = torch.empty(
             self.size * len(mine), dtype=torch.int64, device=self.device
         )
-        wait(
+        self._wait(
             dist.all_gather_into_tensor(every, t, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -227,7 +254,7 @@ class ControlGroup:
             torch.empty(width, dtype=torch.uint8, device=self.device)
             for _ in range(self.size)
         ]
-        wait(
+        self._wait(
             dist.all_gather(gathered, padded, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -287,7 +314,7 @@ class ControlGroup:
                     bytearray(data), dtype=torch.uint8
                 )
         buf = buf.to(self.device)
-        wait(
+        self._wait(
             dist.broadcast(buf, src=src, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -318,7 +345,7 @@ class ControlGroup:
             dtype=torch.int64,
             device=self.device,
         )
-        wait(
+        self._wait(
             dist.broadcast(length, src=src, group=self.group, async_op=True),
             timeout_s,
             phase,
@@ -341,12 +368,17 @@ class ControlGroup:
         never reached it: each rank marks its arrival in the default group's store first
         (a dead peer's closed connection makes gloo say only "Connection closed by peer").
         ``timeout_s=None``: bounded by the group's own timeout only, for waits on work of
-        unknown length outside an update (a peer starting an engine or generating)."""
+        unknown length outside an update (a peer starting an engine or generating).
+
+        On a group of its own (``own``, the engine's) every rank's wait is bounded alike:
+        gloo's ``monitored_barrier`` bounds only its first rank's wait, and the others wait
+        without bound for that rank's reply, which never comes once it gave the group up."""
         if timeout_s is None:
             try:
-                wait(self._device_barrier(), None, phase)
+                self._wait(self._device_barrier(), None, phase)
             except RuntimeError as e:
-                raise PeerLost(f"{phase}: {e}") from None
+                self.lost = f"{phase}: {e}"
+                raise PeerLost(self.lost) from None
             return
         me, tag = self.ranks[self.rank], ",".join(map(str, self.ranks))
         self._barriers += 1
@@ -360,7 +392,7 @@ class ControlGroup:
             ):  # every rank passed the previous one: its mark is no longer needed
                 store.delete_key(f"{prefix}/{self._barriers - 1}/{me}")
         try:
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and not self.own:
                 dist.monitored_barrier(
                     group=self.group,
                     timeout=timedelta(seconds=timeout_s),
@@ -373,7 +405,8 @@ class ControlGroup:
                 r for r, k in keys.items() if store is not None and not store.check([k])
             ]
             named = f"ranks {absent} never reached it; " if absent else ""
-            raise PeerLost(f"{phase}: {named}{e} (within {timeout_s:g}s)") from None
+            self.lost = f"{phase}: {named}{e} (within {timeout_s:g}s)"
+            raise PeerLost(self.lost) from None
 
 
 def open_store(address: str, port: int, host: bool, timeout_s: float) -> dist.Store:
@@ -460,13 +493,15 @@ def leave_group(group: Optional[dist.ProcessGroup]) -> None:
 
 
 def _gloo_group(
-    group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...]
+    group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...], own: bool = False
 ) -> Optional[dist.ProcessGroup]:
-    """``group`` itself when it is gloo alone, else a gloo group over the same ranks
-    (created by those ranks only, in the same order everywhere: the owners of a
-    ``ControlGroup`` build it at the same point of their flow). Its timeout is above every
-    bound an update waits for, so the bounds here are what ends a wait."""
-    if str(dist.get_backend(group)).lower() == "gloo" or not dist.is_gloo_available():
+    """``group`` itself when it is gloo alone (and ``own`` is not asked), else a gloo group
+    over the same ranks (created by those ranks only, in the same order everywhere: the
+    owners of a ``ControlGroup`` build it at the same point of their flow). Its timeout is
+    above every bound an update waits for, so the bounds here are what ends a wait."""
+    if not dist.is_gloo_available() or (
+        not own and str(dist.get_backend(group)).lower() == "gloo"
+    ):
         return group
     return dist.new_group(
         list(ranks),

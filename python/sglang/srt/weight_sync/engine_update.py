@@ -12,21 +12,26 @@ it goes with them. The hooks call, on every TP rank:
    (``target_cache``) and the sources from the payload, validate, then share every
    rank's problems (``control_plane``, one all-reduce, bounded by
    ``timeout_s + GRACE_S``). Any problem on any rank refuses the update on every rank
-   before a parameter changes. Then agree on the plan, execute it (``executor``) and
-   refresh what SGLang derives from parameters (``apply``); share the figures.
+   before a parameter changes. Then agree on the plan, commit (rank 0 records with the
+   tokenizer manager that the update is being applied, unless it gave up on it first:
+   ``outcome``; one all-reduce), execute the plan (``executor``) and refresh what SGLang
+   derives from parameters (``apply``); share the figures.
 3. ``end_of_update(received, recv_req, success, message)`` (scheduler): upstream's
    closing TP barrier, bounded.
 
 The engine never dies of an update: every exception becomes ``success=False`` with a
-message naming the rank; a failure after writes began is ``mixed`` (the reply's field,
-and ``protocol.MIXED`` in its message). Releases before 0.5.23 have a single hook in
-the model runner: ``update_from_payload`` runs all three steps and the post-load fixups.
+message naming the rank; a failure after the commit is ``mixed`` (the reply's field,
+and ``protocol.MIXED`` in its message). The collectives run on a control group of the
+engine's own, made anew on every TP rank after a wait on it failed (``renew_control``).
+Releases before 0.5.23 have a single hook in the model runner: ``update_from_payload``
+runs all three steps and the post-load fixups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -54,6 +59,7 @@ from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derived_targets import DerivedTargets
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
+from sglang.srt.weight_sync.outcome import Outcome, decide
 from sglang.srt.weight_sync.planner import CoverageError, Plan, PlanCache
 from sglang.srt.weight_sync.protocol import (
     DATA_GROUP_TIMEOUT_S,
@@ -86,6 +92,7 @@ __all__ = (
     "ReceivedShards",
     "apply_shards",
     "as_distributed_request",
+    "commit_to_write",
     "end_of_update",
     "engine_targets",
     "receive_shards",
@@ -161,6 +168,8 @@ class EngineWeightSync:
         # checks each derived targets once, before their first write
         self.provenance = ProvenanceCheck()
         self._control: Optional[ControlGroup] = None
+        # how many control groups this rank made: names them apart (barrier marks in the store)
+        self._controls_made = 0
 
     @classmethod
     def of(cls, owner) -> EngineWeightSync:
@@ -172,10 +181,32 @@ class EngineWeightSync:
 
     @property
     def control(self) -> ControlGroup:
-        """The control collectives over the engine's TP CPU group."""
+        """The control collectives over the engine's TP ranks, on a gloo group of their own:
+        never SGLang's TP CPU group, which serving's own collectives use in lockstep (a wait
+        given up there would leave it out of step). Made on first use by every TP rank at
+        the same point of an update; ``renew_control`` replaces it after a failed wait."""
         if self._control is None:
-            self._control = ControlGroup(tp_state().cpu_group, "engine")
+            self._control = ControlGroup(
+                tp_state().cpu_group, f"engine-{self._controls_made}", own=True
+            )
+            self._controls_made += 1
         return self._control
+
+    def renew_control(self) -> None:
+        """At the start of every update, on every TP rank: make a new control group if a wait
+        on the current one failed (``ControlGroup.lost``). Every TP rank lost it in that same
+        update: a rank whose wait failed never uses the group again, so each peer's next wait
+        on it fails too, at the latest at the closing barrier (``end``), which every update
+        ends with. So all ranks make the new group together, here."""
+        if self._control is not None and self._control.lost:
+            logger.warning(
+                "engine rank %d: making a new control group with the other TP ranks (a wait "
+                "on the last one failed: %s)",
+                self.rank,
+                self._control.lost,
+            )
+            self._control = None
+        self.control  # noqa: B018 - made here, at the same point on every rank
 
     def data_group(self, bound: float) -> DataGroup:
         """The data plane's own group over the TP ranks, never SGLang's serving TP group: a
@@ -218,6 +249,7 @@ class EngineWeightSync:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         try:
+            self.renew_control()
             problems = (
                 [recv_req.problem]
                 if isinstance(recv_req, _unreadable_request())
@@ -289,6 +321,9 @@ class EngineWeightSync:
                     False,
                     f"{REFUSED}engine rank {self.rank}: {type(e).__name__}: {e}",
                 )
+        refusal = self._commit(received, recv_req, bound)
+        if refusal is not None:
+            return False, refusal
         try:
             figures = self._write(model, received, found, recv_req, bound, data)
         except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
@@ -306,6 +341,17 @@ class EngineWeightSync:
             previous = received.figures.get(key, [0] * self.control.size)
             received.figures[key] = [a + b for a, b in zip(previous, values)]
         return True, "Success"  # upstream's text: callers test for it
+
+    def _commit(
+        self, received: ReceivedShards, recv_req, bound: float
+    ) -> Optional[str]:
+        """The last step before the first write, on every TP rank (``commit_to_write``):
+        None to write, else why not; a failed vote marks ``received`` mixed."""
+        why, mixed = commit_to_write(
+            self.control, self.rank, recv_req.channel, recv_req.update_id, bound
+        )
+        received.mixed = received.mixed or mixed
+        return why
 
     def _derived_targets(
         self, model_config, bound: float
@@ -478,7 +524,11 @@ class EngineWeightSync:
 
     def end(self, recv_req, success: bool, message: str) -> Tuple[bool, str]:
         """Upstream's closing barrier, bounded by the update's bound: a peer that never comes
-        fails the update here, named (every write had ended if it succeeded so far)."""
+        fails the update here, named (every write had ended if it succeeded so far). Skipped
+        once a wait of this update failed: the update has failed, and the group is not used
+        again (its peers' own closing barrier then fails, so every rank renews it)."""
+        if self.control.lost:
+            return success, message
         try:
             self.control.barrier(
                 _timeout(recv_req) + GRACE_S,
@@ -520,32 +570,34 @@ def end_of_update(
 
 
 def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
-    """Steps 1-2 on releases whose model runner is the only hook (0.5.10, 0.5.12): it hands
-    over this rank's control payload; the scheduler flushes the cache and runs its barrier
-    as for any tensor update. These releases have no weight-update session whose end would
-    run the model's post-load fixups (MLA's w_kc/w_vc from kv_b_proj), so an update that
-    wrote parameters runs them here (``apply.run_post_load``)."""
+    """The three steps on releases whose model runner is the only hook (0.5.10, 0.5.12): it
+    hands over this rank's control payload; the scheduler then flushes the cache and runs
+    upstream's barrier as for any tensor update. These releases have no weight-update session
+    whose end would run the model's post-load fixups (MLA's w_kc/w_vc from kv_b_proj), so an
+    update that wrote parameters runs them here (``apply.run_post_load``)."""
     recv_req = _control_request(lambda: own_payload, {})
     received = receive_shards(recv_req, runner)
     success, message = apply_shards(
         runner.model, runner.model_config, received, recv_req
     )
-    if not success or received.payload.kind == PayloadKind.DESCRIBE:
-        return success, message
-    try:
-        run_post_load(runner.model)
-    except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
-        logger.exception(
-            "engine rank %d: the post-load fixups after a distributed weight update failed",
-            received.sync.rank,
-        )
-        return False, (
-            f"distributed weight update FAILED after writes on engine rank {received.sync.rank}: the "
-            f"model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters new, "
-            "tensors computed from them old); generation is refused until a distributed weight "
-            "update succeeds"
-        )
-    return success, message
+    if success and received.payload.kind != PayloadKind.DESCRIBE:
+        try:
+            run_post_load(runner.model)
+        except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
+            logger.exception(
+                "engine rank %d: the post-load fixups after a distributed weight update failed",
+                received.sync.rank,
+            )
+            success, message = (
+                False,
+                (
+                    f"distributed weight update FAILED after writes on engine rank {received.sync.rank}: "
+                    f"the model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters "
+                    "new, tensors computed from them old); generation is refused until a distributed "
+                    "weight update succeeds"
+                ),
+            )
+    return end_of_update(received, recv_req, success, message)
 
 
 def as_distributed_request(recv_req, deserialize_own_rank):
@@ -745,6 +797,71 @@ def _sources(payload: Payload, targets: DerivedTargets):
             "values (refused: see docs/usage.md)"
         )
     return sources, payload.tensors
+
+
+def commit_to_write(
+    control: ControlGroup, rank: int, channel, update_id: str, bound: float
+) -> Tuple[Optional[str], bool]:
+    """The last step before the first write, on every TP rank of ``control``: (None, False)
+    to write, else why not and whether the weights may be mixed.
+
+    Engine rank 0 records in ``channel`` that the update is being applied, unless the
+    tokenizer manager has recorded that it gave up on it (``outcome``): an update whose
+    caller was told it failed is never applied later. Then one all-reduce: every rank writes
+    only if rank 0 committed and all hold the same update (a rank left behind by a fault may
+    be a whole update late). A rank whose wait fails here has voted, and a peer that comes
+    late completes the vote with it and writes: from here on, a failure says the weights are
+    mixed, whatever this rank wrote itself. The colocated path and remote engines
+    (``remote_engine``) both commit so."""
+    why = _claim(rank, channel, update_id) if rank == 0 else None
+    vote = 0 if why else _update_digest(update_id)
+    try:
+        agreed = control.all_equal(
+            vote, bound, f"engine rank {rank}: committing to write update {update_id!r}"
+        )
+    except PeerLost as e:
+        return (
+            f"distributed weight update FAILED on engine rank {rank} as the TP ranks "
+            f"committed to write ({e}): another rank may have begun writing, so {MIXED} as "
+            "far as anyone can tell (some parameters new, some old); generation is refused "
+            "until a distributed weight update succeeds"
+        ), True
+    if agreed and vote:
+        return None, False
+    return REFUSED + (
+        why
+        or f"engine rank {rank}: the TP ranks did not all commit to update "
+        f"{update_id!r} (engine rank 0 records its outcome, see its answer)"
+    ), False
+
+
+def _claim(rank: int, channel, update_id: str) -> Optional[str]:
+    """Rank 0: record that ``update_id`` is being applied; why not, or None."""
+    try:
+        recorded = decide(channel, update_id, Outcome.COMMITTED)
+    except (OSError, ValueError, DeliveryError) as e:
+        return (
+            f"engine rank {rank}: cannot record in its channel that update {update_id!r} "
+            f"is being applied ({type(e).__name__}: {e})"
+        )
+    if recorded is Outcome.ABANDONED:
+        logger.error(
+            "distributed weight update %s: the tokenizer manager gave up on it before the "
+            "engine could apply it: refused",
+            update_id,
+        )
+        return (
+            f"engine rank {rank}: the engine's tokenizer manager had already given up on "
+            f"update {update_id!r} (no answer within its bound: its caller was told it failed), "
+            "so the engine does not apply it"
+        )
+    return None
+
+
+def _update_digest(update_id: str) -> int:
+    """A non-zero 60-bit integer standing for ``update_id`` in the commit vote."""
+    digest = hashlib.sha256(str(update_id).encode("utf-8", "surrogatepass")).hexdigest()
+    return int(digest[:15], 16) | 1
 
 
 def _timeout(recv_req) -> float:

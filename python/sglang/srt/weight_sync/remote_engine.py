@@ -15,7 +15,9 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
   rank's regions into staging (``Staging``, at most ``staging_bytes``) while the scheduler
   goes on serving; ``status`` tells how far every TP rank is (one small all-reduce over the
   TP group); ``apply``, under the tokenizer manager's writer lock and between batches,
-  writes the staged regions into the live parameters (and streams the rest when the
+  commits as the colocated path does (``engine_update.commit_to_write``: engine rank 0
+  records the update's outcome in the directory the tokenizer manager names, so an update
+  the tokenizer manager gave up on is never written), writes the staged regions into the live parameters (and streams the rest when the
   staging was too small to hold the rank's share), refreshes what SGLang derives from
   them, and reports the figures. A failure before the first write leaves the old weights
   serving; after it, the reply says ``mixed`` and the tokenizer manager refuses generation
@@ -50,7 +52,11 @@ from sglang.srt.weight_sync.control_plane import (
     PeerLost,
     open_store,
 )
-from sglang.srt.weight_sync.engine_update import EngineWeightSync, engine_targets
+from sglang.srt.weight_sync.engine_update import (
+    EngineWeightSync,
+    commit_to_write,
+    engine_targets,
+)
 from sglang.srt.weight_sync.executor import (
     Deferred,
     Landing,
@@ -210,9 +216,14 @@ class RemoteEngineSync:
 
     @property
     def control(self) -> ControlGroup:
-        """The TP group's control collectives (status and apply agree through it)."""
+        """The control collectives over the engine's TP ranks (status and apply agree through
+        it), on a gloo group of their own, as the colocated path's (``EngineWeightSync``):
+        never SGLang's TP CPU group, which a wait given up on would leave out of step for
+        serving. Made on first use, by every TP rank in the same step."""
         if self._control is None:
-            self._control = ControlGroup(tp_state().cpu_group, "remote-engine")
+            self._control = ControlGroup(
+                tp_state().cpu_group, "remote-engine", own=True
+            )
         return self._control
 
     # ------------------------------------------------------------------ join / leave
@@ -331,6 +342,11 @@ class RemoteEngineSync:
             problems.append(
                 f"engine rank {self.rank}: an update is already being received"
             )
+        if self._control is not None and self._control.lost:
+            problems.append(
+                f"a wait among the engine's TP ranks failed in an earlier update "
+                f"({self._control.lost}): restart the engine"
+            )
         if problems:
             return False, f"{REFUSED}engine rank {self.rank}: " + "; ".join(problems)
         sync = EngineWeightSync.of(worker)
@@ -427,6 +443,12 @@ class RemoteEngineSync:
         if before:
             self._done(mine)
             return False, REFUSED + "; ".join(before), False, {}
+        why, mixed = commit_to_write(
+            self.control, self.rank, req.outcome_channel, req.outcome_id, bound
+        )
+        if why is not None:
+            self._done(mine)
+            return False, why, mixed, {}
         try:
             wrote = write_staged(mine, params, req.timeout_s)
             refresh_derived(runner.model)

@@ -15,8 +15,14 @@ the schedulers. ``update_weights_remote`` walks one update through its steps
    pause the reply reports, beside the time spent receiving.
 
 Every step's answer is awaited at most ``answer_bound_s(timeout_s)``. An apply step that
-does not answer, or that failed after writes began (``mixed``), makes the tokenizer
-manager refuse generation until an update succeeds (``answer_guard``).
+failed after writes began (``mixed``) makes the tokenizer manager refuse generation until
+an update succeeds (``answer_guard``). Each update has one outcome record (``outcome``), as
+on the colocated path: in a private directory the tokenizer manager makes once (its
+``sglang-weights-*`` channel, on the host where engine rank 0 runs beside it) under a key
+made for the update, both named in every step's request. Engine rank 0 records
+``committed`` right before the first write; an apply step left unanswered past its bound
+is recorded ``abandoned`` unless rank 0 came first, so a scheduler that resumes later never
+writes an update its caller was told failed, and the reply says which of the two held.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from typing import Optional
 
-from sglang.srt.weight_sync.answer_guard import guard_of
-from sglang.srt.weight_sync.protocol import answer_bound_s
+from sglang.srt.weight_sync.answer_guard import guard_of, no_answer_message
+from sglang.srt.weight_sync.outcome import forget
+from sglang.srt.weight_sync.protocol import answer_bound_s, make_channel
 from sglang.srt.weight_sync.remote_protocol import (
     POLL_S,
     ReceiveState,
@@ -103,22 +112,38 @@ async def update_weights_remote(manager, obj) -> dict:
             f"remote weight update refused: the engine has not answered weight update "
             f"{pending.update_id!r}; the engine must be restarted",
         )
+    channel = _outcome_channel(manager)
+    if channel is None:
+        return remote_reply(
+            False,
+            "remote weight update refused: the tokenizer manager cannot make the private "
+            "directory its updates' outcome records live in (see the log)",
+        )
+    record = f"{obj.update_id or obj.group_name}#{uuid.uuid4().hex[:12]}"
+    obj = msgspec.structs.replace(obj, outcome_channel=channel, outcome_id=record)
     bound = answer_bound_s(obj.timeout_s)
     communicate = manager.update_weights_remote_communicator
 
-    async def step(which: UpdateStep, hold: bool = False):
+    async def step(which: UpdateStep):
         answer = asyncio.ensure_future(
             communicate(msgspec.structs.replace(obj, step=which.value))
         )
         done, _ = await asyncio.wait({answer}, timeout=bound)
-        if not done:
-            if hold and guard is not None:
-                guard.hold(obj.update_id or obj.group_name, bound, answer)
+        if done:
+            return answer.result()[0]
+        if which != UpdateStep.APPLY:  # nothing is written before the apply step
             raise TimeoutError(
                 f"no answer from the engine's schedulers within {bound:g}s to the {which.value} "
                 "step of a remote weight update (a scheduler may have died or hung)"
             )
-        return answer.result()[0]
+        recorded, why = (
+            guard.give_up(record, bound, answer, channel)
+            if guard is not None
+            else (None, "no answer guard")
+        )
+        raise TimeoutError(
+            no_answer_message(record, obj.timeout_s, bound, recorded, why)
+        )
 
     started = time.monotonic()
     try:
@@ -139,14 +164,14 @@ async def update_weights_remote(manager, obj) -> dict:
         async with manager.is_pause_cond:
             is_paused = manager.is_pause
             if is_paused:  # whoever paused the engine holds the writer lock
-                out = await step(UpdateStep.APPLY, hold=True)
+                out = await step(UpdateStep.APPLY)
         if not is_paused:
             async with manager.model_update_lock.writer_lock:
-                out = await step(UpdateStep.APPLY, hold=True)
+                out = await step(UpdateStep.APPLY)
     except TimeoutError as e:
-        return remote_reply(
-            False, f"{e}; its weights are unknown, possibly mixed", None
-        )
+        logger.error("remote weight update: %s", e)
+        return remote_reply(False, str(e), None)
+    forget(channel, record)
     pause_s = time.monotonic() - paused
     if guard is not None:
         guard.settle(out.update_id or obj.group_name, [out])
@@ -173,3 +198,15 @@ async def _abort(step) -> None:
         await step(UpdateStep.ABORT)
     except TimeoutError as e:
         logger.error("remote weight update: abort not answered: %s", e)
+
+
+def _outcome_channel(manager) -> Optional[str]:
+    """The private directory (a channel) the outcome records of ``manager``'s remote updates
+    live in, made on first use and kept on the manager; None when it cannot be made."""
+    channel = getattr(manager, "_weight_sync_outcomes", None)
+    if channel is None:
+        try:
+            channel = manager._weight_sync_outcomes = make_channel()
+        except OSError:
+            logger.exception("remote weight update: no directory for outcome records")
+    return channel

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
+    PeerLost,
     check_bound,
     collective_device,
 )
@@ -70,6 +71,7 @@ __all__ = (
     "Mode",
     "TrainerChannel",
     "TrainerSync",
+    "UpdateOutcome",
     "UpdateReport",
     "adrive",
     "as_reply",
@@ -335,6 +337,20 @@ class UpdateReport:
     described: bool = False
 
 
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What a trainer rank that raises ``PeerLost`` during an update knows of the engine's
+    answer to it (the exception's ``outcome``): ``applied`` True when the engine answered
+    that it applied update ``update_id`` (it then serves those weights), False when it
+    answered that it failed or was never asked, None when this rank cannot know (the rank
+    that asks the engine, the group's first, did not pass the answer on). ``answer``: the
+    engine's message, or why there is none."""
+
+    update_id: str
+    applied: Optional[bool]
+    answer: str
+
+
 Reply = Tuple[bool, str]
 Flow = Generator[ControlRequest, Reply, UpdateReport]
 
@@ -546,10 +562,13 @@ class _Driver:
         self.leader = self.me == group_ranks[0]
 
     def ready(self) -> bool:
-        self.request.control.barrier(
-            self.timeout_s,
-            f"trainer rank {self.me}: before the engine reads the payloads",
-        )
+        try:
+            self.request.control.barrier(
+                self.timeout_s,
+                f"trainer rank {self.me}: before the engine reads the payloads",
+            )
+        except PeerLost as e:
+            raise self._lost(e, None, asked=False) from None
         return self.leader
 
     def advance(self, reply: Optional[Reply]) -> bool:
@@ -557,23 +576,53 @@ class _Driver:
         so that a rank lost meanwhile is named (gloo's monitored barrier); the engine waits at
         most timeout_s for payloads and timeout_s + GRACE_S for its own ranks."""
         control = self.request.control
-        control.barrier(
-            trainer_bound_s(self.timeout_s),
-            f"trainer rank {self.me}: while the engine applies the update",
-        )
-        shared = control.broadcast_result(
-            reply,
-            self.group_ranks[0],
-            self.timeout_s,
-            f"trainer rank {self.me}: hearing the engine's answer from rank "
-            f"{self.group_ranks[0]}",
-        )
+        try:
+            control.barrier(
+                trainer_bound_s(self.timeout_s),
+                f"trainer rank {self.me}: while the engine applies the update",
+            )
+            shared = control.broadcast_result(
+                reply,
+                self.group_ranks[0],
+                self.timeout_s,
+                f"trainer rank {self.me}: hearing the engine's answer from rank "
+                f"{self.group_ranks[0]}",
+            )
+        except PeerLost as e:
+            raise self._lost(e, reply, asked=True) from None
         try:
             self.request = self.flow.send(shared)
             return True
         except StopIteration as done:
             self.report = done.value
             return False
+
+    def _lost(self, e: PeerLost, reply: Optional[Reply], asked: bool) -> PeerLost:
+        """``e`` saying what this rank knows of the engine's answer to the request (and in
+        ``outcome``): the first rank holds the answer, or knows the engine was not asked; the
+        others know only that the engine is asked once every rank has passed the first barrier."""
+        update_id, first = self.request.update_id, self.group_ranks[0]
+        if reply is not None:
+            applied, answer = bool(reply[0]), reply[1]
+            said = (
+                f"the engine APPLIED update {update_id!r} before this rank lost its peer, and "
+                f"serves its weights (its answer: {answer})"
+                if applied
+                else f"the engine answered that update {update_id!r} failed: {answer}"
+            )
+        elif self.leader and not asked:
+            applied, answer = False, "not asked"
+            said = f"the engine was not asked to apply update {update_id!r}"
+        else:
+            applied = None
+            answer = (
+                f"trainer rank {first} asks the engine once every rank has passed the barrier "
+                f"before it, and its answer did not reach trainer rank {self.me}"
+            )
+            said = f"whether the engine applied update {update_id!r} is unknown here: {answer}"
+        lost = PeerLost(f"{e}; {said}")
+        lost.outcome = UpdateOutcome(update_id, applied, answer)
+        return lost
 
 
 def _failed(e: Exception) -> Reply:
