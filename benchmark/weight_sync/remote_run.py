@@ -60,10 +60,13 @@ def run() -> dict:
     from servers import free_port, http_server
 
     with tempfile.TemporaryDirectory(prefix="remote_run_") as tmp:
-        model_dir, _ = tiny_models.make_tiny_model("qwen2", Path(tmp) / "model", **MODEL)
-        with http_server(model_dir, TP, log_dir=tmp) as a, http_server(
-            model_dir, TP, log_dir=tmp
-        ) as b:
+        model_dir, _ = tiny_models.make_tiny_model(
+            "qwen2", Path(tmp) / "model", **MODEL
+        )
+        with (
+            http_server(model_dir, TP, log_dir=tmp) as a,
+            http_server(model_dir, TP, log_dir=tmp) as b,
+        ):
             job = dict(
                 group="bench",
                 port=free_port(),
@@ -77,7 +80,7 @@ def run() -> dict:
                 timeout=300,
                 prompts=[[1, 2, 3, 4]],
             )
-            first = run_ranks(4, fsdp_trainer_job, job, timeout=1800, start_method="spawn")[0]
+            first = run_ranks(4, fsdp_trainer_job, job, timeout=1800)[0]
     ours = first["ours"]
     for report in ours:
         assert report["success"], report["message"]
@@ -95,15 +98,23 @@ def run() -> dict:
             "seconds_first_update": ours[0]["seconds"],
             "join_seconds": first["join_s"],
             "bytes_sent_per_trainer_rank": ours[-1]["bytes_sent"],
-            "bytes_received_per_engine_rank": [e["bytes_received"] for e in ours[-1]["engines"].values()],
-            "lower_bound_per_engine_rank": [e["lower_bound_bytes"] for e in ours[-1]["engines"].values()],
-            "pause_seconds_median": statistics.median(e["pause_seconds"] for es in engines for e in es),
+            "bytes_received_per_engine_rank": [
+                e["bytes_received"] for e in ours[-1]["engines"].values()
+            ],
+            "lower_bound_per_engine_rank": [
+                e["lower_bound_bytes"] for e in ours[-1]["engines"].values()
+            ],
+            "pause_seconds_median": statistics.median(
+                e["pause_seconds"] for es in engines for e in es
+            ),
             "receive_seconds_median": statistics.median(
                 e["receive_seconds"] for es in engines for e in es
             ),
         },
         "rank0_broadcast": {
-            "seconds_median": statistics.median(c["gather_s"] + c["update_s"] for c in casts),
+            "seconds_median": statistics.median(
+                c["gather_s"] + c["update_s"] for c in casts
+            ),
             "gather_seconds_median": statistics.median(c["gather_s"] for c in casts),
             "broadcast_seconds_median": statistics.median(c["update_s"] for c in casts),
             "bytes_sent_by_rank0_at_least": casts[-1]["sent_by_rank0"],

@@ -53,9 +53,7 @@ def test_areal_companion_patch_beside_its_broadcast(tmp_path):
     )
     with http_server(model_dir, 1, log_dir=str(tmp_path)) as server:
         job["url"] = server.url
-        results = run_ranks(
-            2, areal_side_by_side_job, job, timeout=900, start_method="spawn"
-        )
+        results = run_ranks(2, areal_side_by_side_job, job, timeout=900)
     first = results[0]
     check_state(
         first["broadcast"]["state"],

@@ -16,11 +16,10 @@ and seconds side by side, and the same exactness.
 from __future__ import annotations
 
 import pytest
-import tiny_models
 from engine import hf_greedy, stable_prompts
 from ranks import run_ranks
 from remote_cases import fsdp_trainer_job, megatron_trainer_job
-from servers import free_port, http_server
+from servers import free_port
 from test_distributed_update import expected_checksums
 from update_cases import MAX_NEW, new_weights
 
@@ -28,16 +27,12 @@ TP = 2
 TIMEOUT_S = 60
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Two bf16 servers of TP 2 of the tiny Qwen2, started once for the module."""
-    directory = tmp_path_factory.mktemp("remote")
-    model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    with (
-        http_server(model_dir, TP, log_dir=str(directory)) as a,
-        http_server(model_dir, TP, log_dir=str(directory)) as b,
-    ):
-        yield [a, b], model_dir, config
+@pytest.fixture
+def servers(remote_tp2_servers):
+    """Two bf16 servers of TP 2 of the tiny Qwen2 (``conftest.remote_tp2_servers``)."""
+    servers, model_dir, config, _ = remote_tp2_servers
+    assert all(s.tp_size == TP for s in servers)
+    return servers, model_dir, config
 
 
 def prompts_for(model_dir, seed):
@@ -91,7 +86,7 @@ def test_fsdp_trainer_updates_two_remote_engines(servers):
         bucket=1 << 20,
         timeout=TIMEOUT_S,
     )
-    results = run_ranks(4, fsdp_trainer_job, job, timeout=900, start_method="spawn")
+    results = run_ranks(4, fsdp_trainer_job, job, timeout=900)
     first = results[0]
     for step, seed in enumerate(job["seeds"]):
         reports = [dict(r["ours"][step], seconds=0) for r in results]
@@ -141,7 +136,7 @@ def test_megatron_tp2_pp2_trainer_updates_a_remote_engine(servers):
         timeout=TIMEOUT_S,
         prompts=prompts,
     )
-    results = run_ranks(4, megatron_trainer_job, job, timeout=900, start_method="spawn")
+    results = run_ranks(4, megatron_trainer_job, job, timeout=900)
     report = results[0]
     same = [
         {k: v for k, v in r.items() if k not in ("state", "seconds")} for r in results

@@ -23,30 +23,27 @@ other.
 from __future__ import annotations
 
 import pytest
-import tiny_models
 from ranks import run_ranks
-from servers import free_port, http_server
+from servers import free_port
 from test_remote_engines import check_state, prompts_for
-from test_verl_release import _give_tokenizer, _verl_sources
+from test_verl_release import _verl_sources
 from verl_ce_cases import verl_ce_job
 
 TP = 2
 STEPS = [("patched", 1), ("stock", 2), ("patched", 3)]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("verl_ce")
-    model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    _give_tokenizer(model_dir, directory)
-    with http_server(model_dir, TP, log_dir=str(directory)) as s:
-        yield s, model_dir, config, directory
+@pytest.fixture
+def server(remote_tp2_servers):
+    """The first of the remote-engine tests' TP-2 servers (``conftest.remote_tp2_servers``)."""
+    (first, _), model_dir, config, directory = remote_tp2_servers
+    return first, model_dir, config, directory
 
 
 def test_verl_checkpoint_engine_registry_selects_sglang_remote(server):
     server, model_dir, config, directory = server
     prompts = {seed: prompts_for(model_dir, seed) for _, seed in STEPS}
-    work = directory / "work"
+    work = directory / "verl_ce"
     work.mkdir()
     job = dict(
         actors=2,
@@ -62,7 +59,7 @@ def test_verl_checkpoint_engine_registry_selects_sglang_remote(server):
             rollout_tp=TP, group_name="verl-test", timeout_s=60, port=free_port()
         ),
     )
-    results = run_ranks(4, verl_ce_job, job, timeout=900, start_method="spawn")
+    results = run_ranks(4, verl_ce_job, job, timeout=900)
     actors, rollouts = results[:2], results[2:]
     for step, (kind, seed) in enumerate(STEPS):
         check_state(

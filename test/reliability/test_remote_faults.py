@@ -18,7 +18,7 @@ import pytest
 import tiny_models
 from ranks import run_ranks
 from remote_fault_cases import remote_steps_job
-from servers import free_port, launch
+from servers import free_port, launch, launch_side_by_side
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
 
@@ -34,20 +34,16 @@ def cluster(tmp_path_factory):
     """Two TP-1 servers, each with a fault directory of its own; killed at the end."""
     directory = tmp_path_factory.mktemp("remote_faults")
     model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    servers, faults = [], []
+    faults = [directory / f"faults{i}" for i in range(2)]
+    for fault in faults:
+        fault.mkdir()
+    servers = launch_side_by_side(
+        model_dir,
+        1,
+        [{"SGLANG_TEST_FAULT_DIR": str(fault)} for fault in faults],
+        log_dir=str(directory),
+    )
     try:
-        for i in range(2):
-            fault = directory / f"faults{i}"
-            fault.mkdir()
-            faults.append(fault)
-            servers.append(
-                launch(
-                    model_dir,
-                    1,
-                    env={"SGLANG_TEST_FAULT_DIR": str(fault)},
-                    log_dir=str(directory),
-                )
-            )
         yield dict(
             servers=servers,
             faults=faults,
@@ -79,9 +75,7 @@ def run(cluster, steps, urls, world=2, may_die=()):
         timeout=TIMEOUT_S,
         steps=steps,
     )
-    return run_ranks(
-        world, remote_steps_job, job, timeout=900, start_method="spawn", may_die=may_die
-    )
+    return run_ranks(world, remote_steps_job, job, timeout=900, may_die=may_die)
 
 
 def test_engine_killed_mid_update_leaves_and_a_restarted_one_rejoins(cluster):

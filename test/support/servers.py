@@ -3,7 +3,7 @@
 ``http_server(model_dir, tp_size, ...)`` launches ``python -m sglang.launch_server`` in a new
 session (its own process group: killing it, ``kill()``, takes the scheduler and detokenizer
 processes with it and nothing else), waits until ``/health`` answers, yields a ``Server``
-and kills it at the end. The server gets the CPU engine's environment
+and kills it at the end; ``launch_side_by_side`` starts several before waiting for any. The server gets the CPU engine's environment
 (``engine.configure_cpu_env``), ``SGLANG_CPU_OMP_THREADS_BIND`` for its TP ranks, and
 ``env``. ``Server.checksums()`` reads every TP rank's parameter checksums with SGLang's own
 weight checker (``/weights_checker``).
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Mapping, Optional
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 from engine import SUPPORT_DIR, configure_cpu_env, omp_bind
 
@@ -136,7 +136,8 @@ def launch(
     raise AssertionError("unreachable")
 
 
-def _launch(model_dir, tp_size, env, log_dir, cores) -> Server:
+def _start(model_dir, tp_size, env, log_dir, cores) -> Server:
+    """Popen a server; ``_ready`` waits for it."""
     configure_cpu_env()
     port = free_port()
     full_env = dict(os.environ)
@@ -169,13 +170,46 @@ def _launch(model_dir, tp_size, env, log_dir, cores) -> Server:
             start_new_session=True,
         )
     server = Server(f"http://127.0.0.1:{port}", tp_size, process, log)
+    server.timings["started"] = started
+    return server
+
+
+def _ready(server: Server) -> Server:
+    """Wait until ``server`` answers ``/health`` (killed if it never does)."""
     try:
-        wait_healthy(server.url, process, log)
+        wait_healthy(server.url, server.process, server.log)
     except BaseException:
         server.kill()
         raise
-    server.timings["start_s"] = time.monotonic() - started
+    server.timings["start_s"] = time.monotonic() - server.timings.pop("started")
     return server
+
+
+def _launch(model_dir, tp_size, env, log_dir, cores) -> Server:
+    return _ready(_start(model_dir, tp_size, env, log_dir, cores))
+
+
+def launch_side_by_side(
+    model_dir,
+    tp_size: int,
+    envs: Sequence[Optional[Mapping[str, str]]],
+    log_dir: Optional[str] = None,
+) -> List[Server]:
+    """One server per entry of ``envs``, all started before any is waited for (their imports
+    and loads overlap); one whose port was taken meanwhile is launched again alone."""
+    starting = [_start(model_dir, tp_size, env, log_dir, None) for env in envs]
+    servers: List[Server] = []
+    try:
+        for server, env in zip(starting, envs):
+            try:
+                servers.append(_ready(server))
+            except PortTaken:
+                servers.append(launch(model_dir, tp_size, env, log_dir))
+    except BaseException:
+        for server in starting + servers:
+            server.kill()
+        raise
+    return servers
 
 
 @contextlib.contextmanager
