@@ -107,6 +107,11 @@ def run() -> dict:
             "pause_seconds_median": statistics.median(
                 e["pause_seconds"] for es in engines for e in es
             ),
+            # the schedulers' own writing in the pause (slowest TP rank): the rest of the
+            # pause is the lock, the steps' round trips and the refresh
+            "apply_seconds_median": statistics.median(
+                max(e["apply_us"]) / 1e6 for es in engines for e in es
+            ),
             "receive_seconds_median": statistics.median(
                 e["receive_seconds"] for es in engines for e in es
             ),
@@ -137,7 +142,7 @@ def main() -> int:
         f"| weight-sync group | {ours['seconds_median']:.3f} (first {ours['seconds_first_update']:.3f}, join "
         f"{ours['join_seconds']:.2f}) | {ours['bytes_sent_per_trainer_rank']} | "
         f"{ours['bytes_received_per_engine_rank']} (= lower bound) | {ours['pause_seconds_median']:.3f} s "
-        f"(receiving while serving {ours['receive_seconds_median']:.3f} s) |\n"
+        f"(writing {ours['apply_seconds_median']:.3f} s; receiving while serving {ours['receive_seconds_median']:.3f} s) |\n"
         f"| rank-0 broadcast | {cast['seconds_median']:.3f} (gather {cast['gather_seconds_median']:.3f} + "
         f"broadcast {cast['broadcast_seconds_median']:.3f}) | rank 0: >= {cast['bytes_sent_by_rank0_at_least']}, "
         f"others 0 (after the gather) | {cast['bytes_received_per_engine_rank']} each | the whole broadcast |"
