@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 
 from ranks import run_ranks
-from remote_cases import dying_engine_job, remote_group_job
+from remote_group_cases import dying_engine_job, remote_group_job
 
 ENGINES = [("e0", 2), ("e1", 2)]
 

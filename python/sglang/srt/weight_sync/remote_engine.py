@@ -92,12 +92,15 @@ class Staging(Deferred):
     """Where one rank's regions wait between the round that received them and the pause
     that writes them: at most ``cap`` bytes (a round is admitted into empty staging
     whatever its size; rounds are at most half a bucket). A full staging makes the
-    receiving thread wait, at most ``timeout_s``, for the pause to drain it."""
+    receiving thread wait, at most ``timeout_s``, for the pause to drain it. Each round's
+    regions are checked for NaN/inf as they land, in the receiving thread while the engine
+    serves (``nonfinite``), so the pause holds only the writes and the agreement steps."""
 
     def __init__(self, cap: int, timeout_s: float, who: str) -> None:
         self.cap, self.timeout_s, self.who = cap, timeout_s, who
         self.held = self.peak = 0
         self.full = False
+        self.nonfinite = False  # a region that landed holds NaN or inf
         self.done = False
         self.queue: List[Landing] = []
         self.cond = threading.Condition()
@@ -117,7 +120,11 @@ class Staging(Deferred):
                 self.full = False
 
     def landed(self, landings: List[Landing]) -> None:
+        bad = not self.nonfinite and bool(
+            nonfinite_tensors({str(i): x.buf for i, x in enumerate(landings)})
+        )
         with self.cond:
+            self.nonfinite = self.nonfinite or bad
             self.queue.extend(landings)
             self.held += sum(x.nbytes for x in landings)
             self.peak = max(self.peak, self.held)
@@ -428,13 +435,12 @@ class RemoteEngineSync:
         else:
             member = self.members[req.group_name]
             _, params, _ = engine_targets(runner.model, member.derived, self.rank, sync)
-            if mine.result is not None:  # every round is in: check it before any write
-                staged = {str(i): x.buf for i, x in enumerate(mine.staging.queue)}
-                if nonfinite_tensors(staged):
-                    error = (
-                        f"{mine.group.who}: the regions received hold NaN or inf values "
-                        "(refused: see docs/usage.md)"
-                    )
+            # every round is in (checked as it landed): refuse it before any write
+            if mine.result is not None and mine.staging.nonfinite:
+                error = (
+                    f"{mine.group.who}: the regions received hold NaN or inf values "
+                    "(refused: see docs/usage.md)"
+                )
         before = self.control.share_problems(
             [error] if error else [],
             bound,
