@@ -69,7 +69,9 @@ smoke: install
 
 bench: install
 	$(PY) -m benchmark.weight_sync.simulate
+	$(PY) -m benchmark.weight_sync.disaggregated
 	$(PY) -m benchmark.weight_sync.cpu_run
+	$(PY) -m benchmark.weight_sync.remote_run
 
 # A real engine on CPU updated by a simulated FSDP trainer, against upstream's path in the same run.
 demo: install

@@ -97,6 +97,18 @@ DEEPSEEK_V3: Dict = {
     "topk_method": "noaux_tc",
 }
 
+# moonshotai/Kimi-K2-Instruct config.json (huggingface.co/moonshotai/Kimi-K2-Instruct): DeepSeek-V3's
+# architecture with 384 routed experts, 64 heads, one dense layer; 1.03e12 parameters. The
+# disaggregated simulator's 1-trillion-parameter MoE.
+KIMI_K2: Dict = {
+    **DEEPSEEK_V3,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 384,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "vocab_size": 163840,
+}
+
 
 def deepseek_v3_targets(
     config: Mapping, parallel: EngineParallel, dtype: torch.dtype = torch.bfloat16
@@ -301,6 +313,13 @@ MODELS: Dict[str, ModelSpec] = {
         "DeepSeek-V3-671B",
         "deepseek-ai/DeepSeek-V3",
         DEEPSEEK_V3,
+        deepseek_v3_targets,
+        param_dtypes={"e_score_correction_bias": torch.float32},
+    ),
+    "Kimi-K2-1T": ModelSpec(
+        "Kimi-K2-1T",
+        "moonshotai/Kimi-K2-Instruct",
+        KIMI_K2,
         deepseek_v3_targets,
         param_dtypes={"e_score_correction_bias": torch.float32},
     ),

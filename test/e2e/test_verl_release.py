@@ -90,21 +90,31 @@ def _verl_sources(tmp_path: Path) -> dict:
         / "fsdp"
         / "transformer_impl.py"
     )
-    copy = tmp_path / "verl" / "workers" / "engine" / "fsdp"
+    return {
+        "stock": src.read_text(),
+        "patched": patched_copy(
+            src, "verl/workers/engine/fsdp", tmp_path, PATCH, "verl 0.9.1"
+        ),
+    }
+
+
+def patched_copy(
+    src: Path, package_dir: str, tmp_path: Path, patch: Path, what: str
+) -> str:
+    """``src`` (a framework's installed file, at ``package_dir`` in its tree) with ``patch``
+    applied to a copy with ``--fuzz=0``; fails when it does not apply."""
+    copy = tmp_path / package_dir
     copy.mkdir(parents=True)
     shutil.copy(src, copy)
     applied = subprocess.run(
-        ["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(PATCH)],
+        ["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(patch)],
         capture_output=True,
         text=True,
     )
     assert applied.returncode == 0, (
-        f"{PATCH.name} does not apply to verl 0.9.1:\n{applied.stdout}{applied.stderr}"
+        f"{patch.name} does not apply to {what}:\n{applied.stdout}{applied.stderr}"
     )
-    return {
-        "stock": src.read_text(),
-        "patched": (copy / "transformer_impl.py").read_text(),
-    }
+    return (copy / src.name).read_text()
 
 
 def _verl_producer(source: str, params: dict, model_type: str):

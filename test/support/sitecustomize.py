@@ -17,7 +17,9 @@ written its parameters raises if ``<dir>/fail_after_writes.rank<R>`` exists (the
 is removed: one fault per file): a peer lost after writes began, on demand. And engine
 rank R's provenance check sees SGLang's ``gate_up_proj`` loaders swap gate and up if
 ``<dir>/permute_gate_up.rank<R>`` exists (removed likewise): a loader permutation the
-derived targets do not know.
+derived targets do not know. And the whole engine (its process group) is killed once
+engine rank R's staging took its first round of a remote update if
+``<dir>/die_in_receive.rank<R>`` exists: an engine that dies mid-update.
 
 When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
 ``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
@@ -152,6 +154,28 @@ if _FAULT_DIR:
         module.check_provenance = _planted_permutation(module.check_provenance)
 
     _on_import("sglang.srt.weight_sync.provenance_check", _wrap_check)
+
+    def _die_in_receive(landed):
+        """Kill the whole engine (its process group) once engine rank R's staging took its
+        first round of a remote update, if ``<dir>/die_in_receive.rank<R>`` exists
+        (removed): an engine that dies mid-update, on demand."""
+
+        def call(self, landings):
+            landed(self, landings)
+            rank = int(self.who.rsplit("TP rank ", 1)[-1])
+            flag = os.path.join(_FAULT_DIR, f"die_in_receive.rank{rank}")
+            if os.path.exists(flag):
+                import signal
+
+                os.unlink(flag)
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+        return call
+
+    def _wrap_staging(module):
+        module.Staging.landed = _die_in_receive(module.Staging.landed)
+
+    _on_import("sglang.srt.weight_sync.remote_engine", _wrap_staging)
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE"):
     import torch as _torch

@@ -51,6 +51,8 @@ __all__ = (
     "DistributedUpdate",
     "bound_answers",
     "distributed_update",
+    "guard_of",
+    "no_answer_message",
     "refuse_generation_if_unsafe",
 )
 
@@ -126,6 +128,21 @@ class _Guard:
             return
         self.settle(update_id, outputs)
 
+    def give_up(
+        self, update_id: str, bound_s: float, answer: asyncio.Future, channel: str
+    ) -> Tuple[Optional[Outcome], str]:
+        """``answer`` did not come within ``bound_s``: record in ``channel`` that the caller
+        is told the update failed, unless engine rank 0 recorded first that it is applying
+        it, and hold the update (generation and later updates refused) until its answer
+        comes and is settled. The outcome that holds, or None and why nothing was recorded."""
+        recorded, why = _abandon(channel, update_id)
+        unanswered = _Unanswered(update_id, bound_s, answer, recorded)
+        self.unanswered = unanswered
+        answer.add_done_callback(
+            _late_answer(unanswered, channel, time.monotonic(), self)
+        )
+        return recorded, why
+
     def serving_refusal(self) -> Optional[str]:
         """Why generation must not run now, or None."""
         pending = self.pending()
@@ -194,13 +211,8 @@ class BoundedCommunicator:
             outputs = answer.result()
             self._guard.settle(update_id, outputs)
             return outputs
-        recorded, why = _abandon(channel, update_id)
-        unanswered = _Unanswered(update_id, bound, answer, recorded)
-        self._guard.unanswered = unanswered
-        answer.add_done_callback(
-            _late_answer(unanswered, channel, time.monotonic(), self._guard)
-        )
-        message = _no_answer_message(update_id, timeout_s, bound, recorded, why)
+        recorded, why = self._guard.give_up(update_id, bound, answer, channel)
+        message = no_answer_message(update_id, timeout_s, bound, recorded, why)
         logger.error(message)
         return [self._answer(message)]
 
@@ -217,7 +229,7 @@ def _abandon(channel: str, update_id: str) -> Tuple[Optional[Outcome], str]:
         return None, f"{type(e).__name__}: {e}"
 
 
-def _no_answer_message(
+def no_answer_message(
     update_id: str,
     timeout_s: float,
     bound: float,
@@ -297,6 +309,12 @@ def bound_answers(manager) -> None:
                     name in UPDATES,
                 ),
             )
+
+
+def guard_of(manager) -> Optional[_Guard]:
+    """The guard ``bound_answers`` gave ``manager`` (None before it ran): the remote path's
+    tokenizer-side steps settle and give up on their updates through it."""
+    return getattr(manager, "_weight_sync_guard", None)
 
 
 def refuse_generation_if_unsafe(manager) -> None:

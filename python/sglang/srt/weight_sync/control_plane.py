@@ -49,6 +49,11 @@ __all__ = (
     "collective_device",
     "plan_disagreement",
     "group_timeout_s",
+    "join_group",
+    "leave_group",
+    "meet",
+    "open_store",
+    "prefixed_store",
     "wait",
 )
 
@@ -163,7 +168,12 @@ class ControlGroup:
     """
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup], name: str, own: bool = False
+        self,
+        group: Optional[dist.ProcessGroup],
+        name: str,
+        own: bool = False,
+        rank: Optional[int] = None,
+        store: Optional[dist.Store] = None,
     ) -> None:
         self.name = name
         self.ranks: Tuple[int, ...] = (
@@ -174,7 +184,10 @@ class ControlGroup:
         self.group = _gloo_group(group, self.ranks, own)
         self.own = own
         self.device = collective_device(self.group)
-        self.rank = dist.get_rank(self.group)  # this process's rank in the group
+        # this process's rank in the group; a group that spans processes of other worlds
+        # (``join_group``) says so itself, as torch maps ranks through this world's
+        self.rank = dist.get_rank(self.group) if rank is None else rank
+        self._store = store
         self._barriers = 0
         self.round_trips = 0  # collectives waited on so far (``phase_timing``)
         # why a wait on this group failed: its peers may still complete the collective it
@@ -422,11 +435,11 @@ class ControlGroup:
                 self.lost = f"{phase}: {e}"
                 raise PeerLost(self.lost) from None
             return
-        me, tag = dist.get_rank(), ",".join(map(str, self.ranks))
+        me, tag = self.ranks[self.rank], ",".join(map(str, self.ranks))
         self._barriers += 1
         prefix = f"weight_sync/{self.name}/barrier/{tag}"
         keys = {r: f"{prefix}/{self._barriers}/{r}" for r in self.ranks}
-        store = _store()
+        store = self._store if self._store is not None else _store()
         if store is not None:
             store.set(keys[me], "1")
             if (
@@ -449,6 +462,89 @@ class ControlGroup:
             named = f"ranks {absent} never reached it; " if absent else ""
             self.lost = f"{phase}: {named}{e} (within {timeout_s:g}s)"
             raise PeerLost(self.lost) from None
+
+
+def open_store(address: str, port: int, host: bool, timeout_s: float) -> dist.Store:
+    """The TCP store the ranks of a weight-sync group meet in (``join_group``): hosted by the
+    trainer's first rank (``host``), a client elsewhere. Its waits are bounded by
+    ``timeout_s``; a client that cannot reach the host within it raises."""
+    return dist.TCPStore(
+        address,
+        port,
+        is_master=host,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def prefixed_store(store: dist.Store, prefix: str) -> dist.Store:
+    """``store`` with every key under ``prefix`` (one epoch's keys apart from another's)."""
+    return dist.PrefixStore(prefix, store)
+
+
+def meet(
+    store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, phase: str
+) -> None:
+    """Wait at most ``timeout_s`` until all ``size`` ranks arrived under ``prefix`` in
+    ``store``; ``PeerLost`` names the ranks that did not. Run before a group is made: a
+    process group's own rendezvous waits for its whole (long) timeout."""
+    store.set(f"{prefix}/arrived/{rank}", "1")
+    keys = [f"{prefix}/arrived/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError) as e:
+        absent = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise PeerLost(
+            f"{phase}: ranks {absent} of {size} did not arrive within {timeout_s:g}s ({e})"
+        ) from None
+
+
+def join_group(
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    backend: str,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks made in ``store`` under ``prefix``: ranks of other
+    worlds (a trainer's ranks, SGLang engines' TP ranks) in one group, as upstream's
+    ``init_weights_update_group`` makes them. Torch maps the ranks of such a group through
+    this world's: its ranks are their own "global" ranks (``get_global_rank`` is the
+    identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
+
+    group, _ = _new_process_group_helper(
+        size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(prefix, store),
+        group_name=prefix,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    _world.pg_group_ranks[group] = {r: r for r in range(size)}
+    return group
+
+
+def leave_group(group: Optional[dist.ProcessGroup]) -> None:
+    """Abort ``group``'s pending work where the backend can (NCCL) and destroy it: after a
+    failed wait its work must not outlive the membership."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - gloo has no abort; nothing pending outlives a wait there
+        pass
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - already gone (aborted, or the default group went first)
+        pass
 
 
 def _gloo_group(

@@ -27,11 +27,15 @@ from sglang.srt.weight_sync.planner import Dest, Move, Plan
 
 __all__ = (
     "DataGroup",
+    "Deferred",
     "ExecutionError",
     "ExecutionStats",
+    "Landing",
     "check_inputs",
     "data_device",
     "execute",
+    "write_landings",
+    "write_zero_fills",
 )
 
 
@@ -153,6 +157,35 @@ class DataGroup:
         self.warm = True
 
 
+@dataclass(frozen=True)
+class Landing:
+    """A region received into staging (``buf``, in the move's dtype) and where it lands
+    (``dests``, this rank's), written later by ``write_landings``."""
+
+    buf: torch.Tensor
+    move: Move
+    dests: Tuple[Dest, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+
+class Deferred:
+    """A receiver whose writes into its parameters come later than the rounds (an engine
+    that keeps serving while it receives): every region lands in staging of its own,
+    handed over per round (``landed``) and written by the owner (``write_landings``).
+    ``reserve`` is called before a round with the bytes the round will stage and may wait
+    (bounded, the owner's policy) until that much staging is free."""
+
+    def reserve(self, nbytes: int) -> None:
+        """Called before a round allocates ``nbytes`` of staging."""
+
+    def landed(self, landings: List[Landing]) -> None:
+        """The round's regions, received; the owner keeps them until it writes them."""
+        raise NotImplementedError
+
+
 class _Staging:
     """Counts the executor's own buffers so the peak can be checked against the cap."""
 
@@ -250,13 +283,16 @@ def execute(
     params: Mapping[str, torch.Tensor],
     group: Union[DataGroup, dist.ProcessGroup, None] = None,
     timeout_s: Optional[float] = None,
+    deferred: Optional[Deferred] = None,
 ) -> ExecutionStats:
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
     -> this rank's tensor) in place. Every rank of the group calls it together. ``group``:
     the owner's ``DataGroup``, warmed up on its first use (a plain group or None, the
     default group: one made for this call). Each round waits at most ``timeout_s`` for
-    its peers (``control_plane.PeerLost``)."""
+    its peers (``control_plane.PeerLost``). With ``deferred`` nothing is written into
+    ``params`` (checked against the plan only): zero fills wait for ``write_zero_fills``
+    and every region received or copied is handed to ``deferred`` instead."""
     data = group if isinstance(group, DataGroup) else DataGroup(group)
     problems = check_inputs(plan, rank, shards, params, data.device)
     if problems:
@@ -271,35 +307,46 @@ def execute(
     data.warm_up(timeout_s, f"rank {rank}: executor")
 
     rounds = [mine for mine in (_mine(moves, rank) for moves in plan.rounds) if mine]
-    # the first round's transfers run while this rank makes its local copies
-    flight = (
-        _start_round(rank, rounds[0], shards, params, data, staging, to_global)
-        if rounds
-        else None
-    )
-    t0 = time.perf_counter()
-    try:
-        for z in plan.zero_fills:
-            if z.rank == rank:
-                write_zeros(params[z.param][z.box.slices()])
-        for move in plan.local_for(rank):
-            write_region(
-                _dest_view(params, move.dests[0], move), _src_view(shards, move)
+    flight = None
+    local = plan.local_for(rank)
+    if deferred is not None:
+        # nothing is written here: local regions are handed over like received ones
+        if local:
+            deferred.landed(
+                [Landing(_src_view(shards, m).clone(), m, m.dests[:1]) for m in local]
             )
-            stats.bytes_copied_locally += move.nbytes
-    except BaseException:
-        if flight is not None:  # no transfer of this update outlives it
-            for work in flight[0]:
-                try:
-                    wait(work, timeout_s, f"rank {rank}: executor, after a failed copy")
-                except Exception:  # noqa: BLE001 - the copy's error is the one to raise
-                    pass
-        raise
-    stats.copy_seconds += time.perf_counter() - t0
+        stats.bytes_copied_locally += sum(m.nbytes for m in local)
+    else:
+        # the first round's transfers run while this rank makes its local copies
+        if rounds:
+            flight = _start_round(
+                rank, rounds[0], shards, params, data, staging, to_global
+            )
+        t0 = time.perf_counter()
+        try:
+            write_zero_fills(plan, rank, params)
+            for move in local:
+                write_region(
+                    _dest_view(params, move.dests[0], move), _src_view(shards, move)
+                )
+                stats.bytes_copied_locally += move.nbytes
+        except BaseException:
+            if flight is not None:  # no transfer of this update outlives it
+                for work in flight[0]:
+                    try:
+                        wait(
+                            work, timeout_s, f"rank {rank}: executor, after a failed copy"
+                        )
+                    except Exception:  # noqa: BLE001 - the copy's error is the one to raise
+                        pass
+            raise
+        stats.copy_seconds += time.perf_counter() - t0
 
-    for i, mine in enumerate(rounds):
-        if i:
-            flight = _start_round(rank, mine, shards, params, data, staging, to_global)
+    for mine in rounds:
+        if flight is None:
+            flight = _start_round(
+                rank, mine, shards, params, data, staging, to_global, deferred
+            )
         stats.rounds += 1
         stats.largest_round_bytes = max(
             stats.largest_round_bytes,
@@ -310,8 +357,13 @@ def execute(
         )
         phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
         _finish_round(
-            params, flight, staging, lambda work: wait(work, timeout_s, phase)
+            params,
+            flight,
+            staging,
+            lambda work: wait(work, timeout_s, phase),
+            deferred,
         )
+        flight = None
         staging.release_all()
     return stats
 
@@ -320,15 +372,33 @@ def _mine(moves: List[Move], rank: int) -> List[Move]:
     return [m for m in moves if rank in m.group]
 
 
+def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) -> None:
+    """Zero the regions of ``rank``'s parameters that no checkpoint tensor fills."""
+    for z in plan.zero_fills:
+        if z.rank == rank:
+            write_zeros(params[z.param][z.box.slices()])
+
+
+def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) -> int:
+    """Write deferred landings into ``params`` (``apply.write_region``, cast on the fly);
+    returns the bytes written."""
+    for landing in landings:
+        _finish_landing(params, landing.buf, landing.move, list(landing.dests))
+    return sum(landing.nbytes for landing in landings)
+
+
 def _start_round(
-    rank, moves, shards, params, data: DataGroup, staging, to_global
+    rank, moves, shards, params, data: DataGroup, staging, to_global, deferred=None
 ) -> Tuple[list, List[Tuple[torch.Tensor, Move, List[Dest]]]]:
     """Start one round's moves as one batch of point-to-point operations (a move with
     several receivers is sent to each, in receiver order, the same on both ends); returns
-    the pending work and where the received regions land."""
+    the pending work and where the received regions land (with ``deferred``: staging the
+    owner keeps, reserved first)."""
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
     group = data.group
+    if deferred is not None:
+        deferred.reserve(sum(m.nbytes for m in moves if _my_dests(m, rank)))
     for move in moves:
         receivers = _receivers(move)
         if len(receivers) > 1:
@@ -341,7 +411,13 @@ def _start_round(
                 staging.stats.p2p_ops += 1
         mine = _my_dests(move, rank)
         if mine:
-            buf = _landing(params, mine[0], move, staging)
+            buf = (
+                _landing(params, mine[0], move, staging)
+                if deferred is None
+                else torch.empty(
+                    move.region.sizes, dtype=move.dtype, device=staging.device
+                )
+            )
             ops.append(dist.P2POp(dist.irecv, buf, to_global(move.src), group))
             landings.append((buf, move, mine))
             staging.stats.bytes_received += move.nbytes
@@ -349,13 +425,17 @@ def _start_round(
     return (dist.batch_isend_irecv(ops) if ops else []), landings
 
 
-def _finish_round(params, flight, staging, wait_for) -> None:
-    """Wait for a started round's work, then land what it received."""
+def _finish_round(params, flight, staging, wait_for, deferred=None) -> None:
+    """Wait for a started round's work, then land what it received (with ``deferred``:
+    hand it over)."""
     works, landings = flight
     t0 = time.perf_counter()
     for work in works:
         wait_for(work)
     staging.stats.wait_seconds += time.perf_counter() - t0
+    if deferred is not None:
+        deferred.landed([Landing(buf, m, tuple(d)) for buf, m, d in landings])
+        return
     t0 = time.perf_counter()
     for buf, move, mine in landings:
         _finish_landing(params, buf, move, mine)

@@ -1,0 +1,472 @@
+"""A weight-sync group spanning the trainer's ranks and remote engines: one rank's view of it.
+
+Both ends use what is here. A ``SyncGroup`` is this process's membership of one epoch of
+the group (``remote_protocol.Membership``): a data group (the epoch's backend: NCCL on
+GPUs, gloo on CPUs, a ``DataGroup`` warmed up once) and a gloo control group over the
+same ranks (``ControlGroup``), both made in the trainer's TCP store under the epoch's
+prefix after every rank arrived (``control_plane.meet``: bounded, names who did not).
+``close()`` releases both; a new epoch (an engine restarted, left, or died) is a new
+``SyncGroup`` on every member.
+
+When an epoch forms, every engine's first TP rank publishes its layout (its
+``EngineManifest``) to every member through the group (``exchange_layouts``: one small
+all-gather of fingerprints, then one broadcast per distinct layout). An update then runs
+the same steps on every rank (``run_update``), each bounded by the update's timeout:
+
+1. the trainer's first rank broadcasts the ``UpdateHeader`` (update id, the digest and
+   size of its source layout, the bucket);
+2. members that do not know that source layout (engines, on the first update or after
+   the trainer's layout changed) say so in one all-reduce, and then hear it (one
+   broadcast of the specs, ``remote_protocol.layout_wire``);
+3. every rank plans only its own moves (``rank_plan.plan_for_rank``: trainer ranks what
+   they send, engine ranks what they receive), from the same inputs;
+4. every rank's problems are shared (one all-reduce): any problem refuses the update on
+   every rank before a byte moves;
+5. the ranks agree on the plan's inputs (one all-reduce);
+6. the executor moves the data: trainer ranks send their own regions, cast to the
+   engine's dtype, straight to the engine ranks that need them; engine ranks receive
+   into staging (``executor.Deferred``) that the engine writes later, in a short pause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from sglang.srt.weight_sync.control_plane import (
+    ControlGroup,
+    PeerLost,
+    join_group,
+    leave_group,
+    meet,
+    prefixed_store,
+)
+from sglang.srt.weight_sync.executor import DataGroup, Deferred, ExecutionStats, execute
+from sglang.srt.weight_sync.manifest import (
+    EngineManifest,
+    ManifestError,
+    fingerprint_int,
+)
+from sglang.srt.weight_sync.planner import CoverageError, Plan, sources_digest
+from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
+from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
+from sglang.srt.weight_sync.remote_protocol import (
+    HEADER_LIMIT,
+    MEMBERSHIP_LIMIT,
+    Membership,
+    Spec,
+    UpdateHeader,
+    epoch_prefix,
+    layout_wire,
+    read_layout,
+)
+from sglang.srt.weight_sync.source_layout import LayoutError, SourceLayout
+from sglang.srt.weight_sync.trainer_reshard import restrict
+
+__all__ = (
+    "GroupRefusal",
+    "LayoutError",
+    "SyncGroup",
+    "TrainerPart",
+    "UpdateResult",
+    "check_specs_against",
+    "source_layout",
+)
+
+logger = logging.getLogger(__name__)
+
+PLANS_KEPT = 4
+LAYOUTS_KEPT = 2
+
+
+class GroupRefusal(RuntimeError):
+    """An update every member refused before any byte moved (every rank's problems)."""
+
+
+@dataclass
+class TrainerPart:
+    """What a trainer rank brings to an update: its source layout (every HF tensor's spec,
+    the same on every trainer rank) and its local tensors by holder key. The first
+    trainer rank also brings the header."""
+
+    specs: Mapping[str, Spec]
+    local: Mapping[str, torch.Tensor]
+    header: Optional[UpdateHeader] = None
+    wire: bytes = b""
+
+
+@dataclass
+class UpdateResult:
+    """One rank's part of an update, once the data moved: the plan (zero fills, lower
+    bound) and the executor's figures."""
+
+    header: UpdateHeader
+    plan: Plan
+    stats: ExecutionStats
+
+
+def source_layout(specs: Mapping[str, Spec]) -> SourceLayout:
+    """The layout the specs describe (trainer ranks are the group's first ranks)."""
+    return {name: spec.describe(name) for name, spec in specs.items()}
+
+
+def check_specs_against(
+    specs: Mapping[str, Spec],
+    tensor_shapes: Mapping[str, Tuple[int, ...]],
+    aliases: Mapping[str, str],
+    not_copied: Mapping[str, str],
+    who: str,
+) -> List[str]:
+    """An engine rank's problems with the trainer's source layout: a name the model does
+    not have, a global shape it does not expect, a dtype it cannot cast, a tensor its
+    loader does not copy (quantised or computed: no update can write it)."""
+    problems = []
+    for name in sorted(specs):
+        spec, canonical = specs[name], aliases.get(name, name)
+        if canonical not in tensor_shapes:
+            problems.append(
+                f"{who}: unknown tensor {name!r}: not a weight of this model"
+            )
+        elif canonical in not_copied:
+            problems.append(
+                f"{who}: tensor {name!r} is not a copy in SGLang's loader: {not_copied[canonical]}"
+            )
+        elif tuple(spec.shape) != tuple(tensor_shapes[canonical]):
+            problems.append(
+                f"{who}: tensor {name!r}: global shape {tuple(spec.shape)}, the model expects "
+                f"{tuple(tensor_shapes[canonical])}"
+            )
+        elif not spec.dtype.is_floating_point:
+            problems.append(
+                f"{who}: tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's "
+                "floating dtype"
+            )
+    return problems
+
+
+@dataclass
+class _Layouts:
+    """Source layouts heard from the trainer, by digest (the last few), with their plans."""
+
+    specs: Dict[str, Tuple[Mapping[str, Spec], SourceLayout]] = field(
+        default_factory=dict
+    )
+    plans: Dict[str, Plan] = field(default_factory=dict)
+
+    def keep(self, table: dict, key: str, value, most: int) -> None:
+        if len(table) >= most:
+            table.pop(next(iter(table)))
+        table[key] = value
+
+
+class SyncGroup:
+    """This process's membership of one epoch of a weight-sync group (see the module's text).
+
+    ``rank`` is this process's group rank; ``store`` the group's TCP store (the trainer's
+    first rank hosts it). Making one blocks until every one of the ``world_size`` ranks of
+    the epoch arrived, at most ``timeout_s``; then every member hears the membership from
+    the trainer's first rank (``hear_membership``)."""
+
+    def __init__(
+        self,
+        group_name: str,
+        epoch: int,
+        world_size: int,
+        backend: str,
+        rank: int,
+        store: dist.Store,
+        timeout_s: float,
+    ) -> None:
+        self.rank, self.who = rank, f"group {group_name!r} rank {rank}"
+        self.membership: Optional[Membership] = None
+        prefix = epoch_prefix(group_name, epoch)
+        meet(
+            store,
+            prefix,
+            rank,
+            world_size,
+            timeout_s,
+            f"{self.who}: meeting the {world_size} ranks of epoch {epoch}",
+        )
+        self._groups: List[dist.ProcessGroup] = []
+        try:
+            data = join_group(
+                store, f"{prefix}/data", rank, world_size, backend, DATA_GROUP_TIMEOUT_S
+            )
+            self._groups.append(data)
+            control = join_group(
+                store,
+                f"{prefix}/control",
+                rank,
+                world_size,
+                "gloo",
+                DATA_GROUP_TIMEOUT_S,
+            )
+            self._groups.append(control)
+        except Exception:
+            self.close()
+            raise
+        self.data = DataGroup(data)
+        self.control = ControlGroup(
+            control,
+            f"remote-{group_name}-{epoch}",
+            rank=rank,
+            store=prefixed_store(store, prefix),
+        )
+        self.manifests: Dict[str, EngineManifest] = {}
+        self._layouts = _Layouts()
+
+    def hear_membership(
+        self, membership: Optional[Membership], timeout_s: float
+    ) -> Membership:
+        """The epoch's membership, from the trainer's first rank (group rank 0)."""
+        raw = self.control.broadcast_bytes(
+            membership.to_json() if self.rank == 0 else None,
+            0,
+            MEMBERSHIP_LIMIT,
+            timeout_s,
+            f"{self.who}: hearing the membership from trainer rank 0",
+        )
+        self.membership = Membership.from_json(raw)
+        self.who = self.membership.who(self.rank)
+        return self.membership
+
+    def close(self) -> None:
+        """Release this epoch's groups (pending work aborted where the backend can)."""
+        while self._groups:
+            leave_group(self._groups.pop())
+
+    # ------------------------------------------------------------------ layouts
+
+    def exchange_layouts(
+        self,
+        mine: Optional[EngineManifest],
+        problem: Optional[str],
+        timeout_s: float,
+    ) -> Dict[str, EngineManifest]:
+        """Every engine's layout, on every member: each engine's first TP rank publishes its
+        manifest (``mine``) or why it has none (``problem``). ``ManifestError`` names every
+        engine that published none, and engines of one group that serve different models
+        (other tensors or aliases)."""
+        text = (
+            problem.encode() if problem else (mine.to_json().encode() if mine else b"")
+        )
+        kind = 2 if problem else (1 if mine is not None else 0)
+        fp = (
+            fingerprint_int(mine.fingerprint) if mine is not None and not problem else 0
+        )
+        phase = f"{self.who}: hearing every engine's layout"
+        rows = self.control.all_gather_ints([kind, fp, len(text)], timeout_s, phase)
+        heard: Dict[int, EngineManifest] = {}
+        problems: List[str] = []
+        for member in self.membership.engines:
+            kind, fp, size = rows[member.offset]
+            if kind == 1 and fp in heard:
+                self.manifests[member.name] = heard[fp]
+                continue
+            raw = self.control.broadcast_bytes(
+                text if self.rank == member.offset else None,
+                member.offset,
+                size,
+                timeout_s,
+                f"{phase} (engine {member.name!r})",
+            )
+            if kind == 2:
+                problems.append(
+                    f"engine {member.name!r}: {raw.decode(errors='replace')}"
+                )
+            elif kind == 0:
+                problems.append(f"engine {member.name!r} published no layout")
+            else:
+                try:
+                    manifest = EngineManifest.from_json(raw.decode())
+                except (ManifestError, ValueError) as e:
+                    problems.append(f"engine {member.name!r}: {e}")
+                    continue
+                if manifest.parallel.tp_size != member.tp_size:
+                    problems.append(
+                        f"engine {member.name!r} joined with {member.tp_size} ranks but publishes "
+                        f"TP {manifest.parallel.tp_size}"
+                    )
+                heard[fp] = self.manifests[member.name] = manifest
+        models = {
+            (tuple(sorted(m.tensor_shapes.items())), tuple(sorted(m.aliases.items())))
+            for m in self.manifests.values()
+        }
+        if len(models) > 1:
+            problems.append(
+                "the engines of one weight-sync group serve different models (their tensors "
+                "or aliases differ)"
+            )
+        if problems:
+            raise ManifestError(f"{self.membership.legend()}: " + "; ".join(problems))
+        return self.manifests
+
+    # ------------------------------------------------------------------ an update
+
+    def hear_update(
+        self,
+        part: Optional[TrainerPart],
+        timeout_s: float,
+    ) -> Tuple[UpdateHeader, Mapping[str, Spec], SourceLayout]:
+        """Steps 1-2: the header from the trainer's first rank, then the source layout for
+        members that do not know it yet (cached by digest). ``LayoutError`` when the
+        layout heard is unreadable or does not match its digest (every collective of
+        these steps is joined first, so the others go on to share this rank's problem)."""
+        raw = self.control.broadcast_bytes(
+            part.header.encode() if self.rank == 0 else None,
+            0,
+            HEADER_LIMIT,
+            timeout_s,
+            f"{self.who}: hearing the update header from trainer rank 0",
+        )
+        header = UpdateHeader.decode(raw)
+        known = (
+            (part.specs, source_layout(part.specs))
+            if part is not None
+            else self._layouts.specs.get(header.layout_digest)
+        )
+        need = self.control.any(
+            known is None,
+            timeout_s,
+            f"{self.who}: asking who lacks the trainer's source layout",
+        )
+        if need:
+            raw = self.control.broadcast_bytes(
+                part.wire if self.rank == 0 else None,
+                0,
+                header.layout_bytes,
+                timeout_s,
+                f"{self.who}: hearing the trainer's source layout ({header.layout_bytes} bytes)",
+            )
+        if known is not None:
+            return header, known[0], known[1]
+        specs = read_layout(raw)
+        sources = source_layout(specs)
+        if sources_digest(sources) != header.layout_digest:
+            raise LayoutError(
+                "the source layout heard differs from its digest in the update header"
+            )
+        self._layouts.keep(
+            self._layouts.specs, header.layout_digest, (specs, sources), LAYOUTS_KEPT
+        )
+        return header, specs, sources
+
+    def plan(
+        self, header: UpdateHeader, specs: Mapping[str, Spec], sources: SourceLayout
+    ) -> Plan:
+        """Step 3: this rank's moves (cached by the update's inputs)."""
+        fingerprint = self.inputs_digest(header)
+        plan = self._layouts.plans.get(fingerprint)
+        if plan is None:
+            aliases = (
+                next(iter(self.manifests.values())).aliases if self.manifests else {}
+            )
+            receivers = self.receivers(set(specs), aliases)
+            plan = plan_for_rank(
+                sources,
+                receivers,
+                self.rank,
+                bucket_bytes=header.bucket_bytes,
+                aliases=aliases,
+                fingerprint=fingerprint,
+            )
+            self._layouts.keep(self._layouts.plans, fingerprint, plan, PLANS_KEPT)
+        return plan
+
+    def receivers(self, names, aliases: Mapping[str, str]) -> Receivers:
+        """Every engine rank's targets among the HF tensors ``names``: one class per
+        (layout, TP rank), whose ranks are that TP rank of every engine of the layout."""
+        classes: Dict[Tuple[str, int], Tuple[tuple, List[int]]] = {}
+        for member in self.membership.engines:
+            manifest = self.manifests[member.name]
+            for t in range(member.tp_size):
+                key = (manifest.fingerprint, t)
+                if key not in classes:
+                    wanted = restrict(manifest.ranks[t], names, aliases)
+                    classes[key] = (tuple(wanted), [])
+                classes[key][1].append(member.offset + t)
+        return Receivers(
+            tuple(c[0] for c in classes.values()),
+            tuple(tuple(c[1]) for c in classes.values()),
+        )
+
+    def inputs_digest(self, header: UpdateHeader) -> str:
+        """What every rank's plan follows from: the source layout, every engine's layout and
+        place, the bucket."""
+        layouts = [
+            (m.offset, m.tp_size, self.manifests[m.name].fingerprint)
+            for m in self.membership.engines
+        ]
+        return hashlib.sha256(
+            repr(
+                (
+                    header.layout_digest,
+                    layouts,
+                    header.bucket_bytes,
+                    self.membership.trainers,
+                )
+            ).encode()
+        ).hexdigest()
+
+    def agree(
+        self, problems: Sequence[str], plan: Optional[Plan], timeout_s: float
+    ) -> None:
+        """Steps 4-5: every rank's problems (``GroupRefusal`` with all of them), then one
+        all-reduce that every rank runs the same plan."""
+        everyone = self.control.share_problems(
+            problems,
+            timeout_s,
+            f"{self.who}: sharing problems with every member ({self.membership.legend()})",
+        )
+        if everyone:
+            raise GroupRefusal("; ".join(everyone))
+        self.control.agree_on_plan(plan.fingerprint, timeout_s, self.who)
+
+    def run_update(
+        self,
+        part: Optional[TrainerPart],
+        timeout_s: float,
+        check: Optional[Callable[[UpdateHeader, Mapping[str, Spec]], List[str]]] = None,
+        params: Optional[Mapping[str, torch.Tensor]] = None,
+        deferred: Optional[Deferred] = None,
+    ) -> UpdateResult:
+        """Steps 1-6 on this rank. A trainer rank passes ``part``; every rank may pass
+        ``check`` (its problems with the update: the header and specs), an engine rank its
+        live ``params`` (checked against the plan only)
+        and ``deferred`` (its staging). Raises ``GroupRefusal`` before any byte moved,
+        ``PeerLost`` when a member did not answer within ``timeout_s``."""
+        problems: List[str] = []
+        plan = None
+        try:
+            header, specs, sources = self.hear_update(part, timeout_s)
+            if check is not None:
+                problems += check(header, specs)
+            if not problems:
+                plan = self.plan(header, specs, sources)
+        except (CoverageError, LayoutError, KeyError, ValueError) as e:
+            problems.append(f"{self.who}: {e}")
+        self.agree(problems, plan, timeout_s)
+        try:
+            stats = execute(
+                plan,
+                self.rank,
+                part.local if part is not None else {},
+                params or {},
+                self.data,
+                timeout_s,
+                deferred,
+            )
+        except PeerLost as e:  # name the group ranks of the round
+            raise PeerLost(f"{e} [{self.membership.legend()}]") from None
+        return UpdateResult(header, plan, stats)
+
+    @staticmethod
+    def wire_of(specs: Mapping[str, Spec]) -> Tuple[bytes, str]:
+        """The trainer's source layout on the wire, and its digest."""
+        return layout_wire(specs), sources_digest(source_layout(specs))

@@ -1,0 +1,501 @@
+"""The trainer end of a weight-sync group with engines on other GPUs and hosts.
+
+Every trainer rank keeps one ``RemoteSync`` per group (made with the same arguments on
+every rank). The trainer's first rank hosts the group's TCP store at ``(address, port)``
+and is the only rank that talks to the engines (``EngineEndpoint``: an HTTP server, or an
+``Engine`` in this process); the other trainer ranks hear what it decided through the
+trainer's own process group.
+
+* ``join`` forms a new membership epoch: the first rank asks every engine that answers
+  to join (``/join_weight_sync_group``), every trainer rank and every engine TP rank meet
+  in the store, and every engine's layout reaches every member (``SyncGroup``).
+* ``update`` (named tensors: DTensor shards or full tensors), ``update_sources`` (any
+  source layout) and ``update_megatron`` (Megatron-core model chunks): the first rank
+  asks every engine to take part (``/update_weights_remote``; an engine receives into
+  staging while it serves and writes in a short pause), and every trainer rank sends its
+  own regions, cast to the engine's dtype, straight to the engine ranks that need them
+  (``SyncGroup.run_update``). Every trainer rank returns the same ``RemoteReport``, or
+  raises the same ``RemoteSyncError``.
+* After a failed update (an engine or a trainer rank died, a wait ran out), the epoch is
+  dropped; the next update forms a new one with the engines that still answer, so a dead
+  engine leaves and the others go on; an engine restarted joins again with ``join``.
+* ``leave`` lets one engine go (it releases its groups); ``close`` lets all go and stops
+  the store.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from sglang.srt.weight_sync.apply import nonfinite_tensors
+from sglang.srt.weight_sync.control_plane import (
+    ControlGroup,
+    PeerLost,
+    open_store,
+)
+from sglang.srt.weight_sync.delivery import local_shard
+from sglang.srt.weight_sync.executor import ExecutionError
+from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
+from sglang.srt.weight_sync.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    GRACE_S,
+    MIN_BUCKET_BYTES,
+    check_timeout,
+    trainer_bound_s,
+)
+from sglang.srt.weight_sync.remote_endpoints import (
+    EngineEndpoint,
+    HttpEndpoint,
+    LocalEndpoint,
+    RemoteSyncError,
+)
+from sglang.srt.weight_sync.remote_group import (
+    GroupRefusal,
+    SyncGroup,
+    TrainerPart,
+)
+from sglang.srt.weight_sync.remote_protocol import (
+    Membership,
+    Spec,
+    UpdateHeader,
+)
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
+
+__all__ = (
+    "EngineEndpoint",
+    "HttpEndpoint",
+    "LocalEndpoint",
+    "RemoteReport",
+    "RemoteSync",
+    "RemoteSyncError",
+    "named_specs",
+)
+
+logger = logging.getLogger(__name__)
+
+IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+
+
+def named_specs(
+    named_tensors: Iterable[Tuple[str, torch.Tensor]], trainers: int
+) -> Tuple[Dict[str, Spec], Dict[str, torch.Tensor]]:
+    """Every tensor's layout and this rank's local part: a DTensor's own mesh and shard
+    (never ``full_tensor()``), a plain tensor whole on every trainer rank. Rotary caches,
+    which SGLang's loaders skip, are left out."""
+    specs: Dict[str, Spec] = {}
+    local: Dict[str, torch.Tensor] = {}
+    everyone = list(range(trainers))
+    for name, tensor in named_tensors:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name in specs:
+            raise ValueError(f"tensor {name!r} is named twice in one update")
+        from torch.distributed.tensor import DTensor
+
+        spec = (
+            None
+            if isinstance(tensor, DTensor)
+            else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+        )
+        local[name], specs[name] = local_shard(tensor.detach(), spec)
+    return specs, local
+
+
+@dataclass
+class RemoteReport:
+    """One update as every trainer rank reports it. ``engines``: each engine's reply (its
+    per-TP-rank ``bytes_received``, ``lower_bound_bytes``, ``receive_us``, ``apply_us``,
+    the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``: per trainer
+    rank, in the engines' dtypes; ``seconds``: the update's wall time on the first rank."""
+
+    success: bool
+    message: str
+    update_id: str = ""
+    epoch: int = 0
+    engines: Dict[str, dict] = field(default_factory=dict)
+    bytes_sent: List[int] = field(default_factory=list)
+    peak_staging_bytes: List[int] = field(default_factory=list)
+    seconds: float = 0.0
+    left: List[str] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+
+class RemoteSync:
+    """One trainer rank's side of a weight-sync group (see the module's text). Every trainer
+    rank makes it with the same arguments; ``engines`` matter on the first rank only.
+    ``backend``: the data group's ("nccl" on GPUs, "gloo" on CPUs; default: NCCL when CUDA
+    is available)."""
+
+    def __init__(
+        self,
+        group_name: str,
+        address: str,
+        port: int,
+        engines: Sequence[EngineEndpoint] = (),
+        backend: Optional[str] = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.group_name, self.address, self.port = group_name, address, port
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = check_timeout(timeout_s)
+        self.rank, self.trainers = dist.get_rank(), dist.get_world_size()
+        self.world = ControlGroup(None, f"remote-trainer-{group_name}")
+        self.engines: Dict[str, EngineEndpoint] = {e.name: e for e in engines}
+        self.store = open_store(address, port, self.rank == 0, self.timeout_s)
+        self.membership: Optional[Membership] = None
+        self.group: Optional[SyncGroup] = None
+        self.epoch = 0
+        self.updates = 0
+        self.broken: Optional[str] = None
+        self.left: List[str] = []  # engines that left at the last join (did not answer)
+        self._megatron = (
+            None  # a TrainerSync for Megatron coordinates, made on first use
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="weight-sync-engines"
+        )
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def manifests(self) -> Dict[str, EngineManifest]:
+        return self.group.manifests if self.group is not None else {}
+
+    def add(self, engine: EngineEndpoint) -> None:
+        """Count ``engine`` in (first rank; it joins with the next ``join`` or update)."""
+        self.engines[engine.name] = engine
+
+    def join(
+        self,
+        engines: Optional[Sequence[EngineEndpoint]] = None,
+        timeout_s: Optional[float] = None,
+        membership: Optional[Membership] = None,
+    ) -> Membership:
+        """Form a new membership epoch (every trainer rank calls it). The first rank asks
+        every engine it knows (``engines`` are added) that answers to join; one that does
+        not answer, or fails to join, leaves and is named. With ``membership`` (the same on
+        every trainer rank) someone else asks the engines (verl's rollout workers), and
+        this rank only meets them. Returns the epoch's membership; raises
+        ``RemoteSyncError`` on every trainer rank when a member did not join."""
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
+        for engine in engines or ():
+            self.add(engine)
+        self._drop_group()
+        drive = membership is None
+        if drive:
+            membership = self._next_membership(timeout_s)
+        self.epoch = membership.epoch
+        joins = {}
+        if self.rank == 0 and drive:
+            for member in membership.engines:
+                body = membership.join_request(member, timeout_s)
+                joins[member.name] = self._pool.submit(
+                    self.engines[member.name].join, body, trainer_bound_s(timeout_s)
+                )
+        problem, group = None, None
+        try:
+            group = SyncGroup(
+                self.group_name,
+                membership.epoch,
+                membership.world_size,
+                membership.backend,
+                self.rank,
+                self.store,
+                timeout_s,
+            )
+            group.hear_membership(membership, timeout_s)
+            group.exchange_layouts(None, None, timeout_s)
+        except (PeerLost, ManifestError, RuntimeError) as e:
+            problem = f"trainer rank {self.rank}: {e}"
+        failed = [
+            (name, f"engine {name!r}: {reply.get('message')}")
+            for name, reply in self._replies(joins, timeout_s).items()
+            if not reply.get("success")
+        ]
+        for name, _ in failed:
+            self.engines.pop(name, None)  # it joins again with join([engine])
+        outcome = self.world.share_problems(
+            ([problem] if problem else []) + [f for _, f in failed],
+            trainer_bound_s(timeout_s) + GRACE_S,
+            f"trainer rank {self.rank}: sharing whether every member joined",
+        )
+        if outcome:
+            if group is not None:
+                group.close()
+            raise RemoteSyncError(
+                f"weight-sync group {self.group_name!r} epoch {membership.epoch}: "
+                + "; ".join(outcome)
+            )
+        self.membership, self.group, self.broken = membership, group, None
+        logger.info("weight-sync group formed: %s", membership.legend())
+        return membership
+
+    def _next_membership(self, timeout_s: float) -> Membership:
+        """The next epoch's members, decided by the first rank (every engine it knows that
+        answers) and heard by every trainer rank."""
+        membership, gone = None, []
+        if self.rank == 0:
+            present = []
+            for name, engine in list(self.engines.items()):
+                if engine.alive():
+                    present.append((name, engine.tp_size()))
+                else:
+                    gone.append(name)
+                    del self.engines[name]
+            membership = Membership.of(
+                self.group_name,
+                self.epoch + 1,
+                self.address,
+                self.port,
+                self.backend,
+                self.trainers,
+                present,
+            )
+        membership, gone = self.world.broadcast_object(
+            (membership, gone),
+            0,
+            timeout_s,
+            f"trainer rank {self.rank}: hearing the membership of {self.group_name!r}",
+        )
+        for name in gone:
+            logger.warning(
+                "weight-sync group %r: engine %r does not answer; it leaves the group",
+                self.group_name,
+                name,
+            )
+        self.left = sorted(set(self.left) | set(gone))
+        return membership
+
+    def leave(self, name: str, timeout_s: Optional[float] = None) -> None:
+        """Let engine ``name`` go (every trainer rank calls it): it releases its groups; the
+        others form a new epoch at the next update."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self._drop_group()
+        if self.rank == 0 and name in self.engines:
+            engine = self.engines.pop(name)
+            try:
+                engine.leave({"group_name": self.group_name}, timeout_s)
+            except Exception as e:  # noqa: BLE001 - an engine already gone has nothing to release
+                logger.warning("engine %r did not answer leave: %s", name, e)
+        self.world.barrier(
+            timeout_s, f"trainer rank {self.rank}: engine {name!r} leaving"
+        )
+
+    def close(self) -> None:
+        """Let every engine go and stop the store (every trainer rank calls it)."""
+        for name in sorted(self.engines) if self.rank == 0 else []:
+            try:
+                self.engines[name].leave(
+                    {"group_name": self.group_name}, self.timeout_s
+                )
+            except Exception as e:  # noqa: BLE001 - an engine already gone has nothing to release
+                logger.warning("engine %r did not answer leave: %s", name, e)
+        self.engines.clear()
+        self._drop_group()
+        self._pool.shutdown(wait=False)
+        self.store = None
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def _replies(self, futures: Mapping[str, concurrent.futures.Future], timeout_s):
+        """Each engine's answer (first rank), waiting at most the trainer's bound."""
+        out = {}
+        deadline = time.monotonic() + trainer_bound_s(timeout_s)
+        for name, future in futures.items():
+            try:
+                out[name] = future.result(max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                out[name] = {
+                    "success": False,
+                    "message": f"no answer within {trainer_bound_s(timeout_s):g}s",
+                }
+            except Exception as e:  # noqa: BLE001 - a dead engine's HTTP error is its answer
+                out[name] = {"success": False, "message": f"{type(e).__name__}: {e}"}
+        return out
+
+    # ------------------------------------------------------------------ updates
+
+    def update(
+        self, named_tensors: Iterable[Tuple[str, torch.Tensor]], **kwargs
+    ) -> RemoteReport:
+        """Update every engine of the group from this rank's tensors (DTensors: their local
+        shards; plain tensors: whole on every trainer rank); every trainer rank calls it
+        with the same names. See ``update_sources`` for the keyword arguments."""
+        specs, local = named_specs(named_tensors, self.trainers)
+        return self.update_sources(specs, local, **kwargs)
+
+    def update_megatron(
+        self,
+        model_chunks,
+        hf_vocab: int,
+        shared_expert_hf: str = "shared_experts",
+        **kwargs,
+    ) -> RemoteReport:
+        """Update from this rank's Megatron-core model chunks (``megatron_layout``): each rank
+        sends from its own local parameters, fused ones included."""
+        from sglang.srt.weight_sync.megatron_flow import all_coords, this_rank
+        from sglang.srt.weight_sync.megatron_layout import (
+            describe_model_chunks,
+            megatron_sources,
+        )
+        from sglang.srt.weight_sync.trainer_flow import TrainerSync
+
+        me = this_rank()
+        model, buffers = describe_model_chunks(
+            model_chunks, hf_vocab, me, shared_expert_hf
+        )
+        if self._megatron is None:
+            self._megatron = TrainerSync()
+        sources = megatron_sources(
+            model, all_coords(self._megatron, me, self.timeout_s)
+        )
+        specs = {
+            name: HoldersSpec(s.shape, s.dtype, tuple(s.holders))
+            for name, s in sources.items()
+        }
+        local = {k: t.detach() for k, t in buffers.items()}
+        return self.update_sources(specs, local, **kwargs)
+
+    def update_sources(
+        self,
+        specs: Mapping[str, Spec],
+        local: Mapping[str, torch.Tensor],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        staging_bytes: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+        drive: bool = True,
+    ) -> RemoteReport:
+        """One update from any source layout: ``specs`` (every HF tensor's spec, the same on
+        every trainer rank) and this rank's ``local`` tensors by holder key. ``drive=False``:
+        someone else sends the engines their update requests (verl's rollout workers);
+        this rank only takes part in the group. ``staging_bytes``: each engine rank's
+        staging while it serves (default ``DEFAULT_STAGING_BYTES``)."""
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
+        if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
+            raise ValueError(
+                f"bucket_bytes={bucket_bytes!r}: at least {MIN_BUCKET_BYTES}"
+            )
+        started = time.monotonic()
+        self.left = []
+        if self.group is None or self.broken:
+            self.join(timeout_s=timeout_s)
+        group, membership = self.group, self.membership
+        self.updates += 1
+        update_id = f"{self.group_name}-e{membership.epoch}-u{self.updates}"
+        part = TrainerPart(specs, local)
+        replies = {}
+        if self.rank == 0:
+            part.wire, digest = SyncGroup.wire_of(specs)
+            part.header = UpdateHeader(
+                update_id, digest, len(part.wire), bucket_bytes, len(specs)
+            )
+            if drive:
+                body = dict(
+                    group_name=self.group_name,
+                    update_id=update_id,
+                    timeout_s=timeout_s,
+                    staging_bytes=staging_bytes,
+                    flush_cache=flush_cache,
+                    weight_version=weight_version,
+                )
+                replies = {
+                    m.name: self._pool.submit(self.engines[m.name].update, body, None)
+                    for m in membership.engines
+                }
+        problem, sent, staged = None, 0, 0
+        try:
+            result = group.run_update(
+                part, timeout_s, check=lambda _h, _s: self._finite_problems(local)
+            )
+            sent, staged = result.stats.bytes_sent, result.stats.peak_staging_bytes
+        except (GroupRefusal, PeerLost, ExecutionError) as e:
+            problem = f"trainer rank {self.rank}: {e}"
+        except RuntimeError as e:  # a peer's connection closed mid-round (gloo), named
+            problem = f"trainer rank {self.rank}: {type(e).__name__}: {e}"
+        try:
+            self.world.barrier(
+                trainer_bound_s(timeout_s),
+                f"trainer rank {self.rank}: after sending its regions",
+            )
+            problems = self.world.share_problems(
+                [problem] if problem else [],
+                trainer_bound_s(timeout_s),
+                f"trainer rank {self.rank}: sharing how the update went on every trainer rank",
+            )
+            figures = self.world.share_figures(
+                [sent, staged],
+                timeout_s,
+                f"trainer rank {self.rank}: sharing the bytes every trainer rank sent",
+            )
+            answers = self._replies(replies, timeout_s) if self.rank == 0 else {}
+            answers = self.world.broadcast_object(
+                answers,
+                0,
+                trainer_bound_s(timeout_s) + GRACE_S,
+                f"trainer rank {self.rank}: hearing the engines' answers from trainer rank 0",
+            )
+        except PeerLost as e:
+            self._broken(str(e))
+            raise RemoteSyncError(
+                f"weight update {update_id}: {e} ({membership.legend()})"
+            ) from None
+        failed = [
+            f"engine {name!r}: {a.get('message')}"
+            for name, a in answers.items()
+            if not a.get("success")
+        ]
+        report = RemoteReport(
+            success=not problems and not failed,
+            message="; ".join(problems + failed) or "Success",
+            update_id=update_id,
+            epoch=membership.epoch,
+            engines=answers,
+            bytes_sent=figures[0][: self.trainers],
+            peak_staging_bytes=figures[1][: self.trainers],
+            seconds=time.monotonic() - started,
+            left=list(self.left),
+        )
+        if problems or failed:
+            self._broken(report.message)
+        logger.info(
+            "weight update %s (epoch %d): %s; trainer ranks sent %s bytes in %.3fs",
+            update_id,
+            membership.epoch,
+            report.message[:500],
+            report.bytes_sent,
+            report.seconds,
+        )
+        return report
+
+    def _broken(self, why: str) -> None:
+        """Drop the epoch after a failed update: the next one forms a new epoch with the
+        engines that still answer (a dead engine leaves)."""
+        self.broken = why
+        self._drop_group()
+
+    def _finite_problems(self, local: Mapping[str, torch.Tensor]) -> List[str]:
+        return [
+            f"trainer rank {self.rank}: tensor {name!r} holds NaN or inf values (refused: "
+            "see docs/usage.md)"
+            for name in nonfinite_tensors(local)
+        ]

@@ -1,0 +1,90 @@
+"""A weight-sync group of trainer ranks and remote engine ranks, without an engine.
+
+Four trainer ranks hold ``Shard(0)`` fp32 shards; two engines of TP 2 (bf16 parameters by
+the hand rules of a tiny Qwen2) are the ranks after them, all in one group made in a TCP
+store (``remote_group.SyncGroup``). Every engine rank must end with SGLang's slicing of the
+weights bit for bit, receiving exactly its parameters' bytes (its lower bound: it holds
+none of the trainer's data), and every trainer rank must send within 10% of the mean.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from ranks import run_ranks
+from remote_group_cases import dying_engine_job, remote_group_job
+
+ENGINES = [("e0", 2), ("e1", 2)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trainer_ranks_send_straight_to_two_engines():
+    job = dict(port=_port(), trainers=4, engines=ENGINES, seeds=[1, 2], bucket=1 << 20)
+    results = run_ranks(8, remote_group_job, job, timeout=300)
+    for update in range(2):
+        sent = [r["updates"][update]["sent"] for r in results[:4]]
+        mean = sum(sent) / len(sent)
+        assert max(sent) <= 1.1 * mean and min(sent) > 0, sent
+        received = 0
+        for rank, r in enumerate(results[4:], start=4):
+            u = r["updates"][update]
+            assert not u["wrong"], f"rank {rank}: parameters differ: {u['wrong'][:4]}"
+            assert u["received"] == u["lower_bound"] == u["param_bytes"], (rank, u)
+            received += u["received"]
+        assert sum(sent) == received, (sent, received)
+
+
+def test_a_share_larger_than_the_staging_streams_into_the_parameters():
+    """An engine rank whose staging holds less than its share: the receiving thread waits
+    for the pause to write what landed, the rest streams in (a round written while the
+    next is on the wire), and the parameters still end bit for bit."""
+    cap = 100_000
+    job = dict(
+        port=_port(),
+        trainers=2,
+        engines=ENGINES[:1],
+        seeds=[1],
+        bucket=1 << 20,
+        staging=cap,
+    )
+    results = run_ranks(4, remote_group_job, job, timeout=300)
+    for rank, r in enumerate(results[2:], start=2):
+        u = r["updates"][0]
+        assert not u["wrong"], f"rank {rank}: parameters differ: {u['wrong'][:4]}"
+        assert u["received"] == u["lower_bound"] == u["param_bytes"] > 2 * cap, u
+        assert u["rounds"] > 1 and u["staging_peak"] <= cap + u["largest_round"], u
+
+
+def test_nan_on_a_trainer_rank_refuses_the_update_on_every_rank():
+    job = dict(
+        port=_port(),
+        trainers=4,
+        engines=ENGINES[:1],
+        seeds=[1],
+        bucket=1 << 20,
+        nan=True,
+    )
+    results = run_ranks(6, remote_group_job, job, timeout=300)
+    for rank, r in enumerate(results):
+        message = r["updates"][0]["error"]
+        assert "GroupRefusal" in message and "trainer rank 1" in message, (
+            rank,
+            message,
+        )
+        assert "NaN" in message or "nan" in message.lower(), message
+
+
+def test_an_engine_rank_dying_mid_update_is_named_within_the_bound():
+    job = dict(
+        port=_port(), trainers=2, engines=ENGINES[:1], bucket=1 << 20, timeout=10
+    )
+    results = run_ranks(4, dying_engine_job, job, timeout=300, may_die=[3])
+    for rank, r in enumerate(results[:3]):
+        assert r["error"], f"rank {rank} did not notice the dead engine rank"
+        assert r["seconds"] < 10 + 5, r
+        print(rank, r)

@@ -1,0 +1,167 @@
+"""Faults in a weight-sync group with remote engines: an engine killed mid-update, the
+engine restarted and rejoining, a trainer rank killed mid-update.
+
+Two TP-1 SGLang HTTP servers (each in a process tree of its own) and two trainer ranks
+(FSDP2 fp32 shards). When a process dies mid-update every other process returns an error
+within the bound naming the rank and the phase; the surviving engine keeps serving its old
+weights (nothing was written: it receives into staging first) and never mixed ones; the
+dead engine leaves the group and the next update of the others succeeds; a restarted
+engine joins again under a new membership epoch without restarting the trainer; after a
+trainer rank died, a new trainer joins the same engines and updates them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import tiny_models
+from ranks import run_ranks
+from remote_fault_cases import remote_steps_job
+from servers import free_port, launch, launch_side_by_side
+from test_distributed_update import expected_checksums
+from update_cases import new_weights
+
+TIMEOUT_S = 10.0
+# A trainer rank's bound: its rounds (TIMEOUT_S each), the engines' answer after theirs
+# (trainer_bound_s), with slack for a loaded machine.
+BOUND_S = 2 * TIMEOUT_S + 30 + 15
+PROMPTS = [[5, 17, 42, 7]]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two TP-1 servers, each with a fault directory of its own; killed at the end."""
+    directory = tmp_path_factory.mktemp("remote_faults")
+    model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
+    faults = [directory / f"faults{i}" for i in range(2)]
+    for fault in faults:
+        fault.mkdir()
+    servers = launch_side_by_side(
+        model_dir,
+        1,
+        [{"SGLANG_TEST_FAULT_DIR": str(fault)} for fault in faults],
+        log_dir=str(directory),
+    )
+    try:
+        yield dict(
+            servers=servers,
+            faults=faults,
+            model_dir=model_dir,
+            config=config,
+            dir=directory,
+        )
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def state(server, model_dir, config, seeds):
+    """Which of ``seeds``' weights the server holds, bit for bit (None: none of them)."""
+    got = server.checksums()
+    for seed in seeds:
+        if got == expected_checksums(config, new_weights(model_dir, seed), 1, 1):
+            return seed
+    return None
+
+
+def run(cluster, steps, urls, world=2, may_die=()):
+    job = dict(
+        group="faults",
+        port=free_port(),
+        urls=urls,
+        model_dir=str(cluster["model_dir"]),
+        bucket=1 << 20,
+        timeout=TIMEOUT_S,
+        steps=steps,
+    )
+    return run_ranks(world, remote_steps_job, job, timeout=900, may_die=may_die)
+
+
+def test_engine_killed_mid_update_leaves_and_a_restarted_one_rejoins(cluster):
+    a, b = cluster["servers"]
+    model_dir, config = cluster["model_dir"], cluster["config"]
+    flag = os.path.join(cluster["faults"][1], "die_in_receive.rank0")
+    steps = [
+        ("update", 1),
+        ("arm", flag),
+        ("update", 2),
+        ("state", [a.url]),
+        ("update", 3),
+    ]
+    results = run(cluster, steps, [a.url, b.url])
+    [survivor] = results[0][2]["state"]
+    old = expected_checksums(config, new_weights(model_dir, 1), 1, 1)
+    assert survivor["checksums"] == old, (
+        "the surviving engine's weights changed (or are mixed)"
+    )
+    assert len(survivor["generation"][0]) == 8, survivor["generation"]
+    for rank, records in enumerate(results):
+        first, killed, _, after = records
+        assert first["success"], first["message"]
+        assert not killed["success"], (
+            f"rank {rank}: the update with a dead engine succeeded"
+        )
+        assert killed["seconds_here"] < BOUND_S, killed
+        message = killed.get("message") or killed.get("raised")
+        assert b.url in message, f"the dead engine is not named: {message}"
+        assert (
+            "executor round" in message
+            or "receiving" in message
+            or "PeerLost" in message
+        ), message
+        assert after["success"], after["message"]
+        assert after["left"] == [b.url] and list(after["engines"]) == [a.url], after
+        reply = after["engines"][a.url]
+        assert reply["bytes_received"] == reply["lower_bound_bytes"], reply
+    assert not b.alive(), "the engine was not killed"
+    assert state(a, model_dir, config, [3]) == 3, (
+        "the surviving engine did not take the next update"
+    )
+    killed_reply = results[0][1].get("engines", {}).get(a.url, {})
+    assert not killed_reply.get("mixed"), killed_reply
+
+    # the engine restarts (a new server) and joins again, without restarting the trainer
+    restarted = launch(
+        model_dir,
+        1,
+        env={"SGLANG_TEST_FAULT_DIR": str(cluster["faults"][1])},
+        log_dir=str(cluster["dir"]),
+    )
+    cluster["servers"][1] = restarted
+    results = run(
+        cluster, [("update", 4), ("join", restarted.url), ("update", 5)], [a.url]
+    )
+    for records in results:
+        before, joined, both = records
+        assert before["success"] and list(before["engines"]) == [a.url], before
+        assert joined["epoch"] == 2, joined
+        assert both["success"], both["message"]
+        assert sorted(both["engines"]) == sorted([a.url, restarted.url]), both
+    assert state(a, model_dir, config, [5]) == 5
+    assert state(restarted, model_dir, config, [5]) == 5
+
+
+def test_trainer_rank_killed_mid_update(cluster):
+    servers = [s for s in cluster["servers"] if s.alive()]
+    urls = [s.url for s in servers]
+    model_dir, config = cluster["model_dir"], cluster["config"]
+    results = run(cluster, [("update", 6), ("die", 7)], urls, may_die=[1])
+    survivor = results[0]
+    assert results[1] is None, "trainer rank 1 did not die"
+    first, died = survivor
+    assert first["success"], first["message"]
+    assert not died["success"] and died["seconds_here"] < BOUND_S, died
+    message = died.get("raised") or died.get("message")
+    assert "[1]" in message and "trainer rank 0" in message, message
+    for server in servers:
+        assert state(server, model_dir, config, [6, 7]) == 6, (
+            "an engine took a partial update"
+        )
+        status, _ = server.generate(PROMPTS, 4)
+        assert status == 200, "an engine no longer serves after the trainer rank died"
+    # a new trainer (a restarted job) joins the same engines and updates them
+    results = run(cluster, [("update", 8)], urls)
+    assert all(r[0]["success"] for r in results), results[0][0]["message"]
+    for server in servers:
+        assert state(server, model_dir, config, [8]) == 8

@@ -1,0 +1,160 @@
+"""A remote engine's update has one outcome, as a colocated one (``remote_requests``,
+``outcome``), decided by the tokenizer manager's steps without an engine:
+
+* every step carries the tokenizer manager's own outcome directory (a private channel) and
+  a key made for the update, whatever the caller sent;
+* an apply step left unanswered past its bound is recorded ``abandoned`` (the answer says
+  the engine will not apply it) and generation is refused until the late answer, a refusal,
+  comes; then the old weights serve again and the record is gone;
+* when engine rank 0 committed first, the answer says the weights are unknown and a late
+  success never lifts the refusal;
+* an apply answered in time leaves no record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+import pytest
+from test_outcome_decisions import _served
+
+import sglang.srt.managers.io_struct as io
+from sglang.srt.weight_sync import remote_requests
+from sglang.srt.weight_sync.answer_guard import (
+    bound_answers,
+    refuse_generation_if_unsafe,
+)
+from sglang.srt.weight_sync.outcome import Outcome, decide, record_path
+from sglang.srt.weight_sync.protocol import REFUSED
+
+BOUND_S = 0.2
+
+
+class _Lock:
+    @property
+    @contextlib.asynccontextmanager
+    async def writer_lock(self):
+        yield
+
+
+class FakeManager:
+    """The tokenizer manager's parts the remote steps use; the schedulers answer receive and
+    status at once, and apply with ``apply_answer`` (set by the test, or never)."""
+
+    is_pause = False
+    mm_processor = None
+
+    def __init__(self):
+        self.is_pause_cond = asyncio.Condition()
+        self.model_update_lock = _Lock()
+        self.steps = []
+        self.apply_answer: asyncio.Future = None
+        self.on_apply = lambda obj: None
+
+    def auto_create_handle_loop(self):
+        pass
+
+    async def update_weights_remote_communicator(self, obj):
+        self.steps.append(obj)
+        if obj.step != "apply":
+            return [
+                io.UpdateWeightsRemoteReqOutput(success=True, message="", state="done")
+            ]
+        self.on_apply(obj)
+        self.apply_answer = asyncio.get_running_loop().create_future()
+        return await self.apply_answer
+
+
+@pytest.fixture
+def manager(monkeypatch):
+    monkeypatch.setattr(remote_requests, "answer_bound_s", lambda timeout_s: BOUND_S)
+    m = FakeManager()
+    bound_answers(m)
+    yield m
+    for made in {s.outcome_channel for s in m.steps}:
+        os.rmdir(made)  # empty: every record went with its answer
+
+
+def _update(update_id):
+    return io.UpdateWeightsRemoteReqInput(
+        group_name="g",
+        update_id=update_id,
+        timeout_s=5.0,
+        outcome_channel="/tmp/not-the-managers",
+        outcome_id="chosen-by-the-caller",
+    )
+
+
+def _record(manager) -> str:
+    obj = manager.steps[-1]
+    return record_path(obj.outcome_channel, obj.outcome_id)
+
+
+def test_an_unanswered_apply_is_abandoned_and_the_late_refusal_serves_again(manager):
+    async def go():
+        reply = await remote_requests.update_weights_remote(manager, _update("r1"))
+        recorded = os.readlink(_record(manager))
+        served = _served(manager)
+        manager.apply_answer.set_result(
+            [
+                io.UpdateWeightsRemoteReqOutput(
+                    success=False, message=REFUSED + "had already given up"
+                )
+            ]
+        )
+        await asyncio.sleep(0.01)  # the step ends, then its done callbacks run
+        return reply, recorded, served
+
+    reply, recorded, served = asyncio.run(go())
+    steps = manager.steps
+    assert [s.step for s in steps] == ["receive", "apply"], steps
+    assert len({(s.outcome_channel, s.outcome_id) for s in steps}) == 1
+    assert steps[0].outcome_channel != "/tmp/not-the-managers"
+    assert steps[0].outcome_id.startswith("r1#"), steps[0].outcome_id
+    assert recorded == "abandoned"
+    assert reply["success"] is False
+    assert "The update is abandoned: the engine will not apply it" in reply["message"]
+    assert not served, "generation is refused while the apply step is unanswered"
+    assert _served(manager), "a late refusal leaves the old weights: served again"
+    assert not os.path.lexists(_record(manager)), "the record outlived its answer"
+
+
+def test_rank_0_committed_first_and_a_late_success_stays_refused(manager):
+    manager.on_apply = lambda obj: decide(
+        obj.outcome_channel, obj.outcome_id, Outcome.COMMITTED
+    )
+
+    async def go():
+        reply = await remote_requests.update_weights_remote(manager, _update("r2"))
+        manager.apply_answer.set_result(
+            [io.UpdateWeightsRemoteReqOutput(success=True, message="Success")]
+        )
+        await asyncio.sleep(0.01)
+        return reply
+
+    reply = asyncio.run(go())
+    assert reply["success"] is False
+    assert "The engine had already committed to applying it" in reply["message"]
+    with pytest.raises(ValueError, match=r"was applied after the engine had answered"):
+        refuse_generation_if_unsafe(manager)
+    assert not os.path.lexists(_record(manager))
+
+
+def test_an_apply_answered_in_time_leaves_no_record(manager):
+    def commit_and_answer(obj):
+        assert decide(obj.outcome_channel, obj.outcome_id, Outcome.COMMITTED) is (
+            Outcome.COMMITTED
+        )
+        asyncio.get_running_loop().call_soon(
+            lambda: manager.apply_answer.set_result(
+                [io.UpdateWeightsRemoteReqOutput(success=True, message="Success")]
+            )
+        )
+
+    manager.on_apply = commit_and_answer
+    reply = asyncio.run(remote_requests.update_weights_remote(manager, _update("r3")))
+    assert reply["success"] is True, reply
+    assert _served(manager)
+    assert not os.path.lexists(_record(manager)), "a timely answer leaves no record"
