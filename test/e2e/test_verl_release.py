@@ -220,12 +220,13 @@ def verl_job(rank: int, world: int, job: dict):
         SGLANG_TEST_FIGURES_LOG=job["figures_log"],
         SGLANG_CPU_OMP_THREADS_BIND="|".join(cores[rank : rank + tp]),
     )
-    trainer_lines = []  # this rank's "received ... (lower bound ...)" of trainer-side updates
+    trainer_lines = []  # this rank's (received, lower bound) of trainer-side updates
 
     class _TrainerFigures(logging.Handler):
         def emit(self, record):
-            if "trainer-side" in str(record.msg):
-                trainer_lines.append(record.args[3:5])
+            report = getattr(record, "weight_update_report", None)
+            if report is not None and report.mode == "trainer":
+                trainer_lines.append((report.bytes_received, report.lower_bound_bytes))
 
     trainer_log = logging.getLogger("sglang.srt.weight_sync.trainer_flow")
     trainer_log.setLevel(logging.INFO)

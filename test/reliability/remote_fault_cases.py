@@ -53,18 +53,18 @@ def remote_steps_job(rank: int, world: int, job: dict) -> list:
             continue
         tensors = as_layout(new_weights(job["model_dir"], arg), "fsdp32", mesh)
         if kind == "die" and rank == 1:
-            original = executor._run_round
+            original = executor._start_round
 
             def die(*args, **kwargs):
                 os._exit(0)  # killed in the middle of sending its regions
 
-            executor._run_round = die
+            executor._start_round = die
         try:
             report = sync.update(tensors, bucket_bytes=job["bucket"]).__dict__
         except Exception as e:  # noqa: BLE001 - the test reads the message
             report = {"success": False, "raised": f"{type(e).__name__}: {e}"}
         if kind == "die" and rank == 1:
-            executor._run_round = original
+            executor._start_round = original
         report.update(kind=kind, seed=arg, seconds_here=time.monotonic() - started)
         records.append(report)
     if all(r.get("success", True) for r in records[-1:]):

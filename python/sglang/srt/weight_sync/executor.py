@@ -335,7 +335,9 @@ def execute(
                 for work in flight[0]:
                     try:
                         wait(
-                            work, timeout_s, f"rank {rank}: executor, after a failed copy"
+                            work,
+                            timeout_s,
+                            f"rank {rank}: executor, after a failed copy",
                         )
                     except Exception:  # noqa: BLE001 - the copy's error is the one to raise
                         pass

@@ -374,6 +374,9 @@ class UpdateReport:
             "applied" if self.success else "not applied",
             describe_phases(self.phases),
             moved,
+            extra={
+                "weight_update_report": self
+            },  # the figures, typed, for log handlers
         )
         return self
 
