@@ -30,6 +30,11 @@ for folder in (TEST / "e2e", TEST / "support"):  # support ends first
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+# The fault tests wait out bounds on purpose (``timeout_s`` plus the grace): a 15 s grace
+# instead of the default 30 s shortens each such wait. Set before anything imports
+# ``weight_sync.protocol``, which reads it once; every process of the suite inherits it.
+os.environ.setdefault("SGLANG_WEIGHT_SYNC_GRACE_S", "15")
+
 from engine import configure_cpu_env  # noqa: E402
 
 if os.environ.get("SGLANG_TEST_GPU") != "1":

@@ -38,9 +38,8 @@ from update_cases import new_weights
 
 TIMEOUT_S = 5.0
 PROMPT = [5, 17, 42, 7]
-SETTLE_S = (
-    150  # after SIGCONT: the resumed rank's own bounded waits (35 s each) end first
-)
+# after SIGCONT: the resumed rank's own bounded waits (timeout_s + grace each) end first
+SETTLE_S = 150
 
 
 def _channel():

@@ -12,6 +12,7 @@ update succeeds.
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import time
 
@@ -81,6 +82,29 @@ def distributed(update_id="u1", timeout_s=5.0):
 
 def test_bound_is_timeout_plus_grace():
     assert answer_bound_s(7.0) == 7.0 + GRACE_S
+    # the suite sets the grace (test/conftest.py): proof that the setting reaches it
+    assert GRACE_S == float(os.environ["SGLANG_WEIGHT_SYNC_GRACE_S"]) == 15.0
+
+
+@pytest.mark.parametrize(
+    "raw, grace",
+    [(None, 30.0), ("1", 1.0), ("45.5", 45.5), ("600", 600.0)],
+)
+def test_grace_comes_from_the_environment(raw, grace):
+    from sglang.srt.weight_sync.protocol import GRACE_ENV, grace_from_env
+
+    assert grace_from_env({} if raw is None else {GRACE_ENV: raw}) == grace
+
+
+@pytest.mark.parametrize("raw", ["0.5", "601", "nan", "inf", "-3", "", "30s"])
+def test_a_grace_out_of_range_is_refused_naming_the_variable(raw):
+    from sglang.srt.weight_sync.protocol import GRACE_ENV, grace_from_env
+
+    with pytest.raises(ValueError) as e:
+        grace_from_env({GRACE_ENV: raw})
+    assert str(e.value) == (
+        f"SGLANG_WEIGHT_SYNC_GRACE_S={raw!r}: must be a number of seconds in [1, 600]"
+    )
 
 
 def test_upstream_hooks_install_it():

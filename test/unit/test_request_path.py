@@ -560,7 +560,7 @@ def test_closing_barrier_is_bounded_and_names_the_missing_rank(monkeypatch, befo
     assert (
         success is False
         and "ranks [1] never reached it" in message
-        and "within 35s" in message
+        and f"within {5 + engine_update.GRACE_S:g}s" in message
     )
     assert message.startswith(
         "refused: engine rank 1: no payload; "

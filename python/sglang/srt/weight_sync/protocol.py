@@ -40,6 +40,7 @@ __all__ = (
     "DISTRIBUTED_LOAD_FORMAT",
     "DeliveryError",
     "FIGURES",
+    "GRACE_ENV",
     "GRACE_S",
     "CUDA_IPC_GLOBALS",
     "HEADER_BYTES",
@@ -60,6 +61,7 @@ __all__ = (
     "control_dict",
     "decode_header",
     "encode_header",
+    "grace_from_env",
     "is_mixed",
     "make_channel",
     "payload_globals",
@@ -76,9 +78,32 @@ __all__ = (
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_TIMEOUT_S = 3600.0  # far below what ZeroMQ's poll (int milliseconds) overflows at
+GRACE_ENV = "SGLANG_WEIGHT_SYNC_GRACE_S"
+
+
+def grace_from_env(environ: Mapping[str, str] = os.environ) -> float:
+    """The grace in seconds: ``SGLANG_WEIGHT_SYNC_GRACE_S`` if set (in [1, 600]), else 30.
+
+    Read once, when this module is imported: set it alike in the trainer's and the engine's
+    processes, before they start (a host whose ranks lag each other by more than 30 s after
+    a payload wait needs more; tests that wait out a bound on purpose use less)."""
+    raw = environ.get(GRACE_ENV)
+    if raw is None:
+        return 30.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 1.0 <= value <= 600.0:  # also refuses nan
+        raise ValueError(
+            f"{GRACE_ENV}={raw!r}: must be a number of seconds in [1, 600]"
+        )
+    return value
+
+
 # Slack over ``timeout_s`` for engine-side collectives that follow a bounded wait on another
 # rank (every engine rank waits up to timeout_s for its payload before they share problems).
-GRACE_S = 30.0
+GRACE_S = grace_from_env()
 DEFAULT_BUCKET_BYTES = 512 << 20
 MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds
 MAX_UPDATE_ID_CHARS = 256
