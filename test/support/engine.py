@@ -497,7 +497,12 @@ DEFAULT_ENGINE_ARGS = dict(
 
 # ``cpu_engine(..., env=COMPILED)``: the engine's processes run SGLang's torch.compile'd helpers
 # compiled, as a user's engine does (``configure_cpu_env`` disables dynamo for the others).
-COMPILED: Mapping[str, Optional[str]] = {"TORCHDYNAMO_DISABLE": None}
+# Inductor compiles in the scheduler itself: its pool of compile workers (one fresh interpreter
+# each, about twenty for a TP-2 engine here) would cost more than the few kernels they compile.
+COMPILED: Mapping[str, Optional[str]] = {
+    "TORCHDYNAMO_DISABLE": None,
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+}
 
 # The same, for engines that tests start in worker processes, whose warnings would only add noise.
 WORKER_ENGINE_ARGS = {**DEFAULT_ENGINE_ARGS, "log_level": "error"}
