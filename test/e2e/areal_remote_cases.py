@@ -85,29 +85,17 @@ class StandIn:
 
 def areal_side_by_side_job(rank: int, world: int, job: dict) -> dict:
     from areal.api.alloc_mode import ModelAllocation
-    from areal.api.cli_args import InferenceEngineConfig, NameResolveConfig
     from areal.api.io_struct import ParamSpec, WeightUpdateMeta
-    from areal.engine.core.distributed import init_custom_process_group
-    from areal.engine.sglang_remote import RemoteSGLangEngine
-    from areal.utils import name_resolve
+    from areal_client import areal_client, join_broadcast_group
     from ranks import gathers_allowed
     from remote_cases import fsdp2_model, server_state
 
     address = job["url"].removeprefix("http://")
     client = None
     if rank == 0:
-        name_resolve.reconfigure(
-            NameResolveConfig(type="nfs", nfs_record_root=job["name_resolve"])
+        client = areal_client(
+            address, job["name_resolve"], job["fileroot"], "areal-remote"
         )
-        client = RemoteSGLangEngine(
-            InferenceEngineConfig(
-                experiment_name="weight-sync",
-                trial_name="areal-remote",
-                fileroot=job["fileroot"],
-                backend="sglang:d1t1",
-            )
-        )
-        client.initialize(addr=[address])
     out = {}
 
     def fsdp_model(seed):
@@ -122,22 +110,7 @@ def areal_side_by_side_job(rank: int, world: int, job: dict) -> dict:
         ]
     gather_s = time.monotonic() - started
     if rank == 0:
-        meta = WeightUpdateMeta(
-            type="xccl",
-            gen_allocation=ModelAllocation.from_str("sglang:d1t1"),
-            nccl_master_address="127.0.0.1",
-            nccl_master_port=job["broadcast_port"],
-            nccl_group_name="update_weight_group",
-        )
-        joined = client.init_weights_update_group(meta)
-        group = init_custom_process_group(
-            backend="gloo",
-            world_size=2,
-            init_method=f"tcp://127.0.0.1:{job['broadcast_port']}",
-            rank=0,
-            group_name="update_weight_group",
-        )
-        joined.result()
+        meta, group = join_broadcast_group(client, job["broadcast_port"])
         started = time.monotonic()
         specs = [
             ParamSpec(name=n, shape=tuple(t.shape), dtype="bfloat16") for n, t in full

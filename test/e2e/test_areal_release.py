@@ -40,12 +40,9 @@ STEPS = (("xccl", 1), ("disk", 2))
 
 
 def areal_job(rank: int, world: int, job: dict) -> list:
-    from areal.api.alloc_mode import ModelAllocation
-    from areal.api.cli_args import InferenceEngineConfig, NameResolveConfig
     from areal.api.io_struct import ParamSpec, WeightUpdateMeta
-    from areal.engine.core.distributed import init_custom_process_group
-    from areal.engine.sglang_remote import RemoteSGLangEngine
     from areal.utils import name_resolve, names
+    from areal_client import areal_client, join_broadcast_group
 
     from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
 
@@ -61,41 +58,15 @@ def areal_job(rank: int, world: int, job: dict) -> list:
     try:
         _wait_healthy(port)
         experiment, trial = "weight-sync", "areal"
-        name_resolve.reconfigure(
-            NameResolveConfig(type="nfs", nfs_record_root=job["name_resolve"])
+        client = areal_client(
+            f"127.0.0.1:{port}", job["name_resolve"], job["fileroot"], trial
         )
-        client = RemoteSGLangEngine(
-            InferenceEngineConfig(
-                experiment_name=experiment,
-                trial_name=trial,
-                fileroot=job["fileroot"],
-                backend="sglang:d1t1",
-            )
-        )
-        client.initialize(addr=[f"127.0.0.1:{port}"])
-        group = None
+        xccl = group = None
         for version, (kind, seed) in enumerate(job["steps"], start=1):
             weights = new_weights(model_dir, seed)
             if kind == "xccl":
-                meta = WeightUpdateMeta(
-                    type="xccl",
-                    gen_allocation=ModelAllocation.from_str("sglang:d1t1"),
-                    nccl_master_address="127.0.0.1",
-                    nccl_master_port=group_port,
-                    nccl_group_name="update_weight_group",
-                )
-                if (
-                    group is None
-                ):  # FSDPEngine._init_weight_update_from_distributed, rank 0
-                    joined = client.init_weights_update_group(meta)
-                    group = init_custom_process_group(
-                        backend="gloo",
-                        world_size=2,
-                        init_method=f"tcp://127.0.0.1:{group_port}",
-                        rank=0,
-                        group_name="update_weight_group",
-                    )
-                    joined.result()
+                if group is None:  # FSDPEngine._init_weight_update_from_distributed
+                    xccl, group = join_broadcast_group(client, group_port)
                 named = [
                     (n, t) for n, t in sorted(weights.items())
                 ]  # the engine's dtype, as AReaL casts
@@ -107,7 +78,7 @@ def areal_job(rank: int, world: int, job: dict) -> list:
                     )
                     for n, t in named
                 ]
-                applied = client.update_weights_from_distributed(meta, specs)
+                applied = client.update_weights_from_distributed(xccl, specs)
                 for _, tensor in named:
                     torch.distributed.broadcast(tensor, src=0, group=group)
                 applied.result()
