@@ -60,27 +60,32 @@ def barrier_names_absent_rank(rank: int, world: int) -> str:
 
 
 def delivered_names(rank: int, world: int) -> dict:
-    """``delivered.agree_on_delivery`` over ``world`` gloo ranks: equal deliveries pass (one
-    digest all-reduce); trainer rank 2 leaving tensor 'b' out, and trainer rank 0 sending
-    an extra 'z', are named on every rank; ignored names do not count."""
+    """``delivered`` over ``world`` gloo ranks, as ``engine_update`` uses it: the digests
+    compared in one ``ControlGroup.agree`` pass equal deliveries; trainer rank 2 leaving
+    tensor 'b' out, and trainer rank 0 sending an extra 'z', make them unequal, and
+    ``explain_delivery`` names both on every rank; ignored names do not count."""
     from sglang.srt.weight_sync.control_plane import PlanDisagreement
-    from sglang.srt.weight_sync.delivered import agree_on_delivery
+    from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
     from sglang.srt.weight_sync.delivery import Payload
 
     def payload(names):
         return Payload("u", rank, {}, {}, {n: None for n in names})
 
+    def agree(delivered, ignored=()):
+        digest = delivery_digest(delivered, ignored)
+        agreed = control.agree([], {"delivery": digest}, {}, 60, "test agreement")
+        if "delivery" in agreed.unequal:
+            explain_delivery(control, delivered, 60, f"rank {rank}", ignored)
+            return "unequal, not explained"
+        return "agreed"
+
     control = ControlGroup(None, "delivered")
     out = {}
     same = ["a", "b"] + (["x.rotary_emb.inv_freq"] if rank == 1 else [])
-    agree_on_delivery(
-        control, payload(same), 60, f"rank {rank}", ("rotary_emb.inv_freq",)
-    )
-    out["same"] = "agreed"
+    out["same"] = agree(payload(same), ("rotary_emb.inv_freq",))
     differ = ["a"] if rank == 2 else ["a", "b"] + (["z"] if rank == 0 else [])
     try:
-        agree_on_delivery(control, payload(differ), 60, f"rank {rank}")
-        out["differ"] = "agreed"
+        out["differ"] = agree(payload(differ))
     except PlanDisagreement as e:
         out["differ"] = str(e)
     return out

@@ -18,12 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sglang.srt.weight_sync.control_plane import ControlGroup, PlanDisagreement
 from sglang.srt.weight_sync.delivery import Payload
 
-__all__ = (
-    "agree_on_delivery",
-    "delivery_digest",
-    "explain_delivery",
-    "missing_deliveries",
-)
+__all__ = ("delivery_digest", "explain_delivery", "missing_deliveries")
 
 SHOWN = 3  # tensors named in full in a refusal; the rest are counted
 
@@ -46,22 +41,6 @@ def missing_deliveries(delivered: Sequence[Tuple[int, Sequence[str]]]) -> List[s
                 f"trainer rank(s) {lack}"
             )
     return problems
-
-
-def agree_on_delivery(
-    control: ControlGroup,
-    payload: Optional[Payload],
-    timeout_s: float,
-    who: str,
-    ignored: Tuple[str, ...] = (),
-) -> None:
-    """Raise ``PlanDisagreement`` naming the tensors that only some trainer ranks
-    delivered (names ending in ``ignored`` aside: the engine skips them); every TP rank
-    calls it together, before the plans are compared."""
-    phase = f"{who}: comparing the delivered tensor names"
-    if control.all_equal(delivery_digest(payload, ignored), timeout_s, phase):
-        return
-    explain_delivery(control, payload, timeout_s, who, ignored)
 
 
 def _names(payload: Optional[Payload], ignored: Tuple[str, ...]) -> List[str]:
