@@ -64,8 +64,13 @@ SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_en
          test/unit/test_derived_targets.py test/unit/test_repeated_layers.py test/unit/test_target_cache.py \
          test/unit/test_load_recorder.py \
          test/e2e/test_any_model_update.py::test_deepseek_v3_shaped_update_parameters
+# And the weight-sync group with remote engines, driven by the released code of the framework
+# that pins the base: verl 0.9.1's checkpoint-engine registry on 0.5.12, AReaL 1.0.4's companion
+# patch beside its broadcast on 0.5.10.post1.
+SMOKE_REMOTE_0.5.12       := test/e2e/test_verl_checkpoint_engine.py
+SMOKE_REMOTE_0.5.10.post1 := test/e2e/test_areal_remote.py
 smoke: install
-	$(PY) -m pytest $(SMOKE) -q -x --timeout=600 -p no:cacheprovider
+	$(PY) -m pytest $(SMOKE) $(SMOKE_REMOTE_$(BASE)) -q -x --timeout=600 -p no:cacheprovider
 
 bench: install
 	$(PY) -m benchmark.weight_sync.simulate

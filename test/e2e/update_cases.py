@@ -136,6 +136,38 @@ def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:
     return out
 
 
+def _written_checksums(url: str, timeout: float = 120) -> Dict[int, Dict[str, str]]:
+    """Per-rank parameter checksums of a server on a release in ``NO_CHECKSUMS``: its weight
+    checker's test-only ``checksums_to:<dir>`` action (``sitecustomize``), every TP rank's
+    file awaited (the server answers once TP rank 0 has written its own)."""
+    import json
+    import tempfile
+    import time
+
+    import requests
+
+    with tempfile.TemporaryDirectory() as directory:
+        body = requests.post(
+            f"{url}/weights_checker", json={"action": f"checksums_to:{directory}"}
+        ).json()
+        assert body["success"], body
+        deadline = time.monotonic() + timeout
+        while True:
+            files = [f for f in os.listdir(directory) if f.endswith(".json")]
+            ranks = int(files[0].split("of")[1].split(".")[0]) if files else -1
+            if len(files) == ranks:
+                break
+            assert time.monotonic() < deadline, (
+                f"checksum files after {timeout}s: {files}"
+            )
+            time.sleep(0.1)
+        out = {}
+        for f in files:
+            with open(os.path.join(directory, f)) as fh:
+                out[int(f[len("rank") :].split("of")[0])] = json.load(fh)
+        return out
+
+
 def checksum(t: torch.Tensor) -> str:
     """A tensor's checksum as SGLang's weight checker reports it."""
     from sglang.srt.managers.mm_utils import tensor_hash
@@ -152,7 +184,9 @@ def _checksums(engine) -> Dict[int, Dict[str, str]]:
     import sglang
 
     if sglang.__version__.split("+")[0] in NO_CHECKSUMS:
-        return _saved_checksums(engine)
+        if hasattr(engine, "tokenizer_manager"):
+            return _saved_checksums(engine)
+        return _written_checksums(engine.server_args.url())
 
     from sglang.srt.managers.io_struct import CheckWeightsReqInput
 

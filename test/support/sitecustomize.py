@@ -21,6 +21,10 @@ derived targets do not know. And the whole engine (its process group) is killed 
 engine rank R's staging took its first round of a remote update if
 ``<dir>/die_in_receive.rank<R>`` exists: an engine that dies mid-update.
 
+With ``SGLANG_USE_CPU_ENGINE`` set (every engine the tests start), SGLang's weight checker on
+0.5.10.post1 and 0.5.12 also takes the action ``checksums_to:<dir>``: every TP rank writes its
+parameters' checksums there (``_checksums_to``).
+
 When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
 ``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
 live parameters' ``data_ptr``s there, so a test can check an update wrote in place.
@@ -184,6 +188,42 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         # The CUDA torch build that SGLang 0.5.10/0.5.12 pin, on a machine without GPU: SGLang 0.5.12's
         # weight checker calls torch.cuda.synchronize(), which has nothing to wait for here.
         _torch.cuda.synchronize = lambda device=None: None
+
+    def _checksums_to(check_weights):
+        """``/weights_checker`` with action ``checksums_to:<dir>``: each TP rank writes
+        {parameter: checksum} of its live model to ``<dir>/rank<R>of<N>.json`` (the checkers of
+        0.5.10.post1 and 0.5.12 report no checksum or TP rank 0's only; a server has no
+        ``save_sharded_model`` route): what ``update_cases._checksums`` reads over HTTP."""
+
+        def call(self, recv_req):
+            prefix = "checksums_to:"
+            if not recv_req.action.startswith(prefix):
+                return check_weights(self, recv_req)
+            import json
+
+            from sglang.srt.managers.io_struct import CheckWeightsReqOutput
+            from sglang.srt.managers.mm_utils import tensor_hash
+
+            model = self.tp_worker.model_runner.model
+            sums = {
+                n: f"{tensor_hash(p.data):016x}" for n, p in model.named_parameters()
+            }
+            path = os.path.join(
+                recv_req.action[len(prefix) :],
+                f"rank{self.tp_rank}of{self.tp_size}.json",
+            )
+            with open(path + ".tmp", "w") as out:
+                json.dump(sums, out)
+            os.rename(path + ".tmp", path)
+            return CheckWeightsReqOutput(success=True, message="Success.")
+
+        return call
+
+    def _add_checksums_to(module):
+        mixin = module.SchedulerUpdateWeightsMixin
+        mixin.check_weights = _checksums_to(mixin.check_weights)
+
+    _on_import("sglang.srt.managers.scheduler_update_weights_mixin", _add_checksums_to)
 
 _PTRS_DIR = os.environ.get("SGLANG_TEST_PARAM_PTRS")
 

@@ -83,8 +83,7 @@ class HttpEndpoint(EngineEndpoint):
         if reply.status_code == 404:
             raise RemoteSyncError(
                 f"engine {self.url} has no /{route}: weight-sync groups with remote engines "
-                "need this wheel's SGLang 0.5.23 base (0.5.12 and 0.5.10.post1 do not support "
-                "them)"
+                "need this wheel on the servers (upstream SGLang does not serve them)"
             )
         if reply.status_code not in (200, 400):
             reply.raise_for_status()

@@ -44,6 +44,7 @@ from sglang.srt.weight_sync.apply import (
     nonfinite_tensors,
     refresh_derived,
     release_cached_memory,
+    run_post_load,
     synchronize,
 )
 from sglang.srt.weight_sync.control_plane import (
@@ -80,7 +81,13 @@ from sglang.srt.weight_sync.remote_protocol import (
     leave_problems,
     update_problems,
 )
-from sglang.srt.weight_sync.sglang_compat import field_names, tp_state, weights_released
+from sglang.srt.weight_sync.sglang_compat import (
+    field_names,
+    has_weight_update_sessions,
+    settle_weight_update,
+    tp_state,
+    weights_released,
+)
 from sglang.srt.weight_sync.target_cache import engine_derived_targets
 
 __all__ = ("Receive", "RemoteEngineSync", "Staging", "scheduler_step", "write_staged")
@@ -458,6 +465,8 @@ class RemoteEngineSync:
         try:
             wrote = write_staged(mine, params, req.timeout_s)
             refresh_derived(runner.model)
+            if wrote and not has_weight_update_sessions():
+                run_post_load(runner.model)  # no session end runs them on this release
             synchronize(params.values())
             release_cached_memory(params.values())
         except Exception as e:  # noqa: BLE001 - a peer died mid-stream or a copy failed
@@ -547,7 +556,8 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
 
 def scheduler_step(manager, recv_req):
     """A weight-sync group request on this TP rank (``manager``: the scheduler's weight
-    updater, whose ``tp_worker`` keeps the ``RemoteEngineSync``). Join, leave and the update's
+    updater on 0.5.23, the scheduler itself before; its ``tp_worker`` keeps the
+    ``RemoteEngineSync``). Join, leave and the update's
     steps; the apply step runs inside a weight-update session (a one-shot one when none is
     open), records the weight version and flushes the cache, as SGLang's own updates do."""
     from sglang.srt.managers import io_struct
@@ -608,10 +618,7 @@ def _update_step(manager, sync: RemoteEngineSync, worker, req):
         update_id = result.header.update_id if result is not None else ""
         success, message, mixed, figures = sync.apply(worker, recv_req)
         if success:
-            manager.record_weight_version_after_update(recv_req.weight_version)
-            success, message = manager.flush_cache_after_weight_update(
-                recv_req, success, message
-            )
+            success, message = settle_weight_update(manager, recv_req, success, message)
         return UpdateWeightsRemoteReqOutput(
             success=success,
             message=message,

@@ -45,6 +45,7 @@ from sglang.srt.weight_sync.remote_protocol import (
     remote_reply,
     update_problems,
 )
+from sglang.srt.weight_sync.sglang_compat import clear_preprocess_cache, replace_fields
 
 __all__ = (
     "join_weight_sync_group",
@@ -96,8 +97,6 @@ async def leave_weight_sync_group(manager, obj) -> dict:
 async def update_weights_remote(manager, obj) -> dict:
     """One update of the group ``obj.group_name``, as the module's text says; returns
     ``remote_protocol.remote_reply``."""
-    import msgspec
-
     manager.auto_create_handle_loop()
     problems = update_problems(obj)
     if problems:
@@ -120,13 +119,13 @@ async def update_weights_remote(manager, obj) -> dict:
             "directory its updates' outcome records live in (see the log)",
         )
     record = f"{obj.update_id or obj.group_name}#{uuid.uuid4().hex[:12]}"
-    obj = msgspec.structs.replace(obj, outcome_channel=channel, outcome_id=record)
+    obj = replace_fields(obj, outcome_channel=channel, outcome_id=record)
     bound = answer_bound_s(obj.timeout_s)
     communicate = manager.update_weights_remote_communicator
 
     async def step(which: UpdateStep):
         answer = asyncio.ensure_future(
-            communicate(msgspec.structs.replace(obj, step=which.value))
+            communicate(replace_fields(obj, step=which.value))
         )
         done, _ = await asyncio.wait({answer}, timeout=bound)
         if done:
@@ -177,8 +176,8 @@ async def update_weights_remote(manager, obj) -> dict:
         guard.settle(out.update_id or obj.group_name, [out])
     message = out.message
     if out.success:
-        if obj.flush_cache and manager.mm_processor is not None:
-            manager.mm_processor.clear_preprocess_cache()
+        if obj.flush_cache:
+            clear_preprocess_cache(manager)
         if obj.weight_version is not None:
             manager._update_weight_version_if_provided(obj.weight_version)
             message += f" Weight version updated to {obj.weight_version}."

@@ -66,21 +66,25 @@ def refusal_while_released(manager, recv_req):
 
 
 def run_in_session(manager, update, recv_req):
-    """``update(recv_req)`` inside the open session, or inside a one-shot one.
+    """``update(recv_req)`` inside the open session, or inside a one-shot one (on releases
+    with sessions; before 0.5.23 it just runs).
 
     ``begin_weight_update`` refuses only when a session is already open (the state is
     replicated on every TP rank, so every rank takes the same branch); then the
     update runs in that session and leaves it open. A distributed update while the
     weights are released is refused first (``refusal_while_released``).
     """
-    from sglang.srt.managers.io_struct import (
-        BeginWeightUpdateReqInput,
-        EndWeightUpdateReqInput,
-    )
+    from sglang.srt.weight_sync.sglang_compat import has_weight_update_sessions
 
     refusal = refusal_while_released(manager, recv_req)
     if refusal is not None:
         return refusal
+    if not has_weight_update_sessions():  # older releases: nothing to open
+        return update(recv_req)
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+    )
 
     begun = manager.begin_weight_update(
         BeginWeightUpdateReqInput(selector=recv_req.selector)

@@ -17,14 +17,18 @@ __all__ = (
     "after_load",
     "after_update",
     "as_tp_rank",
+    "clear_preprocess_cache",
     "field_names",
+    "has_weight_update_sessions",
     "initialize_meta_model",
     "load_synchronously",
     "module_globals",
     "original_hf_config",
     "parallel_widths",
     "rebind_parameter_aliases",
+    "replace_fields",
     "server_args_dict",
+    "settle_weight_update",
     "subclass_with_field",
     "tp_state",
     "weights_released",
@@ -49,6 +53,12 @@ def _has_runtime_context() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+
+
+def has_weight_update_sessions() -> bool:
+    """Whether updates run inside ``begin_weight_update`` ... ``end_weight_update`` sessions,
+    whose end runs the model's post-load fixups (0.5.23); older releases have none."""
+    return _has_runtime_context()
 
 
 def tp_state() -> TpState:
@@ -220,6 +230,16 @@ def server_args_dict() -> Dict[str, Any]:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
 
 
+def clear_preprocess_cache(tokenizer_manager) -> None:
+    """Drop the multimodal processor's cache of preprocessed inputs after a weight update, as
+    0.5.23's own updates do; older releases keep no such cache."""
+    clear = getattr(
+        getattr(tokenizer_manager, "mm_processor", None), "clear_preprocess_cache", None
+    )
+    if clear is not None:
+        clear()
+
+
 def original_hf_config(model_config):
     """The model's HF config as on disk, by SGLang's own ``get_config`` past its cache: the CPU
     engine pads heads in ``model_config.hf_config`` in place, and on 0.5.12 that object is the
@@ -319,6 +339,16 @@ def field_names(cls) -> Tuple[str, ...]:
     return tuple(cls.__struct_fields__)
 
 
+def replace_fields(req, **changes):
+    """A copy of io_struct request ``req`` with ``changes``: msgspec Structs since 0.5.23,
+    dataclasses before."""
+    if dataclasses.is_dataclass(req):
+        return dataclasses.replace(req, **changes)
+    import msgspec
+
+    return msgspec.structs.replace(req, **changes)
+
+
 def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
     """Request type ``cls`` with one more field (``field: type_ = default``), in the struct
     kind this release's io_struct uses: msgspec Struct since 0.5.23, dataclass before."""
@@ -339,3 +369,22 @@ def weights_released(holder) -> bool:
     from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
 
     return GPU_MEMORY_TYPE_WEIGHTS in (getattr(holder, "offload_tags", None) or ())
+
+
+def settle_weight_update(
+    holder, recv_req, success: bool, message: str
+) -> Tuple[bool, str]:
+    """What SGLang's own update handlers do after writing weights, for a scheduler-side hook:
+    record the weight version and flush the cache the old weights produced. 0.5.23 has both
+    steps on the scheduler's weight-updater manager (a refused flush fails the call); older
+    schedulers only flush (the version lives in the tokenizer manager), here with the same
+    refusal instead of their ``assert``."""
+    if hasattr(holder, "record_weight_version_after_update"):
+        holder.record_weight_version_after_update(recv_req.weight_version)
+        return holder.flush_cache_after_weight_update(recv_req, success, message)
+    if recv_req.flush_cache and not holder.flush_cache():
+        return False, (
+            "Weights were updated, but the cache was not flushed because requests are still "
+            "running or queued. Retract or finish them, then call /flush_cache."
+        )
+    return success, message
