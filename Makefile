@@ -55,7 +55,8 @@ gpu-carry:
 # Targets derived from that release's own loaders: equal to its real load (17 architectures, both
 # platforms; repeated layers loaded once, as its engine derives them), cached and keyed as its engine
 # does, the load recorder under its torch, and a DeepSeek-V3-shaped model (MLA, MoE, shared
-# expert) updated through a real TP-2 engine.
+# expert) updated through a real TP-2 engine. The weight-sync group's request path as that base's
+# patch hooks it (request types, Engine methods, routes, dispatch, communicators).
 SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_engine \
          test/e2e/test_verl_release.py::test_verl_server_adapter_two_servers_of_tp1 \
          test/e2e/test_areal_release.py::test_areal_updates_a_tp1_server \
@@ -63,7 +64,8 @@ SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_en
          test/distributed/test_reshard.py::test_fsdp2_over_tp_strided_shards_without_a_gather \
          test/unit/test_derived_targets.py test/unit/test_repeated_layers.py test/unit/test_target_cache.py \
          test/unit/test_load_recorder.py \
-         test/e2e/test_any_model_update.py::test_deepseek_v3_shaped_update_parameters
+         test/e2e/test_any_model_update.py::test_deepseek_v3_shaped_update_parameters \
+         test/unit/test_remote_request_path.py
 # And the weight-sync group with remote engines, driven by the released code of the framework
 # that pins the base: verl 0.9.1's checkpoint-engine registry on 0.5.12, AReaL 1.0.4's companion
 # patch beside its broadcast on 0.5.10.post1.

@@ -556,10 +556,10 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
 
 def scheduler_step(manager, recv_req):
     """A weight-sync group request on this TP rank (``manager``: the scheduler's weight
-    updater on 0.5.23, the scheduler itself before; its ``tp_worker`` keeps the
-    ``RemoteEngineSync``). Join, leave and the update's
-    steps; the apply step runs inside a weight-update session (a one-shot one when none is
-    open), records the weight version and flushes the cache, as SGLang's own updates do."""
+    updater on 0.5.23, the scheduler itself on older releases; its ``tp_worker`` keeps the
+    ``RemoteEngineSync``). Join, leave and the update's steps; the apply step runs inside a
+    weight-update session where the release has them (a one-shot one when none is open),
+    then records the weight version and flushes the cache, as SGLang's own updates do."""
     from sglang.srt.managers import io_struct
 
     worker = manager.tp_worker
