@@ -8,7 +8,7 @@ WHEEL := dist/sglang-$(BASE)+dwu1-*.whl
 SITE   = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 PLANNER = $(SITE)/sglang/srt/weight_sync/planner.py
 
-.PHONY: venv wheel install test test-gpu gpu-carry smoke bench demo lint format pr clean
+.PHONY: venv wheel install test test-gpu gpu-carry smoke smoke-run bench demo lint format pr clean
 
 venv:
 	BASE=$(BASE) VENV=$(VENV) bash scripts/setup_env.sh
@@ -71,7 +71,12 @@ SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_en
 # patch beside its broadcast on 0.5.10.post1.
 SMOKE_REMOTE_0.5.12       := test/e2e/test_verl_checkpoint_engine.py
 SMOKE_REMOTE_0.5.10.post1 := test/e2e/test_areal_remote.py
+# `smoke-run` is the tests alone, on what `make install BASE=...` left: .ci/run installs each
+# base's wheel in turn, then runs the bases' smokes side by side.
 smoke: install
+	$(MAKE) --no-print-directory smoke-run BASE=$(BASE)
+
+smoke-run:
 	$(PY) -m pytest $(SMOKE) $(SMOKE_REMOTE_$(BASE)) -q -x --timeout=600 -p no:cacheprovider
 
 bench: install
