@@ -34,6 +34,8 @@ from sglang.srt.weight_sync.trainer_flow import (
     update_flow,
 )
 
+__all__ = ["VerlEngine"]
+
 
 class VerlEngine:
     def __init__(
