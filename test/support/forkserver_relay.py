@@ -1,5 +1,5 @@
 """Test-only: a fork server of ``preloaded_spawn`` passes SIGQUIT on to the process that
-started it. Imported by the server (``PRELOAD`` of ``preloaded_spawn``).
+started it. Imported by the server (``PRELOAD``), or ``install()`` called in it.
 
 SGLang's scheduler and detokenizer report a fatal error by sending SIGQUIT to their parent,
 which for a process started from the fork server is the server. A process forked from the
