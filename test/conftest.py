@@ -35,12 +35,10 @@ if str(ROOT) not in sys.path:
 # ``weight_sync.protocol``, which reads it once; every process of the suite inherits it.
 os.environ.setdefault("SGLANG_WEIGHT_SYNC_GRACE_S", "15")
 
-import preloaded_spawn  # noqa: E402
 from engine import configure_cpu_env  # noqa: E402
 
 if os.environ.get("SGLANG_TEST_GPU") != "1":
     configure_cpu_env()
-    preloaded_spawn.install()  # SGLang's processes from a preloaded fork server
 
 TIERS = ("unit", "distributed", "e2e", "reliability", "gpu")
 

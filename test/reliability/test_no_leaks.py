@@ -20,9 +20,7 @@ from pathlib import Path
 
 def test_an_engine_life_leaks_nothing(tmp_path):
     script = Path(__file__).with_name("leak_run.py")
-    # Its engine's processes are spawned as users' are, not started from the suite's
-    # preloaded fork server (test/support/preloaded_spawn.py).
-    env = dict(os.environ, PYTHONWARNINGS="default", SGLANG_TEST_FRESH_SPAWN="1")
+    env = dict(os.environ, PYTHONWARNINGS="default")
     run = subprocess.run(
         [sys.executable, str(script), str(tmp_path)],
         capture_output=True,

@@ -48,7 +48,6 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
-import preloaded_spawn
 import torch
 
 SUPPORT_DIR = Path(__file__).resolve().parent
@@ -555,10 +554,12 @@ def cpu_engine(
 
     def new_children() -> List[int]:
         # Children that appeared while the engine started are the engine's (schedulers,
-        # detokenizer), except multiprocessing's resource tracker and fork server, which
-        # are shared (``preloaded_spawn``: the engine's processes are the server's children).
-        shared = {_resource_tracker_pid(), preloaded_spawn.server_pid()}
-        return [p for p in _children() if p not in own_children and p not in shared]
+        # detokenizer), except multiprocessing's resource tracker, which is shared.
+        return [
+            p
+            for p in _children()
+            if p not in own_children and p != _resource_tracker_pid()
+        ]
 
     engine = monitor = None
     pids: List[int] = []

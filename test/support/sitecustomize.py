@@ -28,11 +28,6 @@ parameters' checksums there (``_checksums_to``).
 When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
 ``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
 live parameters' ``data_ptr``s there, so a test can check an update wrote in place.
-
-Each hook is installed when its variable is set (``install()``, at startup) and reads the
-variable when called. A process started from a preloaded fork server (``preloaded_spawn``,
-installed here in every process of the CPU engine's environment) inherits the server's
-hooks and runs ``install()`` again under the environment of the process that started it.
 """
 
 import os
@@ -40,15 +35,10 @@ import os
 
 def _on_import(name: str, patch) -> None:
     """Run ``patch(module)`` right after module ``name`` is first loaded (the scheduler
-    imports SGLang's modules late, so they cannot be patched from here directly), or now if
-    it is loaded (a process forked from a fork server that imported it)."""
+    imports SGLang's modules late, so they cannot be patched from here directly)."""
     import importlib.abc
     import importlib.util
     import sys
-
-    if name in sys.modules:
-        patch(sys.modules[name])
-        return
 
     class _PatchOnImport(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
@@ -68,31 +58,17 @@ def _on_import(name: str, patch) -> None:
     sys.meta_path.insert(0, _PatchOnImport())
 
 
-# Each hook is installed once per process, when its variable is set (``install``), and reads
-# the variable when called: a process forked from a preloaded fork server
-# (``preloaded_spawn``) runs ``install()`` again with the environment of the process that
-# started it, which may name other directories than the server's or none.
-_INSTALLED = set()
+_LOG_DIR = os.environ.get("SGLANG_TEST_FORBIDDEN_LOG")
 
-
-def _once(hook: str) -> bool:
-    if hook in _INSTALLED:
-        return False
-    _INSTALLED.add(hook)
-    return True
-
-
-def _install_forbidden_log() -> None:
+if _LOG_DIR:
     import torch.distributed as _dist
     import torch.distributed.distributed_c10d as _c10d
     from torch.distributed.tensor import DTensor as _DTensor
 
     def _recording(name, fn):
         def call(*args, **kwargs):
-            log_dir = os.environ.get("SGLANG_TEST_FORBIDDEN_LOG")
-            if log_dir:
-                with open(os.path.join(log_dir, f"{os.getpid()}.log"), "a") as log:
-                    log.write(name + "\n")
+            with open(os.path.join(_LOG_DIR, f"{os.getpid()}.log"), "a") as log:
+                log.write(name + "\n")
             return fn(*args, **kwargs)
 
         return call
@@ -103,17 +79,17 @@ def _install_forbidden_log() -> None:
         setattr(_dist, _name, _wrapped)
         setattr(_c10d, _name, _wrapped)
 
+_FIGURES_DIR = os.environ.get("SGLANG_TEST_FIGURES_LOG")
 
-def _install_figures_log() -> None:
+if _FIGURES_DIR:
     import json as _json
     import logging as _logging
 
     class _FigureRecorder(_logging.Handler):
         def emit(self, record):
-            figures_dir = os.environ.get("SGLANG_TEST_FIGURES_LOG")
-            if figures_dir and "received %d bytes (lower bound %d)" in str(record.msg):
+            if "received %d bytes (lower bound %d)" in str(record.msg):
                 with open(
-                    os.path.join(figures_dir, f"{os.getpid()}.jsonl"), "a"
+                    os.path.join(_FIGURES_DIR, f"{os.getpid()}.jsonl"), "a"
                 ) as log:
                     log.write(_json.dumps(list(record.args)) + "\n")
 
@@ -121,22 +97,16 @@ def _install_figures_log() -> None:
     _figures_logger.setLevel(_logging.INFO)
     _figures_logger.addHandler(_FigureRecorder())
 
+_FAULT_DIR = os.environ.get("SGLANG_TEST_FAULT_DIR")
 
-def _fault_flag(name: str):
-    """``<SGLANG_TEST_FAULT_DIR>/<name>`` if it exists, removed (one fault per file); else None."""
-    fault_dir = os.environ.get("SGLANG_TEST_FAULT_DIR")
-    flag = fault_dir and os.path.join(fault_dir, name)
-    if not flag or not os.path.exists(flag):
-        return None
-    os.unlink(flag)
-    return flag
+if _FAULT_DIR:
 
-
-def _install_faults() -> None:
     def _fail_after_writes(execute):
         def call(*args, **kwargs):
             stats = execute(*args, **kwargs)
-            if _fault_flag(f"fail_after_writes.rank{args[1]}"):
+            flag = os.path.join(_FAULT_DIR, f"fail_after_writes.rank{args[1]}")
+            if os.path.exists(flag):
+                os.unlink(flag)
                 raise RuntimeError(
                     f"engine rank {args[1]}: fault injected by the test after its writes"
                 )
@@ -155,8 +125,10 @@ def _install_faults() -> None:
         file): a shape-preserving permutation the derived targets do not know, on demand."""
 
         def call(model, targets, shapes, rank, *args, **kwargs):
-            if not _fault_flag(f"permute_gate_up.rank{rank}"):
+            flag = os.path.join(_FAULT_DIR, f"permute_gate_up.rank{rank}")
+            if not os.path.exists(flag):
                 return check(model, targets, shapes, rank, *args, **kwargs)
+            os.unlink(flag)
             planted = []
             for name, p in model.named_parameters():
                 if name.endswith("gate_up_proj.weight"):
@@ -195,9 +167,11 @@ def _install_faults() -> None:
         def call(self, landings):
             landed(self, landings)
             rank = int(self.who.rsplit("TP rank ", 1)[-1])
-            if _fault_flag(f"die_in_receive.rank{rank}"):
+            flag = os.path.join(_FAULT_DIR, f"die_in_receive.rank{rank}")
+            if os.path.exists(flag):
                 import signal
 
+                os.unlink(flag)
                 os.killpg(os.getpgrp(), signal.SIGKILL)
 
         return call
@@ -207,8 +181,7 @@ def _install_faults() -> None:
 
     _on_import("sglang.srt.weight_sync.remote_engine", _wrap_staging)
 
-
-def _install_cpu_engine() -> None:
+if os.environ.get("SGLANG_USE_CPU_ENGINE"):
     import torch as _torch
 
     if _torch.version.cuda is not None and not _torch.cuda.is_available():
@@ -252,8 +225,9 @@ def _install_cpu_engine() -> None:
 
     _on_import("sglang.srt.managers.scheduler_update_weights_mixin", _add_checksums_to)
 
+_PTRS_DIR = os.environ.get("SGLANG_TEST_PARAM_PTRS")
 
-def _install_param_ptrs() -> None:
+if _PTRS_DIR:
     import json as _json
 
     def _dump_param_ptrs(self, tag: str) -> None:
@@ -265,9 +239,7 @@ def _install_param_ptrs() -> None:
             name: [p.data_ptr(), str(p.dtype), list(p.shape)]
             for name, p in runner.model.named_parameters()
         }
-        path = os.path.join(
-            os.environ["SGLANG_TEST_PARAM_PTRS"], f"{tag}.rank{self.tp_rank}.json"
-        )
+        path = os.path.join(_PTRS_DIR, f"{tag}.rank{self.tp_rank}.json")
         with open(path, "w") as out:
             _json.dump(ptrs, out)
 
@@ -275,26 +247,3 @@ def _install_param_ptrs() -> None:
         module.Scheduler.test_dump_param_ptrs = _dump_param_ptrs
 
     _on_import("sglang.srt.managers.scheduler", _add_ptr_dump)
-
-
-_HOOKS = {
-    "SGLANG_TEST_FORBIDDEN_LOG": _install_forbidden_log,
-    "SGLANG_TEST_FIGURES_LOG": _install_figures_log,
-    "SGLANG_TEST_FAULT_DIR": _install_faults,
-    "SGLANG_USE_CPU_ENGINE": _install_cpu_engine,
-    "SGLANG_TEST_PARAM_PTRS": _install_param_ptrs,
-}
-
-
-def install() -> None:
-    """Install the hooks whose variable this process's environment sets (each once)."""
-    for variable, hook in _HOOKS.items():
-        if os.environ.get(variable) and _once(variable):
-            hook()
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") and _once("preloaded_spawn"):
-        import preloaded_spawn
-
-        preloaded_spawn.install()
-
-
-install()
