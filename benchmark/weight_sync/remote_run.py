@@ -55,9 +55,10 @@ TP = 2
 
 def run() -> dict:
     import tiny_models
+    from ports import free_port
     from ranks import run_ranks
     from remote_cases import fsdp_trainer_job
-    from servers import free_port, http_server
+    from servers import http_server
 
     with tempfile.TemporaryDirectory(prefix="remote_run_") as tmp:
         model_dir, _ = tiny_models.make_tiny_model(

@@ -9,22 +9,18 @@ none of the trainer's data), and every trainer rank must send within 10% of the 
 
 from __future__ import annotations
 
-import socket
-
+import pytest
+from ports import free_port
 from ranks import run_ranks
 from remote_group_cases import dying_engine_job, remote_group_job
 
 ENGINES = [("e0", 2), ("e1", 2)]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_trainer_ranks_send_straight_to_two_engines():
-    job = dict(port=_port(), trainers=4, engines=ENGINES, seeds=[1, 2], bucket=1 << 20)
+    job = dict(
+        port=free_port(), trainers=4, engines=ENGINES, seeds=[1, 2], bucket=1 << 20
+    )
     results = run_ranks(8, remote_group_job, job, timeout=300)
     for update in range(2):
         sent = [r["updates"][update]["sent"] for r in results[:4]]
@@ -45,7 +41,7 @@ def test_a_share_larger_than_the_staging_streams_into_the_parameters():
     next is on the wire), and the parameters still end bit for bit."""
     cap = 100_000
     job = dict(
-        port=_port(),
+        port=free_port(),
         trainers=2,
         engines=ENGINES[:1],
         seeds=[1],
@@ -62,7 +58,7 @@ def test_a_share_larger_than_the_staging_streams_into_the_parameters():
 
 def test_nan_on_a_trainer_rank_refuses_the_update_on_every_rank():
     job = dict(
-        port=_port(),
+        port=free_port(),
         trainers=4,
         engines=ENGINES[:1],
         seeds=[1],
@@ -81,10 +77,31 @@ def test_nan_on_a_trainer_rank_refuses_the_update_on_every_rank():
 
 def test_an_engine_rank_dying_mid_update_is_named_within_the_bound():
     job = dict(
-        port=_port(), trainers=2, engines=ENGINES[:1], bucket=1 << 20, timeout=10
+        port=free_port(), trainers=2, engines=ENGINES[:1], bucket=1 << 20, timeout=10
     )
     results = run_ranks(4, dying_engine_job, job, timeout=300, may_die=[3])
     for rank, r in enumerate(results[:3]):
         assert r["error"], f"rank {rank} did not notice the dead engine rank"
         assert r["seconds"] < 10 + 5, r
         print(rank, r)
+
+
+def test_the_store_port_is_free_and_outside_the_ephemeral_range():
+    """The port a trainer's first rank picks for the group's store (``free_port``, as verl's
+    checkpoint engine does) is free, below the kernel's ephemeral range, and a range with no
+    free port left raises naming it."""
+    import socket
+
+    from sglang.srt.weight_sync.control_plane import _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < _ephemeral_low(), port
+        with socket.socket() as s:
+            s.bind(("", port))
+    with socket.socket() as s:
+        s.bind(("", port))
+        with pytest.raises(
+            RuntimeError, match=f"no free port in \\[{port}, {port + 1}\\)"
+        ):
+            free_port(port, port + 1)

@@ -32,8 +32,9 @@ from datetime import datetime
 import tiny_models
 import torch
 from engine import WORKER_ENGINE_ARGS, stable_prompts
+from ports import free_ports
 from ranks import run_ranks
-from test_verl_release import _free_ports, _params_at_tp1, _wait_healthy, check_server
+from test_verl_release import _params_at_tp1, _wait_healthy, check_server
 from update_cases import MAX_NEW, new_weights
 
 STEPS = (("xccl", 1), ("disk", 2))
@@ -121,7 +122,7 @@ def test_areal_updates_a_tp1_server(tmp_path):
     }
     job = dict(
         model_dir=str(model_dir),
-        ports=_free_ports(2),
+        ports=free_ports(2),
         steps=STEPS,
         prompts=prompts,
         name_resolve=str(tmp_path / "name_resolve"),

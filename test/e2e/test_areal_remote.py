@@ -18,8 +18,9 @@ from pathlib import Path
 
 import tiny_models
 from areal_remote_cases import areal_side_by_side_job
+from ports import free_port
 from ranks import run_ranks
-from servers import free_port, http_server
+from servers import http_server
 from test_remote_engines import check_state, prompts_for
 from test_verl_release import patched_copy
 

@@ -17,6 +17,7 @@ import tiny_models
 import torch
 from engine import hf_greedy, stable_prompts
 from phase_checks import check_engine_breakdown, check_trainer_breakdown
+from ports import free_port
 from ranks import run_ranks
 from update_cases import (
     BAD_NAME,
@@ -244,11 +245,7 @@ def test_qwen2_at_tp4(tmp_path):
 def test_verl_engine_http_server_backend(tmp_path):
     """VerlEngine(backend="server"): the update goes through POST /update_weights_distributed
     of a real HTTP server (HttpServerEngineAdapter); a refused one raises on every rank."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     steps = [("verl", "fsdp", 1), ("verl_bad", "fsdp", 2)]
     model_dir, config, prompts, (records,) = run(
         "qwen2", 2, 2, steps, tmp_path, backend="server", port=port

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 from engine import hf_greedy, stable_prompts
+from ports import free_port
 from ranks import run_ranks
 from remote_cases import fsdp_trainer_job, megatron_trainer_job
-from servers import free_port
 from test_distributed_update import expected_checksums
 from update_cases import MAX_NEW, new_weights
 

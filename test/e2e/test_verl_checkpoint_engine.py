@@ -23,8 +23,8 @@ other.
 from __future__ import annotations
 
 import pytest
+from ports import free_port
 from ranks import run_ranks
-from servers import free_port
 from test_remote_engines import check_state, prompts_for
 from test_verl_release import _verl_sources
 from verl_ce_cases import verl_ce_job

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from pathlib import Path
 import tiny_models
 import torch
 from engine import WORKER_ENGINE_ARGS, hf_greedy, stable_prompts
+from ports import free_ports
 from ranks import run_ranks
 from test_distributed_update import expected_checksums
 from update_cases import MAX_NEW, checksum, new_weights
@@ -407,24 +407,6 @@ def test_patch_applies_to_verl_0_9_1(tmp_path):
     assert "param.to(device, non_blocking=True) if local_shards" in patched
 
 
-def _free_ports(n: int):
-    """``n`` free ports below 50000: SGLang 0.5.12 derives more ports from the server's (its gRPC
-    port is 10000 above it), which an ephemeral port would push past 65535."""
-    import random
-
-    ports = []
-    for port in random.Random(os.getpid()).sample(range(20000, 50000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError(f"no {n} free ports below 50000")
-
-
 def _give_tokenizer(model_dir: Path, tmp_path: Path) -> None:
     """verl's ``HFModelConfig`` loads a tokenizer, which the tiny checkpoints lack (the servers take
     token ids): save the one ``transformers`` builds for a tiny Qwen2 directory (for a tiny Llama
@@ -455,7 +437,7 @@ def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
     job = dict(
         model_dir=str(model_dir),
         tp=tp,
-        ports=_free_ports(world // tp),
+        ports=free_ports(world // tp),
         steps=STEPS,
         prompts=prompts,
         verl_sources=_verl_sources(tmp_path),

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from engine import engine_greedy, weight_update_session
 from gpu_engines import gpu_engine
+from ports import free_port
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, _saved_checksums, new_weights
 
@@ -41,19 +42,11 @@ def trainer_group():
     if not dist.is_initialized():
         dist.init_process_group(
             "cpu:gloo,cuda:nccl",
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
             rank=0,
             world_size=1,
         )
     yield init_device_mesh("cuda", (1,), mesh_dim_names=("infer_tp",))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @torch.no_grad()

@@ -16,9 +16,10 @@ import os
 
 import pytest
 import tiny_models
+from ports import free_port
 from ranks import run_ranks
 from remote_fault_cases import remote_steps_job
-from servers import free_port, launch, launch_side_by_side
+from servers import launch, launch_side_by_side
 from test_distributed_update import expected_checksums
 from update_cases import new_weights
 

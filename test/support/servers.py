@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 from engine import SUPPORT_DIR, configure_cpu_env, omp_bind
+from ports import free_port
 
 ARGS = (
     "--device", "cpu",
@@ -34,21 +34,6 @@ ARGS = (
     "--log-level", "warning",
     "--sleep-on-idle",
 )  # fmt: skip
-
-
-def free_port() -> int:
-    """A free port in [20000, 50000): below the ephemeral range, from which SGLang's servers
-    take their internal ports (and 0.5.12 derives one 10000 above its own)."""
-    import random
-
-    for port in random.Random().sample(range(20000, 50000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 50000)")
 
 
 @dataclass

@@ -28,6 +28,8 @@ collectives serving relies on.
 from __future__ import annotations
 
 import pickle
+import random
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Mapping, Optional, Sequence, Tuple
@@ -47,6 +49,7 @@ __all__ = (
     "answer_bound_s",
     "check_bound",
     "collective_device",
+    "free_port",
     "plan_disagreement",
     "group_timeout_s",
     "join_group",
@@ -462,6 +465,35 @@ class ControlGroup:
             named = f"ranks {absent} never reached it; " if absent else ""
             self.lost = f"{phase}: {named}{e} (within {timeout_s:g}s)"
             raise PeerLost(self.lost) from None
+
+
+def free_port(low: int = 10000, high: Optional[int] = None, tries: int = 400) -> int:
+    """A TCP port in [``low``, ``high``) that is free now, for a store bound later.
+
+    ``high`` defaults to the start of the kernel's ephemeral range (32768 unless
+    ``/proc/sys/net/ipv4/ip_local_port_range`` says otherwise): every outgoing connection and
+    every ``bind(0)`` takes its port from that range, so a port chosen there can be gone by the
+    time the store binds it. AReaL and SGLang 0.5.23 pick their rendezvous ports below it too.
+    """
+    if high is None:
+        high = _ephemeral_low()
+    candidates = range(low, max(low, high))
+    for port in random.sample(candidates, min(tries, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in [{low}, {high}) after {tries} tries")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def open_store(address: str, port: int, host: bool, timeout_s: float) -> dist.Store:

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from sglang.srt.weight_sync.control_plane import free_port
 from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.remote_endpoints import request_tensor
 from sglang.srt.weight_sync.remote_protocol import Membership
@@ -50,12 +51,6 @@ __all__ = ("BACKEND", "SGLangRemoteCheckpointEngine")
 BACKEND = "sglang_remote"
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -95,7 +90,7 @@ class SGLangRemoteCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {"role": "actor"}
         if self.port is None:
-            self.port = _free_port()
+            self.port = free_port()
         sync = self.sync
         return {
             "role": "actor",

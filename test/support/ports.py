@@ -1,0 +1,36 @@
+"""Free TCP ports for the tests' servers and rendezvous, from a range nothing else takes ports from.
+
+A port is checked free here and bound later, by a server or a TCPStore that starts seconds or a
+minute afterwards. In that window another process may take it: every outgoing connection and
+every ``bind(0)`` gets a port from the kernel's ephemeral range (32768+ by default; SGLang 0.5.10
+and 0.5.12 take their ``nccl_port`` that way), and SGLang 0.5.23 picks its ``nccl_port`` at random
+from [22000, 30000). So the ports come from [10000, 22000), below both, with the product's
+``control_plane.free_port``: a server's port plus 10000 (0.5.12's gRPC port) stays below the
+ephemeral range. A process never gets the same port twice.
+"""
+
+from __future__ import annotations
+
+from typing import List, Set
+
+from sglang.srt.weight_sync.control_plane import free_port as _free_port_in
+
+__all__ = ["free_port", "free_ports"]
+
+LOW, HIGH = 10000, 22000
+_handed_out: Set[int] = set()
+
+
+def free_port() -> int:
+    """A port in [10000, 22000), free now and not handed out before in this process."""
+    for _ in range(100):
+        port = _free_port_in(LOW, HIGH)
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no port in [{LOW}, {HIGH}) left that was not handed out")
+
+
+def free_ports(n: int) -> List[int]:
+    """``n`` distinct ports, as ``free_port``."""
+    return [free_port() for _ in range(n)]
