@@ -30,6 +30,8 @@ for folder in (TEST / "e2e", TEST / "support"):  # support ends first
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+import zygote  # noqa: E402 - before anything imports torch: it records what imports read
+
 # The fault tests wait out bounds on purpose (``timeout_s`` plus the grace): a 15 s grace
 # instead of the default 30 s shortens each such wait. Set before anything imports
 # ``weight_sync.protocol``, which reads it once; every process of the suite inherits it.
@@ -39,6 +41,8 @@ from engine import configure_cpu_env  # noqa: E402
 
 if os.environ.get("SGLANG_TEST_GPU") != "1":
     configure_cpu_env()
+    zygote.start()  # the engines' schedulers and detokenizers from a warm child
+    zygote.install()
 
 TIERS = ("unit", "distributed", "e2e", "reliability", "gpu")
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any, Callable, List, Sequence
 
 import torch.multiprocessing as mp
+import zygote
 
 FORBIDDEN = ("full_tensor", "gather_object", "all_gather_object")
 
@@ -75,6 +76,9 @@ def forbid_gathers() -> None:
 
 
 def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
+    zygote.start()  # first, while this process has one thread
+    zygote.install()
+
     import torch
     import torch.distributed as dist
 
@@ -98,11 +102,14 @@ def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
 
 # What the fork server imports once: the data plane for the distributed tests, and SGLang's
 # Engine for the end-to-end ranks that start one (each rank then starts in milliseconds
-# instead of importing SGLang for seconds; the engine's own processes are spawned by SGLang).
+# instead of importing SGLang for seconds), and its scheduler and detokenizer, which a rank's
+# engine starts from the rank's zygote (``zygote``, first: it records what imports read).
 PRELOAD = [
+    "zygote",
     "torch.distributed.tensor",
     "sglang.srt.weight_sync.executor",
     "sglang.srt.entrypoints.engine",
+    *zygote.PRELOAD,
 ]
 
 

@@ -28,17 +28,29 @@ parameters' checksums there (``_checksums_to``).
 When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
 ``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
 live parameters' ``data_ptr``s there, so a test can check an update wrote in place.
+
+Each hook is installed when its variable is set (``install()``, at startup) and reads the
+variable when called. A scheduler or detokenizer forked from its launching process's zygote
+(``zygote``, imported first here so that it records what every import reads) inherits the
+zygote's hooks and runs ``install()`` again under the environment of the launching process.
 """
 
 import os
 
+import zygote  # noqa: F401 - first: it records the variables that imports read
+
 
 def _on_import(name: str, patch) -> None:
     """Run ``patch(module)`` right after module ``name`` is first loaded (the scheduler
-    imports SGLang's modules late, so they cannot be patched from here directly)."""
+    imports SGLang's modules late, so they cannot be patched from here directly), or now if
+    it is loaded (a process forked from a zygote that imported it)."""
     import importlib.abc
     import importlib.util
     import sys
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
 
     class _PatchOnImport(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
@@ -58,17 +70,30 @@ def _on_import(name: str, patch) -> None:
     sys.meta_path.insert(0, _PatchOnImport())
 
 
-_LOG_DIR = os.environ.get("SGLANG_TEST_FORBIDDEN_LOG")
+# Each hook is installed once per process, when its variable is set (``install``), and reads
+# the variable when called: a process forked from a zygote runs ``install()`` again with the
+# environment of the process that started it, which may name other directories or none.
+_INSTALLED = set()
 
-if _LOG_DIR:
+
+def _once(hook: str) -> bool:
+    if hook in _INSTALLED:
+        return False
+    _INSTALLED.add(hook)
+    return True
+
+
+def _install_forbidden_log() -> None:
     import torch.distributed as _dist
     import torch.distributed.distributed_c10d as _c10d
     from torch.distributed.tensor import DTensor as _DTensor
 
     def _recording(name, fn):
         def call(*args, **kwargs):
-            with open(os.path.join(_LOG_DIR, f"{os.getpid()}.log"), "a") as log:
-                log.write(name + "\n")
+            log_dir = os.environ.get("SGLANG_TEST_FORBIDDEN_LOG")
+            if log_dir:
+                with open(os.path.join(log_dir, f"{os.getpid()}.log"), "a") as log:
+                    log.write(name + "\n")
             return fn(*args, **kwargs)
 
         return call
@@ -79,17 +104,17 @@ if _LOG_DIR:
         setattr(_dist, _name, _wrapped)
         setattr(_c10d, _name, _wrapped)
 
-_FIGURES_DIR = os.environ.get("SGLANG_TEST_FIGURES_LOG")
 
-if _FIGURES_DIR:
+def _install_figures_log() -> None:
     import json as _json
     import logging as _logging
 
     class _FigureRecorder(_logging.Handler):
         def emit(self, record):
-            if "received %d bytes (lower bound %d)" in str(record.msg):
+            figures_dir = os.environ.get("SGLANG_TEST_FIGURES_LOG")
+            if figures_dir and "received %d bytes (lower bound %d)" in str(record.msg):
                 with open(
-                    os.path.join(_FIGURES_DIR, f"{os.getpid()}.jsonl"), "a"
+                    os.path.join(figures_dir, f"{os.getpid()}.jsonl"), "a"
                 ) as log:
                     log.write(_json.dumps(list(record.args)) + "\n")
 
@@ -97,16 +122,22 @@ if _FIGURES_DIR:
     _figures_logger.setLevel(_logging.INFO)
     _figures_logger.addHandler(_FigureRecorder())
 
-_FAULT_DIR = os.environ.get("SGLANG_TEST_FAULT_DIR")
 
-if _FAULT_DIR:
+def _fault_flag(name: str):
+    """``<SGLANG_TEST_FAULT_DIR>/<name>`` if it exists, removed (one fault per file); else None."""
+    fault_dir = os.environ.get("SGLANG_TEST_FAULT_DIR")
+    flag = fault_dir and os.path.join(fault_dir, name)
+    if not flag or not os.path.exists(flag):
+        return None
+    os.unlink(flag)
+    return flag
 
+
+def _install_faults() -> None:
     def _fail_after_writes(execute):
         def call(*args, **kwargs):
             stats = execute(*args, **kwargs)
-            flag = os.path.join(_FAULT_DIR, f"fail_after_writes.rank{args[1]}")
-            if os.path.exists(flag):
-                os.unlink(flag)
+            if _fault_flag(f"fail_after_writes.rank{args[1]}"):
                 raise RuntimeError(
                     f"engine rank {args[1]}: fault injected by the test after its writes"
                 )
@@ -125,10 +156,8 @@ if _FAULT_DIR:
         file): a shape-preserving permutation the derived targets do not know, on demand."""
 
         def call(model, targets, shapes, rank, *args, **kwargs):
-            flag = os.path.join(_FAULT_DIR, f"permute_gate_up.rank{rank}")
-            if not os.path.exists(flag):
+            if not _fault_flag(f"permute_gate_up.rank{rank}"):
                 return check(model, targets, shapes, rank, *args, **kwargs)
-            os.unlink(flag)
             planted = []
             for name, p in model.named_parameters():
                 if name.endswith("gate_up_proj.weight"):
@@ -167,11 +196,9 @@ if _FAULT_DIR:
         def call(self, landings):
             landed(self, landings)
             rank = int(self.who.rsplit("TP rank ", 1)[-1])
-            flag = os.path.join(_FAULT_DIR, f"die_in_receive.rank{rank}")
-            if os.path.exists(flag):
+            if _fault_flag(f"die_in_receive.rank{rank}"):
                 import signal
 
-                os.unlink(flag)
                 os.killpg(os.getpgrp(), signal.SIGKILL)
 
         return call
@@ -181,7 +208,8 @@ if _FAULT_DIR:
 
     _on_import("sglang.srt.weight_sync.remote_engine", _wrap_staging)
 
-if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+
+def _install_cpu_engine() -> None:
     import torch as _torch
 
     if _torch.version.cuda is not None and not _torch.cuda.is_available():
@@ -225,9 +253,8 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE"):
 
     _on_import("sglang.srt.managers.scheduler_update_weights_mixin", _add_checksums_to)
 
-_PTRS_DIR = os.environ.get("SGLANG_TEST_PARAM_PTRS")
 
-if _PTRS_DIR:
+def _install_param_ptrs() -> None:
     import json as _json
 
     def _dump_param_ptrs(self, tag: str) -> None:
@@ -239,7 +266,9 @@ if _PTRS_DIR:
             name: [p.data_ptr(), str(p.dtype), list(p.shape)]
             for name, p in runner.model.named_parameters()
         }
-        path = os.path.join(_PTRS_DIR, f"{tag}.rank{self.tp_rank}.json")
+        path = os.path.join(
+            os.environ["SGLANG_TEST_PARAM_PTRS"], f"{tag}.rank{self.tp_rank}.json"
+        )
         with open(path, "w") as out:
             _json.dump(ptrs, out)
 
@@ -247,3 +276,22 @@ if _PTRS_DIR:
         module.Scheduler.test_dump_param_ptrs = _dump_param_ptrs
 
     _on_import("sglang.srt.managers.scheduler", _add_ptr_dump)
+
+
+_HOOKS = {
+    "SGLANG_TEST_FORBIDDEN_LOG": _install_forbidden_log,
+    "SGLANG_TEST_FIGURES_LOG": _install_figures_log,
+    "SGLANG_TEST_FAULT_DIR": _install_faults,
+    "SGLANG_USE_CPU_ENGINE": _install_cpu_engine,
+    "SGLANG_TEST_PARAM_PTRS": _install_param_ptrs,
+}
+
+
+def install() -> None:
+    """Install the hooks whose variable this process's environment sets (each once)."""
+    for variable, hook in _HOOKS.items():
+        if os.environ.get(variable) and _once(variable):
+            hook()
+
+
+install()
