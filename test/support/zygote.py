@@ -41,7 +41,7 @@ import sys
 import threading
 from typing import Dict, FrozenSet, List, Optional, Set
 
-__all__ = ["PRELOAD", "install", "pid", "start"]
+__all__ = ["PRELOAD", "install", "start"]
 
 PRELOAD = (
     "sglang.srt.managers.scheduler",
@@ -381,13 +381,6 @@ def _popen(process_obj):
 
     process_obj._target = _Child(environ, target)
     return Popen(process_obj)
-
-
-def pid() -> Optional[int]:
-    """This process's zygote's pid, or None."""
-    if _zygote is None or _zygote.owner != os.getpid():
-        return None
-    return _zygote.pid
 
 
 def install() -> None:
