@@ -37,7 +37,7 @@ zygote's hooks and runs ``install()`` again under the environment of the launchi
 
 import os
 
-import zygote  # noqa: F401 - first: it records the variables that imports read
+import zygote  # first: it records the variables that imports read
 
 
 def _on_import(name: str, patch) -> None:
@@ -295,3 +295,7 @@ def install() -> None:
 
 
 install()
+# SGLang's schedulers and detokenizer from a zygote of the process that starts them: one
+# forked when it first does (a test server's, an adapter's server process), after it
+# imported them itself.
+zygote.install()

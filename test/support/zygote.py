@@ -7,9 +7,13 @@ it does anything, on the path of every engine start. ``start()``, called where a
 one thread (the test process from ``test/conftest.py``, every rank from ``ranks._worker``),
 forks that process's zygote: it imports the scheduler and the detokenizer (``PRELOAD``; a
 rank's fork server imported them already), then serves as a multiprocessing fork server
-(the standard library's ``forkserver.main``). ``install()`` sends the processes whose target
-is ``run_scheduler_process`` or ``run_detokenizer_process`` there. They keep what a spawned
-child has:
+(the standard library's ``forkserver.main``). ``install()`` (``sitecustomize`` runs it in
+every process) sends the processes whose target is ``run_scheduler_process`` or
+``run_detokenizer_process`` there. A launcher without a zygote of its own (a test server's
+``python -m sglang.launch_server``, the server process that verl's and AReaL's adapters
+spawn, ``leak_run.py``) forks one when it first starts them, if it has one thread then:
+it imported them itself, so that costs a fork. It releases its OpenMP threads first
+(``_openmp_paused``). The started processes keep what a spawned child has:
 
 * the pickled process object and its pipes, ``sys.path``, the working directory (the fork
   server runs ``spawn._main``, as a spawned child does); the launching process's stdout and
@@ -26,12 +30,14 @@ child has:
 * the SIGQUIT SGLang's processes send their parent on a fatal error: the zygote relays it;
 * the process title SGLang gives them (``sglang::scheduler_TP0``).
 
-A process whose zygote is gone (upstream's ``Engine.shutdown`` kills every child) spawns.
+A process whose zygote is gone (upstream's ``Engine.shutdown`` kills every child) forks a
+new one in the same way when it next starts them, or spawns them.
 ``SGLANG_TEST_FRESH_SPAWN=1`` in a process's environment makes it spawn from the start.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing.context
 import os
@@ -70,6 +76,7 @@ CALL_TIME = frozenset(
     }
 )
 READY_TIMEOUT_S = 300.0
+OMP_PAUSE_HARD = 2  # omp_pause_resource_t
 
 _MACHINERY = ("<frozen _collections_abc>", os.__file__)
 
@@ -231,7 +238,9 @@ def start() -> None:
         or _threads() != 1
     ):
         return
-    if _zygote is not None and _zygote.owner == os.getpid():
+    if _zygote is not None and _zygote.owner == os.getpid() and _zygote.alive():
+        return
+    if not _openmp_paused():
         return
     from multiprocessing import connection
 
@@ -264,11 +273,28 @@ def start() -> None:
     _zygote = _Zygote(parent, child, address, alive_w, ready_r)
 
 
+def _openmp_paused() -> bool:
+    """Release the OpenMP thread pool of this thread, if it has one, before a fork: libgomp's
+    pool does not survive one (a forked child's first parallel region waits forever for
+    threads it does not have). OpenMP 5.0's ``omp_pause_resource_all`` frees it; the next
+    parallel region here starts a new one. False if libgomp is loaded and cannot pause.
+    (A process that is itself a fork of one whose pool had threads would wait here for them
+    in vain: every launcher here is a fresh interpreter, or a rank forked from a fork server
+    that never ran a parallel region.)"""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    for path in paths:
+        try:
+            if ctypes.CDLL(path).omp_pause_resource_all(OMP_PAUSE_HARD) != 0:
+                return False
+        except (OSError, AttributeError):
+            return False
+    return True
+
+
 def _serve(parent: int, listener_fd: int, alive_r: int, ready_w: int) -> None:
     """The zygote: die with ``parent``, look like a fresh interpreter, import ``PRELOAD``,
     say which variables imports read, then serve as a fork server."""
-    import ctypes
-
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         return
@@ -354,6 +380,10 @@ def _popen(process_obj):
     can, else spawned."""
     target = getattr(process_obj, "_target", None)
     key = (getattr(target, "__module__", None), getattr(target, "__name__", None))
+    if key in TARGETS and (
+        _zygote is None or _zygote.owner != os.getpid() or not _zygote.alive()
+    ):
+        start()  # late: a launcher without a zygote of its own, or whose zygote died
     zygote = _zygote
     environ = dict(os.environ)
     if (
