@@ -39,10 +39,11 @@ def tiny_model(tmp_path_factory):
 def _dev_shm_hygiene():
     """After the e2e tests, remove the /dev/shm files that appeared meanwhile and that no live
     process uses: ``cpu_engine`` cleans up after itself, but engines started elsewhere (e.g.
-    inside trainer-rank processes) leave ``sglang_loads_*``/``sem.mp-*`` files behind."""
+    inside trainer-rank processes) leave ``sglang_loads_*``/``sem.mp-*`` files behind. The
+    semaphores of this process's own queues stay: its exit removes them."""
     before, started = _shm_entries(), time.time()
     yield
-    cleanup_shm(before, started)
+    cleanup_shm(before, started, mine_in_use=True)
 
 
 @pytest.fixture(scope="session")

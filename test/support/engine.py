@@ -198,7 +198,9 @@ def _shm_entries() -> Dict[str, float]:
 
 
 def _shm_in_use(exclude_pids=()) -> set:
-    """Names of /dev/shm files some live process (other than ``exclude_pids``) has open or mapped."""
+    """Inodes of the /dev/shm files some live process (other than ``exclude_pids``) has open
+    or mapped. Inodes, not names: a named semaphore is mapped under the temporary name glibc
+    created it with before linking it to its own."""
     used = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) in exclude_pids:
@@ -206,16 +208,15 @@ def _shm_in_use(exclude_pids=()) -> set:
         try:
             for fd in (proc / "fd").iterdir():
                 try:
-                    target = os.readlink(fd)
+                    if os.readlink(fd).startswith("/dev/shm/"):
+                        used.add(os.stat(fd).st_ino)
                 except OSError:
                     continue
-                if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/") :].split(" ")[0])
             with open(proc / "maps") as f:
                 for line in f:
-                    i = line.find("/dev/shm/")
-                    if i >= 0:
-                        used.add(line[i + len("/dev/shm/") :].strip().split(" ")[0])
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        used.add(int(fields[4]))
         except (OSError, PermissionError):
             continue
     return used
@@ -241,15 +242,20 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cleanup_shm(
-    before: Mapping[str, float], started_at: float, engine_pids: Sequence[int] = ()
+    before: Mapping[str, float],
+    started_at: float,
+    engine_pids: Sequence[int] = (),
+    mine_in_use: bool = False,
 ) -> List[str]:
     """Remove /dev/shm files that appeared after ``before`` was taken and that nobody uses.
 
     A file is removed only if it was not in ``before``, is not older than ``started_at``,
     is not open or mapped by a live process other than this one (the shut-down engine's
-    tokenizer manager in this process may still map some), and, when its name carries a
-    creator pid, that pid is this process, an engine process or dead. So a concurrently
-    running engine of another test session keeps its files. Returns the removed names.
+    tokenizer manager in this process may still map some; with ``mine_in_use``, by this one
+    either: its own multiprocessing queues' semaphores, which it removes at exit), and, when
+    its name carries a creator pid, that pid is this process, an engine process or dead. So a
+    concurrently running engine of another test session keeps its files. Returns the removed
+    names.
     """
     removed = []
     candidates = {
@@ -259,9 +265,12 @@ def cleanup_shm(
     }
     if not candidates:
         return removed
-    in_use = _shm_in_use(exclude_pids={os.getpid()})
+    in_use = _shm_in_use(exclude_pids=set() if mine_in_use else {os.getpid()})
     for name in sorted(candidates):
-        if name in in_use:
+        try:
+            if (SHM_DIR / name).stat().st_ino in in_use:
+                continue
+        except FileNotFoundError:
             continue
         pid = _pid_in_name(name)
         if (
