@@ -380,10 +380,8 @@ def _popen(process_obj):
     can, else spawned."""
     target = getattr(process_obj, "_target", None)
     key = (getattr(target, "__module__", None), getattr(target, "__name__", None))
-    if key in TARGETS and (
-        _zygote is None or _zygote.owner != os.getpid() or not _zygote.alive()
-    ):
-        start()  # late: a launcher without a zygote of its own, or whose zygote died
+    if key in TARGETS:
+        start()  # late, where this process has no live zygote of its own (idempotent)
     zygote = _zygote
     environ = dict(os.environ)
     if (
