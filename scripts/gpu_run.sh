@@ -4,6 +4,7 @@
 # with the environment the tier needs (docs/gpu.md). Extra arguments go to pytest.
 #   bash scripts/gpu_run.sh                 # the whole tier
 #   bash scripts/gpu_run.sh -k ipc -x       # a selection
+#   bash scripts/gpu_run.sh test/gpu/test_derived_cuda.py   # one file (only the files named)
 #   bash scripts/gpu_run.sh --bench [args]  # benchmark/weight_sync/gpu_update.py instead
 #   bash scripts/gpu_run.sh --torchrun N    # test/gpu/test_multi_gpu.py on N GPUs
 set -euo pipefail
@@ -32,4 +33,9 @@ if [ "${1:-}" = "--bench" ]; then
   shift
   exec python3 -m benchmark.weight_sync.gpu_update "$@"
 fi
-exec python3 -m pytest test/gpu -p no:cacheprovider --timeout=600 -rs -q --durations=0 "$@"
+# The whole tier, unless the arguments name test files or folders themselves.
+TARGET=test/gpu
+for a in "$@"; do
+  case "$a" in test/*) TARGET= ;; esac
+done
+exec python3 -m pytest $TARGET -p no:cacheprovider --timeout=600 -rs -q --durations=0 "$@"

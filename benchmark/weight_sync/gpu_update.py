@@ -81,6 +81,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--log-level",
+        default="error",
+        help="the engine's; 'info' prints each update's phase line per rank",
+    )
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -123,7 +128,7 @@ def main() -> None:
             mem_fraction_static=0.35,
             cuda_graph_max_bs=4,
             disable_piecewise_cuda_graph=True,
-            log_level="error",
+            log_level=args.log_level,
         )
         try:
 

@@ -7,8 +7,12 @@ SGLang takes its CUDA branches), the pure-torch ``sgl_kernel`` stand-in
 ``PYTHONPATH``, SGLang's sgl-kernel version check and flashinfer detection off. On
 any other machine each test is skipped with the reason printed (``make test-gpu`` on CPU).
 Tests that need two or more GPUs say so and carry the ``torchrun`` line that runs them.
+
+A lent GPU machine's command can be stopped at its time limit, before pytest's summary: each
+failure's report is written to stderr as soon as the test fails.
 """
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
         reason = gpu_skip_reason(needs.args[0] if needs else 1)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        sys.stderr.write(
+            f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
