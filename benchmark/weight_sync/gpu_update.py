@@ -103,8 +103,13 @@ def main() -> None:
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.cuda.set_device(0)
+    from ports import free_port  # test/support, on PYTHONPATH under scripts/gpu_run.sh
+
     dist.init_process_group(
-        "cpu:gloo,cuda:nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1
+        "cpu:gloo,cuda:nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
     )
     mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("infer_tp",))
     gen = torch.Generator(device="cuda").manual_seed(0)
