@@ -13,7 +13,6 @@ OUT=${1:?usage: gpu_lease.sh OUT_DIR [SECONDS]}
 LIMIT=${2:-560}
 mkdir -p "$OUT"
 T0=$SECONDS
-export PYTHONUNBUFFERED=1
 
 step() {
   local name=$1 left=$((LIMIT - (SECONDS - T0))) t1=$SECONDS rc=0

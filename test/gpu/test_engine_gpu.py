@@ -49,13 +49,13 @@ def trainer_group():
     yield init_device_mesh("cuda", (1,), mesh_dim_names=("infer_tp",))
 
 
-def _greedy(engine, max_new: int = MAX_NEW) -> List[List[int]]:
+def _greedy(engine) -> List[List[int]]:
     """Greedy tokens of each prompt, one request at a time: every engine then runs the same
     batch shapes (a one-prompt prefill, the batch-1 decode graph). Prompts batched together
     split into prefill and decode batches by the requests' arrival, and in bf16 another batch
     shape rounds the GEMMs differently, which can flip a near-tie argmax between engines
     holding the same weights."""
-    return [engine_greedy(engine, [p], max_new)[0] for p in PROMPTS]
+    return [engine_greedy(engine, [p], MAX_NEW)[0] for p in PROMPTS]
 
 
 @torch.no_grad()
