@@ -9,6 +9,11 @@ repository root with ``.gpu/`` in it::
 which installs the carry and runs ``torchrun --nproc-per-node 2 -m pytest
 test/gpu/test_multi_gpu.py`` with the tier's environment. Under plain pytest, or on one GPU,
 each test is skipped with that line as its reason.
+
+The CPU suite rehearses this file (``test/distributed/test_multi_gpu_rehearsal.py``): with
+``SGLANG_TEST_MULTI_GPU_ON_CPU=1`` the same tests run on two gloo ranks with CPU engines, so
+what is not about the device (the launch under ``torchrun``, the engines' start, the update
+calls, the comparisons) has run before a two-GPU machine is spent on it.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from engine import engine_greedy
+from engine import _launch_sigquit_handler, engine_greedy
 from gpu_engines import GPU_ENGINE_ARGS
 from tiny_models import qwen2, write_modified_checkpoint
-from update_cases import as_layout, new_weights
+from update_cases import VerlLikeClient, as_layout, new_weights
 
 RUN = "bash scripts/gpu_run.sh --torchrun 2"
 WORLD = 2
@@ -30,9 +35,12 @@ MAX_NEW = 8
 SHAPE = dict(
     hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
 )
+ON_CPU = os.environ.get("SGLANG_TEST_MULTI_GPU_ON_CPU") == "1"
+DEVICE = "cpu" if ON_CPU else "cuda"
 
 pytestmark = [
     pytest.mark.gpus(WORLD),
+    pytest.mark.cpu_rehearsal,
     pytest.mark.skipif(
         os.environ.get("WORLD_SIZE") != str(WORLD),
         reason=f"runs on every rank of a torchrun world of {WORLD}: {RUN}",
@@ -44,11 +52,14 @@ pytestmark = [
 def world(tmp_path_factory):
     """This rank's GPU and the trainer's process group; the model written by rank 0."""
     rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        device_id=torch.device("cuda", torch.cuda.current_device()),
-    )
+    if ON_CPU:
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            device_id=torch.device("cuda", torch.cuda.current_device()),
+        )
     shared = os.environ.get("SGLANG_GPU_SHARED_DIR", "/tmp/sglang-gpu-multi")
     model_dir = os.path.join(shared, "qwen2")
     if rank == 0:
@@ -58,9 +69,35 @@ def world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _engine_args(**extra):
-    args = {k: v for k, v in GPU_ENGINE_ARGS.items() if k != "tp_size"}
-    return {**args, "mem_fraction_static": 0.2, **extra}
+def _engine_args(**extra) -> dict:
+    """The engines' arguments (``tp_size`` is VerlEngine's or the caller's)."""
+    if ON_CPU:
+        from engine import WORKER_ENGINE_ARGS as args
+    else:
+        args = {**GPU_ENGINE_ARGS, "mem_fraction_static": 0.2}
+    # a scheduler that fails to start makes the engine raise, instead of upstream's
+    # handler killing this rank's whole process tree before pytest can report
+    args = {k: v for k, v in args.items() if k != "tp_size"}
+    return {**args, "custom_sigquit_handler": _launch_sigquit_handler, **extra}
+
+
+def _greedy(engine):
+    """Greedy tokens of each prompt, one request at a time: batched prompts split into
+    batches by their arrival, and in bf16 another batch shape can flip a near-tie argmax
+    between two engines holding the same weights (``test_engine_gpu._greedy``)."""
+    return [engine_greedy(engine, [p], MAX_NEW)[0] for p in PROMPTS]
+
+
+def _verl_greedy(verl):
+    """``_greedy`` through ``VerlEngine.generate``, which every rank calls and every rank
+    gets the answer of."""
+    return [
+        verl.generate(
+            input_ids=[p],
+            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0},
+        )[0]["output_ids"]
+        for p in PROMPTS
+    ]
 
 
 def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
@@ -73,11 +110,9 @@ def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
 
     rank, model_dir = world
     cpu_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    trainer_mesh = init_device_mesh("cuda", (WORLD,), mesh_dim_names=("fsdp",))
+    trainer_mesh = init_device_mesh(DEVICE, (WORLD,), mesh_dim_names=("fsdp",))
     weights = new_weights(model_dir, seed=3)
-    shards = as_layout(
-        weights, "fsdp32", trainer_mesh
-    )  # distribute_tensor moves to cuda
+    shards = as_layout(weights, "fsdp32", trainer_mesh)  # on the mesh's device
     expected = {n: t.float().to(torch.bfloat16) for n, t in weights.items()}
     reference_dir = os.path.join(os.path.dirname(model_dir), "reference")
     if rank == 0:
@@ -87,26 +122,19 @@ def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
     try:
         verl.update_weights_from_tensor(shards)
         verl.flush_cache()
-        got = verl.generate(
-            input_ids=PROMPTS,
-            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0},
-        )
+        got = _verl_greedy(verl)
     finally:
         verl.shutdown()
     dist.barrier()
     fresh = VerlEngine(cpu_mesh, model_path=reference_dir, **_engine_args())
     try:
-        want = fresh.generate(
-            input_ids=PROMPTS,
-            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0},
-        )
+        want = _verl_greedy(fresh)
     finally:
         fresh.shutdown()
-    if rank == 0:
-        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert got == want
 
 
-def test_trainer_side_one_hop_into_two_tp1_engines(world):
+def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
     """The same trainer feeding one TP-1 engine per GPU (``weight_sync.utils.update_weights``
     with an ("dp", "infer_tp") mesh of (2, 1)): each engine receives the whole model from both
     trainer ranks over NCCL in one hop, resharded on the trainer side."""
@@ -116,28 +144,21 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world):
     from sglang.srt.weight_sync.utils import update_weights
 
     rank, model_dir = world
-    trainer_mesh = init_device_mesh("cuda", (WORLD,), mesh_dim_names=("fsdp",))
-    engines = init_device_mesh("cuda", (WORLD, 1), mesh_dim_names=("dp", "infer_tp"))
+    trainer_mesh = init_device_mesh(DEVICE, (WORLD,), mesh_dim_names=("fsdp",))
+    engines = init_device_mesh(DEVICE, (WORLD, 1), mesh_dim_names=("dp", "infer_tp"))
     weights = new_weights(model_dir, seed=4)
     shards = as_layout(weights, "fsdp32", trainer_mesh)
-    engine = sglang.Engine(
-        model_path=model_dir,
-        base_gpu_id=rank,
-        **{**_engine_args(), "tp_size": 1},
-    )
+    own_gpu = {} if ON_CPU else {"base_gpu_id": rank}
+    # a plain Engine started from a torchrun worker hangs at startup with torchrun's
+    # agent-store flag in its processes' environment (docs/usage.md); VerlEngine drops it
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    engine = sglang.Engine(model_path=model_dir, **_engine_args(tp_size=1, **own_gpu))
     try:
-
-        class Client:
-            async def update_weights_from_tensor(self, req):
-                return await engine.tokenizer_manager.update_weights_from_tensor(
-                    req, None
-                )
-
         out = engine.loop.run_until_complete(
-            update_weights(Client(), shards, "infer_tp", engines)
+            update_weights(VerlLikeClient(engine), shards, "infer_tp", engines)
         )
         assert out[0], out
-        got = engine_greedy(engine, PROMPTS, MAX_NEW)
+        got = _greedy(engine)
     finally:
         engine.shutdown()
     reference_dir = os.path.join(os.path.dirname(model_dir), f"reference-{rank}")
@@ -147,9 +168,9 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world):
         {n: t.float().to(torch.bfloat16) for n, t in weights.items()},
     )
     fresh = sglang.Engine(
-        model_path=reference_dir, base_gpu_id=rank, **{**_engine_args(), "tp_size": 1}
+        model_path=reference_dir, **_engine_args(tp_size=1, **own_gpu)
     )
     try:
-        assert got == engine_greedy(fresh, PROMPTS, MAX_NEW)
+        assert got == _greedy(fresh)
     finally:
         fresh.shutdown()

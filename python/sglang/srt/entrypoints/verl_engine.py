@@ -11,6 +11,7 @@ engine reshards on the device (``UpdateWeightsDistributedReqInput``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Dict, List, Literal, Optional, Tuple, Union
 
@@ -35,6 +36,23 @@ from sglang.srt.weight_sync.trainer_flow import (
 )
 
 __all__ = ["VerlEngine"]
+
+# What torchrun (torch elastic) sets in its workers: every ``tcp://`` rendezvous then uses the
+# agent's store, so torch's ``_create_c10d_store`` makes a client on every rank.
+_AGENT_STORE_FLAG = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@contextlib.contextmanager
+def _engine_process_env():
+    """Start the hosted engine's processes without torchrun's agent-store flag (this rank
+    keeps it). They rendezvous on SGLang's own port, where with the flag no rank would
+    start the store's server, and even a TP-1 engine would hang at startup."""
+    flag = os.environ.pop(_AGENT_STORE_FLAG, None)
+    try:
+        yield
+    finally:
+        if flag is not None:
+            os.environ[_AGENT_STORE_FLAG] = flag
 
 
 class VerlEngine:
@@ -75,13 +93,15 @@ class VerlEngine:
             from sglang.srt.entrypoints.engine import Engine
 
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
-            self._engine = Engine(**engine_kwargs)
+            with _engine_process_env():
+                self._engine = Engine(**engine_kwargs)
         elif backend == "server" and self._tp_rank == 0:
             from sglang.srt.entrypoints.http_server_engine import (
                 HttpServerEngineAdapter,
             )
 
-            self._engine = HttpServerEngineAdapter(**engine_kwargs)
+            with _engine_process_env():
+                self._engine = HttpServerEngineAdapter(**engine_kwargs)
         self._barrier("starting the engine")
 
     def generate(
