@@ -1,16 +1,21 @@
-"""The two-GPU tests (``test/gpu/test_multi_gpu.py``) rehearsed on two CPU ranks.
+"""The GPU tests that need two GPUs, rehearsed on CPU.
 
-No machine with two GPUs has been lent yet, and a test that never runs rots. Here the file
-runs as it would there, under ``torchrun --nproc-per-node 2``, with
-``SGLANG_TEST_MULTI_GPU_ON_CPU=1``: gloo instead of NCCL and CPU engines, everything else the
-same (the launch, ``VerlEngine`` at TP 2 over both ranks, one TP-1 engine per rank fed by
-the trainer-side path, the comparisons with freshly loaded engines). It found that an
-SGLang engine started from a ``torchrun`` worker hangs at startup while its processes
-inherit ``TORCHELASTIC_USE_AGENT_STORE``: ``VerlEngine`` now starts its engine without it,
-and the plain engines of the second test drop it as ``docs/usage.md`` tells users to.
+No machine with two GPUs has been lent yet, and a test that never runs rots. Here each file
+runs as it would there, with ``SGLANG_TEST_MULTI_GPU_ON_CPU=1``: gloo instead of NCCL and
+CPU engines, everything else the same.
 
-The engines spawn their schedulers (``SGLANG_TEST_FRESH_SPAWN``), as on the GPU: the zygote
-is this suite's, not the GPU tier's.
+* ``test/gpu/test_multi_gpu.py`` under ``torchrun --nproc-per-node 2``: the launch,
+  ``VerlEngine`` at TP 2 over both ranks, one TP-1 engine per rank fed by the trainer-side
+  path, the comparisons with freshly loaded engines. Its first rehearsal found that an
+  SGLang engine started from a ``torchrun`` worker hangs at startup while its processes
+  inherit ``TORCHELASTIC_USE_AGENT_STORE``: ``VerlEngine`` now starts its engine without it,
+  and the plain engines of the second test drop it as ``docs/usage.md`` tells users to.
+* ``test/gpu/test_remote_gpu.py``: a one-rank trainer updating an engine through a
+  weight-sync group and ``LocalEndpoint`` (an engine in the trainer's process).
+
+The engines spawn their schedulers (``SGLANG_TEST_FRESH_SPAWN``), as on the GPU tier, which
+has no zygote: one forked from this suite's zygote fails to make its gloo group ("Bad file
+descriptor" from its store) once the process that starts it has a process group of its own.
 """
 
 from __future__ import annotations
@@ -19,15 +24,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 from engine import omp_bind
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
+PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
 
 
-def test_the_two_gpu_tests_pass_on_two_cpu_ranks_under_torchrun(tmp_path):
+def _rehearse(args: List[str], tmp_path: Path, timeout: float) -> str:
+    """Run ``python args`` from the repository root in rehearsal mode; its output."""
     env = {
         **os.environ,
         "SGLANG_TEST_MULTI_GPU_ON_CPU": "1",
@@ -35,25 +43,41 @@ def test_the_two_gpu_tests_pass_on_two_cpu_ranks_under_torchrun(tmp_path):
         "SGLANG_CPU_OMP_THREADS_BIND": omp_bind(WORLD),
         "SGLANG_GPU_SHARED_DIR": str(tmp_path),
     }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={WORLD}",
-        f"--master-port={free_port()}",
-        "-m",
-        "pytest",
-        "test/gpu/test_multi_gpu.py",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        "-rs",
-        "--timeout=180",  # a test takes about 25 s here; a hang fails it
-    ]
     proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
+    return out
+
+
+def test_the_two_gpu_tests_pass_on_two_cpu_ranks_under_torchrun(tmp_path):
+    out = _rehearse(
+        [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={WORLD}",
+            f"--master-port={free_port()}",
+            *PYTEST,
+            "test/gpu/test_multi_gpu.py",
+            "--timeout=180",  # a test takes about 25 s here; a hang fails it
+        ],
+        tmp_path,
+        timeout=420,
+    )
     # one pytest per rank, each running both tests (a skip would still exit 0)
     assert out.count("2 passed") == WORLD, out[-8000:]
+
+
+def test_the_remote_two_gpu_test_passes_on_cpu(tmp_path):
+    out = _rehearse(
+        [*PYTEST, "test/gpu/test_remote_gpu.py", "--timeout=180"],
+        tmp_path,
+        timeout=240,
+    )
+    assert "1 passed" in out, out[-8000:]

@@ -12,21 +12,19 @@ A lent GPU machine's command can be stopped at its time limit, before pytest's s
 failure's report is written to stderr as soon as the test fails.
 """
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from gpu_engines import gpu_skip_reason
+from gpu_engines import ON_CPU, gpu_skip_reason
 
 
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).resolve().parent
-    on_cpu = os.environ.get("SGLANG_TEST_MULTI_GPU_ON_CPU") == "1"
     for item in items:
         if Path(str(item.fspath)).resolve().parent != here:
             continue
-        if on_cpu and item.get_closest_marker("cpu_rehearsal"):
+        if ON_CPU and item.get_closest_marker("cpu_rehearsal"):
             continue  # rehearsed on CPU ranks (test/e2e/test_multi_gpu_rehearsal.py)
         needs = item.get_closest_marker("gpus")
         reason = gpu_skip_reason(needs.args[0] if needs else 1)

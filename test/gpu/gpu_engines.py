@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, List, Sequence
 
 import torch
+
+# The tier's tiny Qwen2s: head_dim 64, the size SGLang's CUDA rotary kernel takes.
+QWEN2_SHAPE = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
+)
+# The tests that need two GPUs run on CPU instead (gloo, CPU engines) when this is set:
+# test/e2e/test_multi_gpu_rehearsal.py rehearses them.
+ON_CPU = os.environ.get("SGLANG_TEST_MULTI_GPU_ON_CPU") == "1"
 
 GPU_ENGINE_ARGS = dict(
     tp_size=1,
@@ -54,3 +62,14 @@ def gpu_engine(model_dir, **kwargs) -> Iterator[object]:
         yield engine
     finally:
         engine.shutdown()
+
+
+def greedy_each(engine, prompts: Sequence[List[int]], max_new: int) -> List[List[int]]:
+    """Greedy tokens of each prompt, one request at a time: every engine then runs the same
+    batch shapes (a one-prompt prefill, the batch-1 decode graph). Prompts batched together
+    split into prefill and decode batches by the requests' arrival, and in bf16 another batch
+    shape rounds the GEMMs differently, which can flip a near-tie argmax between engines
+    holding the same weights."""
+    from engine import engine_greedy
+
+    return [engine_greedy(engine, [p], max_new)[0] for p in prompts]

@@ -17,21 +17,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from engine import engine_greedy, weight_update_session
-from gpu_engines import gpu_engine
+from gpu_engines import QWEN2_SHAPE, gpu_engine, greedy_each
 from ports import free_port
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, _saved_checksums, new_weights
 
 PROMPTS = [[11, 12, 13, 14, 15], [101, 7, 9], [3, 5, 8, 13, 21, 34, 55]]
 MAX_NEW = 8
-SHAPE = dict(
-    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
-)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return qwen2(tmp_path_factory.mktemp("qwen2_gpu"), seed=0, **SHAPE)[0]
+    return qwen2(tmp_path_factory.mktemp("qwen2_gpu"), seed=0, **QWEN2_SHAPE)[0]
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +47,7 @@ def trainer_group():
 
 
 def _greedy(engine) -> List[List[int]]:
-    """Greedy tokens of each prompt, one request at a time: every engine then runs the same
-    batch shapes (a one-prompt prefill, the batch-1 decode graph). Prompts batched together
-    split into prefill and decode batches by the requests' arrival, and in bf16 another batch
-    shape rounds the GEMMs differently, which can flip a near-tie argmax between engines
-    holding the same weights."""
-    return [engine_greedy(engine, [p], MAX_NEW)[0] for p in PROMPTS]
+    return greedy_each(engine, PROMPTS, MAX_NEW)
 
 
 @torch.no_grad()

@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from engine import _launch_sigquit_handler, engine_greedy
-from gpu_engines import GPU_ENGINE_ARGS
+from engine import _launch_sigquit_handler
+from gpu_engines import GPU_ENGINE_ARGS, ON_CPU, QWEN2_SHAPE, greedy_each
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, as_layout, new_weights
 
@@ -32,10 +32,6 @@ RUN = "bash scripts/gpu_run.sh --torchrun 2"
 WORLD = 2
 PROMPTS = [[11, 12, 13, 14, 15], [101, 7, 9]]
 MAX_NEW = 8
-SHAPE = dict(
-    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
-)
-ON_CPU = os.environ.get("SGLANG_TEST_MULTI_GPU_ON_CPU") == "1"
 DEVICE = "cpu" if ON_CPU else "cuda"
 
 pytestmark = [
@@ -63,7 +59,7 @@ def world(tmp_path_factory):
     shared = os.environ.get("SGLANG_GPU_SHARED_DIR", "/tmp/sglang-gpu-multi")
     model_dir = os.path.join(shared, "qwen2")
     if rank == 0:
-        qwen2(model_dir, seed=0, **SHAPE)
+        qwen2(model_dir, seed=0, **QWEN2_SHAPE)
     dist.barrier()
     yield rank, model_dir
     dist.destroy_process_group()
@@ -82,15 +78,12 @@ def _engine_args(**extra) -> dict:
 
 
 def _greedy(engine):
-    """Greedy tokens of each prompt, one request at a time: batched prompts split into
-    batches by their arrival, and in bf16 another batch shape can flip a near-tie argmax
-    between two engines holding the same weights (``test_engine_gpu._greedy``)."""
-    return [engine_greedy(engine, [p], MAX_NEW)[0] for p in PROMPTS]
+    return greedy_each(engine, PROMPTS, MAX_NEW)
 
 
 def _verl_greedy(verl):
-    """``_greedy`` through ``VerlEngine.generate``, which every rank calls and every rank
-    gets the answer of."""
+    """``greedy_each`` through ``VerlEngine.generate``, which every rank calls and every
+    rank gets the answer of."""
     return [
         verl.generate(
             input_ids=[p],
