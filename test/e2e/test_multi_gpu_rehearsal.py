@@ -13,9 +13,11 @@ CPU engines, everything else the same.
 * ``test/gpu/test_remote_gpu.py``: a one-rank trainer updating an engine through a
   weight-sync group and ``LocalEndpoint`` (an engine in the trainer's process).
 
-The engines spawn their schedulers (``SGLANG_TEST_FRESH_SPAWN``), as on the GPU tier, which
-has no zygote: one forked from this suite's zygote fails to make its gloo group ("Bad file
-descriptor" from its store) once the process that starts it has a process group of its own.
+Under torchrun the engines spawn their schedulers (``SGLANG_TEST_FRESH_SPAWN``), as on the
+GPU tier, which has no zygote: a scheduler forked from this suite's zygote fails to make its
+gloo group ("Bad file descriptor" from its TCP store) while the process that starts it holds
+a process group met through a TCP store (torchrun's ``env://``, or ``tcp://``). After a
+``file://`` one, as in ``test_remote_gpu.py``, the zygote serves.
 """
 
 from __future__ import annotations
@@ -34,15 +36,19 @@ WORLD = 2
 PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
 
 
-def _rehearse(args: List[str], tmp_path: Path, timeout: float) -> str:
-    """Run ``python args`` from the repository root in rehearsal mode; its output."""
+def _rehearse(
+    args: List[str], tmp_path: Path, timeout: float, spawn: bool = False
+) -> str:
+    """Run ``python args`` from the repository root in rehearsal mode (``spawn``: the
+    engines' processes spawned, not forked from the zygote); its output."""
     env = {
         **os.environ,
         "SGLANG_TEST_MULTI_GPU_ON_CPU": "1",
-        "SGLANG_TEST_FRESH_SPAWN": "1",
         "SGLANG_CPU_OMP_THREADS_BIND": omp_bind(WORLD),
         "SGLANG_GPU_SHARED_DIR": str(tmp_path),
     }
+    if spawn:
+        env["SGLANG_TEST_FRESH_SPAWN"] = "1"
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -69,6 +75,7 @@ def test_the_two_gpu_tests_pass_on_two_cpu_ranks_under_torchrun(tmp_path):
         ],
         tmp_path,
         timeout=420,
+        spawn=True,
     )
     # one pytest per rank, each running both tests (a skip would still exit 0)
     assert out.count("2 passed") == WORLD, out[-8000:]
