@@ -53,7 +53,15 @@ import torch
 SUPPORT_DIR = Path(__file__).resolve().parent
 SHM_DIR = Path("/dev/shm")
 # Files SGLang (and multiprocessing under it) leaves in /dev/shm when an engine goes down.
-SHM_PREFIXES = ("sgl_shm", "sglang_loads_", "sem.mp-", "multi_tokenizer_args_")
+# "psm_": Python's own SharedMemory names, which 0.5.12's and 0.5.10.post1's broadcast queues
+# take (0.5.23 names them "sgl_shm_mq_<pid>_..."); 24 MiB each.
+SHM_PREFIXES = (
+    "sgl_shm",
+    "sglang_loads_",
+    "sem.mp-",
+    "multi_tokenizer_args_",
+    "psm_",
+)
 
 logger = logging.getLogger(__name__)
 
