@@ -43,21 +43,23 @@ def gpu_skip_reason(devices: int = 1) -> str:
     return ""
 
 
+def engine_args(**extra) -> dict:
+    """An engine's arguments in this tier: ``GPU_ENGINE_ARGS`` (the CPU suite's engines' with
+    ``ON_CPU``) and the tests' SIGQUIT handler, overridden by ``extra``. Upstream's handler
+    kills the whole process tree, pytest included, when a scheduler fails to start; with the
+    tests' the engine raises on its own."""
+    from engine import WORKER_ENGINE_ARGS, _launch_sigquit_handler
+
+    base = WORKER_ENGINE_ARGS if ON_CPU else GPU_ENGINE_ARGS
+    return {**base, "custom_sigquit_handler": _launch_sigquit_handler, **extra}
+
+
 @contextlib.contextmanager
 def gpu_engine(model_dir, **kwargs) -> Iterator[object]:
-    """``sglang.Engine`` on the current GPU with ``GPU_ENGINE_ARGS`` (overridden by ``kwargs``)."""
-    from engine import _launch_sigquit_handler
-
+    """``sglang.Engine`` on the current GPU with ``engine_args(**kwargs)``."""
     import sglang
 
-    # Upstream's handler kills the whole process tree, pytest included, when a scheduler
-    # fails to start; the engine raises on its own then.
-    args = {
-        "custom_sigquit_handler": _launch_sigquit_handler,
-        **GPU_ENGINE_ARGS,
-        **kwargs,
-    }
-    engine = sglang.Engine(model_path=str(model_dir), **args)
+    engine = sglang.Engine(model_path=str(model_dir), **engine_args(**kwargs))
     try:
         yield engine
     finally:

@@ -10,7 +10,7 @@ which installs the carry and runs ``torchrun --nproc-per-node 2 -m pytest
 test/gpu/test_multi_gpu.py`` with the tier's environment. Under plain pytest, or on one GPU,
 each test is skipped with that line as its reason.
 
-The CPU suite rehearses this file (``test/distributed/test_multi_gpu_rehearsal.py``): with
+The CPU suite rehearses this file (``test/e2e/test_multi_gpu_rehearsal.py``): with
 ``SGLANG_TEST_MULTI_GPU_ON_CPU=1`` the same tests run on two gloo ranks with CPU engines, so
 what is not about the device (the launch under ``torchrun``, the engines' start, the update
 calls, the comparisons) has run before a two-GPU machine is spent on it.
@@ -23,8 +23,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from engine import _launch_sigquit_handler
-from gpu_engines import GPU_ENGINE_ARGS, ON_CPU, QWEN2_SHAPE, greedy_each
+from gpu_engines import ON_CPU, QWEN2_SHAPE, engine_args, greedy_each
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, as_layout, new_weights
 
@@ -66,15 +65,11 @@ def world(tmp_path_factory):
 
 
 def _engine_args(**extra) -> dict:
-    """The engines' arguments (``tp_size`` is VerlEngine's or the caller's)."""
-    if ON_CPU:
-        from engine import WORKER_ENGINE_ARGS as args
-    else:
-        args = {**GPU_ENGINE_ARGS, "mem_fraction_static": 0.2}
-    # a scheduler that fails to start makes the engine raise, instead of upstream's
-    # handler killing this rank's whole process tree before pytest can report
-    args = {k: v for k, v in args.items() if k != "tp_size"}
-    return {**args, "custom_sigquit_handler": _launch_sigquit_handler, **extra}
+    """The engines' arguments, without ``tp_size`` (VerlEngine sets it; the caller of a plain
+    ``Engine`` passes it)."""
+    args = engine_args(**({} if ON_CPU else {"mem_fraction_static": 0.2}), **extra)
+    args.pop("tp_size", None)  # GPU_ENGINE_ARGS has one
+    return args
 
 
 def _greedy(engine):
@@ -145,7 +140,7 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
     # a plain Engine started from a torchrun worker hangs at startup with torchrun's
     # agent-store flag in its processes' environment (docs/usage.md); VerlEngine drops it
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    engine = sglang.Engine(model_path=model_dir, **_engine_args(tp_size=1, **own_gpu))
+    engine = sglang.Engine(model_path=model_dir, tp_size=1, **_engine_args(**own_gpu))
     try:
         out = engine.loop.run_until_complete(
             update_weights(VerlLikeClient(engine), shards, "infer_tp", engines)
@@ -161,7 +156,7 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
         {n: t.float().to(torch.bfloat16) for n, t in weights.items()},
     )
     fresh = sglang.Engine(
-        model_path=reference_dir, **_engine_args(tp_size=1, **own_gpu)
+        model_path=reference_dir, tp_size=1, **_engine_args(**own_gpu)
     )
     try:
         assert got == _greedy(fresh)

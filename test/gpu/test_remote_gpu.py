@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from engine import _launch_sigquit_handler
-from gpu_engines import GPU_ENGINE_ARGS, ON_CPU, QWEN2_SHAPE, greedy_each
+from gpu_engines import ON_CPU, QWEN2_SHAPE, engine_args, greedy_each
 from ports import free_port
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import _checksums, new_weights
@@ -54,14 +53,8 @@ def _engine(model_dir):
     """A TP-1 engine on GPU 1 (on CPU: the suite's CPU engine)."""
     import sglang
 
-    if ON_CPU:
-        from engine import WORKER_ENGINE_ARGS as args
-    else:
-        args = {**GPU_ENGINE_ARGS, "base_gpu_id": 1}
-    return sglang.Engine(
-        model_path=str(model_dir),
-        **{**args, "tp_size": 1, "custom_sigquit_handler": _launch_sigquit_handler},
-    )
+    on_gpu1 = {} if ON_CPU else {"base_gpu_id": 1}
+    return sglang.Engine(model_path=str(model_dir), **engine_args(tp_size=1, **on_gpu1))
 
 
 def _greedy(engine):
