@@ -4,9 +4,10 @@
 # kept in OUT_DIR (a step stopped at the deadline still leaves its log). Needs .gpu/ from
 # `make gpu-carry`, like scripts/gpu_run.sh, which runs each step.
 #   bash scripts/gpu_lease.sh OUT_DIR [SECONDS]   # SECONDS: the deadline, default 560
-# Steps: the engine tests (the CUDA IPC update after the engine-start test, as in the whole
-# tier), the 8B-shaped benchmark with the engine's phase lines, the derived targets under the
-# CUDA branch, the CUDA IPC update test once more. OUT_DIR/steps.txt says how each ended.
+# Steps: the whole tier in one pytest process (the derived targets under the CUDA branch, then
+# the engine tests: the CUDA IPC update after the engine-start test), the CUDA IPC update test
+# once more on its own, the 8B-shaped benchmark with the engine's phase lines.
+# OUT_DIR/steps.txt says how each ended.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_lease.sh OUT_DIR [SECONDS]}
@@ -30,8 +31,7 @@ step() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch; print("torch", torch.__version__)'
 } > "$OUT/steps.txt" 2>&1
-step engine bash scripts/gpu_run.sh test/gpu/test_engine_gpu.py
-step bench bash scripts/gpu_run.sh --bench --json "$OUT/bench.json" --log-level info
-step derived bash scripts/gpu_run.sh test/gpu/test_derived_cuda.py
+step tier bash scripts/gpu_run.sh
 step ipc_again bash scripts/gpu_run.sh test/gpu/test_engine_gpu.py -k ipc
+step bench bash scripts/gpu_run.sh --bench --json "$OUT/bench.json" --log-level info
 cat "$OUT/steps.txt"

@@ -116,7 +116,10 @@ def test_update_through_cuda_ipc_in_place_bit_exact(
     parameter equals SGLang's own load of the same values cast to bf16, no parameter moved,
     and greedy generation (replaying graphs captured before the update) equals a freshly
     loaded engine's. The trainer overwrites its tensors right after the reply: if the engine
-    replied before its device copies had read them, it would hold the overwritten values."""
+    replied before its device copies had read them, it would hold the overwritten values.
+    Then the trainer frees them, the engine still running: the memory must come back, which
+    it does not while the engine still maps it (torch keeps a block shared through CUDA IPC
+    allocated until every process that opened it has let it go)."""
     monkeypatch.setenv("SGLANG_TEST_PARAM_PTRS", str(tmp_path))
     params = _trainer_params(model_dir, seed=1)
     expected = {n: t.to(torch.bfloat16).cpu() for n, t in params.items()}
@@ -131,12 +134,24 @@ def test_update_through_cuda_ipc_in_place_bit_exact(
         assert _ptrs(engine, "after") == before
         updated = _saved_checksums(engine)
         got = _greedy(engine)
+        sent = sum(t.untyped_storage().nbytes() for t in params.values())
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        del params, t
+        torch.cuda.ipc_collect()  # frees what the engine has let go of since
+        freed = allocated - torch.cuda.memory_allocated()
+        print(f"trainer bytes sent {sent}, freed after the reply {freed}")
     with gpu_engine(reference_dir) as reference:
         assert updated == _saved_checksums(reference)
         want = _greedy(reference)
     assert got == want
     assert got != old, (
         "the update did not change generation: the check would not see one"
+    )
+    assert freed >= sent, (
+        f"the trainer freed {sent} bytes it had sent and {freed} came back while the engine "
+        "ran: the rest of the update's payload is still held after the reply (mapped by the "
+        "engine, or kept by the trainer's sender)"
     )
 
 
