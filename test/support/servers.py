@@ -54,11 +54,15 @@ class Server:
         return self.process.poll() is None
 
     def kill(self) -> None:
-        """Kill the server's whole process group (launcher, schedulers, detokenizer)."""
+        """Kill the server's whole process group (launcher, schedulers, detokenizer) and
+        wait until none of it runs: /dev/shm hygiene keeps the files of a live creator."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _group_running(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def checksums(self):
         from update_cases import _checksums
@@ -78,6 +82,17 @@ class Server:
         }
         reply = requests.post(f"{self.url}/generate", json=body, timeout=300)
         return reply.status_code, reply.json()
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not)."""
+    import psutil
+
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
 
 
 class PortTaken(RuntimeError):
