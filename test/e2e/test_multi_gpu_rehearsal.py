@@ -10,6 +10,8 @@ CPU engines, everything else the same.
   SGLang engine started from a ``torchrun`` worker hangs at startup while its processes
   inherit ``TORCHELASTIC_USE_AGENT_STORE``: ``VerlEngine`` now starts its engine without it,
   and the plain engines of the second test drop it as ``docs/usage.md`` tells users to.
+  Its third test times out a wait on the data plane's own group and checks that the
+  process, the default group and a new data group all go on.
 * ``test/gpu/test_remote_gpu.py``: a one-rank trainer updating an engine through a
   weight-sync group and ``LocalEndpoint`` (an engine in the trainer's process).
 
@@ -77,8 +79,8 @@ def test_the_two_gpu_tests_pass_on_two_cpu_ranks_under_torchrun(tmp_path):
         timeout=420,
         spawn=True,
     )
-    # one pytest per rank, each running both tests (a skip would still exit 0)
-    assert out.count("2 passed") == WORLD, out[-8000:]
+    # one pytest per rank, each running every test (a skip would still exit 0)
+    assert out.count("3 passed") == WORLD, out[-8000:]
 
 
 def test_the_remote_two_gpu_test_passes_on_cpu(tmp_path):

@@ -19,6 +19,7 @@ calls, the comparisons) has run before a two-GPU machine is spent on it.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -162,3 +163,64 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
         assert got == _greedy(fresh)
     finally:
         fresh.shutdown()
+
+
+def _one_move_plan():
+    """Tensor ``w`` (6 x 4 fp32) held whole by rank 1, needed whole by rank 0: one receive
+    on rank 0, one send on rank 1."""
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+    src = {"w": MeshSpec.full((6, 4), torch.float32, [1]).describe("w")}
+    target = ParamTarget(
+        "p", (6, 4), torch.float32, (Piece("w", Box((0, 0), (6, 4)), (), (0, 0)),)
+    )
+    return plan(src, {0: [target], 1: []})
+
+
+def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world):
+    """NCCL's failure mode: a wait on a data-plane group that outlives its bound. One update
+    runs (the communicator and the ranks' point-to-point connection exist); in the next,
+    rank 1 withholds its send. Rank 0's receive fails within the bound (``PeerLost``), and
+    both ranks then abandon the group, as the engine does (``DataGroup.abandon``: the
+    communicator is aborted). With work still pending, NCCL's watchdog would end the process
+    once the group's own timeout passed: both ranks outlive it, the default group (SGLang's
+    serving group stands for it) still reduces on the device, and a new data group delivers
+    the tensor exactly."""
+    from sglang.srt.weight_sync.control_plane import PeerLost
+    from sglang.srt.weight_sync.executor import DataGroup, execute
+
+    rank, _ = world
+    group_timeout_s, bound_s = 10.0, 2.0
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    shards = {"w": full.to(DEVICE)} if rank == 1 else {}
+    the_plan = _one_move_plan()
+
+    def params():
+        return {"p": torch.zeros(6, 4, device=DEVICE)} if rank == 0 else {}
+
+    data = DataGroup.over_ranks_of(None, group_timeout_s)
+    execute(the_plan, rank, shards, params(), group=data, timeout_s=60.0)
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost, match=r"did not answer within 2s"):
+            execute(the_plan, 0, shards, params(), group=data, timeout_s=bound_s)
+        assert time.monotonic() - t0 < bound_s + 10
+    dist.barrier()  # rank 1 aborts only after rank 0's wait has run out
+    data.abandon()
+    # past the abandoned group's timeout, NCCL's watchdog would have ended a process whose
+    # work on it were still pending (gloo has no watchdog: nothing to outlive on CPU)
+    time.sleep(0 if ON_CPU else group_timeout_s + 5)
+
+    flag = torch.ones(1, device=DEVICE)
+    dist.all_reduce(flag)
+    assert flag.item() == WORLD, "the default group no longer reduces"
+    fresh = DataGroup.over_ranks_of(None, group_timeout_s)
+    assert fresh.group is not data.group
+    landed = params()
+    execute(the_plan, rank, shards, landed, group=fresh, timeout_s=60.0)
+    if rank == 0:
+        assert torch.equal(landed["p"].cpu(), full)
+    dist.barrier()
