@@ -65,12 +65,14 @@ def _data_group_ranks(rank: int, world: int) -> dict:
     params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
     execute(_fan_out_plan({1}), rank, shards, params, data, timeout_s=60)
     out["first"] = [(n, g is data.group) for n, g in log]
+    out["connected_first"] = sorted(data.connected)
     # update 2: ranks 1 and 2 both need it (a "broadcast" move), sent point-to-point
     del log[:]
     params = {"p": torch.zeros(6, 4)} if rank else {}
     alive = [weakref.ref(t) for t in list(shards.values()) + list(params.values())]
     stats = execute(_fan_out_plan({1, 2}), rank, shards, params, data, timeout_s=60)
     out["second"] = [(n, g is data.group) for n, g in log]
+    out["connected_second"] = sorted(data.connected)
     out["landed"] = all(torch.equal(p, full) for p in params.values())
     out["broadcasts"], out["sent"] = stats.broadcasts, stats.bytes_sent
     del shards, params
@@ -86,13 +88,19 @@ def test_the_data_plane_runs_on_its_own_group_warmed_up_on_every_rank():
         assert r["own_group"] and r["ranks"] == [0, 1, 2], r
         assert r["timeout"] is not None and r["timeout"] > 7200, r
         # the first update: one warm-up all-reduce on the data group, on every rank,
-        # the rank without a move (2) included; a P2P batch only where there are moves
-        expected = [("all_reduce", True)] + (
-            [("batch_isend_irecv", True)] if rank in (0, 1) else []
-        )
+        # the rank without a move (2) included; on the ranks of the plan's one pair (0 ->
+        # 1) a batch that connects them, then the round's batch
+        batch = ("batch_isend_irecv", True)
+        expected = [("all_reduce", True)] + ([batch, batch] if rank in (0, 1) else [])
         assert r["first"] == expected, (rank, r["first"])
-        # later updates: no second warm-up, no new group, no broadcast subgroup
-        assert r["second"] == [("batch_isend_irecv", True)], (rank, r["second"])
+        assert r["connected_first"] == ([(0, 1)] if rank in (0, 1) else []), r
+        # the second: no second warm-up, no new group, no broadcast subgroup; the new
+        # pair (0 -> 2) is connected first, on its two ranks only
+        expected = [batch, batch] if rank in (0, 2) else [batch]
+        assert r["second"] == expected, (rank, r["second"])
+        assert r["connected_second"] == (
+            [(0, 1), (0, 2)] if rank == 0 else [(0, rank)]
+        ), r
         assert r["landed"] and r["broadcasts"] == 1, r
         assert r["held_after"] == 0, f"rank {rank} keeps an update's tensors alive"
     assert results[0]["sent"] == 2 * 6 * 4 * 4  # the region once per receiver

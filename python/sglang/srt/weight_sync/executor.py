@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = (
     "check_inputs",
     "data_device",
     "execute",
+    "plan_pairs",
     "write_landings",
     "write_zero_fills",
 )
@@ -85,6 +86,14 @@ class DataGroup:
     round. On gloo (the CPU tests) it is just that all-reduce; what it guards against
     is NCCL's only.
 
+    NCCL also connects two ranks for point-to-point lazily, in the first batch that
+    pairs them, and that setup blocks the host until the peer posts its side, outside
+    any ``Work`` a bounded wait could time out (pytorch/pytorch#113281). A peer that dies
+    mid-update would then hang its partners in the first round that meets it.
+    ``connect`` therefore exchanges one byte over every pair a plan uses that this group
+    has not carried yet, before the first round, when every rank has just agreed to the
+    update: a later round's transfer to a dead peer is then only a wait that times out.
+
     Moves with several receivers are sent point-to-point to each: a broadcast subgroup
     per distinct rank set would be one more NCCL communicator (and its buffers) for the
     process's life, and with GQA (kv heads < TP) there are many; point-to-point reuses
@@ -98,6 +107,8 @@ class DataGroup:
         self.group = group
         self.device = device if device is not None else data_device(group)
         self.warm = False
+        # (sender, receiver) pairs, in the group's ranks, that a batch has carried
+        self.connected: Set[Tuple[int, int]] = set()
 
     @classmethod
     def over_ranks_of(
@@ -142,6 +153,7 @@ class DataGroup:
         except Exception:  # noqa: BLE001 - gloo has no abort; nothing pending outlives a wait there
             pass
         self.warm = False
+        self.connected = set()
 
     def warm_up(self, timeout_s: Optional[float], phase: str) -> None:
         """Join the group's first collective on every rank (once per group; nothing to join
@@ -155,6 +167,37 @@ class DataGroup:
             f"{phase} (warming up the data group on {self.device})",
         )
         self.warm = True
+
+    def connect(
+        self,
+        pairs: Set[Tuple[int, int]],
+        rank: int,
+        timeout_s: Optional[float],
+        phase: str,
+    ) -> int:
+        """One byte over each (sender, receiver) pair of ``pairs`` that involves ``rank``
+        and that no batch of this group has carried: every rank of those pairs calls it
+        with the same plan's pairs, so each pairs its ops exactly. Returns the ops posted."""
+        new = sorted(p for p in pairs - self.connected if rank in p and p[0] != p[1])
+        if not new or not dist.is_initialized():
+            return 0
+        ops = []
+        for src, dst in new:
+            peer = dst if src == rank else src
+            if self.group is not None:
+                peer = dist.get_global_rank(self.group, peer)
+            op = dist.isend if src == rank else dist.irecv
+            buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            ops.append(dist.P2POp(op, buf, peer, self.group))
+        for work in dist.batch_isend_irecv(ops):
+            wait(work, timeout_s, f"{phase} (connecting the ranks it pairs with)")
+        self.connected.update(new)
+        return len(ops)
+
+
+def plan_pairs(plan: Plan) -> Set[Tuple[int, int]]:
+    """Every (sender, receiver) pair of ``plan``'s rounds, in its ranks."""
+    return {(m.src, r) for moves in plan.rounds for m in moves for r in _receivers(m)}
 
 
 @dataclass(frozen=True)
@@ -305,6 +348,7 @@ def execute(
     staging = _Staging(stats, data.device)
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
+    data.connect(plan_pairs(plan), rank, timeout_s, f"rank {rank}: executor")
 
     rounds = [mine for mine in (_mine(moves, rank) for moves in plan.rounds) if mine]
     flight = None
