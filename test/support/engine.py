@@ -243,18 +243,17 @@ def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs. A zombie does not: killed, not yet reaped by the parent it was
     handed to, it has let go of its files and mappings (a killed server's schedulers are
     zombies for a while after the server's own process is gone)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in (
+            psutil.STATUS_ZOMBIE,
+            psutil.STATUS_DEAD,
+        )
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.Error:  # another user's process: it may well run
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def cleanup_shm(

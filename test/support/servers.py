@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
-from engine import SUPPORT_DIR, configure_cpu_env, omp_bind
+from engine import SUPPORT_DIR, _pid_alive, configure_cpu_env, omp_bind
 from ports import free_port
 
 ARGS = (
@@ -85,12 +85,12 @@ class Server:
 
 
 def _group_running(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies do not)."""
+    """Whether a process of group ``pgid`` still runs (``engine._pid_alive``: zombies do not)."""
     import psutil
 
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pgid and _pid_alive(pid):
                 return True
     return False
 
