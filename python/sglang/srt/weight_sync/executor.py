@@ -34,7 +34,6 @@ __all__ = (
     "check_inputs",
     "data_device",
     "execute",
-    "plan_pairs",
     "write_landings",
     "write_zero_fills",
 )
@@ -170,17 +169,18 @@ class DataGroup:
 
     def connect(
         self,
-        pairs: Set[Tuple[int, int]],
+        rounds: List[List[Move]],
         rank: int,
         timeout_s: Optional[float],
         phase: str,
-    ) -> int:
-        """One byte over each (sender, receiver) pair of ``pairs`` that involves ``rank``
-        and that no batch of this group has carried: every rank of those pairs calls it
-        with the same plan's pairs, so each pairs its ops exactly. Returns the ops posted."""
+    ) -> None:
+        """One byte over each (sender, receiver) pair of ``rounds`` (``rank``'s moves of a
+        plan) that involves ``rank`` and that no batch of this group has carried: both ranks
+        of a pair run the same plan, so each posts its side exactly once."""
+        pairs = {(m.src, r) for moves in rounds for m in moves for r in _receivers(m)}
         new = sorted(p for p in pairs - self.connected if rank in p and p[0] != p[1])
         if not new or not dist.is_initialized():
-            return 0
+            return
         ops = []
         for src, dst in new:
             peer = dst if src == rank else src
@@ -192,12 +192,6 @@ class DataGroup:
         for work in dist.batch_isend_irecv(ops):
             wait(work, timeout_s, f"{phase} (connecting the ranks it pairs with)")
         self.connected.update(new)
-        return len(ops)
-
-
-def plan_pairs(plan: Plan) -> Set[Tuple[int, int]]:
-    """Every (sender, receiver) pair of ``plan``'s rounds, in its ranks."""
-    return {(m.src, r) for moves in plan.rounds for m in moves for r in _receivers(m)}
 
 
 @dataclass(frozen=True)
@@ -348,9 +342,9 @@ def execute(
     staging = _Staging(stats, data.device)
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
-    data.connect(plan_pairs(plan), rank, timeout_s, f"rank {rank}: executor")
-
     rounds = [mine for mine in (_mine(moves, rank) for moves in plan.rounds) if mine]
+    data.connect(rounds, rank, timeout_s, f"rank {rank}: executor")
+
     flight = None
     local = plan.local_for(rank)
     if deferred is not None:
