@@ -12,6 +12,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from plan_samples import whole_tensor_plan
 from ranks import run_ranks
 
 
@@ -33,20 +34,6 @@ def _count_collectives():
     return log
 
 
-def _fan_out_plan(receivers):
-    """Tensor ``w`` held whole by rank 0 only, needed whole by each of ``receivers``."""
-    from sglang.srt.weight_sync.box import Box
-    from sglang.srt.weight_sync.planner import plan
-    from sglang.srt.weight_sync.source_layout import MeshSpec
-    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
-
-    src = {"w": MeshSpec.full((6, 4), torch.float32, [0]).describe("w")}
-    target = ParamTarget(
-        "p", (6, 4), torch.float32, (Piece("w", Box((0, 0), (6, 4)), (), (0, 0)),)
-    )
-    return plan(src, {r: ([target] if r in receivers else []) for r in range(3)})
-
-
 def _data_group_ranks(rank: int, world: int) -> dict:
     from sglang.srt.weight_sync.control_plane import group_timeout_s
     from sglang.srt.weight_sync.executor import DataGroup, execute
@@ -63,14 +50,16 @@ def _data_group_ranks(rank: int, world: int) -> dict:
     # update 1: rank 1 alone receives, rank 2 has no move at all
     shards = {"w": full.clone()} if rank == 0 else {}
     params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
-    execute(_fan_out_plan({1}), rank, shards, params, data, timeout_s=60)
+    execute(whole_tensor_plan(0, {1}, 3), rank, shards, params, data, timeout_s=60)
     out["first"] = [(n, g is data.group) for n, g in log]
     out["connected_first"] = sorted(data.connected)
     # update 2: ranks 1 and 2 both need it (a "broadcast" move), sent point-to-point
     del log[:]
     params = {"p": torch.zeros(6, 4)} if rank else {}
     alive = [weakref.ref(t) for t in list(shards.values()) + list(params.values())]
-    stats = execute(_fan_out_plan({1, 2}), rank, shards, params, data, timeout_s=60)
+    stats = execute(
+        whole_tensor_plan(0, {1, 2}, 3), rank, shards, params, data, timeout_s=60
+    )
     out["second"] = [(n, g is data.group) for n, g in log]
     out["connected_second"] = sorted(data.connected)
     out["landed"] = all(torch.equal(p, full) for p in params.values())

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_engines import ON_CPU, QWEN2_SHAPE, engine_args, greedy_each
+from plan_samples import whole_tensor_plan
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, as_layout, new_weights
 
@@ -165,21 +166,6 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
         fresh.shutdown()
 
 
-def _one_move_plan():
-    """Tensor ``w`` (6 x 4 fp32) held whole by rank 1, needed whole by rank 0: one receive
-    on rank 0, one send on rank 1."""
-    from sglang.srt.weight_sync.box import Box
-    from sglang.srt.weight_sync.planner import plan
-    from sglang.srt.weight_sync.source_layout import MeshSpec
-    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
-
-    src = {"w": MeshSpec.full((6, 4), torch.float32, [1]).describe("w")}
-    target = ParamTarget(
-        "p", (6, 4), torch.float32, (Piece("w", Box((0, 0), (6, 4)), (), (0, 0)),)
-    )
-    return plan(src, {0: [target], 1: []})
-
-
 def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world):
     """NCCL's failure mode: a wait on a data-plane group that outlives its bound. One update
     runs (the communicator and the ranks' point-to-point connection exist); in the next,
@@ -196,7 +182,8 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
     group_timeout_s, bound_s = 10.0, 2.0
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     shards = {"w": full.to(DEVICE)} if rank == 1 else {}
-    the_plan = _one_move_plan()
+    # one receive on rank 0, one send on rank 1
+    the_plan = whole_tensor_plan(1, {0}, WORLD)
 
     def params():
         return {"p": torch.zeros(6, 4, device=DEVICE)} if rank == 0 else {}
