@@ -112,3 +112,12 @@ def test_cpu_padded_heads_update(tmp_path):
     """One kv head at TP 2: SGLang's CPU engine pads the heads (zero heads past the HF ones);
     the derived targets describe that layout, so the update writes it as SGLang's loader does."""
     check_models_update("llama_kv1", tmp_path)
+
+
+def test_qwen3_30b_a3b_tensor_count_update_parameters(tmp_path):
+    """Qwen3-30B-A3B's tensor count (48 layers of 128 experts: 18,432 expert tensors, at
+    metadata-like sizes) through a TP-2 engine, verl's and ``utils.update_weights``' entry
+    points: each trainer rank's payload header is above the old fixed 1 MiB bound, which
+    refused it after the whole timeout. Parameters only: HF's reference generation loops
+    over every expert of 48 layers per token."""
+    check_models_update("qwen3_30b_a3b_count", tmp_path, generate=False)

@@ -16,6 +16,7 @@ and seconds side by side, and the same exactness.
 from __future__ import annotations
 
 import pytest
+import tiny_models
 from engine import hf_greedy, stable_prompts
 from ports import free_port
 from ranks import run_ranks
@@ -149,4 +150,45 @@ def test_megatron_tp2_pp2_trainer_updates_a_remote_engine(servers):
         f"Megatron TP 2 x PP 2 -> engine TP 2: trainer ranks sent {report['bytes_sent']} bytes, engine "
         f"ranks received {reply['bytes_received']} (= lower bound) in {report['seconds']:.3f}s, paused "
         f"{reply['pause_seconds']}s"
+    )
+
+
+def test_qwen3_30b_a3b_tensor_count_to_a_remote_engine(tmp_path):
+    """Qwen3-30B-A3B's 18,432 expert tensors (metadata-like sizes) from FSDP2 fp32 over 2
+    trainer ranks into a remote TP-2 server of its own: the trainer's source layout and the
+    plan at a real MoE model's tensor count; every engine rank at its lower bound and
+    bit-exact (parameters only, as ``test_any_model_update`` says why)."""
+    from servers import launch
+
+    model_dir, config = tiny_models.make_tiny_model(
+        "qwen3_30b_a3b_count", tmp_path / "moe"
+    )
+    server = launch(model_dir, TP, log_dir=str(tmp_path))
+    try:
+        job = dict(
+            group="moe",
+            prompts=[[1, 2, 3]],
+            port=free_port(),
+            urls=[server.url],
+            model_dir=str(model_dir),
+            tp=TP,
+            seeds=[1],
+            bucket=64 << 20,
+            timeout=TIMEOUT_S,
+        )
+        results = run_ranks(2, fsdp_trainer_job, job, timeout=900)
+    finally:
+        server.kill()
+    report = results[0]["ours"][0]
+    check_bytes(report, [server], "qwen3-30b-a3b count")
+    weights = new_weights(model_dir, 1)
+    assert sum(".mlp.experts." in n for n in weights) == 48 * 128 * 3
+    expected = expected_checksums(config, weights, TP, 1)
+    got = results[0]["state"][0]["checksums"]
+    for r in range(TP):
+        wrong = sorted(n for n in expected[r] if got[r][n] != expected[r][n])
+        assert not wrong, f"engine rank {r} differs from SGLang's slicing: {wrong[:5]}"
+    print(
+        f"Qwen3-30B-A3B count, FSDP 2 -> remote TP 2: {report['seconds']:.3f}s, engine ranks "
+        f"received {report['engines'][server.url]['bytes_received']} (= lower bound)"
     )

@@ -73,15 +73,19 @@ def check_bytes(tmp_path, config, steps, world: int, tp: int):
             assert expected > 0
 
 
-def run_and_check(tmp_path, world: int, tp: int, steps, **engine_kwargs):
-    """Every engine bit-exact and generating as HF after every step; verl steps at the lower bound."""
+def run_and_check(
+    tmp_path, world: int, tp: int, steps, kind="qwen2", generate=True, **engine_kwargs
+):
+    """Every engine bit-exact (and generating as HF, with ``generate``) after every step;
+    verl steps at the lower bound."""
     (tmp_path / "reports").mkdir()
     model_dir, config, prompts, engines = run(
-        "qwen2",
+        kind,
         tp,
         world,
         steps,
         tmp_path,
+        generate=generate,
         reports_dir=str(tmp_path / "reports"),
         **engine_kwargs,
     )
@@ -130,3 +134,12 @@ def test_fsdp2_to_two_engines_of_tp1_streams_a_model_larger_than_the_cap(tmp_pat
             assert r["peak_staging_bytes"] > 0, (
                 "an fp32 trainer's shards are cast in staging buffers"
             )
+
+
+def test_qwen3_30b_a3b_tensor_count_to_two_engines_of_tp1(tmp_path):
+    """Qwen3-30B-A3B's 18,432 expert tensors (metadata-like sizes) from FSDP Shard(0) over
+    2 ranks into one TP-1 engine per rank: the engine's published layout and each trainer
+    rank's "params" payload at a real MoE model's tensor count, at the lower bound."""
+    run_and_check(
+        tmp_path, 2, 1, [("verl", "fsdp", 1)], "qwen3_30b_a3b_count", generate=False
+    )

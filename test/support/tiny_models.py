@@ -91,6 +91,25 @@ SPECS: Dict[str, dict] = {
         norm_topk_prob=True,
         tie_word_embeddings=False,
     ),
+    # Qwen3-30B-A3B's tensor count (48 layers of 128 experts, top 8: 18,432 expert tensors)
+    # at metadata-like sizes: what a real MoE model's payload header and per-tensor costs
+    # are, on a model this machine loads in seconds. Aligned for TP 2 only.
+    "qwen3_30b_a3b_count": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
     # Architectures only the derived targets describe (weight_sync.derived_targets).
     # Three layers: the engine's derivation loads the first and last, and renames the first for the middle one.
     "mistral": dict(

@@ -145,13 +145,15 @@ def _receive_one(inline, frame: bytes, timeout_s: float) -> str:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(f"ipc://{os.path.join(channel, 'tp0.sock')}")
+    shape, dtype, mesh, placements = MeshSpec.full((4,), torch.float32, [0]).to_wire()
     header = {
         "update_id": "u",
         "trainer_rank": 0,
         "rank_map": [[0, 0]],
         "pieces": [],
         "inline": inline,
-        "tensors": [["w", MeshSpec.full((4,), torch.float32, [0]).to_wire()]],
+        "meshes": [mesh],  # a layout names its mesh by index (protocol.encode_header)
+        "tensors": [["w", [shape, dtype, 0, placements]]],
     }
     sock.send_multipart([json.dumps(header).encode(), frame])
     try:

@@ -108,6 +108,11 @@ def test_a_good_header_decodes():
             "header field 'pieces'",
         ),
         ("surplus", 1, "unknown ['surplus']"),
+        # a layout names its mesh by index into "meshes" (one here)
+        ("tensors", [["w", [[4], "float32", 1, [["R"]]]]], "mesh index below 1"),
+        ("tensors", [["w", [[4], "float32", True, [["R"]]]]], "header field 'tensors'"),
+        ("meshes", [[0, "1"]], "header field 'meshes'"),
+        ("meshes", {"0": [0]}, "header field 'meshes'"),
     ],
 )
 def test_header_fields_are_checked_by_type_and_range(field, value, text):
@@ -127,7 +132,7 @@ def test_header_fields_are_checked_by_type_and_range(field, value, text):
         (b'{"trainer_rank": ' + b"9" * 5000 + b"}", "out of range"),
         (b"\xff\xfe garbage", "unreadable header"),
         (b'"\\ud800"', "not an object"),
-        (b"x" * ((1 << 20) + 1), "at most 1048576 are read"),
+        (b"x" * ((1 << 20) + 1), "reads at most 1048576 bytes"),
     ],
 )
 def test_unreadable_or_unbounded_headers_are_refused(raw, text):

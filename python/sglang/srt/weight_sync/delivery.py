@@ -46,6 +46,8 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     ChannelError,
     DeliveryError,
+    HeaderBound,
+    HeaderTooLarge,
     PayloadKind,
     check_timeout,
     decode_header,
@@ -375,10 +377,16 @@ class ShardReceiver:
         return sock
 
     def receive(
-        self, channel: str, update_id: str, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        channel: str,
+        update_id: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        bound: HeaderBound = HeaderBound(),
     ) -> Payload:
         """This rank's payload for ``update_id``; payloads of other updates and malformed
-        messages are dropped (and logged); an id consumed before is refused."""
+        messages are dropped (and logged); an id consumed before is refused. A header over
+        ``bound`` (the engine's model: ``HeaderBound``) is refused at once: waiting out the
+        timeout for another payload would only hide a trainer that describes too much."""
         timeout_s = check_timeout(timeout_s)
         if update_id in self._consumed:
             raise self._error(
@@ -398,7 +406,12 @@ class ShardReceiver:
                 )
             frames = sock.recv_multipart()
             try:
-                header = decode_header(frames)
+                header = decode_header(frames, bound)
+            except HeaderTooLarge as e:
+                raise self._error(
+                    f"a message on channel {channel!r} while waiting for update "
+                    f"{update_id!r}: {e}"
+                ) from None
             except Exception as e:  # noqa: BLE001 - whatever a message holds, it is dropped, never raised
                 reason = (
                     e if isinstance(e, DeliveryError) else f"{type(e).__name__}: {e}"

@@ -79,6 +79,7 @@ from sglang.srt.weight_sync.protocol import (
     MIXED,
     REFUSED,
     DeliveryError,
+    HeaderBound,
     PayloadKind,
     carried,
     check_timeout,
@@ -109,6 +110,7 @@ __all__ = (
     "commit_to_write",
     "end_of_update",
     "engine_targets",
+    "header_bound",
     "receive_shards",
     "update_from_payload",
 )
@@ -271,20 +273,27 @@ class EngineWeightSync:
 
     # ---------------------------------------------------------------- step 1
 
-    def receive(self, recv_req) -> ReceivedShards:
+    def receive(self, recv_req, model_config) -> ReceivedShards:
         """This rank's payload for ``recv_req.update_id``, or why there is none (never raises);
         its clock starts here (``phase_timing``)."""
         clock = PhaseClock()
         with clock.phase(Phase.DELIVER):
-            received = self._receive(recv_req)
+            received = self._receive(recv_req, model_config, clock)
         received.clock = clock
         return received
 
-    def _receive(self, recv_req) -> ReceivedShards:
+    def _receive(self, recv_req, model_config, clock: PhaseClock) -> ReceivedShards:
+        """The engine's targets come first, on every rank (derived once, then memoised; the
+        first derivation is collective, like ``renew_control`` before it): their tensor
+        count bounds the payload's header (``header_bound``)."""
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         try:
             self.renew_control()
+            with clock.phase(Phase.DESCRIBE):
+                derived, _ = self._derived_targets(
+                    model_config, _timeout(recv_req) + GRACE_S
+                )
             problems = (
                 [recv_req.problem]
                 if isinstance(recv_req, _unreadable_request())
@@ -300,7 +309,10 @@ class EngineWeightSync:
             return ReceivedShards(
                 self,
                 self._receiver.receive(
-                    recv_req.channel, recv_req.update_id, recv_req.timeout_s
+                    recv_req.channel,
+                    recv_req.update_id,
+                    recv_req.timeout_s,
+                    header_bound(derived),
                 ),
             )
         except DeliveryError as e:  # its message names the engine rank
@@ -646,8 +658,20 @@ class EngineWeightSync:
 
 
 def receive_shards(recv_req, owner) -> ReceivedShards:
-    """Step 1 on this TP rank, with the weight sync ``owner`` keeps (the tp worker)."""
-    return EngineWeightSync.of(owner).receive(recv_req)
+    """Step 1 on this TP rank, with the weight sync ``owner`` keeps (the tp worker, or the
+    model runner on older releases: both hold the model's config)."""
+    return EngineWeightSync.of(owner).receive(recv_req, owner.model_config)
+
+
+def header_bound(targets: Optional[DerivedTargets]) -> HeaderBound:
+    """The payload header bound of an engine with ``targets`` (``HeaderBound``): its HF
+    tensors and their aliases, or the parameters of its largest rank, whichever are more;
+    the fixed part alone while its targets are unknown (their derivation failed: the
+    update is refused anyway)."""
+    if targets is None:
+        return HeaderBound()
+    params = max((len(t) for t in targets.per_rank), default=0)
+    return HeaderBound(max(len(targets.shapes) + len(targets.aliases), params))
 
 
 def apply_shards(

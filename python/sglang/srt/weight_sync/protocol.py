@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import functools
 import io
 import json
 import math
@@ -27,6 +28,7 @@ import pickle
 import re
 import stat
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = (
@@ -44,7 +46,10 @@ __all__ = (
     "GRACE_S",
     "CUDA_IPC_GLOBALS",
     "HEADER_BYTES",
+    "HEADER_BYTES_PER_TENSOR",
     "HEADER_DEPTH",
+    "HeaderBound",
+    "HeaderTooLarge",
     "IPC_PATH_MAX",
     "MAX_TIMEOUT_S",
     "MAX_UPDATE_ID_CHARS",
@@ -107,7 +112,12 @@ GRACE_S = grace_from_env()
 DEFAULT_BUCKET_BYTES = 512 << 20
 MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds
 MAX_UPDATE_ID_CHARS = 256
+# A payload header's bound grows with the engine's model (``HeaderBound``): a fixed part for
+# the update's own fields, plus an allowance per tensor the model has. A real entry takes
+# about 130 bytes (name, shape, dtype, placements, where its bytes lie); Megatron-core
+# entries with their holders a few hundred.
 HEADER_BYTES = 1 << 20
+HEADER_BYTES_PER_TENSOR = 2 << 10
 
 
 def answer_bound_s(timeout_s: float) -> float:
@@ -131,6 +141,34 @@ DATA_GROUP_TIMEOUT_S = 2 * (MAX_TIMEOUT_S + GRACE_S)
 
 class DeliveryError(RuntimeError):
     """A request field, channel or payload that is missing, late or malformed."""
+
+
+class HeaderTooLarge(DeliveryError):
+    """A payload header over the engine's ``HeaderBound``: refused at once, not dropped."""
+
+
+@dataclass(frozen=True)
+class HeaderBound:
+    """How many bytes of a payload header an engine rank reads: ``HEADER_BYTES`` plus
+    ``HEADER_BYTES_PER_TENSOR`` for each of the ``tensors`` its model has (its derived
+    targets: HF tensors, their aliases, or its parameters, whichever are more). A payload
+    describes at most the model's tensors, so a real header of any model size fits, while a
+    mistaken or hostile one cannot make the parser read without end. ``tensors=0``: the
+    bound before the engine knows its model (``HEADER_BYTES`` alone)."""
+
+    tensors: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return HEADER_BYTES + HEADER_BYTES_PER_TENSOR * self.tensors
+
+    def __str__(self) -> str:
+        if not self.tensors:
+            return f"{self.bytes} bytes (its model's tensors are not known)"
+        return (
+            f"{self.bytes} bytes ({HEADER_BYTES} + {HEADER_BYTES_PER_TENSOR} for each of the "
+            f"{self.tensors} tensors of its model)"
+        )
 
 
 class ChannelError(DeliveryError):
@@ -331,17 +369,31 @@ def encode_header(
     """The JSON header of a payload: ``tensors`` and ``pieces`` as (name, wire layout or
     None); ``inline``: (dtype, shape) per tensor when they follow as raw frames;
     ``shared``: (segment id, (dtype, shape, offset) per tensor) when they lie in a
-    shared-memory segment passed beside the message (``shared_segment``)."""
+    shared-memory segment passed beside the message (``shared_segment``). Each distinct
+    device mesh is written once, in ``meshes``, and a tensor's layout names it by index:
+    a mesh lists every trainer rank, so repeating it per tensor would grow the header with
+    tensors times ranks."""
+    meshes: Dict[str, int] = {}
+
+    def interned(wire):
+        if wire is None:
+            return None
+        shape, dtype, mesh, placements = wire
+        index = meshes.setdefault(json.dumps(mesh), len(meshes))
+        return [shape, dtype, index, placements]
+
     header = {
         "update_id": str(update_id),
         "trainer_rank": int(trainer_rank),
         "rank_map": [[int(k), int(v)] for k, v in rank_map.items()],
-        "tensors": [[str(n), w] for n, w in tensors],
+        "tensors": [[str(n), interned(w)] for n, w in tensors],
         "pieces": [[str(n), w] for n, w in pieces],
         "kind": PayloadKind(kind).value,
         "names": [str(n) for n in names],
         "fingerprint": str(fingerprint),
     }
+    if meshes:
+        header["meshes"] = [json.loads(m) for m in meshes]
     if inline is not None:
         header["inline"] = [[str(d), [int(s) for s in shape]] for d, shape in inline]
     if shared is not None:
@@ -352,19 +404,22 @@ def encode_header(
     return json.dumps(header).encode()
 
 
-def decode_header(frames: List[bytes]) -> dict:
+def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> dict:
     """The checked header of a message (nothing is unpickled here), or DeliveryError
     saying why it is malformed. Bounded before anything is interpreted: the header's size
-    and nesting depth are checked before it is parsed, numbers must be integers within
-    range (no float, NaN or inf), keys are known and unique, and every field has its
-    type, so what a peer sends can neither exhaust the parser nor reach later code in a
-    shape it does not expect."""
+    (``bound``: ``HeaderTooLarge``) and nesting depth are checked before it is parsed,
+    numbers must be integers within range (no float, NaN or inf), keys are known and
+    unique, and every field has its type, so what a peer sends can neither exhaust the
+    parser nor reach later code in a shape it does not expect. Tensor layouts come back
+    with their meshes in place (``encode_header`` interns them)."""
     if not frames:
         raise DeliveryError("an empty message; expected a header and the shards")
     raw = frames[0]
-    if len(raw) > HEADER_BYTES:
-        raise DeliveryError(
-            f"a header of {len(raw)} bytes; at most {HEADER_BYTES} are read"
+    if len(raw) > bound.bytes:
+        raise HeaderTooLarge(
+            f"a payload header of {len(raw)} bytes; this engine rank reads at most {bound}: "
+            "a payload describes at most the model's tensors (is the trainer updating "
+            "another model?)"
         )
     depth = _nesting_depth(bytes(raw))
     if depth > HEADER_DEPTH:
@@ -413,13 +468,28 @@ def decode_header(frames: List[bytes]) -> dict:
     )
     rank_map = {k: v for k, v in pairs}
     _check(len(rank_map) == len(pairs), "rank_map", pairs, "each trainer rank once")
+    meshes = header.get("meshes", [])
+    _check(
+        _is_list(meshes) and all(_is_mesh(m) for m in meshes),
+        "meshes",
+        meshes,
+        "a list of meshes of ranks",
+    )
     tensors, pieces = header["tensors"], header["pieces"]
     _check(
-        _is_list(tensors) and all(_is_entry(t, _is_mesh_wire, True) for t in tensors),
+        _is_list(tensors)
+        and all(
+            _is_entry(t, functools.partial(_is_interned_wire, len(meshes)), True)
+            for t in tensors
+        ),
         "tensors",
         tensors,
-        "a list of [name, [shape, dtype, mesh, placements] or null]",
+        f"a list of [name, [shape, dtype, mesh index below {len(meshes)}, placements] "
+        "or null]",
     )
+    tensors = [
+        [n, None if w is None else [w[0], w[1], meshes[w[2]], w[3]]] for n, w in tensors
+    ]
     _check(
         _is_list(pieces) and all(_is_entry(t, _is_holders_wire) for t in pieces),
         "pieces",
@@ -513,7 +583,14 @@ MAX_SEGMENT_ID_CHARS = 64
 _REQUIRED_KEYS = frozenset(
     ("update_id", "trainer_rank", "rank_map", "tensors", "pieces")
 )
-_HEADER_KEYS = _REQUIRED_KEYS | {"kind", "names", "fingerprint", "inline", "shared"}
+_HEADER_KEYS = _REQUIRED_KEYS | {
+    "kind",
+    "names",
+    "fingerprint",
+    "inline",
+    "shared",
+    "meshes",
+}
 _KINDS = frozenset(k.value for k in PayloadKind)
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -619,6 +696,16 @@ def _is_mesh_wire(w) -> bool:
         and _is_mesh(w[2])
         and _is_list(w[3], MAX_NDIM)
         and all(_is_placement(p) for p in w[3])
+    )
+
+
+def _is_interned_wire(meshes: int, w) -> bool:
+    """A ``MeshSpec`` in a payload header: its mesh an index into the header's meshes."""
+    return (
+        _is_list(w, 4)
+        and len(w) == 4
+        and _is_int(w[2], 0, meshes)
+        and _is_mesh_wire([w[0], w[1], None, w[3]])
     )
 
 
