@@ -9,8 +9,12 @@ plane's own group, its warm-up on every rank, point-to-point fan-out) are in
 ``test/distributed/test_data_group.py``.
 """
 
+import contextlib
 import gc
+import os
+import tempfile
 import weakref
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -185,26 +189,68 @@ def test_the_trainer_refuses_a_timeout_its_nccl_group_would_cut_short(monkeypatc
     )
 
 
-def test_group_timeout_is_read_from_the_group():
-    import os
-    import tempfile
-    from datetime import timedelta
-
+@contextlib.contextmanager
+def _one_rank_world(timeout_s: float = 60.0):
+    """A gloo world of this process alone, destroyed at the end of the block."""
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             "gloo",
             init_method=f"file://{os.path.join(tmp, 'store')}",
             rank=0,
             world_size=1,
-            timeout=timedelta(seconds=77),
+            timeout=timedelta(seconds=timeout_s),
         )
         try:
-            assert control_plane.group_timeout_s(None) == 77.0
-            data = executor.DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
-            assert data.group is not dist.group.WORLD
-            assert control_plane.group_timeout_s(data.group) == DATA_GROUP_TIMEOUT_S
+            yield
         finally:
             dist.destroy_process_group()
+
+
+def test_group_timeout_is_read_from_the_group():
+    with _one_rank_world(77):
+        assert control_plane.group_timeout_s(None) == 77.0
+        data = executor.DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+        assert data.group is not dist.group.WORLD
+        assert control_plane.group_timeout_s(data.group) == DATA_GROUP_TIMEOUT_S
+
+
+def test_the_weight_sync_group_is_never_split_from_a_bound_default_group(monkeypatch):
+    """A trainer's default group bound to a device (``init_process_group(device_id=...)``)
+    makes torch split every new NCCL group from its communicator, which holds none of the
+    engines' ranks. Gloo cannot bind a GPU here, so the default group's ``bound_device_id``
+    is set by hand and torch's choice of a parent (``_get_split_source``) is watched: a plain
+    group made over it gets one, the weight-sync group's (``join_group``) is never asked."""
+    from torch.distributed import distributed_c10d
+
+    choose = distributed_c10d._get_split_source
+    chosen = []
+
+    def watched(pg):
+        chosen.append(choose(pg))
+        return chosen[-1]
+
+    monkeypatch.setattr(distributed_c10d, "_get_split_source", watched)
+    with _one_rank_world():
+        default = distributed_c10d._get_default_group()
+        default.bound_device_id = torch.device("cuda", 0)
+        try:
+            store = dist.HashStore()
+            control_plane.join_group(store, "data", 0, 1, "gloo", DATA_GROUP_TIMEOUT_S)
+            assert chosen == [], "the weight-sync group's maker was offered a parent"
+            # the same torch, without the guard, picks the default group's backend
+            distributed_c10d._new_process_group_helper(
+                1,
+                0,
+                [],
+                distributed_c10d.Backend("gloo"),
+                dist.PrefixStore("plain", store),
+                group_name="plain",
+                timeout=timedelta(seconds=60),
+            )
+            assert len(chosen) == 1 and chosen[0] is not None, chosen
+            assert distributed_c10d._get_split_source is watched
+        finally:
+            default.bound_device_id = None
 
 
 # ------------------------------------------------------------------ devices of delivered shards

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.protocol import GRACE_S, MAX_TIMEOUT_S, answer_bound_s
+from sglang.srt.weight_sync.sglang_compat import unsplit_groups
 
 __all__ = (
     "Agreement",
@@ -543,7 +544,8 @@ def join_group(
     worlds (a trainer's ranks, SGLang engines' TP ranks) in one group, as upstream's
     ``init_weights_update_group`` makes them. Torch maps the ranks of such a group through
     this world's: its ranks are their own "global" ranks (``get_global_rank`` is the
-    identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``."""
+    identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``.
+    Its communicator is its own, never split from the default group's (``unsplit_groups``)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -551,15 +553,18 @@ def join_group(
         _world,
     )
 
-    group, _ = _new_process_group_helper(
-        size,
-        rank,
-        [],
-        Backend(backend),
-        PrefixStore(prefix, store),
-        group_name=prefix,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    # its own communicator: split from the trainer's default one (bound to a device), it
+    # would hold the trainer's ranks only
+    with unsplit_groups():
+        group, _ = _new_process_group_helper(
+            size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(prefix, store),
+            group_name=prefix,
+            timeout=timedelta(seconds=timeout_s),
+        )
     _world.pg_group_ranks[group] = {r: r for r in range(size)}
     return group
 

@@ -31,6 +31,7 @@ __all__ = (
     "settle_weight_update",
     "subclass_with_field",
     "tp_state",
+    "unsplit_groups",
     "weights_released",
 )
 
@@ -216,6 +217,26 @@ def module_globals(values: Dict[Any, Dict[str, Any]]) -> Iterator[None]:
         for module, names in saved.items():
             for name, value in names.items():
                 setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def unsplit_groups() -> Iterator[None]:
+    """Process groups made in the block get communicators of their own, never split from
+    the default group's. Torch 2.9.1, 2.11 and 2.13 alike (``_new_process_group_helper``)
+    make a new NCCL group by ``ncclCommSplit`` of the default group's communicator whenever
+    the default group has a bound device (``init_process_group(device_id=...)``), asking
+    ``_get_split_source`` for the parent: a group of ranks of other worlds (a weight-sync
+    group's trainer and engine ranks) would split a communicator that holds none of the
+    engines' ranks. In the block that answer is "none". Torch's group creation is not
+    thread-safe either (``_world``), so no other thread makes a group meanwhile."""
+    from torch.distributed import distributed_c10d
+
+    with module_globals({distributed_c10d: {"_get_split_source": _no_split_source}}):
+        yield
+
+
+def _no_split_source(_pg) -> None:
+    return None
 
 
 def server_args_dict() -> Dict[str, Any]:
