@@ -158,7 +158,8 @@ class Staging(Deferred):
 
 
 class Receive:
-    """One update's receiving on this rank, in a thread of its own."""
+    """One update's receiving on this rank, in a thread of its own, on the group's device
+    (the engine rank's GPU, made current in the thread)."""
 
     def __init__(self, group: SyncGroup, staging: Staging, check, params, timeout_s):
         self.group, self.staging = group, staging
@@ -177,6 +178,11 @@ class Receive:
 
     def _run(self, check, params, timeout_s) -> None:
         try:
+            # a new thread's current GPU is GPU 0: the group's first collective would make
+            # a CUDA context there in every scheduler process, and move data on the wrong GPU
+            device = self.group.data.device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             self.result = self.group.run_update(
                 None, timeout_s, check, params, self.staging
             )
