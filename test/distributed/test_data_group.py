@@ -8,6 +8,7 @@ broadcast rank set): gloo shows the decisions the code takes, counted by wrapper
 """
 
 import gc
+import os
 import weakref
 
 import torch
@@ -128,3 +129,50 @@ def test_the_engine_makes_its_data_group_once_and_anew_on_every_rank_together():
         assert r["kept"] and r["serving_untouched"], r
         assert r["timeout"] > 7200, r
         assert r["renewed"] and r["sum"] == 2.0, r
+
+
+def _abandoned_groups_leave_nothing(rank: int, world: int) -> dict:
+    """50 data groups made, used for one update and abandoned (what the engine does after
+    each failed wait); what this process holds afterwards against what it held after one."""
+    from torch.distributed import distributed_c10d
+
+    from sglang.srt.weight_sync.executor import DataGroup, execute
+    from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
+
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    plan = whole_tensor_plan(0, {1}, world)
+
+    def cycle() -> bool:
+        data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+        shards = {"w": full} if rank == 0 else {}
+        params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
+        execute(plan, rank, shards, params, data, timeout_s=60)
+        data.abandon()
+        return all(torch.equal(p, full) for p in params.values())
+
+    def held() -> dict:
+        gc.collect()
+        return dict(
+            threads=len(os.listdir("/proc/self/task")),
+            groups=len(distributed_c10d._world.pg_map),
+            names=len(distributed_c10d._world.pg_names),
+        )
+
+    landed = (
+        cycle()
+    )  # once first: what a process starts once (the store's threads) is up
+    before = held()
+    for _ in range(50):
+        landed = cycle() and landed
+    after = held()
+    dist.barrier()
+    return dict(before=before, after=after, landed=landed)
+
+
+def test_abandoned_data_groups_leave_no_thread_or_group_behind():
+    """An abandoned data group is aborted and destroyed: 50 of them, each after an update,
+    leave this process no more threads (gloo's workers; NCCL's watchdog and heartbeat
+    monitor on GPUs) and torch no more process groups than one did."""
+    for rank, r in enumerate(run_ranks(3, _abandoned_groups_leave_nothing)):
+        assert r["landed"], rank
+        assert r["after"] == r["before"], (rank, r)

@@ -104,12 +104,14 @@ def test_the_planes_do_call_collectives_and_verl_engine_does_not():
     assert _collective_calls(MODULES["executor"]) >= {
         "batch_isend_irecv",
         "all_reduce",
-        "new_group",
     }
+    # every group is made and destroyed there (the data plane's too: ``fresh_group``)
     assert _collective_calls(MODULES["control_plane"]) >= {
         "all_reduce",
         "monitored_barrier",
         "broadcast",
+        "new_group",
+        "destroy_process_group",
     }
     assert not _collective_calls(VERL_ENGINE), (
         "VerlEngine's collectives go through control_plane.ControlGroup"

@@ -27,6 +27,7 @@ collectives serving relies on.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 import socket
@@ -51,6 +52,7 @@ __all__ = (
     "check_bound",
     "collective_device",
     "free_port",
+    "fresh_group",
     "plan_disagreement",
     "group_timeout_s",
     "join_group",
@@ -60,6 +62,8 @@ __all__ = (
     "prefixed_store",
     "wait",
 )
+
+logger = logging.getLogger(__name__)
 
 MESSAGE_BYTES = 2048  # per rank, in the all-reduce that shares problems
 RESULT_BYTES = 4096  # an engine's answer, as every trainer rank of its group hears it
@@ -539,13 +543,16 @@ def join_group(
     size: int,
     backend: str,
     timeout_s: float,
+    ranks: Optional[Sequence[int]] = None,
 ) -> dist.ProcessGroup:
     """A process group of ``size`` ranks made in ``store`` under ``prefix``: ranks of other
     worlds (a trainer's ranks, SGLang engines' TP ranks) in one group, as upstream's
     ``init_weights_update_group`` makes them. Torch maps the ranks of such a group through
     this world's: its ranks are their own "global" ranks (``get_global_rank`` is the
     identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``.
-    Its communicator is its own, never split from the default group's (``unsplit_groups``)."""
+    ``ranks``: the group is one of this world's ranks instead (``fresh_group``), mapped as
+    ``new_group`` maps them. Its communicator is its own, never split from the default
+    group's (``unsplit_groups``)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -559,29 +566,66 @@ def join_group(
         group, _ = _new_process_group_helper(
             size,
             rank,
-            [],
+            list(ranks or ()),
             Backend(backend),
             PrefixStore(prefix, store),
             group_name=prefix,
             timeout=timedelta(seconds=timeout_s),
         )
-    _world.pg_group_ranks[group] = {r: r for r in range(size)}
+    _world.pg_group_ranks[group] = {g: r for r, g in enumerate(ranks or range(size))}
     return group
 
 
-def leave_group(group: Optional[dist.ProcessGroup]) -> None:
+def fresh_group(
+    ranks: Sequence[int], backend: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """A group over ``ranks`` of this world (this rank among them), made by those ranks only,
+    all together, under a name no group over them had before. ``new_group`` names a group
+    after its ranks and how many groups the process holds, a count that falls back when a
+    group is destroyed: the next group would take the destroyed one's name, and its ranks
+    would meet that group's stale addresses in the store and hang. Here every rank counts
+    the groups made over ``ranks`` in the default store: each adds one, and a rank makes its
+    next group only after its peers made this one, so every rank reads the same count."""
+    store = _store()
+    tag = ",".join(map(str, ranks))
+    made = store.add(f"weight_sync/groups/{tag}", 1)
+    return join_group(
+        store,
+        f"weight_sync/group/{tag}/{(made - 1) // len(ranks)}",
+        list(ranks).index(dist.get_rank()),
+        len(ranks),
+        backend,
+        timeout_s,
+        ranks,
+    )
+
+
+def leave_group(group: Optional[dist.ProcessGroup], destroy: bool = True) -> None:
     """Abort ``group``'s pending work where the backend can (NCCL) and destroy it: after a
-    failed wait its work must not outlive the membership."""
+    failed wait neither its work nor its threads (NCCL's watchdog and heartbeat monitor, gloo's
+    workers) nor its entry in torch's registry may outlive it. ``destroy=False``: abort only (a
+    group this package does not own). A group torch no longer knows (the default group went
+    first) is left alone; any other failure to destroy is logged, never raised: the caller is
+    already handling a failure."""
     if group is None:
         return
     try:
         group.abort()
     except Exception:  # noqa: BLE001 - gloo has no abort; nothing pending outlives a wait there
         pass
+    if not destroy:
+        return
     try:
         dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - already gone (aborted, or the default group went first)
+    except ValueError:  # "Invalid process group specified": already destroyed
         pass
+    except Exception as e:  # noqa: BLE001 - cleanup after a failure must not raise
+        logger.warning(
+            "weight sync: destroying process group %r failed: %s: %s",
+            getattr(group, "group_name", "?"),
+            type(e).__name__,
+            e,
+        )
 
 
 def _gloo_group(

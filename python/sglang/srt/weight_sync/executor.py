@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Dict, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.apply import write_region, write_zeros
-from sglang.srt.weight_sync.control_plane import wait
+from sglang.srt.weight_sync.control_plane import fresh_group, leave_group, wait
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 
 __all__ = (
@@ -101,9 +100,14 @@ class DataGroup:
     """
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None
+        self,
+        group: Optional[dist.ProcessGroup],
+        device: Optional[torch.device] = None,
+        own: bool = False,
     ) -> None:
         self.group = group
+        # made for this DataGroup (``over_ranks_of``): destroyed when abandoned
+        self.own = own
         self.device = device if device is not None else data_device(group)
         self.warm = False
         # (sender, receiver) pairs, in the group's ranks, that a batch has carried
@@ -116,41 +120,24 @@ class DataGroup:
         """A new group over ``parent``'s ranks (None: the default group's), with its backend
         and an explicit ``timeout_s``: the data plane's own, so that a wait that times out
         (on NCCL the communicator is then aborted) never poisons ``parent`` (SGLang's
-        serving TP group). Only ``parent``'s ranks take part (local synchronization), all
-        of them together."""
+        serving TP group). Only ``parent``'s ranks take part, all of them together, under a
+        name of its own (``control_plane.fresh_group``); its communicator is never split
+        from the default group's, so a default group bound to a device needs no other rank."""
         ranks = (
             dist.get_process_group_ranks(parent)
             if parent is not None
             else list(range(dist.get_world_size()))
         )
-        eager = getattr(
-            dist.distributed_c10d._get_default_group(), "bound_device_id", None
-        )
-        if eager is not None and len(ranks) != dist.get_world_size():
-            # an eagerly initialised default group makes new_group an NCCL comm split, which
-            # every rank of the default group must join: only these ranks reach this point
-            raise ExecutionError(
-                f"the data group over ranks {ranks} cannot be made: the default process group "
-                f"is bound to {eager} (eager NCCL init), so new_group needs all "
-                f"{dist.get_world_size()} ranks, and only the TP ranks run an update"
-            )
-        group = dist.new_group(
-            ranks,
-            timeout=timedelta(seconds=timeout_s),
-            backend=str(dist.get_backend(parent)),
-            use_local_synchronization=True,
-        )
-        return cls(group)
+        group = fresh_group(ranks, str(dist.get_backend(parent)), timeout_s)
+        return cls(group, own=True)
 
     def abandon(self) -> None:
         """Abort the group's communicators after a failed wait and never use it again: its
         pending work would outlive the update, and once past the group's timeout NCCL's
-        watchdog would end the process. The group keeps its name, so a new group over the
-        same ranks gets another one (and a fresh rendezvous in the store)."""
-        try:
-            self.group.abort()
-        except Exception:  # noqa: BLE001 - gloo has no abort; nothing pending outlives a wait there
-            pass
+        watchdog would end the process. A group of its own is destroyed too, so that its
+        threads and torch's record of it go with it (``control_plane.leave_group``); a new
+        group over the same ranks gets a name of its own (``control_plane.fresh_group``)."""
+        leave_group(self.group, destroy=self.own)
         self.warm = False
         self.connected = set()
 
