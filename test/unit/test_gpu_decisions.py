@@ -155,6 +155,42 @@ def test_every_bound_stays_below_the_data_group_timeout():
     assert trainer_bound_s(MAX_TIMEOUT_S) == 2 * MAX_TIMEOUT_S + GRACE_S
 
 
+def test_the_groups_made_for_updates_have_timeouts_above_every_bound(monkeypatch):
+    """Where the engine's data group and a weight-sync group's groups are made, their timeout
+    is checked against the largest bound (``trainer_bound_s(MAX_TIMEOUT_S)``, itself above
+    ``MAX_TIMEOUT_S + GRACE_S``): one at or below it is refused, naming the values, before
+    any group or rendezvous."""
+    from sglang.srt.weight_sync import engine_update, remote_group
+    from sglang.srt.weight_sync.control_plane import check_group_timeout
+
+    largest = trainer_bound_s(MAX_TIMEOUT_S)
+    assert largest > MAX_TIMEOUT_S + GRACE_S
+    assert check_group_timeout(DATA_GROUP_TIMEOUT_S, "data") == DATA_GROUP_TIMEOUT_S
+    for short in (MAX_TIMEOUT_S + GRACE_S, largest):
+        with pytest.raises(BoundTooLong) as e:
+            check_group_timeout(short, "the data group")
+        assert str(e.value).startswith(f"the data group: a group timeout of {short:g}s")
+        assert f"bound an update waits with, {largest:g}s" in str(e.value)
+
+    short = MAX_TIMEOUT_S + GRACE_S
+    monkeypatch.setattr(
+        executor.DataGroup,
+        "over_ranks_of",
+        lambda *a: pytest.fail("a data group was made with a short timeout"),
+    )
+    monkeypatch.setattr(engine_update, "DATA_GROUP_TIMEOUT_S", short)
+    with pytest.raises(BoundTooLong, match="^engine rank 0: the data group: "):
+        engine_update.EngineWeightSync(0).data_group(30.0, renew=True)
+    monkeypatch.setattr(
+        remote_group, "meet", lambda *a: pytest.fail("the ranks met for short groups")
+    )
+    monkeypatch.setattr(remote_group, "DATA_GROUP_TIMEOUT_S", short)
+    with pytest.raises(
+        BoundTooLong, match="^group 'g' rank 2: the groups of epoch 3: "
+    ):
+        remote_group.SyncGroup("g", 3, 4, "nccl", 2, None, 30.0)
+
+
 def test_a_bound_past_an_nccl_group_timeout_is_refused(monkeypatch):
     monkeypatch.setattr(control_plane, "group_timeout_s", lambda group, device: 600.0)
     gpu = torch.device("cuda", 0)

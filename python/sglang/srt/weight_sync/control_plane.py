@@ -38,7 +38,12 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.protocol import GRACE_S, MAX_TIMEOUT_S, answer_bound_s
+from sglang.srt.weight_sync.protocol import (
+    GRACE_S,
+    MAX_TIMEOUT_S,
+    answer_bound_s,
+    trainer_bound_s,
+)
 from sglang.srt.weight_sync.sglang_compat import unsplit_groups
 
 __all__ = (
@@ -50,6 +55,7 @@ __all__ = (
     "PlanDisagreement",
     "answer_bound_s",
     "check_bound",
+    "check_group_timeout",
     "collective_device",
     "free_port",
     "fresh_group",
@@ -145,6 +151,22 @@ def check_bound(
             "NCCL watchdog would abort the group first; pass a smaller timeout_s or create the "
             "group with a longer timeout"
         )
+
+
+def check_group_timeout(timeout_s: float, what: str) -> float:
+    """``timeout_s`` for a group this package makes for itself (the engine's data group, a
+    weight-sync group's data and control groups), refused (``BoundTooLong``) unless it is above
+    every bound an update waits with: the largest, ``trainer_bound_s(MAX_TIMEOUT_S)``, is
+    itself above ``MAX_TIMEOUT_S + GRACE_S``. Otherwise NCCL's watchdog could abort a wait on
+    the group (and end the process) before its bound does. Checked where the group is made."""
+    largest = trainer_bound_s(MAX_TIMEOUT_S)
+    if not timeout_s > largest:
+        raise BoundTooLong(
+            f"{what}: a group timeout of {timeout_s:g}s is not above the largest bound an "
+            f"update waits with, {largest:g}s (2 * MAX_TIMEOUT_S={MAX_TIMEOUT_S:g} + "
+            f"GRACE_S={GRACE_S:g}): the NCCL watchdog could end a wait before its bound"
+        )
+    return timeout_s
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
     PlanDisagreement,
+    check_group_timeout,
     plan_disagreement,
 )
 from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
@@ -254,9 +255,10 @@ class EngineWeightSync:
             )
         if renew:
             self.drop_data_group()
-            self._data = DataGroup.over_ranks_of(
-                tp_state().device_group, DATA_GROUP_TIMEOUT_S
+            timeout_s = check_group_timeout(
+                DATA_GROUP_TIMEOUT_S, f"engine rank {self.rank}: the data group"
             )
+            self._data = DataGroup.over_ranks_of(tp_state().device_group, timeout_s)
         return self._data
 
     def drop_data_group(self) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
+    check_group_timeout,
     join_group,
     leave_group,
     meet,
@@ -184,6 +185,9 @@ class SyncGroup:
     ) -> None:
         self.rank, self.who = rank, f"group {group_name!r} rank {rank}"
         self.membership: Optional[Membership] = None
+        group_timeout_s = check_group_timeout(
+            DATA_GROUP_TIMEOUT_S, f"{self.who}: the groups of epoch {epoch}"
+        )
         prefix = epoch_prefix(group_name, epoch)
         meet(
             store,
@@ -196,16 +200,11 @@ class SyncGroup:
         self._groups: List[dist.ProcessGroup] = []
         try:
             data = join_group(
-                store, f"{prefix}/data", rank, world_size, backend, DATA_GROUP_TIMEOUT_S
+                store, f"{prefix}/data", rank, world_size, backend, group_timeout_s
             )
             self._groups.append(data)
             control = join_group(
-                store,
-                f"{prefix}/control",
-                rank,
-                world_size,
-                "gloo",
-                DATA_GROUP_TIMEOUT_S,
+                store, f"{prefix}/control", rank, world_size, "gloo", group_timeout_s
             )
             self._groups.append(control)
         except Exception:
