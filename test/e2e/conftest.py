@@ -54,11 +54,11 @@ def remote_tp2_servers(tmp_path_factory):
     sets the weights it checks and joins a group of its own name. The model directory holds
     a tokenizer, which verl's config loads (the servers take token ids)."""
     from servers import launch_side_by_side
-    from test_verl_release import _give_tokenizer
+    from verl_helpers import give_tokenizer
 
     directory = tmp_path_factory.mktemp("remote")
     model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    _give_tokenizer(model_dir, directory)
+    give_tokenizer(model_dir, directory)
     servers = launch_side_by_side(model_dir, 2, [None, None], log_dir=str(directory))
     try:
         yield servers, model_dir, config, directory

@@ -188,7 +188,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     import tiny_models
     from engine import WORKER_ENGINE_ARGS, omp_bind, weight_update_session
     from torch.distributed.device_mesh import init_device_mesh
-    from update_cases import _checksums, _forbidden_calls, _generate, new_weights
+    from update_cases import _forbidden_calls, _generate, checksums, new_weights
 
     from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync.megatron_flow import megatron_flow
@@ -250,7 +250,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
         record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - before
         record["generation"] = _generate(verl, job["prompts"])
         if rank == ranks[0]:
-            record["checksums"] = _checksums(verl._engine)
+            record["checksums"] = checksums(verl._engine)
         record["leader"] = rank == ranks[0]
     finally:
         dist.barrier()

@@ -25,7 +25,7 @@ def _report(report) -> dict:
 
 
 class _Url:
-    """What ``update_cases._checksums`` reads of a server: its URL."""
+    """What ``update_cases.checksums`` reads of a server: its URL."""
 
     def __init__(self, url: str):
         self.server_args = type("Args", (), {"url": lambda _: url})()
@@ -65,7 +65,7 @@ def group_of(job: dict):
 def server_state(urls, prompts) -> list:
     """Every server's per-rank parameter checksums and greedy continuations of ``prompts``."""
     import requests
-    from update_cases import MAX_NEW, _checksums
+    from update_cases import MAX_NEW, checksums
 
     out = []
     for url in urls:
@@ -83,7 +83,7 @@ def server_state(urls, prompts) -> list:
             if reply.status_code == 200
             else reply.text
         )
-        out.append({"checksums": _checksums(_Url(url)), "generation": generated})
+        out.append({"checksums": checksums(_Url(url)), "generation": generated})
     return out
 
 

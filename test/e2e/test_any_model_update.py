@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import tiny_models
 from engine import hf_greedy
-from test_distributed_update import run
 from update_cases import MAX_NEW, new_weights
+from update_checks import run
 
 STEPS = [("verl", "fsdp", 1), ("utils", "tp", 2)]
 

@@ -34,8 +34,8 @@ import torch
 from engine import WORKER_ENGINE_ARGS, stable_prompts
 from ports import free_ports
 from ranks import run_ranks
-from test_verl_release import _params_at_tp1, _wait_healthy, check_server
 from update_cases import MAX_NEW, new_weights
+from verl_helpers import check_server, params_at_tp1, wait_healthy
 
 STEPS = (("xccl", 1), ("disk", 2))
 
@@ -57,7 +57,7 @@ def areal_job(rank: int, world: int, job: dict) -> list:
     )
     records = []
     try:
-        _wait_healthy(port)
+        wait_healthy(port)
         experiment, trial = "weight-sync", "areal"
         client = areal_client(
             f"127.0.0.1:{port}", job["name_resolve"], job["fileroot"], trial
@@ -105,7 +105,7 @@ def areal_job(rank: int, world: int, job: dict) -> list:
                     kind=kind,
                     seed=seed,
                     generation=[o["output_ids"] for o in out],
-                    params=_params_at_tp1(port, list(weights)),
+                    params=params_at_tp1(port, list(weights)),
                 )
             )
         client.destroy()

@@ -20,9 +20,9 @@ import tiny_models
 from areal_remote_cases import areal_side_by_side_job
 from ports import free_port
 from ranks import run_ranks
+from remote_checks import check_state, prompts_for
 from servers import http_server
-from test_remote_engines import check_state, prompts_for
-from test_verl_release import patched_copy
+from verl_helpers import patched_copy
 
 PATCH = (
     Path(__file__).resolve().parents[2]

@@ -13,20 +13,12 @@ message naming tensor and rank, leaving the old weights serving.
 from __future__ import annotations
 
 import pytest
-import tiny_models
-import torch
-from engine import hf_greedy, stable_prompts
 from phase_checks import check_engine_breakdown, check_trainer_breakdown
 from ports import free_port
-from ranks import run_ranks
 from update_cases import (
     BAD_NAME,
-    GATHERING_CHECKER,
-    MAX_NEW,
-    checksum,
-    engine_job,
-    new_weights,
 )
+from update_checks import check_update, run
 
 import sglang
 from sglang.srt.weight_sync.protocol import WEIGHTS_RELEASED
@@ -47,88 +39,6 @@ FAILURES = {
     "bad_dtype": "dtype torch.int32 cannot be cast",
     "not_covered": "is held by no rank",
 }
-
-
-def expected_checksums(config, weights, tp: int, ep: int):
-    from benchmark.weight_sync.hand_rules import (
-        model_targets_from_config,
-        reference_param,
-    )
-    from sglang.srt.weight_sync.target_layout import EngineParallel
-
-    targets = model_targets_from_config(
-        config, EngineParallel(tp, moe_ep_size=ep), torch.bfloat16
-    )
-    return {
-        r: {t.name: checksum(reference_param(t, weights)) for t in targets.for_rank(r)}
-        for r in range(tp)
-    }
-
-
-def check_update(record, model_dir, config, seed, tp, prompts, ep=1):
-    """Parameters bit-exact and greedy generation equal to HF's (when ``prompts`` are given)."""
-    weights = new_weights(model_dir, seed)
-    expected = expected_checksums(config, weights, tp, ep)
-    for r in range(tp):
-        got = {n: record["checksums"][r][n] for n in expected[r]}
-        wrong = sorted(n for n in expected[r] if got[n] != expected[r][n])
-        assert not wrong, (
-            f"{record['step']}: engine rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
-        )
-    if prompts is None:
-        return
-    reference = hf_greedy(model_dir, prompts[seed], MAX_NEW, weights=weights)
-    assert record["generation"] == reference, (
-        f"{record['step']}: generation differs from HF transformers"
-    )
-
-
-def run(
-    kind, tp, world, steps, tmp_path, generate=True, reports_dir=None, **engine_kwargs
-):
-    """Run the steps; each weight set gets prompts whose greedy path has no bf16 near-tie
-    for it, which makes exact comparison with HF meaningful. With ``reports_dir`` every
-    rank writes its update reports there (``update_cases._write_report``)."""
-    model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
-    seeds = sorted(
-        {
-            seed
-            for kind_, _, seed in steps
-            if kind_ not in ("fail", "verl_bad", "memory", "released")
-        }
-    )
-    prompts = None
-    if generate:
-        prompts = {
-            s: stable_prompts([(model_dir, new_weights(model_dir, s))], 3, MAX_NEW)
-            for s in seeds
-        }
-        prompts["start"] = stable_prompts([model_dir], 3, MAX_NEW)
-    forbidden_log = tmp_path / "forbidden-calls"
-    forbidden_log.mkdir()
-    job = dict(
-        model_dir=model_dir,
-        tp=tp,
-        steps=steps,
-        engine_kwargs=engine_kwargs,
-        prompts=prompts or {"start": None},
-        generate=generate,
-        forbidden_log=str(forbidden_log),
-        reports_dir=reports_dir,
-    )
-    results = [r for r in run_ranks(world, engine_job, job, timeout=600) if r]
-    for records in results:
-        for record in records[1:]:
-            assert record["forbidden_calls"] == 0, (
-                f"{record['step']}: full_tensor/gather_object called during the update"
-            )
-    # the recorder is live in the engine's processes: it saw the weight checker's gathers (only
-    # 0.5.23's checker gathers objects; older releases read the parameters without any)
-    if tp > 1 and sglang.__version__.split("+")[0] in GATHERING_CHECKER:
-        assert any(f.read_text() for f in forbidden_log.iterdir()), (
-            "forbidden-call recorder is not active"
-        )
-    return model_dir, config, prompts, results
 
 
 @pytest.mark.parametrize("tp", [1, 2])

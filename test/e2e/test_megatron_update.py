@@ -24,8 +24,8 @@ import tiny_models
 from engine import hf_greedy, stable_prompts
 from megatron_cases import megatron_job
 from ranks import run_ranks
-from test_distributed_update import expected_checksums
 from update_cases import MAX_NEW, new_weights
+from update_checks import expected_checksums
 
 SEED = 7
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import pytest
 import tiny_models
-from engine import hf_greedy, stable_prompts
 from ports import free_port
 from ranks import run_ranks
 from remote_cases import fsdp_trainer_job, megatron_trainer_job
-from test_distributed_update import expected_checksums
-from update_cases import MAX_NEW, new_weights
+from remote_checks import TP, check_state, prompts_for
+from update_cases import new_weights
+from update_checks import expected_checksums
 
-TP = 2
 TIMEOUT_S = 60
 
 
@@ -34,26 +33,6 @@ def servers(remote_tp2_servers):
     servers, model_dir, config, _ = remote_tp2_servers
     assert all(s.tp_size == TP for s in servers)
     return servers, model_dir, config
-
-
-def prompts_for(model_dir, seed):
-    return stable_prompts([(model_dir, new_weights(model_dir, seed))], 2, MAX_NEW)
-
-
-def check_state(states, model_dir, config, seed, prompts, what, tp=TP):
-    """Every server's parameters bit-exact (``states``: ``remote_cases.server_state``), its
-    greedy generation HF's."""
-    weights = new_weights(model_dir, seed)
-    expected = expected_checksums(config, weights, tp, 1)
-    reference = hf_greedy(model_dir, prompts, MAX_NEW, weights=weights)
-    for i, state in enumerate(states):
-        got = state["checksums"]
-        for r in range(tp):
-            wrong = sorted(n for n in expected[r] if got[r][n] != expected[r][n])
-            assert not wrong, (
-                f"{what}: server {i} rank {r} differs from SGLang's slicing: {wrong[:5]}"
-            )
-        assert state["generation"] == reference, f"{what}: server {i} generation"
 
 
 def check_bytes(report, servers, what):

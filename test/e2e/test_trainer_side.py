@@ -15,14 +15,15 @@ import json
 
 import torch
 from phase_checks import check_trainer_breakdown
-from test_distributed_update import check_update, run
 from update_cases import hsdp_ranks, placements
+from update_checks import check_update, run
 
 
 def lower_bound(config, layout: str, world: int, tp: int, rank: int) -> int:
     """Bytes trainer ``rank`` must receive: the bf16 pieces of the engine rank beside it
     (engines on contiguous ranks) minus their intersection with this rank's shards."""
-    from benchmark.weight_sync.hand_rules import model_targets_from_config
+    from update_checks import model_targets_from_config
+
     from sglang.srt.weight_sync.source_layout import MeshSpec
     from sglang.srt.weight_sync.target_layout import EngineParallel
 

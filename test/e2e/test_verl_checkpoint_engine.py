@@ -25,9 +25,9 @@ from __future__ import annotations
 import pytest
 from ports import free_port
 from ranks import run_ranks
-from test_remote_engines import check_state, prompts_for
-from test_verl_release import _verl_sources
+from remote_checks import check_state, prompts_for
 from verl_ce_cases import verl_ce_job
+from verl_helpers import verl_sources
 
 TP = 2
 STEPS = [("patched", 1), ("stock", 2), ("patched", 3)]
@@ -54,7 +54,7 @@ def test_verl_checkpoint_engine_registry_selects_sglang_remote(server):
         steps=STEPS,
         prompts=prompts,
         rollout_port=free_port(),
-        verl_sources=_verl_sources(directory),
+        verl_sources=verl_sources(directory),
         engine_kwargs=dict(
             rollout_tp=TP, group_name="verl-test", timeout_s=60, port=free_port()
         ),

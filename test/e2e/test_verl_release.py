@@ -20,11 +20,11 @@ SGLang base this project ships (``make smoke``), the releases verl pins included
 are read with ``/get_weights_by_name``, which every base serves completely at TP 1.
 
 Stand-ins, only for what cannot run here:
-* ``_ServerActor``: verl finds its SGLang server as a Ray actor (``ray.get_actor``) and reports
+* ``ServerActor``: verl finds its SGLang server as a Ray actor (``ray.get_actor``) and reports
   the step to it; the stand-in answers with the server's address.
 * verl's device id: verl 0.9.1 has no CPU platform, so ``sglang_rollout.get_device_id`` is "cpu".
 * verl's FSDP engine object: importing ``verl.workers.engine`` pulls in torchtitan, datasets and
-  peft, so ``_verl_producer`` takes the statements of ``FSDPEngine.get_per_tensor_param`` that turn
+  peft, so ``verl_producer`` takes the statements of ``FSDPEngine.get_per_tensor_param`` that turn
   the FSDP state dict into (name, tensor) pairs (``device = get_device_id()`` ...
   ``unfuse_moe_params(...)``) from the installed ``transformer_impl.py``, stock or with the patch
   applied (``--fuzz=0``), and runs them unchanged with the module's state dict as ``params`` and a
@@ -35,161 +35,25 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import tiny_models
 import torch
-from engine import WORKER_ENGINE_ARGS, hf_greedy, stable_prompts
+from engine import WORKER_ENGINE_ARGS, stable_prompts
 from ports import free_ports
 from ranks import run_ranks
-from test_distributed_update import expected_checksums
-from update_cases import MAX_NEW, checksum, new_weights
-
-PATCH = (
-    Path(__file__).resolve().parents[2]
-    / "integrations"
-    / "verl"
-    / "0001-fsdp-rollout-local-shards.patch"
+from update_cases import MAX_NEW, new_weights
+from verl_helpers import (
+    ServerActor,
+    check_server,
+    give_tokenizer,
+    params_at_tp1,
+    verl_producer,
+    verl_sources,
+    wait_healthy,
 )
+
 STEPS = [("stock", 1), ("patched", 2)]
-
-
-class _Remote:
-    def __init__(self, fn):
-        self._fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self._fn(*args)
-
-        return call()
-
-
-class _ServerActor:
-    """Stand-in for verl's SGLang server Ray actor."""
-
-    def __init__(self, port: int):
-        self.steps = []
-        self.get_server_address = _Remote(lambda: ("127.0.0.1", port))
-        self.set_global_steps = _Remote(self.steps.append)
-
-
-def _verl_sources(tmp_path: Path) -> dict:
-    """verl 0.9.1's installed ``transformer_impl.py``, as released ("stock") and with the companion
-    patch applied with ``--fuzz=0`` ("patched")."""
-    import verl
-
-    assert verl.__version__ == "0.9.1", verl.__version__
-    src = (
-        Path(verl.__file__).parent
-        / "workers"
-        / "engine"
-        / "fsdp"
-        / "transformer_impl.py"
-    )
-    return {
-        "stock": src.read_text(),
-        "patched": patched_copy(
-            src, "verl/workers/engine/fsdp", tmp_path, PATCH, "verl 0.9.1"
-        ),
-    }
-
-
-def patched_copy(
-    src: Path, package_dir: str, tmp_path: Path, patch: Path, what: str
-) -> str:
-    """``src`` (a framework's installed file, at ``package_dir`` in its tree) with ``patch``
-    applied to a copy with ``--fuzz=0``; fails when it does not apply."""
-    copy = tmp_path / package_dir
-    copy.mkdir(parents=True)
-    shutil.copy(src, copy)
-    applied = subprocess.run(
-        ["patch", "-d", str(tmp_path), "-p1", "--fuzz=0", "-i", str(patch)],
-        capture_output=True,
-        text=True,
-    )
-    assert applied.returncode == 0, (
-        f"{patch.name} does not apply to {what}:\n{applied.stdout}{applied.stderr}"
-    )
-    return (copy / src.name).read_text()
-
-
-def _verl_producer(source: str, params: dict, model_type: str):
-    """(name, tensor) pairs as ``FSDPEngine.get_per_tensor_param`` of ``source`` makes them for a
-    plain (non-LoRA) model: the statements of that branch, compiled from verl's file and run here."""
-    import ast
-    import importlib.util
-    from types import SimpleNamespace
-
-    import verl
-    from torch.distributed.tensor import DTensor
-
-    engine = next(
-        n
-        for n in ast.parse(source).body
-        if isinstance(n, ast.ClassDef) and n.name == "FSDPEngine"
-    )
-    method = next(
-        n
-        for n in engine.body
-        if isinstance(n, ast.FunctionDef) and n.name == "get_per_tensor_param"
-    )
-    branch = next(
-        n.orelse
-        for n in ast.walk(method)
-        if isinstance(n, ast.If)
-        and any(
-            isinstance(s, ast.Assign)
-            and getattr(s.targets[0], "id", None) == "per_tensor_param"
-            for s in n.orelse
-        )
-    )
-    code = compile(
-        ast.Module(body=branch, type_ignores=[]),
-        "verl/workers/engine/fsdp/transformer_impl.py",
-        "exec",
-    )
-    utils = Path(verl.__file__).parent / "workers" / "engine" / "fsdp" / "utils.py"
-    spec = importlib.util.spec_from_file_location("verl_fsdp_engine_utils", utils)
-    fsdp_utils = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(
-        fsdp_utils
-    )  # the file alone: its package __init__ is the heavy import
-    scope = dict(
-        os=os,
-        DTensor=DTensor,
-        params=params,
-        get_device_id=lambda: "cpu",
-        unfuse_moe_params=fsdp_utils.unfuse_moe_params,
-        self=SimpleNamespace(
-            _qat_enabled=False,
-            model_config=SimpleNamespace(
-                hf_config=SimpleNamespace(model_type=model_type)
-            ),
-        ),
-    )
-    exec(code, scope)
-    return scope["per_tensor_param"]
-
-
-def _wait_healthy(port: int, timeout: float = 900) -> None:
-    import requests
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if (
-                requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
-                == 200
-            ):
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"no SGLang server on port {port} after {timeout} s")
 
 
 def verl_job(rank: int, world: int, job: dict):
@@ -205,7 +69,7 @@ def verl_job(rank: int, world: int, job: dict):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
-    from update_cases import _checksums, _forbidden_calls
+    from update_cases import _forbidden_calls, checksums
 
     tp, model_dir = job["tp"], job["model_dir"]
     port = job["ports"][rank // tp]
@@ -244,7 +108,7 @@ def verl_job(rank: int, world: int, job: dict):
         )
     records = []
     try:  # the server is shut down whatever fails from here on
-        _wait_healthy(
+        wait_healthy(
             port
         )  # over HTTP, not a gloo barrier: the server may take minutes to start here
 
@@ -255,7 +119,7 @@ def verl_job(rank: int, world: int, job: dict):
         )
         from verl.workers.rollout.sglang_rollout import sglang_rollout
 
-        actor = _ServerActor(port)
+        actor = ServerActor(port)
         ray.get_actor = lambda name: (
             actor
         )  # stand-in: the Ray actor of this rank's server ("sglang_server_<replica>_0")
@@ -302,7 +166,7 @@ def verl_job(rank: int, world: int, job: dict):
             before = _forbidden_calls(job["forbidden_log"])
             del trainer_lines[:]
             os.environ["VERL_ROLLOUT_LOCAL_SHARDS"] = "1" if kind == "patched" else "0"
-            produced = _verl_producer(
+            produced = verl_producer(
                 job["verl_sources"][kind], model.state_dict(), model.config.model_type
             )
             update = adapter.update_weights(produced, global_steps=step)
@@ -333,7 +197,7 @@ def verl_job(rank: int, world: int, job: dict):
                 )
                 record["generation"] = [o["output_ids"] for o in out]
                 record["params"] = (
-                    _checksums(server) if tp > 1 else _params_at_tp1(port, checkpoint)
+                    checksums(server) if tp > 1 else params_at_tp1(port, checkpoint)
                 )
                 record["steps_reported"] = list(actor.steps)
                 seen = {row[0] for r in records for row in r["figures"]}
@@ -350,50 +214,6 @@ def verl_job(rank: int, world: int, job: dict):
     return records
 
 
-def _params_at_tp1(port: int, names) -> dict:
-    """Every HF tensor of a TP-1 server, read back with SGLang's ``/get_weights_by_name`` (its
-    parameter, or its region of a fused one, in fp32: exact for bf16), as tensor hashes."""
-    import requests
-
-    out = {}
-    for name in names:
-        reply = requests.post(
-            f"http://127.0.0.1:{port}/get_weights_by_name",
-            json={"name": name, "truncate_size": 1 << 30},
-            timeout=60,
-        )
-        assert reply.status_code == 200, (
-            f"/get_weights_by_name {name}: {reply.status_code} {reply.text[:200]}"
-        )
-        out[name] = checksum(torch.tensor(reply.json(), dtype=torch.float32))
-    return {0: out}
-
-
-def check_server(
-    record: dict, model_dir, config, tp: int, prompts: dict, what: str
-) -> None:
-    """A server after the update of ``record["seed"]``'s weights: every rank's parameters
-    (``record["params"]``: ``_checksums`` at TP > 1, ``_params_at_tp1`` at TP 1) equal
-    SGLang's slicing bit for bit, and greedy generation equals HF transformers'."""
-    weights = new_weights(model_dir, record["seed"])
-    if tp > 1:
-        expected = expected_checksums(config, weights, tp, 1)
-    else:
-        expected = {
-            0: {n: checksum(t.to(torch.bfloat16).float()) for n, t in weights.items()}
-        }
-    for r in range(tp):
-        wrong = sorted(
-            n for n in expected[r] if record["params"][r][n] != expected[r][n]
-        )
-        assert not wrong, (
-            f"{what}: rank {r} parameters differ from SGLang's slicing: {wrong[:5]}"
-        )
-    assert record["generation"] == hf_greedy(
-        model_dir, prompts[record["seed"]], MAX_NEW, weights=weights
-    ), f"{what}: generation differs from HF transformers"
-
-
 def _figures(directory: Path):
     rows = []
     for f in directory.iterdir():
@@ -402,21 +222,9 @@ def _figures(directory: Path):
 
 
 def test_patch_applies_to_verl_0_9_1(tmp_path):
-    patched = _verl_sources(tmp_path)["patched"]
+    patched = verl_sources(tmp_path)["patched"]
     compile(patched, "transformer_impl.py", "exec")
     assert "param.to(device, non_blocking=True) if local_shards" in patched
-
-
-def _give_tokenizer(model_dir: Path, tmp_path: Path) -> None:
-    """verl's ``HFModelConfig`` loads a tokenizer, which the tiny checkpoints lack (the servers take
-    token ids): save the one ``transformers`` builds for a tiny Qwen2 directory (for a tiny Llama
-    it builds none); nothing here uses it."""
-    from transformers import AutoTokenizer
-
-    qwen2_dir, _ = tiny_models.make_tiny_model(
-        "qwen2", tmp_path / "tokenizer", vocab_size=2048
-    )
-    AutoTokenizer.from_pretrained(qwen2_dir).save_pretrained(model_dir)
 
 
 def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
@@ -425,7 +233,7 @@ def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
     model_dir, config = tiny_models.make_tiny_model(
         kind, tmp_path / kind, vocab_size=2048
     )
-    _give_tokenizer(model_dir, tmp_path)
+    give_tokenizer(model_dir, tmp_path)
     prompts = {
         seed: stable_prompts(
             [(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW, vocab_size=2048
@@ -440,7 +248,7 @@ def _run_verl(tmp_path, kind: str, tp: int, world: int = 2):
         ports=free_ports(world // tp),
         steps=STEPS,
         prompts=prompts,
-        verl_sources=_verl_sources(tmp_path),
+        verl_sources=verl_sources(tmp_path),
         forbidden_log=str(tmp_path / "forbidden"),
         figures_log=str(tmp_path / "figures"),
     )

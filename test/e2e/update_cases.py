@@ -175,7 +175,7 @@ def checksum(t: torch.Tensor) -> str:
     return f"{tensor_hash(t):016x}"
 
 
-def _checksums(engine) -> Dict[int, Dict[str, str]]:
+def checksums(engine) -> Dict[int, Dict[str, str]]:
     """Per-rank parameter checksums from SGLang's own weight checker, in-process or over HTTP
     (0.5.23 replies (ok, message, ranks, extra), 0.5.12 (ok, message, ranks))."""
     import msgspec
@@ -490,7 +490,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 prompts = job["prompts"][seed]
             record["generation"] = generate()
             if leader:
-                record["checksums"] = _checksums(verl._engine)
+                record["checksums"] = checksums(verl._engine)
             dist.barrier()  # every engine's weight checker (it gathers) is done before the next step counts
             records.append(record)
     finally:

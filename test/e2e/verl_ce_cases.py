@@ -90,8 +90,8 @@ def _actor(rank, actors, world, job, directory):
     import torch.distributed as dist
     from ranks import gathers_allowed
     from remote_cases import fsdp2_model
-    from test_verl_release import _verl_producer
     from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl_helpers import verl_producer
 
     dist.init_process_group(
         "gloo",
@@ -110,7 +110,7 @@ def _actor(rank, actors, world, job, directory):
     def update(step, kind, seed):
         model = fsdp2_model(job["model_dir"], seed, actors)
         os.environ["VERL_ROLLOUT_LOCAL_SHARDS"] = "1" if kind == "patched" else "0"
-        produced = _verl_producer(
+        produced = verl_producer(
             job["verl_sources"][kind], model.state_dict(), model.config.model_type
         )
         send = ce.send_weights(produced, global_steps=step)
@@ -128,10 +128,10 @@ def _actor(rank, actors, world, job, directory):
 
 def _rollout(rank, actors, world, job, directory):
     import ray
-    from test_verl_release import _ServerActor
     from verl.checkpoint_engine import CheckpointEngineWorker
     from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
     from verl.workers.rollout.sglang_rollout import sglang_rollout
+    from verl_helpers import ServerActor
 
     from sglang.srt.weight_sync import remote_endpoints
 
@@ -144,7 +144,7 @@ def _rollout(rank, actors, world, job, directory):
         MASTER_PORT=str(job["rollout_port"]),
         RAY_LOCAL_WORLD_SIZE=str(world - actors),
     )
-    actor = _ServerActor(int(port))
+    actor = ServerActor(int(port))
     ray.get_actor = lambda name: actor  # stand-in: the replica's SGLang server actor
     sglang_rollout.get_device_id = lambda: "cpu"  # stand-in: verl has no CPU platform
     config = RolloutConfig(

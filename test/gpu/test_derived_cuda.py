@@ -1,29 +1,19 @@
 """Derived targets on SGLang's CUDA branch equal its real load on the GPU (17 architectures).
 
 The same cases and checks as ``test/unit/test_derived_targets.py`` (which runs the generic
-and CPU branches on this machine's CPU), in a third platform mode, ``cuda``
-(``test/support/sglang_fakes.py``): SGLang's ``is_cuda()`` is true in the worker, the real
-load builds each model on the GPU and runs the loaders' and post-load processing's CUDA
-branches, and the derivation runs on meta under the same branches. Every parameter SGLang
-loads must equal what the derived targets place, element by element (index-encoded
-checkpoints: each element names its source), not only in shape.
+and CPU branches on this machine's CPU; both take them from ``test/support/derived_cases.py``),
+in a third platform mode, ``cuda`` (``test/support/sglang_fakes.py``): SGLang's ``is_cuda()``
+is true in the worker, the real load builds each model on the GPU and runs the loaders' and
+post-load processing's CUDA branches, and the derivation runs on meta under the same branches.
+Every parameter SGLang loads must equal what the derived targets place, element by element
+(index-encoded checkpoints: each element names its source), not only in shape.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
+import derived_cases as derived
 import pytest
 import sglang_fakes
-
-UNIT = Path(__file__).resolve().parent.parent / "unit"
-sys.path.insert(0, str(UNIT))
-try:
-    derived = importlib.import_module("test_derived_targets")
-finally:
-    sys.path.remove(str(UNIT))
 
 MODE = "cuda"
 
@@ -51,7 +41,7 @@ def test_derived_targets_equal_sglang_cuda_load(loaded, case):
             f"{case[0]} (cuda): SGLang could not build, load or derive:\n{result['error']}"
         )
     full = sglang_fakes.index_encoded(loaded[MODE]["checkpoints"][case[1]]["tensors"])
-    problems = derived._problems(result, full, derived.REFUSED.get(case[1], ""))
+    problems = derived.load_problems(result, full, derived.REFUSED.get(case[1], ""))
     if problems:
         pytest.fail(
             f"{case[0]} (cuda, config changes {result['config_changes']}):\n"

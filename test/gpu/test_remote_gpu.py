@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gpu_engines import ON_CPU, QWEN2_SHAPE, engine_args, greedy_each
 from ports import free_port
 from tiny_models import qwen2, write_modified_checkpoint
-from update_cases import _checksums, new_weights
+from update_cases import checksums, new_weights
 
 PROMPTS = [[11, 12, 13, 14, 15], [101, 7, 9]]
 MAX_NEW = 8
@@ -89,7 +89,7 @@ def test_a_trainer_on_one_gpu_updates_an_engine_on_another(
         assert reply["bytes_received"][0] > 0 and report.bytes_sent == [
             reply["bytes_received"][0]
         ], (report.bytes_sent, reply)
-        updated = _checksums(engine)
+        updated = checksums(engine)
         got = _greedy(engine)
     finally:
         engine.shutdown()
@@ -97,7 +97,7 @@ def test_a_trainer_on_one_gpu_updates_an_engine_on_another(
     reference_dir = write_modified_checkpoint(model_dir, tmp_path / "ref", expected)
     reference = _engine(reference_dir)
     try:
-        assert updated == _checksums(reference)
+        assert updated == checksums(reference)
         assert got == _greedy(reference)
     finally:
         reference.shutdown()

@@ -9,7 +9,7 @@ from typing import Dict, List, Sequence, Tuple
 import tiny_models
 import torch
 from engine import cpu_engine
-from update_cases import _checksums
+from update_cases import checksums
 
 TP = 2
 
@@ -26,7 +26,7 @@ def running_engine(directory, fault_dir=None):
 
 def state(eng) -> Dict[int, Dict[str, str]]:
     """Per-rank parameter checksums (SGLang's weight checker)."""
-    return _checksums(eng)
+    return checksums(eng)
 
 
 def generate(

@@ -20,8 +20,8 @@ import torch
 import zmq
 from faults import TP, engine_fds, full_shards, generate, send, state, update
 from hostile_pickles import SocketFromSender
-from test_distributed_update import expected_checksums
 from update_cases import new_weights
+from update_checks import expected_checksums
 
 PROMPTS = [[5, 17, 42, 7], [300, 2, 9, 11]]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 from faults import TP, full_shards, generate, state, update
-from test_distributed_update import expected_checksums
 from update_cases import new_weights
+from update_checks import expected_checksums
 
 PROMPTS = [[5, 17, 42, 7]]
 

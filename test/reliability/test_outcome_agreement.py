@@ -33,8 +33,8 @@ from faults import (
     state,
     update,
 )
-from test_distributed_update import expected_checksums
 from update_cases import new_weights
+from update_checks import expected_checksums
 
 TIMEOUT_S = 5.0
 PROMPT = [5, 17, 42, 7]

@@ -20,8 +20,8 @@ from ports import free_port
 from ranks import run_ranks
 from remote_fault_cases import remote_steps_job
 from servers import launch, launch_side_by_side
-from test_distributed_update import expected_checksums
 from update_cases import new_weights
+from update_checks import expected_checksums
 
 TIMEOUT_S = 10.0
 # A trainer rank's bound: its rounds (TIMEOUT_S each), the engines' answer after theirs

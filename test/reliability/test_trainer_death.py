@@ -12,8 +12,8 @@ import re
 
 import pytest
 from faults import TP, generate, run_trainers, state
-from test_distributed_update import expected_checksums
 from update_cases import new_weights
+from update_checks import expected_checksums
 
 TIMEOUT_S = 5.0  # the survivors wait up to it (the monitored barrier): the bound is what is tested
 PROMPTS = [[5, 17, 42, 7]]

@@ -47,7 +47,7 @@ class Server:
     timings: Dict[str, float] = field(default_factory=dict)
 
     @property
-    def server_args(self):  # what update_cases._checksums reads
+    def server_args(self):  # what update_cases.checksums reads
         return type("Args", (), {"url": lambda _: self.url})()
 
     def alive(self) -> bool:
@@ -65,9 +65,9 @@ class Server:
             time.sleep(0.05)
 
     def checksums(self):
-        from update_cases import _checksums
+        from update_cases import checksums
 
-        return _checksums(self)
+        return checksums(self)
 
     def generate(self, prompts, max_new_tokens: int):
         import requests

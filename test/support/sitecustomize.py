@@ -221,7 +221,7 @@ def _install_cpu_engine() -> None:
         """``/weights_checker`` with action ``checksums_to:<dir>``: each TP rank writes
         {parameter: checksum} of its live model to ``<dir>/rank<R>of<N>.json`` (the checkers of
         0.5.10.post1 and 0.5.12 report no checksum or TP rank 0's only; a server has no
-        ``save_sharded_model`` route): what ``update_cases._checksums`` reads over HTTP."""
+        ``save_sharded_model`` route): what ``update_cases.checksums`` reads over HTTP."""
 
         def call(self, recv_req):
             prefix = "checksums_to:"

@@ -17,11 +17,10 @@ import pickle
 import time
 
 import pytest
+from guard_fakes import BOUND_S, guarded
 
 import sglang.srt.managers.io_struct as io
-from sglang.srt.weight_sync import answer_guard
 from sglang.srt.weight_sync.answer_guard import (
-    bound_answers,
     distributed_update,
     refuse_generation_if_unsafe,
 )
@@ -32,41 +31,6 @@ from sglang.srt.weight_sync.protocol import (
     answer_bound_s,
     as_tensor_request,
 )
-
-BOUND_S = 0.3
-
-
-class FakeCommunicator:
-    """Upstream's communicator as the wrapper sees it: answers when ``answer`` is set."""
-
-    def __init__(self):
-        self.calls, self.answer = [], None
-
-    async def __call__(self, obj):
-        self.calls.append(obj)
-        self.answer = asyncio.get_running_loop().create_future()
-        return await self.answer
-
-    def handle_recv(self, obj):
-        return ("handled", obj)
-
-
-class FakeManager:
-    def __init__(self):
-        for name in (*answer_guard.UPDATES, *answer_guard.SESSIONS):
-            setattr(self, f"{name}_communicator", FakeCommunicator())
-        self.inner = {
-            name: getattr(self, f"{name}_communicator")
-            for name in (*answer_guard.UPDATES, *answer_guard.SESSIONS)
-        }
-
-
-def guarded(monkeypatch, bound_s: float = BOUND_S) -> FakeManager:
-    """A fake manager whose communicators the guard wraps, its bound shortened to ``bound_s``."""
-    monkeypatch.setattr(answer_guard, "answer_bound_s", lambda timeout_s: bound_s)
-    m = FakeManager()
-    bound_answers(m)
-    return m
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from test_answer_guard import guarded
+from guard_fakes import generation_served, guarded
 
 import sglang.srt.managers.io_struct as io
 from sglang.srt.weight_sync import engine_update, trainer_flow
@@ -123,14 +123,6 @@ def _out(success, message, mixed=False):
     )
 
 
-def _served(manager) -> bool:
-    try:
-        refuse_generation_if_unsafe(manager)
-        return True
-    except ValueError:
-        return False
-
-
 def test_the_guard_abandons_an_unanswered_update_and_serves_after_the_late_refusal(
     manager, channel
 ):
@@ -162,7 +154,9 @@ def test_the_guard_abandons_an_unanswered_update_and_serves_after_the_late_refus
     assert "The update is abandoned: the engine will not apply it" in reply.message, (
         reply.message
     )
-    assert _served(manager), "a late refusal leaves the old weights: served again"
+    assert generation_served(manager), (
+        "a late refusal leaves the old weights: served again"
+    )
     assert not os.path.lexists(record_path(channel, "u1")), (
         "the record outlived its answer"
     )
@@ -210,7 +204,7 @@ def test_the_guard_finds_the_engine_committed_and_a_late_success_stays_refused(
         return await call
 
     [ok] = asyncio.run(timely())
-    assert ok.success and _served(manager), "a timely success serves again"
+    assert ok.success and generation_served(manager), "a timely success serves again"
     assert not os.path.lexists(record_path(channel, "u3")), (
         "a timely answer leaves no record"
     )

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 from hypothesis import given, settings
-from test_planner_properties import check_plan, covers, scenarios
+from plan_properties import check_plan, covers, scenarios
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from sglang.srt.weight_sync.box import Box

@@ -18,7 +18,7 @@ import contextlib
 import os
 
 import pytest
-from test_outcome_decisions import _served
+from guard_fakes import generation_served
 
 import sglang.srt.managers.io_struct as io
 from sglang.srt.weight_sync import remote_requests
@@ -96,7 +96,7 @@ def test_an_unanswered_apply_is_abandoned_and_the_late_refusal_serves_again(mana
     async def go():
         reply = await remote_requests.update_weights_remote(manager, _update("r1"))
         recorded = os.readlink(_record(manager))
-        served = _served(manager)
+        served = generation_served(manager)
         manager.apply_answer.set_result(
             [
                 io.UpdateWeightsRemoteReqOutput(
@@ -117,7 +117,9 @@ def test_an_unanswered_apply_is_abandoned_and_the_late_refusal_serves_again(mana
     assert reply["success"] is False
     assert "The update is abandoned: the engine will not apply it" in reply["message"]
     assert not served, "generation is refused while the apply step is unanswered"
-    assert _served(manager), "a late refusal leaves the old weights: served again"
+    assert generation_served(manager), (
+        "a late refusal leaves the old weights: served again"
+    )
     assert not os.path.lexists(_record(manager)), "the record outlived its answer"
 
 
@@ -156,5 +158,5 @@ def test_an_apply_answered_in_time_leaves_no_record(manager):
     manager.on_apply = commit_and_answer
     reply = asyncio.run(remote_requests.update_weights_remote(manager, _update("r3")))
     assert reply["success"] is True, reply
-    assert _served(manager)
+    assert generation_served(manager)
     assert not os.path.lexists(_record(manager)), "a timely answer leaves no record"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import inspect
 import json
 import os
@@ -26,9 +27,6 @@ import torch
 
 import sglang.srt.managers.io_struct as io
 
-# a real (empty) channel directory: the tokenizer manager validates the channel before any scheduler sees it
-CHANNEL = tempfile.mkdtemp(prefix="sglang-weights-")
-atexit.register(os.rmdir, CHANNEL)
 SESSION_MESSAGE = "update_weights_distributed must run between begin_weight_update() and end_weight_update()"
 FIGURES = {
     "bytes_received": [4, 6],
@@ -46,9 +44,18 @@ NO_FIGURES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def channel_dir() -> str:
+    """A real (empty) channel directory, made on first use and removed at exit: the tokenizer
+    manager validates the channel before any scheduler sees it."""
+    path = tempfile.mkdtemp(prefix="sglang-weights-")
+    atexit.register(os.rmdir, path)
+    return path
+
+
 def _request(**kw) -> io.UpdateWeightsDistributedReqInput:
     return io.UpdateWeightsDistributedReqInput(
-        **{"update_id": "u", "channel": CHANNEL, **kw}
+        **{"update_id": "u", "channel": channel_dir(), **kw}
     )
 
 
@@ -78,7 +85,7 @@ def test_request_defaults():
     req = _request()
     assert (req.update_id, req.channel, req.timeout_s, req.bucket_bytes) == (
         "u",
-        CHANNEL,
+        channel_dir(),
         120.0,
         None,
     )
@@ -88,7 +95,9 @@ def test_request_defaults():
         req.torch_empty_cache is False
     )  # read by the scheduler's flush_cache_after_weight_update
     with pytest.raises(TypeError):
-        io.UpdateWeightsDistributedReqInput(channel=CHANNEL)  # update_id is required
+        io.UpdateWeightsDistributedReqInput(
+            channel=channel_dir()
+        )  # update_id is required
 
 
 def test_every_default_timeout_is_the_protocols():
@@ -176,7 +185,7 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
         result = Engine.update_weights_distributed(
             engine,
             "u1",
-            CHANNEL,
+            channel_dir(),
             timeout_s=9.0,
             bucket_bytes=64,
             flush_cache=False,
@@ -190,7 +199,7 @@ def test_engine_method_builds_request_and_returns_tokenizer_result():
     assert request is None
     assert obj == io.UpdateWeightsDistributedReqInput(
         update_id="u1",
-        channel=CHANNEL,
+        channel=channel_dir(),
         timeout_s=9.0,
         bucket_bytes=64,
         flush_cache=False,
@@ -443,7 +452,7 @@ def manager(monkeypatch):
             log.append(("deserialize", payloads))
             return {
                 "update_id": "from-tensor",
-                "channel": CHANNEL,
+                "channel": channel_dir(),
                 "timeout_s": 3.0,
                 "bucket_bytes": 128,
             }
@@ -597,7 +606,7 @@ def test_tensor_path_reserved_load_format_routes_to_the_distributed_handler(mana
         converted.channel,
         converted.timeout_s,
         converted.bucket_bytes,
-    ) == ("from-tensor", CHANNEL, 3.0, 128)
+    ) == ("from-tensor", channel_dir(), 3.0, 128)
     assert (converted.flush_cache, converted.weight_version, converted.selector) == (
         False,
         "v4",
@@ -872,7 +881,7 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
     )
     body = {
         "update_id": "u2",
-        "channel": CHANNEL,
+        "channel": channel_dir(),
         "timeout_s": 7.0,
         "bucket_bytes": 4096,
         "selector": "target",
@@ -885,7 +894,7 @@ def test_http_route_parses_body_and_maps_status(monkeypatch, success, status):
     assert seen == [
         io.UpdateWeightsDistributedReqInput(
             update_id="u2",
-            channel=CHANNEL,
+            channel=channel_dir(),
             timeout_s=7.0,
             bucket_bytes=4096,
             selector="target",
@@ -931,7 +940,7 @@ def test_http_route_rejects_malformed_bodies_with_400(monkeypatch, body):
 @pytest.mark.parametrize(
     "channel,text",
     [
-        (CHANNEL + "\x00x", "holds a NUL byte"),
+        ("{channel}\x00x", "holds a NUL byte"),  # filled in below
         ("/tmp/sglang-weights-\udcff", "JSON decode error"),
     ],
 )
@@ -940,6 +949,7 @@ def test_http_route_refuses_unusable_channel_paths_with_400(
 ):
     """A channel path with a NUL or undecodable bytes is answered 400 naming the channel
     (the tokenizer manager's own check), never 500, and reaches no scheduler."""
+    channel = channel.format(channel=channel_dir())
     from fastapi.testclient import TestClient
 
     import sglang.srt.entrypoints.http_server as http_server
@@ -1006,7 +1016,9 @@ def test_http_adapter_posts_the_engine_arguments(monkeypatch):
     adapter = object.__new__(HttpServerEngineAdapter)
     adapter.server_args = type("Args", (), {"url": lambda self: "http://host:1"})()
     replies.append(Response(200, {"success": True, "message": "ok"}))
-    assert adapter.update_weights_distributed("u3", CHANNEL, weight_version="v1") == {
+    assert adapter.update_weights_distributed(
+        "u3", channel_dir(), weight_version="v1"
+    ) == {
         "success": True,
         "message": "ok",
     }
@@ -1014,19 +1026,19 @@ def test_http_adapter_posts_the_engine_arguments(monkeypatch):
     assert url == "http://host:1/update_weights_distributed"
     # a refused update (400) comes back with the server's message, which names tensor and rank
     replies.append(Response(400, {"success": False, "message": "unknown tensor 'x'"}))
-    assert adapter.update_weights_distributed("u4", CHANNEL) == {
+    assert adapter.update_weights_distributed("u4", channel_dir()) == {
         "success": False,
         "message": "unknown tensor 'x'",
     }
     replies.append(Response(500, {}))
     with pytest.raises(RuntimeError, match="HTTP 500"):
-        adapter.update_weights_distributed("u5", CHANNEL)
+        adapter.update_weights_distributed("u5", channel_dir())
     # the JSON body names every field of the request the Engine method builds
     json.dumps(payload)
     assert io.UpdateWeightsDistributedReqInput(
         **payload
     ) == io.UpdateWeightsDistributedReqInput(
-        update_id="u3", channel=CHANNEL, weight_version="v1"
+        update_id="u3", channel=channel_dir(), weight_version="v1"
     )
 
 
