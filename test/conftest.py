@@ -7,6 +7,10 @@
       from engine import cpu_engine, engine_greedy, hf_greedy
       import tiny_models, sglang_fakes
 
+  What several test modules share (runners, oracles, fakes, strategies) lives there too: no
+  module imports a test module (``test_*.py``), and importing a test module runs nothing
+  (``test/unit/test_house.py`` holds both).
+
 * ``configure_cpu_env()`` runs at import, before any test module imports ``sglang``:
   ``SGLANG_USE_CPU_ENGINE=1`` and ``test/support`` on ``PYTHONPATH`` for the engine's
   spawned processes (see ``test/support/engine.py``); not when ``SGLANG_TEST_GPU=1``

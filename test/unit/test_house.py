@@ -9,6 +9,16 @@
 * every module says what it exports (``__all__``), and each exported name exists (and so does
   ``entrypoints/verl_engine.py``);
 * private SGLang names are imported only by ``sglang_compat``.
+
+And the tests' own structure, read from every file under ``test/``:
+
+* no module imports a test module (one whose name starts with ``test_``): shared helpers and
+  oracles live in ``test/support`` (or the ``*_cases.py`` helpers beside the tests);
+* nothing runs when a test module is imported: outside function bodies and decorators (and
+  ``pytestmark``, pytest's decorator of the whole module), a test module calls nothing from
+  ``IMPORT_TIME_MODULES`` (``tempfile``, ``os``, ``subprocess``, ``shutil``, ``atexit``,
+  ``torch``), under whatever name it imports them; work such as a temporary directory goes
+  in a fixture or a function.
 """
 
 import ast
@@ -252,4 +262,124 @@ def test_private_sglang_names_only_in_compat(name):
             ]
     assert not private, (
         f"{name}.py imports SGLang's private {private}: adapt them in sglang_compat.py"
+    )
+
+
+# ---------------------------------------------------------------- the tests' own structure
+
+TEST = Path(__file__).resolve().parents[1]
+TEST_FILES = sorted(TEST.rglob("*.py"))
+# what a test module may not call outside function bodies and decorators: it would run at import
+IMPORT_TIME_MODULES = {"atexit", "os", "shutil", "subprocess", "tempfile", "torch"}
+
+
+def _is_test_module(name: str) -> bool:
+    return name.split(".")[-1].startswith("test_")
+
+
+def _test_module_imports(tree: ast.Module) -> List[str]:
+    """The test modules ``tree`` imports, by import statement or ``import_module``/``__import__``
+    of a literal name, at any depth (lazy imports included)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if _is_test_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if node.module and _is_test_module(node.module):
+                found.append(module)
+            elif not node.module:  # from . import test_x
+                found += [
+                    module + a.name for a in node.names if _is_test_module(a.name)
+                ]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and _is_test_module(node.args[0].value)
+        ):
+            found.append(node.args[0].value)
+    return found
+
+
+def test_no_module_imports_a_test_module():
+    importing = {}
+    for path in TEST_FILES:
+        found = _test_module_imports(ast.parse(path.read_text(), str(path)))
+        if found:
+            importing[str(path.relative_to(TEST))] = found
+    assert not importing, (
+        f"modules under test/ import test modules {importing}: "
+        "move what they share into test/support"
+    )
+
+
+def _import_roots(tree: ast.Module) -> Dict[str, str]:
+    """Each name a module's top-level imports bind, to the top-level module it comes from."""
+    roots, nodes = {}, list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue  # imports in a function body bind names of that function only
+        nodes.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                roots[a.asname or a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                roots[a.asname or a.name] = node.module.split(".")[0]
+    return roots
+
+
+def _called_name(func: ast.expr) -> str:
+    """The name a call's chain starts from: ``os`` for ``os.path.join(...)`` or
+    ``os.environ.get(...).split()``."""
+    while isinstance(func, (ast.Attribute, ast.Call, ast.Subscript)):
+        func = func.func if isinstance(func, ast.Call) else func.value
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def _import_time_calls(body: List[ast.stmt], roots: Dict[str, str]) -> List[str]:
+    """Calls into ``IMPORT_TIME_MODULES`` that run when ``body`` runs, outside function bodies,
+    lambdas, decorators and ``pytestmark``; class bodies run at import and are read too."""
+    calls = []
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(stmt, ast.ClassDef):
+            calls += _import_time_calls(stmt.body, roots)
+            continue
+        if isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets
+        ):
+            continue
+        nodes = [stmt]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, ast.Lambda):
+                continue
+            if (
+                isinstance(node, ast.Call)
+                and roots.get(_called_name(node.func)) in IMPORT_TIME_MODULES
+            ):
+                calls.append(f"line {node.lineno}: {ast.unparse(node.func)}(...)")
+            nodes.extend(ast.iter_child_nodes(node))
+    return calls
+
+
+def test_nothing_runs_when_a_test_module_is_imported():
+    running = {}
+    for path in TEST_FILES:
+        if not path.name.startswith("test_"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        calls = _import_time_calls(tree.body, _import_roots(tree))
+        if calls:
+            running[str(path.relative_to(TEST))] = calls
+    assert not running, (
+        f"test modules call {sorted(IMPORT_TIME_MODULES)} at import: {running}; "
+        "do it in a fixture or a function"
     )
