@@ -9,8 +9,10 @@ broadcast rank set): gloo shows the decisions the code takes, counted by wrapper
 
 import gc
 import os
+import time
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 from plan_samples import whole_tensor_plan
@@ -176,3 +178,66 @@ def test_abandoned_data_groups_leave_no_thread_or_group_behind():
     for rank, r in enumerate(run_ranks(3, _abandoned_groups_leave_nothing)):
         assert r["landed"], rank
         assert r["after"] == r["before"], (rank, r)
+
+
+def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
+    """The engine's data group made ready before the commit vote (``ready_data_group``),
+    with ``where`` (``warm_up`` or ``connect``) raising on rank 1 only, as an NCCL init or
+    P2P setup that fails there; then the next update, with SGLang's TP state faked as the
+    gloo world."""
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.executor import DataGroup, execute
+    from sglang.srt.weight_sync.protocol import REFUSED
+    from sglang.srt.weight_sync.sglang_compat import TpState
+
+    engine_update.tp_state = lambda: TpState(rank, world, world, 1, None, None)
+    sync = engine_update.EngineWeightSync(rank)
+    plan = whole_tensor_plan(0, {1}, world)
+    if rank == 1:
+        original = getattr(DataGroup, where)
+
+        def broken(self, *args, **kwargs):
+            raise RuntimeError(f"injected {where} failure")
+
+        setattr(DataGroup, where, broken)
+    started = time.monotonic()
+    first, refusal = sync.ready_data_group(plan, None, 2.0)
+    out = dict(
+        seconds=time.monotonic() - started,
+        refused=refusal is not None and refusal.startswith(REFUSED),
+        refusal=refusal,
+        group=first,
+        dropped=sync._data is None,
+    )
+    if rank == 1:
+        setattr(DataGroup, where, original)
+    data, again = sync.ready_data_group(plan, None, 30.0)
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    shards = {"w": full} if rank == 0 else {}
+    params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
+    execute(plan, rank, shards, params, data, timeout_s=30)
+    out.update(
+        second=again,
+        renewed=data is not None and data.own,
+        landed=all(torch.equal(p, full) for p in params.values()),
+        ready_again=sync.ready_data_group(plan, False, 30.0) == (data, None),
+    )
+    del out["group"]
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("where", ["warm_up", "connect"])
+def test_a_set_up_failing_on_one_rank_is_a_refusal_and_the_group_renewed(where):
+    """A data group whose warm-up or connection fails on one engine rank (an NCCL
+    communicator or P2P setup that fails there) is a refusal on every rank before the commit
+    vote (``REFUSED``, nothing written, never ``mixed``), naming the rank; every rank drops
+    the group, and the next update makes a new one and lands."""
+    results = run_ranks(3, _set_up_fails_on_one_rank, where)
+    for rank, r in enumerate(results):
+        assert r["refused"] and r["dropped"], (rank, r)
+        assert "engine rank 1" in r["refusal"], r["refusal"]
+        assert f"injected {where} failure" in r["refusal"], r["refusal"]
+        assert r["seconds"] < 15, r
+        assert r["second"] is None and r["renewed"] and r["landed"], (rank, r)
+        assert r["ready_again"], "a group set up for the plan costs no agreement"

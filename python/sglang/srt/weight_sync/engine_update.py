@@ -12,9 +12,10 @@ it goes with them. The hooks call, on every TP rank:
    (``target_cache``) and the sources from the payload, validate, then agree on every
    rank's problems, the delivered tensors and the plan (``control_plane``, one
    all-reduce, bounded by ``timeout_s + GRACE_S``). Any problem on any rank refuses the
-   update on every rank before a parameter changes. Then commit (rank 0 records with
-   the tokenizer manager that the update is being applied, unless it gave up on it
-   first: ``outcome``; one all-reduce), execute the plan (``executor``) and refresh what
+   update on every rank before a parameter changes. Then make the data group ready
+   (made, warmed up and connected: ``ready_data_group``; a failure is a refusal), commit
+   (rank 0 records with the tokenizer manager that the update is being applied, unless
+   it gave up on it first: ``outcome``; one all-reduce), execute the plan (``executor``) and refresh what
    SGLang derives from parameters (``apply``); share the figures and every rank's phases
    (``phase_timing``; one all-reduce).
 3. ``end_of_update(received, recv_req, success, message)`` (scheduler): upstream's
@@ -244,8 +245,8 @@ class EngineWeightSync:
         plan that every TP rank agreed on, if any TP rank has none (the first update, or
         one dropped after a failed wait): the ranks agree on that first (one all-reduce on
         the control group), so all of them make it together (``new_group`` with local
-        synchronization, so only they take part). Its first use warms it up on every rank
-        (``DataGroup.warm_up``). ``renew``: whether some rank lacks one, when the ranks
+        synchronization, so only they take part). ``ready_data_group`` warms it up and
+        connects it before the commit vote. ``renew``: whether some rank lacks one, when the ranks
         already agreed on it (``_agree``)."""
         if renew is None:
             renew = self.control.any(
@@ -260,6 +261,49 @@ class EngineWeightSync:
             )
             self._data = DataGroup.over_ranks_of(tp_state().device_group, timeout_s)
         return self._data
+
+    def ready_data_group(
+        self, plan: Plan, renew: Optional[bool], bound: float
+    ) -> Tuple[Optional[DataGroup], Optional[str]]:
+        """The data group made, warmed up and connected for ``plan`` (``DataGroup.set_up``),
+        before the commit vote, on every TP rank: the group, or the refusal (``REFUSED``,
+        nothing written) with every rank's failure, the group dropped on every rank so that
+        the next update makes a new one. NCCL makes its communicator and connects pairs
+        there, blocking the host; a failure after the vote would say ``mixed`` although
+        nothing was written, and keep a broken group. When a set-up had work (the same on
+        every rank: ``DataGroup.needs_set_up``), the ranks agree on how it went (one
+        all-reduce), a rank that failed at once waiting for a peer whose wait in the set-up
+        ran out its bound; a group already set up for the plan costs no round trip."""
+        who = f"engine rank {self.rank}"
+        problem, needed = None, True
+        try:
+            data = self.data_group(bound, renew)
+            needed = data.needs_set_up(plan)
+            if needed:
+                data.set_up(plan, self.rank, bound, who)
+        except Exception as e:  # noqa: BLE001 - nothing was written: a refusal
+            logger.exception("%s: the data group could not be made ready", who)
+            problem = (
+                f"{who}: making, warming up or connecting the data group failed: "
+                f"{type(e).__name__}: {e}"
+            )
+        if not needed:
+            return data, None
+        try:
+            problems = self.control.agree(
+                [problem] if problem else [],
+                {},
+                {},
+                2 * bound,
+                f"{who}: agreeing that every TP rank's data group is ready "
+                f"({self.control.size} ranks)",
+            ).problems
+        except PeerLost as e:
+            problems = (str(e),)
+        if not problems:
+            return data, None
+        self.drop_data_group()
+        return None, REFUSED + "; ".join(problems)
 
     def drop_data_group(self) -> None:
         """Abort and forget the data group (after a failed wait on it); the next update that
@@ -364,17 +408,10 @@ class EngineWeightSync:
             return False, refusal
         data = None
         if found.plan is not None and found.local_step is None:
-            try:
-                with clock.phase(Phase.AGREE):
-                    data = self.data_group(bound, renew)
-            except Exception as e:  # noqa: BLE001 - nothing was written: a refusal
-                logger.exception(
-                    "engine rank %d: the data group could not be made", self.rank
-                )
-                return (
-                    False,
-                    f"{REFUSED}engine rank {self.rank}: {type(e).__name__}: {e}",
-                )
+            with clock.phase(Phase.AGREE):
+                data, refusal = self.ready_data_group(found.plan, renew, bound)
+            if refusal is not None:
+                return False, refusal
         with clock.phase(Phase.AGREE):
             refusal = self._commit(received, recv_req, bound)
         if refusal is not None:

@@ -91,6 +91,8 @@ class DataGroup:
     ``connect`` therefore exchanges one byte over every pair a plan uses that this group
     has not carried yet, before the first round, when every rank has just agreed to the
     update: a later round's transfer to a dead peer is then only a wait that times out.
+    ``set_up`` does both for a plan, so that an owner can run them before it commits to
+    write (the engine does), where a failure is still a refusal.
 
     Moves with several receivers are sent point-to-point to each: a broadcast subgroup
     per distinct rank set would be one more NCCL communicator (and its buffers) for the
@@ -112,6 +114,8 @@ class DataGroup:
         self.warm = False
         # (sender, receiver) pairs, in the group's ranks, that a batch has carried
         self.connected: Set[Tuple[int, int]] = set()
+        # fingerprints of the plans ``set_up`` warmed up and connected this group for
+        self.set_up_for: Set[str] = set()
 
     @classmethod
     def over_ranks_of(
@@ -140,6 +144,7 @@ class DataGroup:
         leave_group(self.group, destroy=self.own)
         self.warm = False
         self.connected = set()
+        self.set_up_for = set()
 
     def warm_up(self, timeout_s: Optional[float], phase: str) -> None:
         """Join the group's first collective on every rank (once per group; nothing to join
@@ -153,6 +158,23 @@ class DataGroup:
             f"{phase} (warming up the data group on {self.device})",
         )
         self.warm = True
+
+    def needs_set_up(self, plan: Plan) -> bool:
+        """Whether ``set_up`` has work for ``plan``: the same answer on every rank of a group
+        whose ranks made it together and ran the same agreed plans on it, so they all take
+        the agreement that follows a set-up, or none does."""
+        return not self.warm or plan.fingerprint not in self.set_up_for
+
+    def set_up(
+        self, plan: Plan, rank: int, timeout_s: Optional[float], phase: str
+    ) -> None:
+        """Warm up (``warm_up``) and connect every pair of ``plan`` that involves ``rank``
+        (``connect``): the NCCL setup that blocks the host, done before the owner commits to
+        write, so that a failure here is a refusal (nothing written) instead of a failure
+        between writes. ``execute`` then finds nothing left to set up."""
+        self.warm_up(timeout_s, phase)
+        self.connect(_rounds(plan, rank), rank, timeout_s, phase)
+        self.set_up_for.add(plan.fingerprint)
 
     def connect(
         self,
@@ -329,7 +351,7 @@ def execute(
     staging = _Staging(stats, data.device)
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
-    rounds = [mine for mine in (_mine(moves, rank) for moves in plan.rounds) if mine]
+    rounds = _rounds(plan, rank)
     data.connect(rounds, rank, timeout_s, f"rank {rank}: executor")
 
     flight = None
@@ -397,6 +419,11 @@ def execute(
 
 def _mine(moves: List[Move], rank: int) -> List[Move]:
     return [m for m in moves if rank in m.group]
+
+
+def _rounds(plan: Plan, rank: int) -> List[List[Move]]:
+    """``rank``'s moves of each round of ``plan`` in which it has one."""
+    return [mine for mine in (_mine(moves, rank) for moves in plan.rounds) if mine]
 
 
 def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) -> None:
