@@ -9,10 +9,12 @@ none of the trainer's data), and every trainer rank must send within 10% of the 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from ports import free_port
 from ranks import run_ranks
-from remote_group_cases import dying_engine_job, remote_group_job
+from remote_group_cases import dying_engine_job, remote_group_job, weights_of
 
 ENGINES = [("e0", 2), ("e1", 2)]
 
@@ -56,23 +58,42 @@ def test_a_share_larger_than_the_staging_streams_into_the_parameters():
         assert u["rounds"] > 1 and u["staging_peak"] <= cap + u["largest_round"], u
 
 
-def test_nan_on_a_trainer_rank_refuses_the_update_on_every_rank():
+def _refusals(**fault) -> list:
+    """Every rank's error for one update of four trainer ranks into a TP-2 engine, with
+    ``fault`` on trainer rank 1 (``remote_group_cases.remote_group_job``)."""
     job = dict(
         port=free_port(),
         trainers=4,
         engines=ENGINES[:1],
         seeds=[1],
         bucket=1 << 20,
-        nan=True,
+        **fault,
     )
     results = run_ranks(6, remote_group_job, job, timeout=300)
-    for rank, r in enumerate(results):
-        message = r["updates"][0]["error"]
+    return [r["updates"][0]["error"] for r in results]
+
+
+def test_nan_on_a_trainer_rank_refuses_the_update_on_every_rank():
+    for rank, message in enumerate(_refusals(nan=True)):
         assert "GroupRefusal" in message and "trainer rank 1" in message, (
             rank,
             message,
         )
         assert "NaN" in message or "nan" in message.lower(), message
+
+
+def test_a_wrong_shard_on_a_trainer_rank_is_a_refusal_on_every_rank():
+    """A shard of the wrong shape on trainer rank 1 is checked against the plan before the
+    members agree: every member raises the same ``GroupRefusal`` naming the tensor and the
+    rank, at once, and none is left waiting in a round (``PeerLost``)."""
+    name = sorted(weights_of(1))[0]
+    started = time.monotonic()
+    messages = _refusals(wrong_shard=True)
+    assert time.monotonic() - started < 60
+    for rank, message in enumerate(messages):
+        assert message.startswith("GroupRefusal"), (rank, message)
+        assert "trainer rank 1" in message and repr(name) in message, message
+        assert "local shard has shape" in message and "PeerLost" not in message
 
 
 def test_an_engine_rank_dying_mid_update_is_named_within_the_bound():

@@ -29,18 +29,16 @@ SMALL_CAP = (
 )  # above the largest parameter (lm_head, 128 KiB per rank), ~1/4 of a rank's model
 
 
-def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
+def _fsdp_sources(world: int):
+    """The engines' manifest, the full fp32 weights, and this rank's ``Shard(0)`` sources
+    and local tensors (by holder key)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from benchmark.weight_sync.hand_rules import (
-        model_targets_from_config,
-        reference_param,
-    )
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.target_layout import EngineParallel
     from sglang.srt.weight_sync.trainer_flow import prepare_shards
-    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
 
     targets = model_targets_from_config(CONFIG, EngineParallel(2), torch.bfloat16)
     manifest = EngineManifest.of(targets)
@@ -55,10 +53,19 @@ def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
             for n, t in full.items()
         ]
     )
-    sources, local = (
+    return (
+        manifest,
+        full,
         {n: spec.describe(n) for n, _, spec in shards},
         {n: t for n, t, _ in shards},
     )
+
+
+def _one_hop(rank: int, world: int, bucket_bytes: int) -> dict:
+    from benchmark.weight_sync.hand_rules import reference_param
+    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
+
+    manifest, full, sources, local = _fsdp_sources(world)
     out = dict(received=0, lower_bound=0, peak_staging=0, peak_buffers=0, chunks=0)
     plans = TrainerPlans()
     written = set()
@@ -122,6 +129,56 @@ def test_fsdp4_fp32_to_two_bf16_engines_of_tp2_in_one_hop_and_streamed():
             0 < streamed[rank]["peak_staging"] <= SMALL_CAP
             and streamed[rank]["peak_buffers"] <= SMALL_CAP
         )
+
+
+def _wrong_shard_on_rank_1(rank: int, world: int) -> dict:
+    """Every rank agrees on its inputs (``trainer_flow.agree_on_inputs``) with rank 1's
+    first tensor delivered with a wrong shape; then again with the right one, and the
+    update runs."""
+    import time
+
+    from sglang.srt.weight_sync.control_plane import GroupRefusal
+    from sglang.srt.weight_sync.phase_timing import PhaseClock
+    from sglang.srt.weight_sync.trainer_flow import TrainerSync, agree_on_inputs
+
+    manifest, _, sources, local = _fsdp_sources(world)
+    sync, name = TrainerSync(), sorted(local)[0]
+    wrong = dict(local)
+    if rank == 1:
+        wrong[name] = local[name][:-1]
+    out = dict(name=name)
+    started = time.monotonic()
+    try:
+        agree_on_inputs(
+            sync, sources, wrong, manifest, GROUPS, 1 << 30, 30, PhaseClock()
+        )
+        out["first"] = "agreed"
+    except GroupRefusal as e:
+        out["first"] = f"GroupRefusal: {e}"
+    out["seconds"] = time.monotonic() - started
+    parts = agree_on_inputs(
+        sync, sources, local, manifest, GROUPS, 1 << 30, 30, PhaseClock()
+    )
+    result = sync.plans.reshard_to_engines(
+        sources, local, manifest, GROUPS, rank, 1 << 30, parts[0], 30, checked=True
+    )
+    out["second"] = result.stats.bytes_received == result.lower_bound_bytes(rank)
+    dist.barrier()
+    return out
+
+
+def test_a_wrong_shard_on_one_trainer_rank_is_a_refusal_on_every_rank():
+    """A shard of the wrong shape on trainer rank 1 is found before the trainer ranks agree
+    to the update: every rank raises the same ``GroupRefusal`` naming the tensor and the
+    rank at once (no rank left waiting in a round for ``PeerLost``), and the next update,
+    with the right shard, runs."""
+    for rank, r in enumerate(run_ranks(4, _wrong_shard_on_rank_1)):
+        message = r["first"]
+        assert message.startswith("GroupRefusal"), (rank, message)
+        assert "trainer rank 1" in message and repr(r["name"]) in message, message
+        assert "shape" in message and "PeerLost" not in message, message
+        assert r["seconds"] < 15, (rank, r)
+        assert r["second"], rank
 
 
 def test_simulator_reports_the_bytes_the_runtime_moves(monkeypatch):

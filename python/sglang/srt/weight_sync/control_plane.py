@@ -51,6 +51,7 @@ __all__ = (
     "BoundTooLong",
     "ControlGroup",
     "GRACE_S",
+    "GroupRefusal",
     "PeerLost",
     "PlanDisagreement",
     "answer_bound_s",
@@ -90,6 +91,11 @@ class BoundTooLong(ValueError):
 
 class PlanDisagreement(RuntimeError):
     """The ranks are about to run different plans (different inputs on some rank)."""
+
+
+class GroupRefusal(RuntimeError):
+    """An update every rank of a group refused before any byte moved: every rank's problems,
+    shared (``ControlGroup.share_problems``), so that all raise the same refusal."""
 
 
 def wait(work, timeout_s: Optional[float], phase: str) -> None:

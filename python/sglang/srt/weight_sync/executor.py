@@ -276,15 +276,16 @@ def check_inputs(
     plan: Plan,
     rank: int,
     shards: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
+    params: Optional[Mapping[str, torch.Tensor]],
     device: Optional[torch.device] = None,
 ) -> List[str]:
     """Problems with this rank's inputs against the plan, as messages; empty when fine.
 
-    Run before anything is written so a bad update can be refused as a whole. A shard or
-    parameter on another device than the data group's ``device`` is fine (staged one
-    round at a time); one without data (the meta device) is refused, naming both devices.
-    """
+    Run before the ranks agree to the update, its problems part of what they agree on, so
+    that a bad update is refused as a whole on every rank. A shard or parameter on another
+    device than the data group's ``device`` is fine (staged one round at a time); one
+    without data (the meta device) is refused, naming both devices. ``params`` None: the
+    shards only (the caller makes the parameters from the plan's own targets)."""
     problems: List[str] = []
     seen = set()
     moves = list(plan.local_for(rank)) + [
@@ -312,12 +313,12 @@ def check_inputs(
                     f"the data group moves tensors on {device or 'its device'}"
                 )
         for d in move.dests:
-            if d.rank == rank:
+            if d.rank == rank and params is not None:
                 problems.extend(
                     _check_param(params, rank, d.param, d.index, d.shape, device)
                 )
     for z in plan.zero_fills:
-        if z.rank == rank and z.param not in params:
+        if z.rank == rank and params is not None and z.param not in params:
             problems.append(f"rank {rank}: no parameter {z.param!r}")
     return sorted(set(problems))
 
@@ -330,6 +331,7 @@ def execute(
     group: Union[DataGroup, dist.ProcessGroup, None] = None,
     timeout_s: Optional[float] = None,
     deferred: Optional[Deferred] = None,
+    checked: bool = False,
 ) -> ExecutionStats:
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
@@ -338,9 +340,12 @@ def execute(
     default group: one made for this call). Each round waits at most ``timeout_s`` for
     its peers (``control_plane.PeerLost``). With ``deferred`` nothing is written into
     ``params`` (checked against the plan only): zero fills wait for ``write_zero_fills``
-    and every region received or copied is handed to ``deferred`` instead."""
+    and every region received or copied is handed to ``deferred`` instead. ``checked``:
+    the caller ran ``check_inputs`` before its ranks agreed to the update (its problems
+    part of the agreement), so it is not run again; otherwise a problem raises
+    ``ExecutionError`` on this rank alone."""
     data = group if isinstance(group, DataGroup) else DataGroup(group)
-    problems = check_inputs(plan, rank, shards, params, data.device)
+    problems = [] if checked else check_inputs(plan, rank, shards, params, data.device)
     if problems:
         raise ExecutionError("; ".join(problems))
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
+    GroupRefusal,
     PeerLost,
     check_group_timeout,
     join_group,
@@ -47,7 +48,13 @@ from sglang.srt.weight_sync.control_plane import (
     meet,
     prefixed_store,
 )
-from sglang.srt.weight_sync.executor import DataGroup, Deferred, ExecutionStats, execute
+from sglang.srt.weight_sync.executor import (
+    DataGroup,
+    Deferred,
+    ExecutionStats,
+    check_inputs,
+    execute,
+)
 from sglang.srt.weight_sync.manifest import (
     EngineManifest,
     ManifestError,
@@ -83,10 +90,6 @@ logger = logging.getLogger(__name__)
 
 PLANS_KEPT = 4
 LAYOUTS_KEPT = 2
-
-
-class GroupRefusal(RuntimeError):
-    """An update every member refused before any byte moved (every rank's problems)."""
 
 
 @dataclass
@@ -438,16 +441,24 @@ class SyncGroup:
         """Steps 1-6 on this rank. A trainer rank passes ``part``; every rank may pass
         ``check`` (its problems with the update: the header and specs), an engine rank its
         live ``params`` (checked against the plan only)
-        and ``deferred`` (its staging). Raises ``GroupRefusal`` before any byte moved,
+        and ``deferred`` (its staging). Every local check (``check``, the plan, this rank's
+        tensors against it: ``executor.check_inputs``) runs before the agreement and its
+        problems are part of it: one raising after it would leave the peers waiting in
+        rounds that end in ``PeerLost``. Raises ``GroupRefusal`` before any byte moved,
         ``PeerLost`` when a member did not answer within ``timeout_s``."""
         problems: List[str] = []
-        plan = None
+        plan, device = None, self.data.device
+        local = part.local if part is not None else {}
         try:
             header, specs, sources = self.hear_update(part, timeout_s)
             if check is not None:
                 problems += check(header, specs)
             if not problems:
                 plan = self.plan(header, specs, sources)
+                problems += [
+                    f"{self.who}: {p}"
+                    for p in check_inputs(plan, self.rank, local, params or {}, device)
+                ]
         except (CoverageError, LayoutError, KeyError, ValueError) as e:
             problems.append(f"{self.who}: {e}")
         self.agree(problems, plan, timeout_s)
@@ -455,11 +466,12 @@ class SyncGroup:
             stats = execute(
                 plan,
                 self.rank,
-                part.local if part is not None else {},
+                local,
                 params or {},
                 self.data,
                 timeout_s,
                 deferred,
+                checked=True,
             )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None

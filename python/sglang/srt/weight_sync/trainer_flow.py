@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
+    GroupRefusal,
     PeerLost,
     check_bound,
     collective_device,
@@ -81,6 +82,7 @@ __all__ = (
     "UpdateOutcome",
     "UpdateReport",
     "adrive",
+    "agree_on_inputs",
     "as_reply",
     "deliver",
     "delivered_flow",
@@ -477,24 +479,16 @@ def sources_flow(
     if describe:
         report.described = True
         chan.manifest = yield from _describe(sync, chan, timeout_s, clock)
-    with clock.phase(Phase.PLAN):
-        digest = sync.plans.inputs_digest(
-            sources, chan.manifest, chan.engine_groups, bucket_bytes
-        )
-    with clock.phase(Phase.AGREE):
-        alike = sync.world.all_equal(
-            fingerprint_int(digest),
-            timeout_s,
-            f"trainer rank {rank}: checking that every rank plans alike",
-        )
-    if not alike:
-        raise ValueError(
-            f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
-            f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
-            "the same sources"
-        )
-    with clock.phase(Phase.PLAN):
-        parts = chunks(chan.manifest, names, bucket_bytes)
+    parts = agree_on_inputs(
+        sync,
+        sources,
+        local,
+        chan.manifest,
+        chan.engine_groups,
+        bucket_bytes,
+        timeout_s,
+        clock,
+    )
     for i, part in enumerate(parts):
         result = sync.plans.reshard_to_engines(
             sources,
@@ -508,6 +502,7 @@ def sources_flow(
             sync.data,
             clock,
             _segment_buffers(chan.sender) if sync.data.device.type == "cpu" else None,
+            checked=True,
         )
         report.chunks += 1
         report.bytes_received += result.stats.bytes_received
@@ -545,6 +540,61 @@ def sources_flow(
             )
             break
     return report.finish(clock, rank, chan.sender)
+
+
+def agree_on_inputs(
+    sync: TrainerSync,
+    sources: SourceLayout,
+    local: Mapping[str, torch.Tensor],
+    manifest: EngineManifest,
+    engine_groups: Sequence[Sequence[int]],
+    bucket_bytes: int,
+    timeout_s: float,
+    clock: PhaseClock,
+) -> List[Tuple[str, ...]]:
+    """The update's chunks, once every trainer rank agreed (one all-reduce) that all plan
+    from the same inputs and that every rank's ``local`` tensors fit its plans
+    (``TrainerPlans.shard_problems``, checked before the agreement): a wrong shard on one
+    rank is then a ``GroupRefusal`` naming it on every rank, where a check raising on that
+    rank alone after the agreement would leave its peers waiting in rounds that end in
+    ``PeerLost``. Different inputs raise ``ValueError`` on every rank."""
+    rank, names = dist.get_rank(), sorted(sources)
+    with clock.phase(Phase.PLAN):
+        digest = sync.plans.inputs_digest(
+            sources, manifest, engine_groups, bucket_bytes
+        )
+        parts = chunks(manifest, names, bucket_bytes)
+        problems = sync.plans.shard_problems(
+            sources,
+            local,
+            manifest,
+            engine_groups,
+            bucket_bytes,
+            parts,
+            rank,
+            sync.data.device,
+        )
+    with clock.phase(Phase.AGREE):
+        agreed = sync.world.agree(
+            problems,
+            {"inputs": fingerprint_int(digest)},
+            {},
+            timeout_s,
+            f"trainer rank {rank}: checking that every rank plans alike, from tensors "
+            "that fit its plan",
+        )
+    if agreed.unequal:
+        raise ValueError(
+            f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
+            f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
+            "the same sources"
+        )
+    if agreed.problems:
+        raise GroupRefusal(
+            "the trainer ranks refused the update before any byte moved: "
+            + "; ".join(agreed.problems)
+        )
+    return parts
 
 
 def _segment_buffers(sender: ShardSender):

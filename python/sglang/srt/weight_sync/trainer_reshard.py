@@ -30,7 +30,12 @@ from typing import (
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.executor import DataGroup, ExecutionStats, execute
+from sglang.srt.weight_sync.executor import (
+    DataGroup,
+    ExecutionStats,
+    check_inputs,
+    execute,
+)
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
 from sglang.srt.weight_sync.phase_timing import Count, Phase, PhaseClock
 from sglang.srt.weight_sync.planner import (
@@ -261,6 +266,32 @@ class TrainerPlans:
             )
         return self._targets[2]
 
+    def shard_problems(
+        self,
+        sources: SourceLayout,
+        local: Mapping[str, torch.Tensor],
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        bucket_bytes: int,
+        parts: Sequence[Sequence[str]],
+        rank: int,
+        device: Optional[torch.device] = None,
+    ) -> List[str]:
+        """This rank's problems with its ``local`` tensors against its plan of every chunk in
+        ``parts`` (``executor.check_inputs``; a plan that cannot be made is one too), named
+        by trainer rank: run before the trainer ranks agree to the update, so that a wrong
+        shard on one rank refuses it on every rank. The plans stay cached for the rounds."""
+        problems: List[str] = []
+        try:
+            for part in parts:
+                plan, _ = self.plan_to_engines(
+                    sources, manifest, engine_groups, bucket_bytes, part, rank
+                )
+                problems += check_inputs(plan, rank, local, None, device)
+        except (ValueError, KeyError) as e:  # CoverageError, LayoutError: no plan
+            problems.append(f"{type(e).__name__}: {e}")
+        return [f"trainer rank {rank}: {p}" for p in sorted(set(problems))]
+
     def reshard_to_engines(
         self,
         sources: SourceLayout,
@@ -276,6 +307,7 @@ class TrainerPlans:
         alloc: Optional[
             Callable[[Sequence[ParamTarget]], Optional[Dict[str, torch.Tensor]]]
         ] = None,
+        checked: bool = False,
     ) -> TrainerSideResult:
         """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
         ``local`` (this rank's tensors by holder key), on the data group's device. Every
@@ -283,7 +315,9 @@ class TrainerPlans:
         ``timeout_s`` for its peers. ``data``: the owner's data plane over the default group
         (None: one for this chunk). ``clock``: the update's phases, which this adds to.
         ``alloc``: where the buffers go (the sender's shared memory, so that the executor
-        writes straight into what the engine reads), when it has room for them."""
+        writes straight into what the engine reads), when it has room for them.
+        ``checked``: every rank's ``shard_problems`` were agreed on (none), so the executor
+        does not check the shards again."""
         clock = clock if clock is not None else PhaseClock()
         with clock.phase(Phase.PLAN):
             misses = self.misses
@@ -299,7 +333,9 @@ class TrainerPlans:
                     t.name: torch.empty(t.shape, dtype=t.dtype, device=data.device)
                     for t in targets
                 }
-            stats = execute(plan, rank, local, buffers, data, timeout_s)
+            stats = execute(
+                plan, rank, local, buffers, data, timeout_s, checked=checked
+            )
             clock.add(Phase.APPLY, stats.copy_seconds)
         clock.count(Count.ROUNDS, stats.rounds)
         clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
