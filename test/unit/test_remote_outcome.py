@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 
 import pytest
 from guard_fakes import generation_served
@@ -160,3 +161,36 @@ def test_an_apply_answered_in_time_leaves_no_record(manager):
     assert reply["success"] is True, reply
     assert generation_served(manager)
     assert not os.path.lexists(_record(manager)), "a timely answer leaves no record"
+
+
+def test_a_writer_lock_held_past_the_bound_refuses_and_never_applies(manager):
+    """A long generation holds the writer lock's reader side past the update's timeout_s:
+    the tokenizer manager stops waiting for the pause, refuses the update (nothing written:
+    the apply step is never sent, the staging is dropped) and serving goes on; the lock is
+    left as it was, and once the generation ends a writer takes it at once."""
+    from sglang.srt.utils.aio_rwlock import RWLock
+
+    manager.model_update_lock = lock = RWLock()
+    update = _update("held")
+    update.timeout_s = 0.5
+
+    async def go():
+        await lock.acquire_reader()  # a generation in flight
+        started = time.monotonic()
+        reply = await remote_requests.update_weights_remote(manager, update)
+        seconds = time.monotonic() - started
+        served = _served(manager)
+        await lock.release_reader()
+        await asyncio.wait_for(lock.acquire_writer(), 1.0)
+        await lock.release_writer()
+        return reply, seconds, served
+
+    reply, seconds, served = asyncio.run(go())
+    assert [s.step for s in manager.steps] == ["receive", "abort"], manager.steps
+    assert reply["success"] is False and not reply["mixed"], reply
+    message = reply["message"]
+    assert message.startswith(REFUSED) and "'held'" in message, message
+    assert "timeout_s=0.5s" in message and "writer lock" in message, message
+    assert "will not be applied" in message, message
+    assert 0.5 <= seconds < 3, seconds
+    assert served, "a refused update leaves the old weights serving"

@@ -12,7 +12,11 @@ the schedulers. ``update_weights_remote`` walks one update through its steps
 3. ``apply`` under the writer lock (generation waits, as for any SGLang weight update):
    the schedulers write the staged regions between batches, and stream the rest if the
    staging was too small. The time from asking for the lock to releasing it is the
-   pause the reply reports, beside the time spent receiving.
+   pause the reply reports, beside the time spent receiving. The lock is waited for at
+   most ``timeout_s`` (requests in flight hold it for as long as they generate): when it
+   is not taken by then, the update is refused (``REFUSED``) and its staging dropped, and
+   the apply step is never sent, so the engine never applies an update whose caller,
+   answered within its own bound, was told it failed.
 
 Every step's answer is awaited at most ``answer_bound_s(timeout_s)``. An apply step that
 failed after writes began (``mixed``) makes the tokenizer manager refuse generation until
@@ -28,6 +32,7 @@ writes an update its caller was told failed, and the reply says which of the two
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -35,7 +40,7 @@ from typing import Optional
 
 from sglang.srt.weight_sync.answer_guard import guard_of, no_answer_message
 from sglang.srt.weight_sync.outcome import forget
-from sglang.srt.weight_sync.protocol import answer_bound_s, make_channel
+from sglang.srt.weight_sync.protocol import REFUSED, answer_bound_s, make_channel
 from sglang.srt.weight_sync.remote_protocol import (
     POLL_S,
     ReceiveState,
@@ -165,8 +170,17 @@ async def update_weights_remote(manager, obj) -> dict:
             if is_paused:  # whoever paused the engine holds the writer lock
                 out = await step(UpdateStep.APPLY)
         if not is_paused:
-            async with manager.model_update_lock.writer_lock:
+            async with _writer_lock(manager.model_update_lock, obj.timeout_s):
                 out = await step(UpdateStep.APPLY)
+    except _NoPause as e:
+        message = (
+            f"{REFUSED}remote weight update {obj.update_id or obj.group_name!r}: {e}; "
+            "its staged regions are dropped and it will not be applied, the old weights "
+            "serve on"
+        )
+        logger.error("%s", message)
+        await _abort(step)
+        return remote_reply(False, message, out, receive_s=receive_s)
     except TimeoutError as e:
         logger.error("remote weight update: %s", e)
         return remote_reply(False, str(e), None)
@@ -189,6 +203,31 @@ async def update_weights_remote(manager, obj) -> dict:
         pause_s,
     )
     return remote_reply(out.success, message, out, pause_s=pause_s, receive_s=receive_s)
+
+
+class _NoPause(Exception):
+    """The writer lock was not taken within the update's bound (why, in the message)."""
+
+
+@contextlib.asynccontextmanager
+async def _writer_lock(lock, timeout_s: float):
+    """``lock``'s writer lock (SGLang's ``model_update_lock``), waited for at most
+    ``timeout_s``, else ``_NoPause``: requests in flight hold its reader side while they
+    generate, and an unbounded wait would let the engine apply the update after its
+    trainer, past its own bound, reported it failed. A wait given up leaves the lock as
+    it was (the writer's turn is withdrawn as the wait is cancelled)."""
+    writer = lock.writer_lock
+    try:
+        await asyncio.wait_for(writer.__aenter__(), timeout_s)
+    except asyncio.TimeoutError:
+        raise _NoPause(
+            f"generation was not paused within timeout_s={timeout_s:g}s (requests in "
+            "flight held the engine's writer lock)"
+        ) from None
+    try:
+        yield
+    finally:
+        await writer.__aexit__(None, None, None)
 
 
 async def _abort(step) -> None:
