@@ -179,7 +179,7 @@ def test_a_writer_lock_held_past_the_bound_refuses_and_never_applies(manager):
         started = time.monotonic()
         reply = await remote_requests.update_weights_remote(manager, update)
         seconds = time.monotonic() - started
-        served = _served(manager)
+        served = generation_served(manager)
         await lock.release_reader()
         await asyncio.wait_for(lock.acquire_writer(), 1.0)
         await lock.release_writer()
