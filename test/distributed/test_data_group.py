@@ -241,3 +241,84 @@ def test_a_set_up_failing_on_one_rank_is_a_refusal_and_the_group_renewed(where):
         assert r["seconds"] < 15, r
         assert r["second"] is None and r["renewed"] and r["landed"], (rank, r)
         assert r["ready_again"], "a group set up for the plan costs no agreement"
+
+
+def _packed_ranks(rank: int, world: int) -> dict:
+    """Rank 0 holds 64 small fp32 tensors and one of 1 MiB; rank 1 needs them all, half
+    in bf16, one landing in the right half of a wider parameter (not contiguous there)."""
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.executor import PACK_BELOW, DataGroup, execute
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+    g = torch.Generator().manual_seed(7)
+    full = {f"e{i}": torch.randn(6, 4, generator=g) for i in range(64)}
+    full["big"] = torch.randn(PACK_BELOW // 4, generator=g)
+    sources = {
+        n: MeshSpec.full(tuple(t.shape), torch.float32, [0]).describe(n)
+        for n, t in full.items()
+    }
+    targets = [
+        ParamTarget(
+            f"p{i}",
+            (6, 4),
+            torch.bfloat16 if i % 2 else torch.float32,
+            (Piece(f"e{i}", Box((0, 0), (6, 4)), (), (0, 0)),),
+        )
+        for i in range(1, 64)
+    ]
+    targets.append(
+        ParamTarget(
+            "wide",
+            (6, 8),
+            torch.float32,
+            (Piece("e0", Box((0, 0), (6, 4)), (), (0, 4)),),
+        )
+    )
+    targets.append(
+        ParamTarget(
+            "big",
+            (PACK_BELOW // 4,),
+            torch.float32,
+            (Piece("big", Box((0,), (PACK_BELOW // 4,)), (), (0,)),),
+        )
+    )
+    the_plan = plan(sources, {0: [], 1: targets})
+    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+    shards = dict(full) if rank == 0 else {}
+    params = (
+        {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in targets} if rank else {}
+    )
+    stats = execute(the_plan, rank, shards, params, data, timeout_s=60)
+    exact = rank == 0 or (
+        all(
+            torch.equal(params[f"p{i}"], full[f"e{i}"].to(params[f"p{i}"].dtype))
+            for i in range(1, 64)
+        )
+        and torch.equal(params["wide"][:, 4:], full["e0"])
+        and not params["wide"][:, :4].any()
+        and torch.equal(params["big"], full["big"])
+    )
+    dist.barrier()
+    return dict(
+        p2p=stats.p2p_ops,
+        rounds=len(the_plan.rounds),
+        exact=exact,
+        sent=stats.bytes_sent,
+        received=stats.bytes_received,
+    )
+
+
+def test_small_moves_between_two_ranks_travel_in_one_transfer():
+    """The round's 64 small regions from rank 0 to rank 1 go as one packed transfer beside
+    the large one (2 point-to-point ops on each end, not 65), in mixed engine dtypes, and
+    land bit-exact, the non-contiguous one too; the byte counts are the payload's."""
+    sender, receiver = run_ranks(2, _packed_ranks)
+    assert sender["rounds"] == 1, sender
+    assert sender["p2p"] == receiver["p2p"] == 2, (sender, receiver)
+    assert receiver["exact"], receiver
+    # p1..p63: 32 in bf16 (odd), 31 in fp32; e0 in fp32 ("wide"); the big one, 256 KiB
+    payload = 32 * 6 * 4 * 2 + 31 * 6 * 4 * 4 + 6 * 4 * 4 + (256 << 10)
+    assert sender["sent"] == receiver["received"] == payload, (sender, receiver)

@@ -446,42 +446,97 @@ def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) 
     return sum(landing.nbytes for landing in landings)
 
 
+# A move smaller than this travels in one transfer with the round's other small moves
+# between the same two ranks (``_start_round``): a MoE layer's experts are hundreds of small
+# regions, and a point-to-point op costs far more than copying a small region once more.
+PACK_BELOW = 256 << 10
+
+
 def _start_round(
     rank, moves, shards, params, data: DataGroup, staging, to_global, deferred=None
 ) -> Tuple[list, List[Tuple[torch.Tensor, Move, List[Dest]]]]:
     """Start one round's moves as one batch of point-to-point operations (a move with
     several receivers is sent to each, in receiver order, the same on both ends); returns
     the pending work and where the received regions land (with ``deferred``: staging the
-    owner keeps, reserved first)."""
+    owner keeps, reserved first). Moves below ``PACK_BELOW`` from one sender to one
+    receiver (and no other) travel packed in one buffer, after the round's other moves
+    between them, in the order ``_packed`` gives both ends; the receiver lands views of it.
+    Each move is staged at most once on a rank, so staging stays within the plan's cap."""
     ops: List[dist.P2POp] = []
     landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
     group = data.group
     if deferred is not None:
         deferred.reserve(sum(m.nbytes for m in moves if _my_dests(m, rank)))
+    packs_out: Dict[int, List[Move]] = {}  # receiver -> the small moves sent to it
+    packs_in: Dict[int, List[Move]] = {}  # sender -> the small moves received from it
     for move in moves:
         receivers = _receivers(move)
+        # one receiver only: a move sent to several is staged once (``send_buffer``), which
+        # keeps every rank's staging within the plan's cap on the bytes it moves in a round
+        small = move.nbytes < PACK_BELOW and len(receivers) == 1
         if len(receivers) > 1:
             staging.stats.broadcasts += 1
         if move.src == rank:
-            buf = staging.send_buffer(shards, move)
             for receiver in receivers:
+                if small:
+                    packs_out.setdefault(receiver, []).append(move)
+                    continue
+                buf = staging.send_buffer(shards, move)
                 ops.append(dist.P2POp(dist.isend, buf, to_global(receiver), group))
-                staging.stats.bytes_sent += move.nbytes
                 staging.stats.p2p_ops += 1
+            staging.stats.bytes_sent += move.nbytes * len(receivers)
         mine = _my_dests(move, rank)
-        if mine:
-            buf = (
-                _landing(params, mine[0], move, staging)
-                if deferred is None
-                else torch.empty(
-                    move.region.sizes, dtype=move.dtype, device=staging.device
-                )
-            )
-            ops.append(dist.P2POp(dist.irecv, buf, to_global(move.src), group))
-            landings.append((buf, move, mine))
-            staging.stats.bytes_received += move.nbytes
-            staging.stats.p2p_ops += 1
+        if not mine:
+            continue
+        staging.stats.bytes_received += move.nbytes
+        if small:
+            packs_in.setdefault(move.src, []).append(move)
+            continue
+        buf = (
+            _landing(params, mine[0], move, staging)
+            if deferred is None
+            else torch.empty(move.region.sizes, dtype=move.dtype, device=staging.device)
+        )
+        ops.append(dist.P2POp(dist.irecv, buf, to_global(move.src), group))
+        landings.append((buf, move, mine))
+        staging.stats.p2p_ops += 1
+    for receiver, packed in packs_out.items():
+        flat, views = _pack_buffer(_packed(packed), staging, None)
+        for view, move in views:
+            view.copy_(_src_view(shards, move))  # cast to the engine's dtype on the way
+        ops.append(dist.P2POp(dist.isend, flat, to_global(receiver), group))
+        staging.stats.p2p_ops += 1
+    for sender, packed in packs_in.items():
+        flat, views = _pack_buffer(_packed(packed), staging, deferred)
+        ops.append(dist.P2POp(dist.irecv, flat, to_global(sender), group))
+        landings.extend((view, move, _my_dests(move, rank)) for view, move in views)
+        staging.stats.p2p_ops += 1
     return (dist.batch_isend_irecv(ops) if ops else []), landings
+
+
+def _packed(moves: List[Move]) -> List[Move]:
+    """The order small moves lie in their pack, the same on both ends: larger elements
+    first (each region's bytes are a multiple of its element size, so every region starts
+    aligned for its dtype without padding), then the round's order."""
+    return sorted(moves, key=lambda m: -m.dtype.itemsize)
+
+
+def _pack_buffer(
+    moves: List[Move], staging: _Staging, deferred
+) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, Move]]]:
+    """One flat byte buffer for ``moves`` (staging the executor counts, or, with
+    ``deferred``, memory the owner keeps) and each move's region as a view of it."""
+    total = sum(m.nbytes for m in moves)
+    if deferred is None:
+        flat = staging.empty((total,), torch.uint8)
+    else:
+        flat = torch.empty((total,), dtype=torch.uint8, device=staging.device)
+    views, offset = [], 0
+    for move in moves:
+        view = flat[offset : offset + move.nbytes].view(move.dtype)
+        views.append((view.view(move.region.sizes), move))
+        offset += move.nbytes
+    return flat, views
 
 
 def _finish_round(params, flight, staging, wait_for, deferred=None) -> None:
