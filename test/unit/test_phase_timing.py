@@ -72,3 +72,32 @@ def test_one_line_names_the_phases_that_took_time():
     assert "execute 0.012 s (2 rounds, wait 0.004 s)" in line
     assert "control 0.003 s (2 round trips)" in line
     assert "plan 0.000 s (cached)" in line and "apply" not in line
+
+
+def test_the_collector_is_paused_inside_phases_and_restored_after():
+    """Inside the outermost phase no collection runs (an inner phase does not end the pause);
+    after it, the collector is as it was, also when the phase raised, and a caller that had
+    it off keeps it off."""
+    import gc
+
+    clock = PhaseClock()
+    assert gc.isenabled()
+    with clock.phase(Phase.VALIDATE):
+        assert not gc.isenabled()
+        with clock.phase(Phase.PLAN):
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with clock.phase(Phase.APPLY):
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with clock.phase(Phase.APPLY):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -66,7 +66,7 @@ from sglang.srt.weight_sync.shared_segment import (
     new_segment_id,
     send_segment,
 )
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshRanks, MeshSpec
 from sglang.srt.weight_sync.wire_dtypes import DtypeFile, dtypes_path
 
 __all__ = (
@@ -107,14 +107,16 @@ class Payload:
 
 
 def local_shard(
-    tensor: torch.Tensor, spec: Optional[MeshSpec] = None
+    tensor: torch.Tensor,
+    spec: Optional[MeshSpec] = None,
+    ranks: Optional[MeshRanks] = None,
 ) -> Tuple[torch.Tensor, MeshSpec]:
     """A DTensor's local shard and layout (never ``full_tensor()``), or a plain tensor
-    with its explicit spec."""
+    with its explicit spec. ``ranks``: see ``MeshSpec.of_dtensor``."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        return tensor.to_local(), MeshSpec.of_dtensor(tensor)
+        return tensor.to_local(), MeshSpec.of_dtensor(tensor, ranks)
     if spec is None:
         raise DeliveryError(
             "a plain tensor needs an explicit MeshSpec (sharded or full)"

@@ -39,6 +39,7 @@ __all__ = (
     "LayoutError",
     "MeshGeometry",
     "MeshHolders",
+    "MeshRanks",
     "MeshSpec",
     "SourceLayout",
     "SourceTensor",
@@ -339,6 +340,23 @@ def describe_mesh(
     )
 
 
+class MeshRanks:
+    """A device mesh's global ranks in mesh order (``DeviceMesh.mesh.tolist()``), each mesh
+    read once: torch computes ``DeviceMesh.mesh`` anew on every access (2.13 through its
+    layout algebra, about 65 us), which a model's tens of thousands of DTensors on one or
+    two meshes would pay per tensor. Lives for one description of a model's tensors; it
+    keeps the meshes it read alive, so their ids stay theirs."""
+
+    def __init__(self) -> None:
+        self._read: Dict[int, Tuple[object, NestedRanks]] = {}
+
+    def __call__(self, mesh) -> NestedRanks:
+        known = self._read.get(id(mesh))
+        if known is None or known[0] is not mesh:
+            known = self._read[id(mesh)] = (mesh, mesh.mesh.tolist())
+        return known[1]
+
+
 @dataclass(frozen=True)
 class MeshSpec:
     """The facts a tensor's layout is computed from: global shape, dtype, the mesh of
@@ -352,12 +370,14 @@ class MeshSpec:
     placements: Tuple[Placement, ...]
 
     @staticmethod
-    def of_dtensor(tensor: DTensor) -> MeshSpec:
-        """A DTensor's layout from its mesh and placements; its data is never touched."""
+    def of_dtensor(tensor: DTensor, ranks: Optional[MeshRanks] = None) -> MeshSpec:
+        """A DTensor's layout from its mesh and placements; its data is never touched.
+        ``ranks``: the mesh ranks read so far, for many DTensors on few meshes."""
+        mesh = tensor.device_mesh
         return MeshSpec(
             tuple(tensor.shape),
             tensor.dtype,
-            tensor.device_mesh.mesh.tolist(),
+            ranks(mesh) if ranks is not None else mesh.mesh.tolist(),
             tuple(tensor.placements),
         )
 

@@ -70,7 +70,12 @@ from sglang.srt.weight_sync.protocol import (
     check_timeout,
     trainer_bound_s,
 )
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec, SourceLayout
+from sglang.srt.weight_sync.source_layout import (
+    HoldersSpec,
+    MeshRanks,
+    MeshSpec,
+    SourceLayout,
+)
 from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks, first_uncovered
 
 __all__ = (
@@ -256,14 +261,14 @@ def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
     """Local shard and layout of each tensor: DTensors keep their own mesh; a plain
     tensor is the full tensor, held by every trainer rank."""
     everyone = list(range(dist.get_world_size()))
-    out = []
+    out, ranks = [], MeshRanks()
     for name, tensor in named_tensors:
         spec = (
             None
             if _is_dtensor(tensor)
             else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
         )
-        local, spec = local_shard(tensor, spec)
+        local, spec = local_shard(tensor, spec, ranks)
         out.append((name, local, spec))
     return out
 
