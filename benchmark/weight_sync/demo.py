@@ -54,7 +54,7 @@ configure_cpu_env()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmark.weight_sync.update_speed import SIZES  # noqa: E402
+from benchmark.weight_sync.update_speed import SIZES, start_zygote  # noqa: E402
 from benchmark.weight_sync.upstream_path import upstream_update  # noqa: E402
 
 MODEL = SIZES["21m"]
@@ -93,6 +93,7 @@ def _progress_while(label: str, every: float = 10.0) -> threading.Event:
 
 
 def _rank(rank, world, store, model_dir, out_dir, prompts):
+    start_zygote()
     from engine import omp_bind
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -1,9 +1,10 @@
 """How fast an update is, against upstream's path and against a memory copy, in one run.
 
 ``python -m benchmark.weight_sync.update_speed [--size 254m] [--updates 10] [--upstream 3]
-[--sweep] [--json out.json]`` starts a real SGLang engine (TP 2, CPU, bf16) for a
-Qwen2-shaped model and two trainer ranks (gloo) holding it as FSDP2 ``Shard(0)`` fp32
-DTensors; rank 0 hosts the engine through ``VerlEngine``. Then, side by side in one run:
+[--sweep] [--moe] [--json out.json]`` starts a real SGLang engine (TP 2, CPU, bf16) for a
+Qwen2-shaped model (or an MoE model: ``MOE``) and two trainer ranks (gloo) holding it as
+FSDP2 ``Shard(0)`` fp32 DTensors; rank 0 hosts the engine through ``VerlEngine``. Then,
+side by side in one run:
 
 * ``ours``: ``VerlEngine.update_weights_from_tensor`` (each rank delivers its local shards;
   the engine reshards), ``--updates`` times in a row, each with new weights;
@@ -15,7 +16,9 @@ DTensors; rank 0 hosts the engine through ``VerlEngine``. Then, side by side in 
 
 Printed: every update's seconds, the first (which derives targets and plans) apart from
 the rest, the ratios to memcpy and upstream, and the phase breakdown each side reports
-(``phase_timing``). ``--sweep`` repeats it over model sizes, one engine per size. Both
+(``phase_timing``). ``--sweep`` repeats it over model sizes, one engine per size; ``--moe``
+over the MoE models (one upstream update each: upstream resolves every expert tensor's
+name against the whole expert mapping, minutes per update), with seconds per tensor. Both
 paths must leave the engine generating the same greedy tokens from the same weights
 (checked after each size; the run fails otherwise). This machine is shared: only ratios
 measured in one run mean much.
@@ -70,6 +73,38 @@ SIZES = {
     "520m": _qwen2(1536, 4096, 16, 16, 35840),
     "1b": _qwen2(2048, 5632, 16, 20, 35840),
 }
+
+
+def _moe(kind: str, experts: int, layers: int, moe_intermediate: int, **more) -> tuple:
+    """An MoE model at this machine's scale: the tensor count of its kind, hidden sizes
+    scaled down (hidden 128, heads 8 x 16, 4 KV heads), unpadded by SGLang's CPU engine at
+    TP 2. (tiny_models kind, config overrides, whether SGLang's CPU engine generates with it)."""
+    key = "num_experts" if kind == "qwen3_moe" else "n_routed_experts"
+    config = dict(
+        hidden_size=128,
+        num_hidden_layers=layers,
+        moe_intermediate_size=moe_intermediate,
+        num_experts_per_tok=8,
+        **{key: experts},
+        **more,
+    )
+    return kind, config, kind != "deepseek_v3"
+
+
+# MoE models by name: Qwen3-30B-A3B's tensor count (48 layers of 128 experts, top 8); a
+# DeepSeek-V3-shaped one (256 experts, MLA, a dense first layer, a shared expert; 8 layers);
+# and 8 Qwen3-MoE layers whose experts hold the same bytes at every expert count (experts x
+# moe_intermediate fixed), to see how time grows with the number of tensors alone.
+MOE = {
+    "qwen3-30b-a3b": _moe("qwen3_moe", 128, 48, 128),
+    "dsv3": _moe("deepseek_v3", 256, 8, 128, n_group=1, topk_group=1),
+    **{f"e{e}": _moe("qwen3_moe", e, 8, 16384 // e) for e in (32, 64, 128, 256)},
+}
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 PROMPTS = [[5, 17, 42, 7, 300, 2], [77, 1, 3, 120, 9, 11]]
 SAME = {
     True: "yes",
@@ -81,18 +116,21 @@ SAME = {
 def _config(size: str):
     from tiny_models import tiny_config
 
-    config = tiny_config("qwen2", **SIZES[size])
-    config.architectures = ["Qwen2ForCausalLM"]
+    kind, overrides = ("qwen2", SIZES[size]) if size in SIZES else MOE[size][:2]
+    config = tiny_config(kind, **overrides)
+    config.architectures = [ARCHITECTURES[kind]]
     return config
 
 
-def _shapes(size: str):
-    """HF tensor name -> shape of the model, from a model built on meta."""
-    import transformers
+def _generates(size: str) -> bool:
+    return size in SIZES or MOE[size][2]
 
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config(size))
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+def _shapes(size: str):
+    """HF tensor name -> shape of the model's checkpoint (built on meta)."""
+    from real_moe_configs import saved_shapes
+
+    return saved_shapes(_config(size))
 
 
 def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
@@ -148,7 +186,18 @@ def _bump(dtensors) -> None:
             d.to_local().mul_(-1.0)
 
 
+def start_zygote() -> None:
+    """A spawned rank's first step, while it has one thread, as the tests' ranks take it
+    (``test/support/zygote.py``): the engine it hosts forks its schedulers from this warm
+    copy. Forked later, after the rank's gloo group exists, they hang making their own."""
+    import zygote
+
+    zygote.start()
+    zygote.install()
+
+
 def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
+    start_zygote()
     from engine import omp_bind
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -201,7 +250,10 @@ def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
         )
         if rank == 0:
             print(f"      ours {i + 1}: {seconds:.3f} s", flush=True)
-    ours_tokens = verl.generate(input_ids=PROMPTS, sampling_params=params)
+    generate = _generates(size)
+    ours_tokens = (
+        verl.generate(input_ids=PROMPTS, sampling_params=params) if generate else None
+    )
     floor()
     for i in range(upstream):
         if i:
@@ -214,16 +266,20 @@ def _rank(rank, store, model_dir, size, updates, upstream, out_dir):
         result["upstream"].append(dict(seconds=seconds))
         if rank == 0:
             print(f"      upstream {i + 1}: {seconds:.3f} s", flush=True)
-    upstream_tokens = verl.generate(input_ids=PROMPTS, sampling_params=params)
+    upstream_tokens = (
+        verl.generate(input_ids=PROMPTS, sampling_params=params) if generate else None
+    )
     floor()
     # None without upstream updates (``--upstream 0``: nothing to compare)
     result["same_generation"] = (
         [o["output_ids"] for o in ours_tokens]
         == [o["output_ids"] for o in upstream_tokens]
-        if upstream
+        if upstream and generate
         else None
     )
     result["engine_rank_bytes"] = engine_bytes
+    result["tensors"] = len(shapes)
+    result["expert_tensors"] = sum(".experts." in n for n in shapes)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -237,10 +293,12 @@ def run_size(size: str, updates: int, upstream: int) -> dict:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
         _config(size).save_pretrained(model_dir)
-        n = sum(torch.Size(s).numel() for s in _shapes(size).values())
+        shapes = _shapes(size)
+        n = sum(torch.Size(s).numel() for s in shapes.values())
+        kind = "Qwen2" if size in SIZES else MOE[size][0]
         print(
-            f"{size}: Qwen2-shaped, {n / 1e6:.0f} M params; engine TP 2 bf16 (CPU), "
-            f"trainer 2 ranks FSDP2 Shard(0) fp32",
+            f"{size}: {kind}-shaped, {n / 1e6:.0f} M params in {len(shapes)} tensors; "
+            "engine TP 2 bf16 (CPU), trainer 2 ranks FSDP2 Shard(0) fp32",
             flush=True,
         )
         mp.spawn(
@@ -323,9 +381,13 @@ def summary(r: dict) -> dict:
     up_later = up[1:] or up
     rows = [breakdown(u) for u in r["ours"]]
     steady = [statistics.median(col) for col in zip(*rows[1:])] if rows[1:] else []
+    steady_s = statistics.median(later) if later else None
     return dict(
         size=r["size"],
         params=r["params"],
+        tensors=r["tensors"],
+        expert_tensors=r["expert_tensors"],
+        us_per_tensor_steady=steady_s / r["tensors"] * 1e6 if later else None,
         engine_rank_bytes=r["engine_rank_bytes"],
         memcpy_s=memcpy,
         ours_first_s=ours[0],
@@ -378,6 +440,14 @@ def print_table(summaries: List[dict]) -> None:
         "steady: the median of every update after the first; worst: the slowest of them; "
         "x memcpy: steady / a one-thread copy of one engine rank's bf16 parameter bytes."
     )
+    for s in summaries:
+        if s["expert_tensors"]:
+            up = s["upstream_steady_s"]
+            print(
+                f"{s['size']:>6}: {s['tensors']} tensors ({s['expert_tensors']} experts'): "
+                f"ours {s['us_per_tensor_steady']:.0f} us per tensor"
+                + (f", upstream {up / s['tensors'] * 1e6:.0f}" if up else "")
+            )
     heads = [c[2] for c in COLUMNS]
     print()
     print(
@@ -411,7 +481,7 @@ def print_table(summaries: List[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="254m", choices=sorted(SIZES))
+    parser.add_argument("--size", default="254m", choices=sorted(SIZES) + sorted(MOE))
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument(
         "--upstream",
@@ -426,9 +496,24 @@ def main() -> None:
         default=None,
         help="sizes to run one after another (default: all)",
     )
+    parser.add_argument(
+        "--moe",
+        nargs="?",
+        const=",".join(MOE),
+        default=None,
+        help="MoE models to run one after another (default: all), one upstream update each",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    sizes = args.sweep.split(",") if args.sweep else [args.size]
+    sizes = (
+        args.moe.split(",")
+        if args.moe
+        else args.sweep.split(",")
+        if args.sweep
+        else [args.size]
+    )
+    if args.moe:
+        args.upstream = min(args.upstream, 1)
     results, summaries = [], []
     for size in sizes:
         results.append(run_size(size, args.updates, args.upstream))

@@ -10,7 +10,7 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ("REAL_MOE", "RealMoe", "checkpoint_shapes")
+__all__ = ("REAL_MOE", "RealMoe", "checkpoint_shapes", "saved_shapes")
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,23 @@ REAL_MOE = {
 
 
 def checkpoint_shapes(model: str) -> Dict[str, Tuple[int, ...]]:
-    """Every checkpoint tensor of ``model`` (a key of ``REAL_MOE``) and its shape, named as
+    """Every checkpoint tensor of ``model`` (a key of ``REAL_MOE``) and its shape."""
+    import transformers
+
+    spec = REAL_MOE[model]
+    return saved_shapes(
+        transformers.AutoConfig.for_model(spec.model_type, **spec.config)
+    )
+
+
+def saved_shapes(config) -> Dict[str, Tuple[int, ...]]:
+    """Every checkpoint tensor of a model of ``config`` and its shape, named as
     ``save_pretrained`` writes them: ``transformers`` keeps a layer's experts fused in its
     modules and splits them into per-expert tensors on saving (its
-    ``revert_weight_conversion``), as real checkpoints hold them."""
+    ``revert_weight_conversion``), as real checkpoints hold them. Built on the meta device."""
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
 
-    spec = REAL_MOE[model]
-    config = transformers.AutoConfig.for_model(spec.model_type, **spec.config)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(config)
     saved = revert_weight_conversion(hf, hf.state_dict())
