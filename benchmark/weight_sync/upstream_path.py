@@ -3,11 +3,13 @@
 What ``weight_sync.utils.update_weights`` (and 0.4.7's ``VerlEngine``) do: ``full_tensor()``
 of every DTensor on every trainer rank, ``gather_object`` of the tensors' handles to rank 0,
 then ``Engine.update_weights_from_tensor`` inside a weight-update session, where SGLang's
-own loader narrows each full tensor to its TP rank's part.
+own loader narrows each full tensor to its TP rank's part. More tensors than half the
+process's file descriptors (a MoE model on CPU) are shared by file name, not descriptor.
 """
 
 from __future__ import annotations
 
+import resource
 from typing import List, Sequence, Tuple
 
 import torch
@@ -27,6 +29,12 @@ def upstream_update(
     )
     from sglang.srt.utils import MultiprocessingSerializer
 
+    soft_fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if len(dtensors) > soft_fds // 2:
+        # on CPU each shared tensor holds a file descriptor until the engine has read it: a
+        # MoE model's tens of thousands of tensors exceed the process's limit (upstream's
+        # GPU path shares CUDA IPC handles instead), so they are shared by file name here
+        torch.multiprocessing.set_sharing_strategy("file_system")
     received = peak = 0
     handles: List[Tuple[str, bytes]] = []
     fulls = []  # upstream keeps each full tensor alive until the engine has loaded it
