@@ -114,8 +114,8 @@ MIN_BUCKET_BYTES = 1 << 20  # smaller buckets only multiply rounds
 MAX_UPDATE_ID_CHARS = 256
 # A payload header's bound grows with the engine's model (``HeaderBound``): a fixed part for
 # the update's own fields, plus an allowance per tensor the model has. A real entry takes
-# about 130 bytes (name, shape, dtype, placements, where its bytes lie); Megatron-core
-# entries with their holders a few hundred.
+# about 135 bytes (name, shape, dtype, placements, where its bytes lie); a Megatron-core
+# tensor's entry lists the holders of its pieces in this rank's buffers as well.
 HEADER_BYTES = 1 << 20
 HEADER_BYTES_PER_TENSOR = 2 << 10
 
