@@ -32,7 +32,7 @@ class Collected:
         )()
 
 
-def _setup(rank: int, job: dict):
+def _setup(rank: int, job: dict, store=None, timeout: float = 60):
     import tiny_models
 
     from benchmark.weight_sync.hand_rules import model_targets_from_config
@@ -52,9 +52,10 @@ def _setup(rank: int, job: dict):
         job["trainers"],
         job["engines"],
     )
-    store = open_store("127.0.0.1", job["port"], rank == 0, 60)
+    if store is None:
+        store = open_store("127.0.0.1", job["port"], rank == 0, 60)
     group = SyncGroup(
-        GROUP, membership.epoch, membership.world_size, "gloo", rank, store, 60
+        GROUP, membership.epoch, membership.world_size, "gloo", rank, store, timeout
     )
     group.hear_membership(membership if rank == 0 else None, 60)
     member = membership.engine_of(rank)
@@ -103,13 +104,13 @@ def trainer_part(rank: int, trainers: int, weights, bucket: int, update_id: str)
     return part
 
 
-def remote_group_job(rank: int, world: int, job: dict) -> dict:
+def remote_group_job(rank: int, world: int, job: dict, store=None) -> dict:
     """Updates (one per seed) from the trainer ranks to every engine; per rank what it sent
     or received, and on engine ranks whether every parameter is SGLang's slicing."""
     from benchmark.weight_sync.hand_rules import reference_param
     from sglang.srt.weight_sync.executor import write_landings, write_zero_fills
 
-    group, member, targets, _store = _setup(rank, job)
+    group, member, targets, _store = _setup(rank, job, store)
     out = {"updates": []}
     for i, seed in enumerate(job["seeds"]):
         weights = weights_of(seed)
@@ -226,3 +227,34 @@ def dying_engine_job(rank: int, world: int, job: dict) -> dict:
         "seconds": time.monotonic() - started,
         "rounds": len(rounds),
     }
+
+
+def stalled_join_job(rank: int, world: int, job: dict) -> dict:
+    """Epoch 1: the last rank (an engine rank) stops short of the rendezvous (``stall``:
+    before meeting the others in the store, or after it, before making the epoch's groups,
+    as a rank whose address its peers cannot reach); every other rank must fail its join
+    within ``timeout``. Epoch 2, every rank again: an update must land bit for bit."""
+    from sglang.srt.weight_sync import remote_group
+    from sglang.srt.weight_sync.control_plane import open_store
+
+    store = open_store("127.0.0.1", job["port"], rank == 0, 60)
+    timeout, out = job["timeout"], {}
+    started = time.monotonic()
+    if rank == world - 1:
+        if job["stall"] == "groups":  # meets the others, then never makes a group
+            remote_group.join_group = lambda *a, **k: time.sleep(timeout + 3) or 1 / 0
+        else:
+            time.sleep(timeout + 3)
+    try:
+        _setup(rank, {**job, "epoch": 1}, store, timeout)
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - started
+    if rank == world - 1:
+        from sglang.srt.weight_sync.control_plane import join_group
+
+        remote_group.join_group = join_group
+    time.sleep(max(0.0, timeout + 4 - out["seconds"]))  # the stalled rank is back
+    out.update(remote_group_job(rank, world, {**job, "epoch": 2}, store))
+    return out

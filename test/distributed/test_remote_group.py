@@ -14,9 +14,27 @@ import time
 import pytest
 from ports import free_port
 from ranks import run_ranks
-from remote_group_cases import dying_engine_job, remote_group_job, weights_of
+from remote_group_cases import (
+    dying_engine_job,
+    remote_group_job,
+    stalled_join_job,
+    weights_of,
+)
 
 ENGINES = [("e0", 2), ("e1", 2)]
+
+
+def _small_job(**extra) -> dict:
+    """Two trainer ranks and one TP-2 engine (four ranks), one update: the job of
+    ``remote_group_cases`` with ``extra``."""
+    return dict(
+        port=free_port(),
+        trainers=2,
+        engines=ENGINES[:1],
+        seeds=[1],
+        bucket=1 << 20,
+        **extra,
+    )
 
 
 def test_trainer_ranks_send_straight_to_two_engines():
@@ -42,15 +60,7 @@ def test_a_share_larger_than_the_staging_streams_into_the_parameters():
     for the pause to write what landed, the rest streams in (a round written while the
     next is on the wire), and the parameters still end bit for bit."""
     cap = 100_000
-    job = dict(
-        port=free_port(),
-        trainers=2,
-        engines=ENGINES[:1],
-        seeds=[1],
-        bucket=1 << 20,
-        staging=cap,
-    )
-    results = run_ranks(4, remote_group_job, job, timeout=300)
+    results = run_ranks(4, remote_group_job, _small_job(staging=cap), timeout=300)
     for rank, r in enumerate(results[2:], start=2):
         u = r["updates"][0]
         assert not u["wrong"], f"rank {rank}: parameters differ: {u['wrong'][:4]}"
@@ -105,6 +115,28 @@ def test_an_engine_rank_dying_mid_update_is_named_within_the_bound():
         assert r["error"], f"rank {rank} did not notice the dead engine rank"
         assert r["seconds"] < 10 + 5, r
         print(rank, r)
+
+
+@pytest.mark.parametrize("stall", ["meet", "groups"])
+def test_a_rank_that_never_reaches_the_rendezvous_fails_every_join_in_time(stall):
+    """An engine rank stops short of the rendezvous of epoch 1: before meeting the others
+    in the store, or after it, before making the epoch's groups (gloo's rendezvous, which
+    waited for the groups' own timeout of hours: an engine joins in its scheduler loop, so
+    serving froze that long). Every other rank's join fails within the join's bound, naming
+    the phase; then every rank joins epoch 2 and an update lands bit for bit."""
+    timeout = 4
+    job = _small_job(timeout=timeout, stall=stall)
+    results = run_ranks(4, stalled_join_job, job, timeout=300)
+    phase = "meeting the 4 ranks" if stall == "meet" else "making the data group"
+    for rank, r in enumerate(results[:3]):
+        assert r["error"] and r["error"].startswith("PeerLost"), (rank, r["error"])
+        assert phase in r["error"] and "epoch 1" in r["error"], (rank, r["error"])
+        assert r["seconds"] < timeout + 3, (rank, r["seconds"])
+    for rank, r in enumerate(results):
+        (update,) = r["updates"]
+        assert "error" not in update, (rank, update)
+        if rank >= 2:
+            assert not update["wrong"] and update["received"] == update["lower_bound"]
 
 
 def test_the_store_port_is_free_and_outside_the_ephemeral_range():

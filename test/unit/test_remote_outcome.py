@@ -53,6 +53,7 @@ class FakeManager:
         self.steps = []
         self.apply_answer: asyncio.Future = None
         self.on_apply = lambda obj: None
+        self.receive_state = "done"  # what receive and status answer (set by the test)
 
     def auto_create_handle_loop(self):
         pass
@@ -61,7 +62,9 @@ class FakeManager:
         self.steps.append(obj)
         if obj.step != "apply":
             return [
-                io.UpdateWeightsRemoteReqOutput(success=True, message="", state="done")
+                io.UpdateWeightsRemoteReqOutput(
+                    success=True, message="", state=self.receive_state
+                )
             ]
         self.on_apply(obj)
         self.apply_answer = asyncio.get_running_loop().create_future()
@@ -91,6 +94,16 @@ def _update(update_id):
 def _record(manager) -> str:
     obj = manager.steps[-1]
     return record_path(obj.outcome_channel, obj.outcome_id)
+
+
+def _refused(reply: dict, update_id: str, *says: str) -> None:
+    """``reply`` refuses update ``update_id`` with nothing written, saying each of ``says``
+    and that the update will never be applied."""
+    assert reply["success"] is False and not reply["mixed"], reply
+    message = reply["message"]
+    assert message.startswith(REFUSED) and repr(update_id) in message, message
+    for said in says + ("will not be applied",):
+        assert said in message, (said, message)
 
 
 def test_an_unanswered_apply_is_abandoned_and_the_late_refusal_serves_again(manager):
@@ -187,10 +200,46 @@ def test_a_writer_lock_held_past_the_bound_refuses_and_never_applies(manager):
 
     reply, seconds, served = asyncio.run(go())
     assert [s.step for s in manager.steps] == ["receive", "abort"], manager.steps
-    assert reply["success"] is False and not reply["mixed"], reply
-    message = reply["message"]
-    assert message.startswith(REFUSED) and "'held'" in message, message
-    assert "timeout_s=0.5s" in message and "writer lock" in message, message
-    assert "will not be applied" in message, message
+    _refused(reply, "held", "timeout_s=0.5s", "writer lock")
     assert 0.5 <= seconds < 3, seconds
     assert served, "a refused update leaves the old weights serving"
+
+
+def test_a_receive_that_never_ends_is_aborted_and_refused_within_its_bound(
+    manager, monkeypatch
+):
+    """Every TP rank says "receiving" for ever (a receive stuck where no wait's bound
+    reaches, such as NCCL's first communicator init): the tokenizer manager polls at most
+    ``receive_bound_s(timeout_s)``, then aborts the receive and refuses the update, naming
+    it and the bound (nothing written: the apply step is never sent); the next update's
+    receive works."""
+    from sglang.srt.weight_sync import remote_protocol
+
+    assert remote_protocol.receive_bound_s(5.0) == 2 * 5.0 + remote_protocol.GRACE_S
+    monkeypatch.setattr(remote_requests, "receive_bound_s", lambda timeout_s: 0.3)
+
+    def answer_apply(obj):
+        asyncio.get_running_loop().call_soon(
+            lambda: manager.apply_answer.set_result(
+                [io.UpdateWeightsRemoteReqOutput(success=True, message="Success")]
+            )
+        )
+
+    manager.on_apply = answer_apply
+    manager.receive_state = "receiving"
+    started = time.monotonic()
+    reply = asyncio.run(
+        remote_requests.update_weights_remote(manager, _update("stuck"))
+    )
+    seconds = time.monotonic() - started
+    steps = [s.step for s in manager.steps]
+    assert steps[0] == "receive" and steps[-1] == "abort", steps
+    assert set(steps[1:-1]) == {"status"} and "apply" not in steps, steps
+    _refused(reply, "stuck", "within 0.3s", "timeout_s=5")
+    assert 0.3 <= seconds < 2, seconds
+    assert generation_served(manager), "a refused update leaves the old weights serving"
+
+    manager.receive_state, manager.steps[:] = "done", []
+    reply = asyncio.run(remote_requests.update_weights_remote(manager, _update("next")))
+    assert reply["success"] is True, reply
+    assert [s.step for s in manager.steps] == ["receive", "apply"], manager.steps

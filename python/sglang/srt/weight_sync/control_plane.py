@@ -572,6 +572,7 @@ def join_group(
     backend: str,
     timeout_s: float,
     ranks: Optional[Sequence[int]] = None,
+    setup_s: Optional[float] = None,
 ) -> dist.ProcessGroup:
     """A process group of ``size`` ranks made in ``store`` under ``prefix``: ranks of other
     worlds (a trainer's ranks, SGLang engines' TP ranks) in one group, as upstream's
@@ -580,7 +581,10 @@ def join_group(
     identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``.
     ``ranks``: the group is one of this world's ranks instead (``fresh_group``), mapped as
     ``new_group`` maps them. Its communicator is its own, never split from the default
-    group's (``unsplit_groups``)."""
+    group's (``unsplit_groups``). ``setup_s``: the bound of its making (gloo's rendezvous in
+    the store and its connections to every peer wait for the group's timeout, hours for a
+    group whose timeout is above every update's bound): made with ``setup_s``, then given
+    ``timeout_s``; a peer that never makes it is an error within ``setup_s`` everywhere."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -598,9 +602,11 @@ def join_group(
             Backend(backend),
             PrefixStore(prefix, store),
             group_name=prefix,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=timeout_s if setup_s is None else setup_s),
         )
     _world.pg_group_ranks[group] = {g: r for r, g in enumerate(ranks or range(size))}
+    if setup_s is not None:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
     return group
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -173,8 +174,9 @@ class SyncGroup:
 
     ``rank`` is this process's group rank; ``store`` the group's TCP store (the trainer's
     first rank hosts it). Making one blocks until every one of the ``world_size`` ranks of
-    the epoch arrived, at most ``timeout_s``; then every member hears the membership from
-    the trainer's first rank (``hear_membership``)."""
+    the epoch arrived and made the epoch's two groups with it, at most ``timeout_s`` in all
+    (an engine joins in its scheduler loop: serving waits meanwhile); then every member
+    hears the membership from the trainer's first rank (``hear_membership``)."""
 
     def __init__(
         self,
@@ -192,6 +194,7 @@ class SyncGroup:
             DATA_GROUP_TIMEOUT_S, f"{self.who}: the groups of epoch {epoch}"
         )
         prefix = epoch_prefix(group_name, epoch)
+        deadline = time.monotonic() + timeout_s
         meet(
             store,
             prefix,
@@ -202,17 +205,22 @@ class SyncGroup:
         )
         self._groups: List[dist.ProcessGroup] = []
         try:
-            data = join_group(
-                store, f"{prefix}/data", rank, world_size, backend, group_timeout_s
-            )
-            self._groups.append(data)
-            control = join_group(
-                store, f"{prefix}/control", rank, world_size, "gloo", group_timeout_s
-            )
-            self._groups.append(control)
+            for kind, kind_backend in (("data", backend), ("control", "gloo")):
+                self._groups.append(
+                    self._make(
+                        store,
+                        f"{prefix}/{kind}",
+                        (rank, world_size, kind_backend),
+                        group_timeout_s,
+                        deadline - time.monotonic(),
+                        f"{self.who}: making the {kind} group of epoch {epoch} "
+                        f"({world_size} ranks, {kind_backend})",
+                    )
+                )
         except Exception:
             self.close()
             raise
+        data, control = self._groups
         self.data = DataGroup(data)
         self.control = ControlGroup(
             control,
@@ -222,6 +230,26 @@ class SyncGroup:
         )
         self.manifests: Dict[str, EngineManifest] = {}
         self._layouts = _Layouts()
+
+    @staticmethod
+    def _make(
+        store, prefix: str, shape, timeout_s: float, left_s: float, phase: str
+    ) -> dist.ProcessGroup:
+        """One of the epoch's groups (``shape``: this rank, the size, the backend), made
+        within ``left_s``, what is left of the join's bound (gloo meets every peer while it
+        is made, over addresses a peer may not reach), with the group's own ``timeout_s``
+        after that; ``PeerLost`` naming ``phase`` when a peer did not make it in time."""
+        rank, size, backend = shape
+        if left_s <= 0:
+            raise PeerLost(f"{phase}: the join's bound ran out before it")
+        try:
+            return join_group(
+                store, prefix, rank, size, backend, timeout_s, setup_s=left_s
+            )
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise PeerLost(
+                f"{phase}: not every rank made it within {left_s:.3g}s ({e})"
+            ) from None
 
     def hear_membership(
         self, membership: Optional[Membership], timeout_s: float

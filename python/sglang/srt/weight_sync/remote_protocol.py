@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 from sglang.srt.weight_sync.protocol import (
+    GRACE_S,
     MAX_UPDATE_ID_CHARS,
     MIN_BUCKET_BYTES,
     DeliveryError,
@@ -59,6 +60,7 @@ __all__ = (
     "layout_wire",
     "leave_problems",
     "read_layout",
+    "receive_bound_s",
     "remote_reply",
     "update_problems",
 )
@@ -79,6 +81,18 @@ MAX_WORLD = 1 << 20
 POLL_S = (
     0.02  # how often the tokenizer manager asks the schedulers how far receiving is
 )
+
+
+def receive_bound_s(timeout_s: float) -> float:
+    """How long the tokenizer manager polls an update bounded by ``timeout_s`` before it
+    gives the receive up: its thread waits at most ``timeout_s`` for the trainer's header
+    (the trainer sends as it asks), then its rounds until every region landed or the
+    staging is full, each wait bounded by ``timeout_s``; a receive not done by then is
+    stuck where no bound reaches (NCCL's first communicator init blocks the host) or fed
+    by a trainer that stopped sending."""
+    return 2 * timeout_s + GRACE_S
+
+
 # Per engine TP rank in the reply: bytes received and the least any plan could receive (the
 # rank's parameters' bytes: it holds none of the trainer's data), the staging peak, and
 # microseconds spent receiving (while serving) and writing (in the pause).

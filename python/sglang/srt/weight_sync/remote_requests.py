@@ -8,7 +8,9 @@ the schedulers. ``update_weights_remote`` walks one update through its steps
    staging; generation goes on with the old weights;
 2. ``status`` every ``POLL_S``, without the lock, until every TP rank has received all of
    its regions (or filled its staging), or one failed (then nothing was written: the old
-   weights serve on);
+   weights serve on), at most ``receive_bound_s(timeout_s)`` in all: past that the receive
+   is aborted and the update refused (``REFUSED``), so that a receive stuck where no wait's
+   bound reaches never holds the update, or its caller, for ever;
 3. ``apply`` under the writer lock (generation waits, as for any SGLang weight update):
    the schedulers write the staged regions between batches, and stream the rest if the
    staging was too small. The time from asking for the lock to releasing it is the
@@ -47,6 +49,7 @@ from sglang.srt.weight_sync.remote_protocol import (
     UpdateStep,
     join_problems,
     leave_problems,
+    receive_bound_s,
     remote_reply,
     update_problems,
 )
@@ -150,14 +153,27 @@ async def update_weights_remote(manager, obj) -> dict:
         )
 
     started = time.monotonic()
+    receiving = receive_bound_s(obj.timeout_s)
     try:
         out = await step(UpdateStep.RECEIVE)
         while out.success and out.state != ReceiveState.DONE.name.lower():
+            if time.monotonic() - started > receiving:
+                break
             await asyncio.sleep(POLL_S)
             out = await step(UpdateStep.STATUS)
     except TimeoutError as e:
         return remote_reply(False, str(e))
     receive_s = time.monotonic() - started
+    if out.success and out.state != ReceiveState.DONE.name.lower():
+        message = (
+            f"{REFUSED}remote weight update {obj.update_id or obj.group_name!r}: receiving "
+            f"did not end within {receiving:g}s (2 * timeout_s={obj.timeout_s:g} + grace; "
+            f"the TP ranks' state: {out.state}); the receive is aborted and the update "
+            "will not be applied, the old weights serve on"
+        )
+        logger.error("%s", message)
+        await _abort(step)
+        return remote_reply(False, message, None, receive_s=receive_s)
     if not out.success:
         await _abort(step)
         return remote_reply(False, out.message, out, receive_s=receive_s)
