@@ -52,7 +52,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
     # an update while the weights are released is refused; the next one succeeds
     steps += [("released", "fsdp", 21), ("verl", "fsdp", 22)]
     model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
-    last_good = None
+    last_good, dropped = None, None
     for record in records[1:]:
         kind, arg, seed = record["step"]
         if kind == "memory":
@@ -60,6 +60,10 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                 record["generation"] == last_good["generation"]
                 and record["checksums"] == last_good["checksums"]
             )
+            # the release drops every rank's data group; the next update makes a new one
+            assert record["data_group_released"] == [None] * tp, record
+            dropped = record["data_group_before"]
+            assert len(dropped) == tp and (tp == 1 or None not in dropped), dropped
         elif kind == "released":
             assert (
                 record["success"] is False and WEIGHTS_RELEASED in record["message"]
@@ -96,6 +100,15 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
             check_update(record, model_dir, config, seed, tp, prompts)
             check_phases(record, tp, first=record is records[1])
             last_good = record
+            if dropped is not None and any(
+                dropped
+            ):  # the first update after the release
+                made = record["data_group"]
+                assert None not in made and not set(made) & set(dropped), (
+                    dropped,
+                    made,
+                )
+                dropped = None
 
 
 def check_phases(record: dict, tp: int, first: bool) -> None:

@@ -14,9 +14,10 @@ Every trainer process runs with ``full_tensor``, ``gather_object`` and
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -217,6 +218,17 @@ def checksums(engine) -> Dict[int, Dict[str, str]]:
     }
 
 
+def _data_groups(verl, leader: bool, groups_dir: str) -> Optional[List]:
+    """The name of every engine TP rank's data group (None where it holds none), on the
+    engine's leader rank (None elsewhere): a new group has a new name."""
+    if not leader:
+        return None
+    tag = f"groups-{time.monotonic_ns()}"
+    verl._engine.collective_rpc("test_dump_data_group", tag=tag)
+    names = sorted(f for f in os.listdir(groups_dir) if f.startswith(tag + "."))
+    return [json.load(open(os.path.join(groups_dir, f))) for f in names]
+
+
 def _forbidden_calls(log_dir: str) -> int:
     """Calls of full_tensor/gather_object/all_gather_object recorded so far by any process."""
     return sum(
@@ -353,6 +365,9 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     os.environ["SGLANG_TEST_FORBIDDEN_LOG"] = job[
         "forbidden_log"
     ]  # read by the engine's processes (sitecustomize)
+    groups_dir = job["forbidden_log"] + "-groups"  # each rank's data group, by step
+    os.makedirs(groups_dir, exist_ok=True)
+    os.environ["SGLANG_TEST_PARAM_PTRS"] = groups_dir  # (sitecustomize)
     if tp > 1:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
@@ -406,7 +421,10 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             elif (
                 kind == "memory"
             ):  # VerlEngine's other duties: the same model must come back
+                # the data group (NCCL's buffers) goes with the released memory
+                record["data_group_before"] = _data_groups(verl, leader, groups_dir)
                 verl.release_memory_occupation()
+                record["data_group_released"] = _data_groups(verl, leader, groups_dir)
                 verl.resume_memory_occupation()
                 verl.flush_cache()
                 record["success"] = True
@@ -491,6 +509,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             record["generation"] = generate()
             if leader:
                 record["checksums"] = checksums(verl._engine)
+            record["data_group"] = _data_groups(verl, leader, groups_dir)
             dist.barrier()  # every engine's weight checker (it gathers) is done before the next step counts
             records.append(record)
     finally:

@@ -27,7 +27,9 @@ parameters' checksums there (``_checksums_to``).
 
 When ``SGLANG_TEST_PARAM_PTRS`` names a directory, the scheduler gains
 ``test_dump_param_ptrs(tag)`` (called through ``Engine.collective_rpc``): each rank writes its
-live parameters' ``data_ptr``s there, so a test can check an update wrote in place.
+live parameters' ``data_ptr``s there, so a test can check an update wrote in place; and
+``test_dump_data_group(tag)``: each rank writes the name of its weight sync's data group
+(null when it holds none), so a test can tell a new group from the old one.
 
 Each hook is installed when its variable is set (``install()``, at startup) and reads the
 variable when called. A scheduler or detokenizer forked from its launching process's zygote
@@ -272,8 +274,23 @@ def _install_param_ptrs() -> None:
         with open(path, "w") as out:
             _json.dump(ptrs, out)
 
+    def _dump_data_group(self, tag: str) -> None:
+        """``Engine.collective_rpc("test_dump_data_group", tag=...)``: each rank writes
+        ``<dir>/<tag>.rank<R>.json``, the name of its weight sync's data group, or null."""
+        from sglang.srt.weight_sync.sglang_compat import tp_state
+
+        sync = getattr(self.tp_worker, "_weight_sync", None)
+        data = getattr(sync, "_data", None)
+        name = data.group.group_name if data is not None else None
+        path = os.path.join(
+            os.environ["SGLANG_TEST_PARAM_PTRS"], f"{tag}.rank{tp_state().rank}.json"
+        )
+        with open(path, "w") as out:
+            _json.dump(name, out)
+
     def _add_ptr_dump(module):
         module.Scheduler.test_dump_param_ptrs = _dump_param_ptrs
+        module.Scheduler.test_dump_data_group = _dump_data_group
 
     _on_import("sglang.srt.managers.scheduler", _add_ptr_dump)
 

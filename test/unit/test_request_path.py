@@ -764,6 +764,28 @@ def _dispatcher(m, log):
     return with_implicit_sessions(inner, m)
 
 
+def test_release_of_memory_drops_the_data_group_after_sglangs_release(
+    manager, monkeypatch
+):
+    """0.5.23: the memory saver's release, through the scheduler's dispatcher, runs SGLang's
+    own release, then drops the weight sync's data group (NCCL's buffers are not the
+    saver's); an engine that never updated has none to drop."""
+    m, log = manager
+    monkeypatch.setattr(
+        type(m),
+        "release_memory_occupation",
+        lambda self, req: log.append(("release", req)) or "released",
+    )
+    req = io.ReleaseMemoryOccupationReqInput()
+    assert _dispatcher(m, log)(req) == "released"  # no weight sync yet: nothing to drop
+    assert log == [("release", req)]
+    m.tp_worker._weight_sync = SimpleNamespace(
+        drop_data_group=lambda: log.append(("drop_data_group",))
+    )
+    assert _dispatcher(m, log)(req) == "released"
+    assert log[1:] == [("release", req), ("drop_data_group",)]
+
+
 def test_update_without_session_runs_in_a_one_shot_session(manager):
     m, log = manager
     m._session = None

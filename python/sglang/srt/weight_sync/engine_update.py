@@ -114,6 +114,7 @@ __all__ = (
     "engine_targets",
     "header_bound",
     "receive_shards",
+    "release_data_group",
     "update_from_payload",
 )
 
@@ -700,6 +701,17 @@ def receive_shards(recv_req, owner) -> ReceivedShards:
     """Step 1 on this TP rank, with the weight sync ``owner`` keeps (the tp worker, or the
     model runner on older releases: both hold the model's config)."""
     return EngineWeightSync.of(owner).receive(recv_req, owner.model_config)
+
+
+def release_data_group(owner) -> None:
+    """SGLang's memory saver released the engine's memory (``release_memory_occupation``):
+    the weight sync's data group goes too (``drop_data_group``: NCCL's communicator and its
+    buffers on the GPU, which the memory saver does not hold); the next update that executes
+    a plan makes a new one on every TP rank. ``owner``: what keeps the weight sync, as for
+    ``receive_shards``; nothing happens where no update ran."""
+    sync = getattr(owner, "_weight_sync", None)
+    if sync is not None:
+        sync.drop_data_group()
 
 
 def header_bound(targets: Optional[DerivedTargets]) -> HeaderBound:

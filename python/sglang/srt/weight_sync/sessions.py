@@ -13,7 +13,9 @@ An update sent inside an explicit session runs in it, unchanged.
 A distributed update (ours, or the tensor path's reserved ``load_format``) that arrives
 while the memory saver has released the weights is refused here, before any session,
 payload or collective, on every TP rank alike (the released tags are replicated): the
-engine keeps serving, and nothing writes into released memory.
+engine keeps serving, and nothing writes into released memory. The release itself passes
+here too (0.5.23): after SGLang's own, the weight sync's data group is dropped
+(``release_with_data_group``), so that NCCL's buffers go with the engine's memory.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 __all__ = (
     "SESSION_UPDATES",
     "refusal_while_released",
+    "release_with_data_group",
     "run_in_session",
     "with_implicit_sessions",
 )
@@ -102,7 +105,9 @@ def run_in_session(manager, update, recv_req):
 
 
 def with_implicit_sessions(dispatcher, manager):
-    """The scheduler's dispatcher with each update in ``SESSION_UPDATES`` run through ``run_in_session``."""
+    """The scheduler's dispatcher with each update in ``SESSION_UPDATES`` run through
+    ``run_in_session``, and the memory saver's release dropping the weight sync's data group
+    (``release_with_data_group``)."""
     from sglang.srt.managers import io_struct
     from sglang.utils import TypeBasedDispatcher
 
@@ -114,6 +119,24 @@ def with_implicit_sessions(dispatcher, manager):
             )
             for req, method in SESSION_UPDATES.items()
         ]
+        + [
+            (
+                io_struct.ReleaseMemoryOccupationReqInput,
+                functools.partial(release_with_data_group, manager),
+            )
+        ]
     )
     wrapped += dispatcher  # every other request type, handled as before
     return wrapped
+
+
+def release_with_data_group(manager, recv_req):
+    """SGLang's ``release_memory_occupation`` (0.5.23's weight-updater manager), then the
+    weight sync's data group dropped on this TP rank (``engine_update.release_data_group``):
+    NCCL's buffers go with the engine's memory. Older releases call the latter from their
+    scheduler's own release (patch 0007)."""
+    from sglang.srt.weight_sync.engine_update import release_data_group
+
+    out = manager.release_memory_occupation(recv_req)
+    release_data_group(manager.tp_worker)
+    return out
