@@ -162,24 +162,7 @@ class _Evil:
 def test_garbage_and_blocked_pickles_pushed_into_the_socket(engine, baseline):
     import pickle
 
-    from sglang.srt.weight_sync.source_layout import MeshSpec
-
     eng, _, _ = engine
-    spec = MeshSpec.full((4,), torch.float32, [0, 1]).to_wire()
-
-    def header(update_id, rank):
-        import json
-
-        return json.dumps(
-            {
-                "update_id": update_id,
-                "trainer_rank": rank,
-                "rank_map": [[0, 0], [1, 1]],
-                "tensors": [["model.norm.weight", spec]],
-                "pieces": [],
-            }
-        ).encode()
-
     channel = _channel()
     garbage = [[b"\x00\xffgarbage"], [b"not json", b"x"], [b'{"update_id": 1}', b"x"]]
     threads = [_push_when_bound(channel, r, garbage) for r in range(TP)]
@@ -189,7 +172,7 @@ def test_garbage_and_blocked_pickles_pushed_into_the_socket(engine, baseline):
     ), message
     assert "malformed message" in message and took < 3 + 5
     channel = _channel()
-    evil = [[header("evil", r), pickle.dumps(_Evil())] for r in range(TP)]
+    evil = [[_header("evil", r), pickle.dumps(_Evil())] for r in range(TP)]
     threads += [_push_when_bound(channel, r, [evil[r]]) for r in range(TP)]
     success, message, took = update(eng, channel, "evil", timeout_s=10)
     assert not success and "cannot read the shards of trainer rank 0" in message, (
@@ -387,12 +370,15 @@ def _header(update_id, rank, **fields) -> bytes:
 
     from sglang.srt.weight_sync.source_layout import MeshSpec
 
-    spec = MeshSpec.full((4,), torch.float32, [0, 1]).to_wire()
+    shape, dtype, mesh, placements = MeshSpec.full(
+        (4,), torch.float32, [0, 1]
+    ).to_wire()
     header = {
         "update_id": update_id,
         "trainer_rank": rank,
         "rank_map": [[0, 0], [1, 1]],
-        "tensors": [["model.norm.weight", spec]],
+        "meshes": [mesh],  # a layout names its mesh by index (protocol.encode_header)
+        "tensors": [["model.norm.weight", [shape, dtype, 0, placements]]],
         "pieces": [],
         **fields,
     }
