@@ -366,6 +366,8 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
         "forbidden_log"
     ]  # read by the engine's processes (sitecustomize)
     groups_dir = job["forbidden_log"] + "-groups"  # each rank's data group, by step
+    # whose data group every step records: jobs that release the engine's memory
+    tracks_groups = any(step[0] == "memory" for step in job["steps"])
     os.makedirs(groups_dir, exist_ok=True)
     os.environ["SGLANG_TEST_PARAM_PTRS"] = groups_dir  # (sitecustomize)
     if tp > 1:
@@ -509,7 +511,8 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             record["generation"] = generate()
             if leader:
                 record["checksums"] = checksums(verl._engine)
-            record["data_group"] = _data_groups(verl, leader, groups_dir)
+            if tracks_groups:  # (through Engine.collective_rpc: not the HTTP adapter)
+                record["data_group"] = _data_groups(verl, leader, groups_dir)
             dist.barrier()  # every engine's weight checker (it gathers) is done before the next step counts
             records.append(record)
     finally:
