@@ -1,7 +1,8 @@
 """Deliver: each trainer rank hands only its own shards to the engine rank beside it.
 
 The channel is a private directory (mode 0700, named ``sglang-weights-*``)
-holding one ZeroMQ ``ipc://`` socket per engine TP rank. A channel is an
+holding one ZeroMQ ``ipc://`` socket per engine TP rank for messages (and one datagram
+socket for shared-memory segments, below). A channel is an
 identity, not a string: it is resolved (``realpath``) and checked before any
 socket is bound or connected, so every spelling of one directory is one
 channel. A trainer rank PUSHes one two-part message: a JSON header (the update

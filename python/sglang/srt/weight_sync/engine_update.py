@@ -908,7 +908,7 @@ def _published_layout_step(
     if not problems:
         problems += [
             f"engine rank {rank}: tensor {name!r}: the buffer from trainer rank {payload.trainer_rank} holds "
-            "NaN or inf values (refused: see docs/usage.md)"
+            "NaN or inf values (refused: an update never writes non-finite weights)"
             for name in nonfinite_buffers(wanted, payload.tensors)
         ]
     return _LocalStep(problems, copy)
@@ -985,7 +985,7 @@ def _sources(
     if bad:
         raise ValueError(
             f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
-            "values (refused: see docs/usage.md)"
+            "values (refused: an update never writes non-finite weights)"
         )
     return sources, payload.tensors
 

@@ -5,7 +5,8 @@
 * The request (``UpdateWeightsDistributedReqInput``): its checks, the flags it shares
   with the tensor path, and the control dict it becomes on the tensor path's reserved
   ``load_format`` (``DISTRIBUTED_LOAD_FORMAT``).
-* The channel: a private directory with one ``ipc://`` socket per engine TP rank.
+* The channel: a private directory with two sockets per engine TP rank (``socket_path``
+  for messages, ``segment_socket_path`` for shared-memory segments).
 * The payload a trainer rank sends the engine rank beside it: its ``PayloadKind`` and the
   JSON header that describes it, checked before anything is decoded.
 * The reply: upstream's ``success``/``message``, per-rank ``FIGURES``, ``mixed``, and

@@ -452,7 +452,7 @@ class RemoteEngineSync:
             if mine.result is not None and mine.staging.nonfinite:
                 error = (
                     f"{mine.group.who}: the regions received hold NaN or inf values "
-                    "(refused: see docs/usage.md)"
+                    "(refused: an update never writes non-finite weights)"
                 )
         before = self.control.share_problems(
             [error] if error else [],

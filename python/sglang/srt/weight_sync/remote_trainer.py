@@ -495,7 +495,7 @@ class RemoteSync:
 
     def _finite_problems(self, local: Mapping[str, torch.Tensor]) -> List[str]:
         return [
-            f"trainer rank {self.rank}: tensor {name!r} holds NaN or inf values (refused: "
-            "see docs/usage.md)"
+            f"trainer rank {self.rank}: tensor {name!r} holds NaN or inf values "
+            "(refused: an update never writes non-finite weights)"
             for name in nonfinite_tensors(local)
         ]
