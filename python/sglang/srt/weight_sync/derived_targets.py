@@ -408,7 +408,7 @@ def _leaf_pieces(box: Box, src: Leaf, out: List[Piece]) -> bool:
     return True
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4096)
 def _piece_shape(sizes: Tuple[int, ...], L: Tuple[Tuple[int, ...], ...]):
     """How a box of ``sizes`` written through the leaf map ``L`` becomes pieces, which depends
     on neither offset (cached: a rank's many entries come in a few dozen shapes):
