@@ -585,6 +585,7 @@ class EngineWeightSync:
                         found.params,
                         group=data,
                         timeout_s=bound,
+                        checked=True,  # _validate checked them; the ranks agreed on it
                     )
                     clock.add(Phase.APPLY, stats.copy_seconds)
             except PeerLost:
