@@ -2,12 +2,12 @@
 
 ``python -m benchmark.weight_sync.derive_dsv3 [--tp 8] [--ep 1] [--json]`` publishes an
 engine layout (TP, MoE EP) the way SGLang's test helpers do, then runs the engine's own
-code (``target_cache``) in this process, phase by phase:
+code (``derive.target_cache``) in this process, phase by phase:
 
 * ``first, rank r``: what engine rank r pays on the first update with an empty disk cache:
   ``own_rank_record`` (checkpoint names/shapes from the HF model on meta, the rank's model
   built on meta and loaded by SGLang's loaders under the recorder, each kind of repeated
-  layer once (``repeated_layers``), its disk entry written).
+  layer once (``derive.repeated_layers``), its disk entry written).
   In an engine every TP rank does this at the same time for its own rank; here the ranks
   run one after another, each measured alone (time, peak RSS of the process, growth of RSS);
 * ``first, assemble``: every rank's record decoded into the engine's targets (what follows
@@ -121,7 +121,7 @@ def _engine_context(model_dir: Path, cache: Path, tp: int, ep: int):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.runtime_context import get_context
-    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.derive import target_cache
 
     os.environ[target_cache.CACHE_DIR_ENV] = str(cache)
     installed = get_context().override_server_args(tp_size=tp, ep_size=ep)
@@ -137,7 +137,7 @@ def _concurrent_rank(
     rank: int, args, model_dir: Path, cache: Path, start, done
 ) -> None:
     _, model_config = _engine_context(model_dir, cache, args.tp, args.ep)
-    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.derive import target_cache
 
     start.wait()
     record = target_cache.own_rank_record(model_config, rank)
@@ -148,7 +148,7 @@ def _concurrent(args, work: Path, parallel) -> None:
     """Every rank in its own process, deriving at the same time (see the module's text)."""
     import multiprocessing as mp
 
-    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.derive import target_cache
 
     ctx = mp.get_context("spawn")
     start, done = ctx.Barrier(args.tp + 1), ctx.Queue()
@@ -202,7 +202,7 @@ def _floor(args, model_config) -> None:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from sglang.srt.weight_sync import derived_targets
+    from sglang.srt.weight_sync.derive import derived_targets
     from sglang.srt.weight_sync.sglang_compat import original_hf_config
     from sglang.srt.weight_sync.target_layout import paused_gc
 
@@ -352,7 +352,7 @@ def main() -> None:
         work / "model", work / "cache", args.tp, args.ep
     )
     from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.derive import target_cache
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
     par = get_parallel()

@@ -8,7 +8,7 @@ engine ``e``'s TP rank ``t`` at group rank ``N + e*T + t``. Every move crosses t
 Designs compared:
 
 * ``weight-sync group`` (ours): every rank plans only its own moves
-  (``rank_plan.plan_for_rank``, as ``remote_group.SyncGroup.plan`` calls it: one receiver
+  (``rank_plan.plan_for_rank``, as ``remote.group.SyncGroup.plan`` calls it: one receiver
   class per engine TP rank, whose ranks are that TP rank of every engine). Received per
   engine rank = its parameters' bytes (the lower bound: it holds nothing); sent per
   trainer rank from the plans of every engine rank (every move they receive names its

@@ -8,7 +8,7 @@ gate_up), ``QKV`` (fused q/k/v with kv-head replication), ``Vocab``
 into a ``ParamTarget``: the parameter's per-rank shape plus the HF boxes that fill it.
 
 The engine never uses these: it derives its targets from SGLang's own loaders
-(``sglang.srt.weight_sync.derived_targets``). The rules stay here because they are
+(``sglang.srt.weight_sync.derive.derived_targets``). The rules stay here because they are
 pure and build no model, so the simulator describes any model size and rank count
 cheaply, and tests use them (with ``reference_param``) as an oracle independent of
 the derivation. ``test/unit/test_hand_rules.py`` proves them against

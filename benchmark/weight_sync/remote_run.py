@@ -5,7 +5,7 @@ against upstream's broadcast path on the same servers, in one run.
 (``MODEL``), starts two bf16 SGLang HTTP servers of TP 2 on CPU, each in a process tree of
 its own (``test/support/servers.py``), and four FSDP2 fp32 trainer ranks (gloo), which:
 
-* ``weight-sync group``: join once, then ``UPDATES`` updates (``remote_trainer.RemoteSync``:
+* ``weight-sync group``: join once, then ``UPDATES`` updates (``remote.trainer.RemoteSync``:
   every trainer rank sends its own regions, cast to bf16, straight to the engine ranks; the
   servers receive while serving and write in a pause). The first update also hears the
   trainer's layout and plans; it is reported apart.

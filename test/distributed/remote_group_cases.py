@@ -38,8 +38,8 @@ def _setup(rank: int, job: dict, store=None, timeout: float = 60):
     from benchmark.weight_sync.hand_rules import model_targets_from_config
     from sglang.srt.weight_sync.control_plane import open_store
     from sglang.srt.weight_sync.manifest import EngineManifest
-    from sglang.srt.weight_sync.remote_group import SyncGroup
-    from sglang.srt.weight_sync.remote_protocol import Membership
+    from sglang.srt.weight_sync.remote.group import SyncGroup
+    from sglang.srt.weight_sync.remote.protocol import Membership
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
     config = tiny_models.tiny_config("qwen2")
@@ -83,8 +83,8 @@ def weights_of(seed: int):
 
 
 def trainer_part(rank: int, trainers: int, weights, bucket: int, update_id: str):
-    from sglang.srt.weight_sync.remote_group import SyncGroup, TrainerPart
-    from sglang.srt.weight_sync.remote_protocol import UpdateHeader
+    from sglang.srt.weight_sync.remote.group import SyncGroup, TrainerPart
+    from sglang.srt.weight_sync.remote.protocol import UpdateHeader
     from sglang.srt.weight_sync.source_layout import MeshSpec
 
     specs = {
@@ -146,7 +146,7 @@ def remote_group_job(rank: int, world: int, job: dict, store=None) -> dict:
         }
         peak = None
         if job.get("staging"):  # the engine's own staging, drained as its pause does
-            from sglang.srt.weight_sync.remote_engine import (
+            from sglang.srt.weight_sync.remote.engine import (
                 Receive,
                 Staging,
                 write_staged,
@@ -234,8 +234,8 @@ def stalled_join_job(rank: int, world: int, job: dict) -> dict:
     before meeting the others in the store, or after it, before making the epoch's groups,
     as a rank whose address its peers cannot reach); every other rank must fail its join
     within ``timeout``. Epoch 2, every rank again: an update must land bit for bit."""
-    from sglang.srt.weight_sync import remote_group
     from sglang.srt.weight_sync.control_plane import open_store
+    from sglang.srt.weight_sync.remote import group as remote_group
 
     store = open_store("127.0.0.1", job["port"], rank == 0, 60)
     timeout, out = job["timeout"], {}

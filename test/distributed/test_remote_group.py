@@ -2,7 +2,7 @@
 
 Four trainer ranks hold ``Shard(0)`` fp32 shards; two engines of TP 2 (bf16 parameters by
 the hand rules of a tiny Qwen2) are the ranks after them, all in one group made in a TCP
-store (``remote_group.SyncGroup``). Every engine rank must end with SGLang's slicing of the
+store (``remote.group.SyncGroup``). Every engine rank must end with SGLang's slicing of the
 weights bit for bit, receiving exactly its parameters' bytes (its lower bound: it holds
 none of the trainer's data), and every trainer rank must send within 10% of the mean.
 """

@@ -2,7 +2,7 @@
 
 Trainer ranks (a gloo world of their own, ``full_tensor``/``gather_object`` refused) meet
 SGLang HTTP servers started in process trees of their own (``servers.py``) in a
-weight-sync group (``remote_trainer.RemoteSync``): FSDP2-style fp32 ``Shard(0)`` DTensors
+weight-sync group (``remote.trainer.RemoteSync``): FSDP2-style fp32 ``Shard(0)`` DTensors
 (``update_cases.as_layout``) or a real megatron-core ``GPTModel`` at TP 2 x PP 2
 (``megatron_cases``). The trainer's first rank also runs upstream's broadcast path on the
 same servers (``init_weights_update_group`` + ``update_weights_from_distributed``: it
@@ -51,7 +51,7 @@ def fsdp2_model(model_dir, seed: int, world: int):
 
 def group_of(job: dict):
     """This trainer rank's ``RemoteSync`` of the job's group, servers and port."""
-    from sglang.srt.weight_sync.remote_trainer import HttpEndpoint, RemoteSync
+    from sglang.srt.weight_sync.remote import HttpEndpoint, RemoteSync
 
     return RemoteSync(
         job["group"],

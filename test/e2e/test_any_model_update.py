@@ -1,5 +1,5 @@
 """Any model SGLang can load: real CPU engines updated from trainer shards through targets
-derived from SGLang's own loaders (``weight_sync.derived_targets``).
+derived from SGLang's own loaders (``weight_sync.derive.derived_targets``).
 
 Each model runs a TP-2 engine beside two trainer ranks (gathers forbidden) and takes an
 FSDP2 and a Megatron-style update. After each, every engine rank's parameters must equal,

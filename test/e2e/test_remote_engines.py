@@ -1,5 +1,5 @@
 """Trainer ranks update SGLang engines on other GPUs or hosts: every trainer rank sends its
-own shard straight to the engine ranks that need it (``remote_trainer.RemoteSync``).
+own shard straight to the engine ranks that need it (``remote.trainer.RemoteSync``).
 
 Two bf16 HTTP servers of TP 2, each in a process tree of its own, join one weight-sync
 group with the trainer: FSDP2 fp32 over 4 trainer ranks updates both; then a megatron-core

@@ -1,6 +1,6 @@
 """verl 0.9.1's checkpoint-engine registry selects our ``sglang_remote`` backend with no
 verl patch: ``checkpoint_engine.custom_backend_module`` names
-``sglang.srt.weight_sync.verl_checkpoint_engine`` (verl imports it on every worker) and
+``sglang.srt.weight_sync.remote.verl_checkpoint_engine`` (verl imports it on every worker) and
 ``checkpoint_engine.backend=sglang_remote`` picks it.
 
 verl's own code runs: ``CheckpointEngineRegistry`` (import, registration, ``new``,

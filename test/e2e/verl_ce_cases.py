@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 BACKEND = "sglang_remote"
-MODULE = "sglang.srt.weight_sync.verl_checkpoint_engine"
+MODULE = "sglang.srt.weight_sync.remote.verl_checkpoint_engine"
 
 
 def _barrier(directory: Path, name: str, rank: int, world: int, timeout: float = 600):
@@ -133,7 +133,7 @@ def _rollout(rank, actors, world, job, directory):
     from verl.workers.rollout.sglang_rollout import sglang_rollout
     from verl_helpers import ServerActor
 
-    from sglang.srt.weight_sync import remote_endpoints
+    from sglang.srt.weight_sync.remote import endpoints as remote_endpoints
 
     rollout_rank = rank - actors
     host, port = job["url"].removeprefix("http://").split(":")

@@ -1,5 +1,5 @@
 """Two GPUs: a trainer on one GPU updates an engine on the other through a weight-sync group
-whose data group is NCCL (``remote_trainer.RemoteSync``, ``docs/remote.md``).
+whose data group is NCCL (``remote.trainer.RemoteSync``, ``docs/remote.md``).
 
 NCCL refuses two ranks of one communicator on one device, so this needs two GPUs: the
 trainer (this process, a one-rank world on GPU 0) and the engine's TP rank (GPU 1), driven
@@ -68,8 +68,8 @@ def test_a_trainer_on_one_gpu_updates_an_engine_on_another(
     group's NCCL data group: the engine rank receives exactly its parameters' bytes (its
     lower bound: it holds none of the trainer's data), its parameters equal SGLang's own load
     of the same values, and its greedy generation equals a freshly loaded engine's."""
-    from sglang.srt.weight_sync.remote_endpoints import LocalEndpoint
-    from sglang.srt.weight_sync.remote_trainer import RemoteSync
+    from sglang.srt.weight_sync.remote.endpoints import LocalEndpoint
+    from sglang.srt.weight_sync.remote.trainer import RemoteSync
 
     weights = new_weights(model_dir, seed=5)
     params = [(n, t.float().to(DEVICE)) for n, t in sorted(weights.items())]

@@ -24,7 +24,7 @@ def remote_steps_job(rank: int, world: int, job: dict) -> list:
     from update_cases import as_layout, new_weights
 
     from sglang.srt.weight_sync import executor
-    from sglang.srt.weight_sync.remote_trainer import HttpEndpoint
+    from sglang.srt.weight_sync.remote.trainer import HttpEndpoint
 
     mesh = init_device_mesh("cpu", (world,))
     sync = group_of(job)

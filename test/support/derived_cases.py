@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # 3 decoder layers (4 for DeepSeek, whose first is dense): a kind of repeated layer whose middle
-# layer the engine's derivation does not load but renames from the first (``repeated_layers``)
+# layer the engine's derivation does not load but renames from the first (``derive.repeated_layers``)
 _C = dict(hidden_size=64, num_hidden_layers=3, vocab_size=500)
 _ATTN = dict(num_attention_heads=8, num_key_value_heads=2)
 _DSV3 = dict(

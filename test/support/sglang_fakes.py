@@ -7,7 +7,7 @@ SGLang's own weight loaders. The result is SGLang's ground truth for the per-ran
 layout, which ``test_hand_rules.py`` compares with the simulator's hand rules and
 ``test_derived_targets.py`` with the derived targets. Any architecture SGLang's registry
 knows is built the way ``DefaultModelLoader`` builds it (``_initialize_model``). With ``"derive": true`` in a job, the worker also derives the
-rank's targets on meta (``weight_sync.derived_targets``) in the same faked rank.
+rank's targets on meta (``weight_sync.derive.derived_targets``) in the same faked rank.
 
 How TP is faked (the same way SGLang's own tests do it, see
 ``sglang/test/parallel_groups.py``):
@@ -18,7 +18,7 @@ How TP is faked (the same way SGLang's own tests do it, see
 * ``get_parallel().override(...)`` sets every rank (tp, attn_tp, moe_ep, moe_tp,
   pp, ...) with the launcher's formulas (``derive_spawn_ranks``:
   moe_tp_rank = r % (T/EP), moe_ep_rank = r // (T/EP)) and installs fake group
-  objects (``derived_targets.PlacementGroup``) carrying ``rank_in_group``/``world_size``,
+  objects (``derive.derived_targets.PlacementGroup``) carrying ``rank_in_group``/``world_size``,
   which is all that layers read (``get_group_rank_size``). Such a group raises on anything else, so a
   construction path that would need a real collective is reported, not hidden.
 
@@ -212,7 +212,7 @@ def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1, **server_arg
     """Publish a dummy SGLang config for TP ``tp_size`` / EP ``moe_ep_size`` (plus any other
     ``server_args`` fields) and act as ``rank`` with placement-only groups (the same
     ``as_engine_rank`` the engine uses to derive its targets)."""
-    from sglang.srt.weight_sync.derived_targets import as_engine_rank
+    from sglang.srt.weight_sync.derive.derived_targets import as_engine_rank
     from sglang.srt.weight_sync.sglang_compat import parallel_widths, tp_state
 
     with published_layout(tp_size, moe_ep_size, server_args):
@@ -249,7 +249,7 @@ def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
     from sglang.srt import server_args as server_args_module
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import dp_attention
-    from sglang.srt.weight_sync.derived_targets import PlacementGroup
+    from sglang.srt.weight_sync.derive.derived_targets import PlacementGroup
     from sglang.srt.weight_sync.sglang_compat import module_globals
 
     args = object.__new__(server_args_module.ServerArgs)
@@ -469,13 +469,13 @@ def run_job(job: dict, out_path: str) -> None:
     if mode == "default":
         _provide_vllm_rotary_import()
     import sglang.srt.utils as sgl_utils
-    from sglang.srt.weight_sync.derived_targets import (
+    from sglang.srt.weight_sync.derive.derived_targets import (
         build_meta_model,
         checkpoint_layout,
         derive_rank,
         derive_sampled,
     )
-    from sglang.srt.weight_sync.repeated_layers import sample_layers
+    from sglang.srt.weight_sync.derive.repeated_layers import sample_layers
 
     platform = {
         "is_cpu": bool(sgl_utils.is_cpu()),

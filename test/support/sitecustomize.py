@@ -188,7 +188,7 @@ def _install_faults() -> None:
     def _wrap_check(module):
         module.check_provenance = _planted_permutation(module.check_provenance)
 
-    _on_import("sglang.srt.weight_sync.provenance_check", _wrap_check)
+    _on_import("sglang.srt.weight_sync.derive.provenance_check", _wrap_check)
 
     def _die_in_receive(landed):
         """Kill the whole engine (its process group) once engine rank R's staging took its
@@ -208,7 +208,7 @@ def _install_faults() -> None:
     def _wrap_staging(module):
         module.Staging.landed = _die_in_receive(module.Staging.landed)
 
-    _on_import("sglang.srt.weight_sync.remote_engine", _wrap_staging)
+    _on_import("sglang.srt.weight_sync.remote.engine", _wrap_staging)
 
 
 def _install_cpu_engine() -> None:

@@ -110,7 +110,7 @@ SPECS: Dict[str, dict] = {
         norm_topk_prob=True,
         tie_word_embeddings=False,
     ),
-    # Architectures only the derived targets describe (weight_sync.derived_targets).
+    # Architectures only the derived targets describe (weight_sync.derive.derived_targets).
     # Three layers: the engine's derivation loads the first and last, and renames the first for the middle one.
     "mistral": dict(
         model_type="mistral",

@@ -1,4 +1,4 @@
-"""Targets derived from SGLang's own loaders (``weight_sync.derived_targets``) equal SGLang's real load.
+"""Targets derived from SGLang's own loaders (``weight_sync.derive.derived_targets``) equal SGLang's real load.
 
 For every architecture below, every engine TP size T in {1, 2, 4, 8} the model allows
 (MoE models also at EP 2 and 4) and sampled ranks, a worker process acts as engine rank r
@@ -14,7 +14,7 @@ intermediate sizes that do not divide T (8 q / 2 kv heads at T 4 and 8 here): th
 is what the loader writes, so it is in the derived targets as zero boxes.
 
 The targets compared are the engine's derivation, which loads each kind of repeated layer
-once (its first and last layer) and renames the first for the others (``repeated_layers``):
+once (its first and last layer) and renames the first for the others (``derive.repeated_layers``):
 every model here has a kind of 3 layers or more, so its middle layer is one SGLang's
 loaders never saw while deriving; that derivation must also equal loading every layer.
 
@@ -45,8 +45,8 @@ from derived_cases import (
 from benchmark.weight_sync.hand_rules import (  # noqa: E402
     model_targets_from_config,
 )
-from sglang.srt.weight_sync.derived_targets import RankTargets  # noqa: E402
-from sglang.srt.weight_sync.repeated_layers import sample_layers  # noqa: E402
+from sglang.srt.weight_sync.derive.derived_targets import RankTargets  # noqa: E402
+from sglang.srt.weight_sync.derive.repeated_layers import sample_layers  # noqa: E402
 from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
 
 MODES = ("default", "cpu")

@@ -160,8 +160,9 @@ def test_the_groups_made_for_updates_have_timeouts_above_every_bound(monkeypatch
     is checked against the largest bound (``trainer_bound_s(MAX_TIMEOUT_S)``, itself above
     ``MAX_TIMEOUT_S + GRACE_S``): one at or below it is refused, naming the values, before
     any group or rendezvous."""
-    from sglang.srt.weight_sync import engine_update, remote_group
+    from sglang.srt.weight_sync import engine_update
     from sglang.srt.weight_sync.control_plane import check_group_timeout
+    from sglang.srt.weight_sync.remote import group as remote_group
 
     largest = trainer_bound_s(MAX_TIMEOUT_S)
     assert largest > MAX_TIMEOUT_S + GRACE_S

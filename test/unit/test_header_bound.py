@@ -27,7 +27,7 @@ from sglang.srt.weight_sync.protocol import (
     encode_header,
     make_channel,
 )
-from sglang.srt.weight_sync.remote_protocol import (
+from sglang.srt.weight_sync.remote.protocol import (
     HEADER_LIMIT,
     LAYOUT_LIMIT,
     UpdateHeader,

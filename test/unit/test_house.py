@@ -3,7 +3,9 @@
 * only the data plane (``executor``) and the control plane (``control_plane``) call
   ``torch.distributed`` collectives or make groups; ``VerlEngine`` goes through the
   control plane too;
-* the package's modules import each other without a cycle;
+* the package's modules import each other without a cycle; the engine's end and the
+  trainer's end never import each other; nothing outside ``remote/`` imports it, and
+  nothing outside ``derive/`` imports more than the three names its package exports;
 * no module keeps mutable state at module level (``global``, or a lower-case name bound to
   a dict, list or set): state lives on objects with a lifetime;
 * every module says what it exports (``__all__``), and each exported name exists (and so does
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
+from house_ends import ENGINE_END, TRAINER_END
 
 ROOT = Path(__file__).resolve().parents[2] / "python" / "sglang" / "srt"
 PACKAGE = ROOT / "weight_sync"
@@ -55,11 +58,17 @@ MUTABLE_CALLS = {
 }
 
 
+def _module_name(path: Path) -> str:
+    """``engine_update``, ``derive.target_cache``, ``remote`` (a subpackage's ``__init__``)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _modules() -> Dict[str, ast.Module]:
     return {
-        p.stem: ast.parse(p.read_text(), str(p))
-        for p in sorted(PACKAGE.glob("*.py"))
-        if p.stem != "__init__"
+        _module_name(p): ast.parse(p.read_text(), str(p))
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p != PACKAGE / "__init__.py"
     }
 
 
@@ -129,16 +138,21 @@ def test_the_planes_do_call_collectives_and_verl_engine_does_not():
 
 
 def _imports(tree: ast.Module) -> Set[str]:
+    """The package's modules ``tree`` imports, by their names in ``MODULES``: ``from
+    ...weight_sync.remote import engine`` is ``remote.engine``, ``from ...weight_sync.derive
+    import DerivedTargets`` is ``derive``."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             if node.module.startswith(PREFIX + "."):
-                found.add(node.module[len(PREFIX) + 1 :].split(".")[0])
+                module = node.module[len(PREFIX) + 1 :]
+                found.add(module)
+                found |= {f"{module}.{a.name}" for a in node.names}
             elif node.module == PREFIX:
                 found |= {a.name for a in node.names}
         elif isinstance(node, ast.Import):
             found |= {
-                a.name[len(PREFIX) + 1 :].split(".")[0]
+                a.name[len(PREFIX) + 1 :]
                 for a in node.names
                 if a.name.startswith(PREFIX + ".")
             }
@@ -167,6 +181,59 @@ def test_no_import_cycle():
         "engine_update" not in graph["answer_guard"]
         and "engine_update" not in graph["trainer_flow"]
     )
+
+
+def _reach(name: str) -> Set[str]:
+    """Every module of the package that importing ``name`` imports, directly or not."""
+    seen, todo = set(), [name]
+    while todo:
+        for nxt in _imports(MODULES[todo.pop()]) - seen - {name}:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_the_two_ends_never_import_each_other():
+    assert ENGINE_END | TRAINER_END <= set(MODULES), sorted(
+        (ENGINE_END | TRAINER_END) - set(MODULES)
+    )
+    crossing = {
+        name: sorted(_reach(name) & other)
+        for ends, other in ((ENGINE_END, TRAINER_END), (TRAINER_END, ENGINE_END))
+        for name in ends
+        if _reach(name) & other
+    }
+    assert not crossing, f"one end imports the other: {crossing}"
+
+
+def test_the_core_never_imports_remote():
+    core = [n for n in MODULES if n.split(".")[0] != "remote"]
+    reaching = {
+        n: sorted(r for r in _reach(n) if r.split(".")[0] == "remote") for n in core
+    }
+    reaching = {n: r for n, r in reaching.items() if r}
+    assert not reaching, (
+        f"modules outside remote/ import it: {reaching}; remote engines build on the "
+        "core, not the reverse"
+    )
+
+
+def test_derive_is_reached_only_through_its_package():
+    deep = {
+        n: sorted(i for i in _imports(MODULES[n]) if i.startswith("derive."))
+        for n in MODULES
+        if n.split(".")[0] != "derive"
+    }
+    deep = {n: i for n, i in deep.items() if i}
+    assert not deep, (
+        f"modules outside derive/ import its modules {deep}: import the names "
+        "sglang.srt.weight_sync.derive exports"
+    )
+    assert set(_exports(MODULES["derive"])) == {
+        "DerivedTargets",
+        "ProvenanceCheck",
+        "engine_derived_targets",
+    }
 
 
 def _module_state(tree: ast.Module) -> List[str]:
@@ -227,21 +294,47 @@ def _top_level_names(tree: ast.Module) -> Set[str]:
     return names
 
 
+def _exports(tree: ast.Module):
+    """The literal ``__all__`` of ``tree`` (a tuple of ``sorted(_EXPORTS)`` reads the
+    lazy exports' keys), or None."""
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets
+        ):
+            value = n.value
+            if isinstance(value, ast.Call) and ast.unparse(value).startswith("tuple("):
+                return sorted(_lazy_exports(tree))
+            return ast.literal_eval(value)
+    return None
+
+
+def _lazy_exports(tree: ast.Module) -> Dict[str, str]:
+    """A package ``__init__``'s ``_EXPORTS``: name -> the submodule defining it."""
+    for n in tree.body:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets):
+                return ast.literal_eval(n.value)
+    return {}
+
+
 @pytest.mark.parametrize("name", sorted(EXPORTING))
 def test_every_module_declares_what_it_exports(name):
     tree = EXPORTING[name]
-    exported = [
-        n
-        for n in tree.body
-        if isinstance(n, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
-    ]
-    assert exported, f"{name}.py has no __all__"
-    listed = ast.literal_eval(exported[0].value)
+    listed = _exports(tree)
+    assert listed is not None, f"{name}.py has no __all__"
     assert isinstance(listed, (tuple, list)), (
         f"{name}.__all__ is {type(listed).__name__}, not a sequence of names"
     )
-    missing = sorted(set(listed) - _top_level_names(tree))
+    lazy = _lazy_exports(tree)
+    for (
+        exported,
+        module,
+    ) in lazy.items():  # a subpackage's exports, resolved on first use
+        assert exported in _top_level_names(MODULES[f"{name}.{module}"]), (
+            f"{name}._EXPORTS says {module}.py defines {exported!r}; it does not"
+        )
+    missing = sorted(set(listed) - _top_level_names(tree) - set(lazy))
     assert not missing, (
         f"{name}.__all__ lists names the module does not define: {missing}"
     )

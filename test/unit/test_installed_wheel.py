@@ -61,3 +61,35 @@ def test_record_lists_our_files():
         base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     )
     assert digest == entry.hash.value and len(data) == entry.size
+
+
+def test_an_engine_process_does_not_load_the_trainer_end():
+    """What the scheduler's and tokenizer manager's hooks import of ``remote/`` loads none
+    of the trainer's modules (the package's exports resolve on first use), and the trainer's
+    public names still resolve through the package."""
+    import subprocess
+    import sys
+
+    from house_ends import TRAINER_END
+
+    probe = (
+        "import sys\n"
+        "import sglang.srt.weight_sync.remote.engine, sglang.srt.weight_sync.remote.requests\n"
+        "print(sorted(m for m in sys.modules if m.startswith('sglang.srt.weight_sync')))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    assert "sglang.srt.weight_sync.remote.engine" in loaded
+    assert not [m for m in TRAINER_END if f"'sglang.srt.weight_sync.{m}'" in loaded], (
+        loaded
+    )
+
+    from sglang.srt.weight_sync import remote
+    from sglang.srt.weight_sync.remote.trainer import RemoteSync
+
+    assert remote.RemoteSync is RemoteSync

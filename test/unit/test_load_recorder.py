@@ -18,8 +18,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from benchmark.weight_sync.hand_rules import reference_param  # noqa: E402
 from sglang.srt.weight_sync.box import Box  # noqa: E402
-from sglang.srt.weight_sync.derived_targets import entries_to_target  # noqa: E402
-from sglang.srt.weight_sync.load_recorder import (  # noqa: E402
+from sglang.srt.weight_sync.derive.derived_targets import (  # noqa: E402
+    entries_to_target,
+)
+from sglang.srt.weight_sync.derive.load_recorder import (  # noqa: E402
     Const,
     Entry,
     Leaf,

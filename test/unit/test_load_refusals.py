@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.delivery import Payload
-from sglang.srt.weight_sync.derived_targets import (
+from sglang.srt.weight_sync.derive.derived_targets import (
     CheckpointLayout,
     DerivedTargets,
     derive_rank,

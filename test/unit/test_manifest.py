@@ -80,7 +80,7 @@ def test_trainer_ranks_get_the_targets_of_the_engine_rank_beside_them():
 
 
 class _LiveModel:
-    """What ``engine_targets`` reads of a model: its named parameters and buffers."""
+    """What ``EngineLayout.live`` reads of a model: its named parameters and buffers."""
 
     def __init__(self, params):
         self.params = params
@@ -96,8 +96,8 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
     """Every update checks the engine's targets against its live tensors; the manifest (whose
     fingerprint hashes every rank's targets, ~0.6 s at TP 256) is made again only when the
     derived targets or a live dtype change."""
-    from sglang.srt.weight_sync import engine_update
-    from sglang.srt.weight_sync.derived_targets import DerivedTargets
+    from sglang.srt.weight_sync.derive import DerivedTargets
+    from sglang.srt.weight_sync.engine_layout import EngineLayout
 
     rules = model_targets_from_config(CONFIG, EngineParallel(2), torch.float32)
     derived = DerivedTargets(
@@ -110,22 +110,26 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
         t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in derived.for_rank(1)
     }
     model = _LiveModel(live)
-    sync = engine_update.EngineWeightSync(
-        1
-    )  # the engine rank's, which keeps the manifest
+    layout = EngineLayout(1)  # engine rank 1's, which keeps the manifest
 
-    targets, params, manifest = engine_update.engine_targets(model, derived, 1, sync)
+    first_live = layout.live(model, derived)
+    targets, params, manifest = (
+        first_live.targets,
+        first_live.params,
+        first_live.manifest,
+    )
     assert params.keys() == live.keys()
     assert {t.dtype for t in targets.for_rank(1)} == {
         torch.bfloat16
     }  # the live dtype, not the derived one
     assert manifest == EngineManifest.of(targets)
-    again = engine_update.engine_targets(model, derived, 1, sync)
-    assert again[0] is targets and again[2] is manifest
+    again = layout.live(model, derived)
+    assert again.targets is targets and again.manifest is manifest
 
     first = next(iter(live))
     live[first] = live[first].float()  # one parameter now fp32
-    changed_targets, _, changed = engine_update.engine_targets(model, derived, 1, sync)
+    changed_live = layout.live(model, derived)
+    changed_targets, changed = changed_live.targets, changed_live.manifest
     assert changed_targets.dtype_of[first] == torch.float32
     assert changed.fingerprint != manifest.fingerprint and changed == EngineManifest.of(
         changed_targets
@@ -134,5 +138,5 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
         rules.parallel, derived.per_rank, rules.tensor_shapes(), dict(rules.aliases)
     )
     assert (
-        engine_update.engine_targets(model, rederived, 1, sync)[2] is not changed
+        layout.live(model, rederived).manifest is not changed
     )  # another derivation: made anew

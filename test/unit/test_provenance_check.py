@@ -1,4 +1,4 @@
-"""The provenance check (``weight_sync.provenance_check``) runs SGLang's real loaders on the live
+"""The provenance check (``weight_sync.derive.provenance_check``) runs SGLang's real loaders on the live
 model into scratch tensors and refuses derived targets that place data elsewhere.
 
 A worker process per platform (SGLang's CPU engine, and the default platform's generic
@@ -54,13 +54,13 @@ def _worker(mode: str, workdir: Path) -> dict:
 
     if mode == "default":
         sglang_fakes._provide_vllm_rotary_import()
-    from sglang.srt.weight_sync.derived_targets import (
+    from sglang.srt.weight_sync.derive.derived_targets import (
         DerivedTargets,
         build_meta_model,
         checkpoint_layout,
         derive_once_per_layer_kind,
     )
-    from sglang.srt.weight_sync.provenance_check import (
+    from sglang.srt.weight_sync.derive.provenance_check import (
         ProvenanceCheck,
         check_provenance,
         representatives,

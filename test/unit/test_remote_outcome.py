@@ -1,4 +1,4 @@
-"""A remote engine's update has one outcome, as a colocated one (``remote_requests``,
+"""A remote engine's update has one outcome, as a colocated one (``remote.requests``,
 ``outcome``), decided by the tokenizer manager's steps without an engine:
 
 * every step carries the tokenizer manager's own outcome directory (a private channel) and
@@ -22,13 +22,13 @@ import pytest
 from guard_fakes import generation_served
 
 import sglang.srt.managers.io_struct as io
-from sglang.srt.weight_sync import remote_requests
 from sglang.srt.weight_sync.answer_guard import (
     bound_answers,
     refuse_generation_if_unsafe,
 )
 from sglang.srt.weight_sync.outcome import Outcome, decide, record_path
 from sglang.srt.weight_sync.protocol import REFUSED
+from sglang.srt.weight_sync.remote import requests as remote_requests
 
 BOUND_S = 0.2
 
@@ -213,7 +213,7 @@ def test_a_receive_that_never_ends_is_aborted_and_refused_within_its_bound(
     ``receive_bound_s(timeout_s)``, then aborts the receive and refuses the update, naming
     it and the bound (nothing written: the apply step is never sent); the next update's
     receive works."""
-    from sglang.srt.weight_sync import remote_protocol
+    from sglang.srt.weight_sync.remote import protocol as remote_protocol
 
     assert remote_protocol.receive_bound_s(5.0) == 2 * 5.0 + remote_protocol.GRACE_S
     monkeypatch.setattr(remote_requests, "receive_bound_s", lambda timeout_s: 0.3)

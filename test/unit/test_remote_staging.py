@@ -1,7 +1,7 @@
 """A remote engine rank's staging checks each round's regions for NaN/inf as they land, in
 the receiving thread while the engine serves, so that the pause holds only the writes
-(``remote_engine.Staging``); the apply step refuses what it flagged before any write. The
-receiving thread works on the engine rank's GPU (``remote_engine.Receive``)."""
+(``remote.engine.Staging``); the apply step refuses what it flagged before any write. The
+receiving thread works on the engine rank's GPU (``remote.engine.Receive``)."""
 
 import threading
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from sglang.srt.weight_sync.executor import Landing
-from sglang.srt.weight_sync.remote_engine import Receive, Staging
+from sglang.srt.weight_sync.remote.engine import Receive, Staging
 
 
 def _landing(*values) -> Landing:

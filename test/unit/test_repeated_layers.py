@@ -1,4 +1,4 @@
-"""Repeated layers loaded once (``repeated_layers``): what the engine derives equals loading every layer.
+"""Repeated layers loaded once (``derive.repeated_layers``): what the engine derives equals loading every layer.
 
 A toy model's ``load_weights`` does what SGLang's do to a layer, as TP rank 1 of 2: two
 checkpoint tensors stacked into one parameter, each narrowed to the rank's half (the
@@ -16,14 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang.srt.weight_sync.derived_targets import (
+from sglang.srt.weight_sync.derive.derived_targets import (
     CheckpointLayout,
     RankTargets,
     derive_once_per_layer_kind,
     derive_rank,
     derive_sampled,
 )
-from sglang.srt.weight_sync.repeated_layers import (
+from sglang.srt.weight_sync.derive.repeated_layers import (
     LayerKind,
     LayersDiffer,
     layer_of,

@@ -1,7 +1,7 @@
 """Each engine TP rank derives only its own targets, the ranks exchange them, and the cache key says when a derivation is stale.
 
 A worker process (SGLang's default platform, ``sglang_fakes``) publishes a TP 2 layout for a
-tiny DeepSeek-V3-shaped model (MLA, MoE, shared expert) and runs ``target_cache`` as the
+tiny DeepSeek-V3-shaped model (MLA, MoE, shared expert) and runs ``derive.target_cache`` as the
 engine does, with the ranks' exchange played in-process (each rank's bytes, in rank order).
 The per-rank records must equal the generic derivation (``derive_engine_rank``), the
 assembled targets must be every rank's, a restart must read the disk entries without
@@ -59,8 +59,8 @@ def _worker(workdir: Path) -> dict:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
-    from sglang.srt.weight_sync import target_cache
-    from sglang.srt.weight_sync.derived_targets import (
+    from sglang.srt.weight_sync.derive import target_cache
+    from sglang.srt.weight_sync.derive.derived_targets import (
         RankTargets,
         checkpoint_layout,
         derive_engine_rank,
@@ -215,7 +215,7 @@ def _device_and_kernel_keys(key, base):
 
     import torch
 
-    from sglang.srt.weight_sync import target_cache
+    from sglang.srt.weight_sync.derive import target_cache
 
     real_version = importlib.metadata.version
     cuda_names = (

@@ -9,7 +9,7 @@ it goes with them. The hooks call, on every TP rank:
    rank's refusal, shared in step 2.
 2. ``apply_shards(model, model_config, received, recv_req)`` (each selected model
    runner; every rank together): describe the targets from SGLang's own loaders
-   (``target_cache``) and the sources from the payload, validate, then agree on every
+   (``derive.target_cache``) and the sources from the payload, validate, then agree on every
    rank's problems, the delivered tensors and the plan (``control_plane``, one
    all-reduce, bounded by ``timeout_s + GRACE_S``). Any problem on any rank refuses the
    update on every rank before a parameter changes. Then make the data group ready
@@ -25,7 +25,7 @@ The engine never dies of an update: every exception becomes ``success=False`` wi
 message naming the rank; a failure after the commit is ``mixed`` (the reply's field,
 and ``protocol.MIXED`` in its message). The collectives run on a control group of the
 engine's own, made anew on every TP rank after a wait on it failed (``renew_control``).
-Releases before 0.5.23 have a single hook in the model runner: ``update_from_payload``
+Releases before 0.5.23 have a single hook in the model runner: ``tensor_path.update_from_payload``
 runs all three steps and the post-load fixups.
 """
 
@@ -33,23 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.apply import (
-    check_buffers,
-    copy_buffers,
-    nonfinite_buffers,
     nonfinite_tensors,
     refresh_derived,
     release_cached_memory,
-    run_post_load,
     synchronize,
 )
+from sglang.srt.weight_sync.commit_vote import commit_to_write
 from sglang.srt.weight_sync.control_plane import (
     GRACE_S,
     ControlGroup,
@@ -60,10 +56,10 @@ from sglang.srt.weight_sync.control_plane import (
 )
 from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
-from sglang.srt.weight_sync.derived_targets import DerivedTargets
+from sglang.srt.weight_sync.derive import DerivedTargets
+from sglang.srt.weight_sync.engine_layout import EngineLayout
+from sglang.srt.weight_sync.engine_trainer_side import LocalStep, local_step
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
-from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
-from sglang.srt.weight_sync.outcome import Outcome, decide
 from sglang.srt.weight_sync.phase_timing import (
     Count,
     Phase,
@@ -83,24 +79,17 @@ from sglang.srt.weight_sync.protocol import (
     DeliveryError,
     HeaderBound,
     PayloadKind,
-    carried,
     check_timeout,
     request_problems,
-    resolve_channel,
 )
-from sglang.srt.weight_sync.provenance_check import ProvenanceCheck
 from sglang.srt.weight_sync.sglang_compat import (
     field_names,
-    subclass_with_field,
     tp_state,
 )
 from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec
-from sglang.srt.weight_sync.target_cache import engine_derived_targets
-from sglang.srt.weight_sync.trainer_reshard import restrict
+from sglang.srt.weight_sync.target_layout import restrict
 from sglang.srt.weight_sync.wire_dtypes import (
     cast_problems,
-    engine_dtypes,
-    write_dtypes,
 )
 
 __all__ = (
@@ -108,21 +97,14 @@ __all__ = (
     "EngineWeightSync",
     "ReceivedShards",
     "apply_shards",
-    "as_distributed_request",
-    "commit_to_write",
     "end_of_update",
-    "engine_targets",
     "header_bound",
     "receive_shards",
     "release_data_group",
-    "update_from_payload",
 )
 
 logger = logging.getLogger(__name__)
 
-CHANNELS_TOLD = (
-    64  # channels remembered as told of this engine's dtypes (then told again)
-)
 # Checkpoint names SGLang's own loaders skip; trainers may send them.
 IGNORED_SUFFIXES = (
     "rotary_emb.inv_freq",
@@ -173,7 +155,7 @@ class _Validated:
     plan: Optional[Plan] = None
     shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    local_step: Optional[_LocalStep] = None
+    local_step: Optional[LocalStep] = None
 
 
 class EngineWeightSync:
@@ -183,20 +165,13 @@ class EngineWeightSync:
     collectives. ``close()`` releases the sockets; the owner (tp worker or model runner)
     going away releases the rest."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, layout: Optional[EngineLayout] = None) -> None:
         self.rank = rank
         self._receiver: Optional[ShardReceiver] = None
         self.plans = PlanCache()
-        self.targets_memo: Dict[tuple, DerivedTargets] = {}
-        # (derived targets, live dtypes, the targets with them, their manifest): see with_live_dtypes
-        self._layout: Optional[
-            Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
-        ] = None
+        # targets, their provenance check, live dtypes and manifest (shared with remote engines)
+        self.layout = layout if layout is not None else EngineLayout(rank)
         self._data: Optional[DataGroup] = None
-        # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
-        self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
-        # checks each derived targets once, before their first write
-        self.provenance = ProvenanceCheck()
         self._control: Optional[ControlGroup] = None
         # how many control groups this rank made: names them apart (barrier marks in the store)
         self._controls_made = 0
@@ -206,7 +181,8 @@ class EngineWeightSync:
         """The weight sync kept on ``owner``, made on first use."""
         sync = getattr(owner, "_weight_sync", None)
         if sync is None:
-            sync = owner._weight_sync = cls(tp_state().rank)
+            rank = tp_state().rank
+            sync = owner._weight_sync = cls(rank, EngineLayout.of(owner, rank))
         return sync
 
     @property
@@ -341,11 +317,9 @@ class EngineWeightSync:
                 derived, _ = self._derived_targets(
                     model_config, _timeout(recv_req) + GRACE_S
                 )
-            problems = (
-                [recv_req.problem]
-                if isinstance(recv_req, _unreadable_request())
-                else request_problems(recv_req)
-            )
+            # a request whose control payload could not be read carries why (``tensor_path``)
+            unreadable = getattr(recv_req, "problem", None)
+            problems = [unreadable] if unreadable else request_problems(recv_req)
             if problems:
                 return ReceivedShards(
                     self, None, f"engine rank {self.rank}: " + "; ".join(problems)
@@ -391,7 +365,7 @@ class EngineWeightSync:
         with clock.phase(Phase.DESCRIBE):
             derived, problems = self._derived_targets(model_config, bound)
             if derived is not None:
-                problems += self.provenance.problems(model, derived, self.rank)
+                problems += self.layout.provenance_problems(model, derived)
         with clock.phase(Phase.VALIDATE):
             found = (
                 self._validate(model, derived, received, recv_req)
@@ -451,16 +425,14 @@ class EngineWeightSync:
         self, model_config, bound: float
     ) -> Tuple[Optional[DerivedTargets], List[str]]:
         """Every TP rank's derived targets; on every rank, even one without a payload: the
-        first call is collective (``target_cache``)."""
+        first call is collective (``derive.target_cache``)."""
         phase = f"exchanging derived targets with the other TP ranks ({self.control.size} ranks)"
         try:
-            return engine_derived_targets(
+            return self.layout.derived(
                 model_config,
-                self.rank,
                 functools.partial(
                     self.control.share_bytes, timeout_s=bound, phase=phase
                 ),
-                self.targets_memo,
             ), []
         except (ValueError, PeerLost) as e:
             return None, [f"engine rank {self.rank}: {e}"]
@@ -482,13 +454,14 @@ class EngineWeightSync:
         rank, clock = self.rank, received.clock
         try:
             with clock.phase(Phase.DESCRIBE):
-                targets, params, manifest = engine_targets(model, derived, rank, self)
+                live = self.layout.live(model, derived)
+                targets, params, manifest = live.targets, live.params, live.manifest
             if received.payload.kind != PayloadKind.SHARDS:
-                step = _published_layout_step(
+                step = local_step(
                     received.payload, targets, manifest, params, rank, recv_req.channel
                 )
                 return _Validated(step.problems, local_step=step)
-            kept = self.kept_dtypes(manifest, recv_req.channel)
+            kept = self.layout.kept_dtypes(manifest, recv_req.channel)
             sources, shards = _sources(received.payload, targets, kept)
             with clock.phase(Phase.PLAN):
                 needed = {
@@ -628,48 +601,6 @@ class EngineWeightSync:
                 f"({self.control.size} ranks)",
             )
 
-    def with_live_dtypes(
-        self, derived: DerivedTargets, dtype_of: Dict[str, torch.dtype]
-    ) -> Tuple[DerivedTargets, EngineManifest]:
-        """``derived`` with the live dtypes, and its manifest: kept while both stay the same
-        (every update of a run), as making the manifest encodes and hashes every rank's targets."""
-        dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
-        if (
-            self._layout is None
-            or self._layout[0] is not derived
-            or self._layout[1] != dtypes
-        ):
-            targets = dataclasses.replace(derived, dtype_of=dtype_of)
-            self._layout = (derived, dtypes, targets, EngineManifest.of(targets))
-        return self._layout[2], self._layout[3]
-
-    def kept_dtypes(
-        self, manifest: EngineManifest, channel: str
-    ) -> Dict[str, torch.dtype]:
-        """The dtype this engine keeps each HF tensor in (``wire_dtypes``): made once per
-        layout, and written once into each channel for the trainer rank beside this one,
-        which then casts while it copies its shards (a failed write only costs that)."""
-        if self._kept is None or self._kept[0] != manifest.fingerprint:
-            kept = engine_dtypes(manifest.ranks, manifest.aliases)
-            self._kept = (manifest.fingerprint, kept, set())
-        fingerprint, kept, told = self._kept
-        if channel not in told:
-            try:
-                write_dtypes(
-                    resolve_channel(channel, self.rank), self.rank, fingerprint, kept
-                )
-                if len(told) >= CHANNELS_TOLD:
-                    told.clear()
-                told.add(channel)
-            except OSError as e:
-                logger.warning(
-                    "engine rank %d: could not write its dtypes into channel %s: %s",
-                    self.rank,
-                    channel,
-                    e,
-                )
-        return kept
-
     # ---------------------------------------------------------------- step 3
 
     def end(self, recv_req, success: bool, message: str) -> Tuple[bool, str]:
@@ -751,203 +682,6 @@ def end_of_update(
     return success, message
 
 
-def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
-    """The three steps on releases whose model runner is the only hook (0.5.10, 0.5.12): it
-    hands over this rank's control payload; the scheduler then flushes the cache and runs
-    upstream's barrier as for any tensor update. These releases have no weight-update session
-    whose end would run the model's post-load fixups (MLA's w_kc/w_vc from kv_b_proj), so an
-    update that wrote parameters runs them here (``apply.run_post_load``)."""
-    recv_req = _control_request(lambda: own_payload, {})
-    received = receive_shards(recv_req, runner)
-    success, message = apply_shards(
-        runner.model, runner.model_config, received, recv_req
-    )
-    if success and received.payload.kind != PayloadKind.DESCRIBE:
-        try:
-            with received.clock.phase(Phase.REFRESH):
-                run_post_load(runner.model)
-        except Exception as e:  # noqa: BLE001 - every parameter is new, what is computed from them may not be
-            logger.exception(
-                "engine rank %d: the post-load fixups after a distributed weight update failed",
-                received.sync.rank,
-            )
-            success, message = (
-                False,
-                (
-                    f"distributed weight update FAILED after writes on engine rank {received.sync.rank}: "
-                    f"the model's post-load fixups raised {type(e).__name__}: {e}: {MIXED} (parameters "
-                    "new, tensors computed from them old); generation is refused until a distributed "
-                    "weight update succeeds"
-                ),
-            )
-    return end_of_update(received, recv_req, success, message)
-
-
-def as_distributed_request(recv_req, deserialize_own_rank):
-    """The distributed request behind a tensor-path request with the reserved load_format."""
-    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
-
-    common = carried(recv_req, field_names(UpdateWeightsDistributedReqInput))
-    return _control_request(
-        lambda: deserialize_own_rank(recv_req.serialized_named_tensors), common
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _unreadable_request():
-    """The request type for a reserved-format payload that could not be read; carries why."""
-    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
-
-    return subclass_with_field(
-        UpdateWeightsDistributedReqInput,
-        "UnreadableDistributedRequest",
-        "problem",
-        str,
-        "",
-    )
-
-
-def _control_request(read_control, common: dict):
-    """The distributed request from a control payload (``read_control()``) and the flags ``common``.
-    A payload that cannot be read gives a request that every rank refuses together."""
-    from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
-
-    try:
-        own = read_control()
-        if not isinstance(own, dict):
-            raise TypeError(
-                f"the control payload is a {type(own).__name__}, not a dict"
-            )
-        missing = [k for k in ("update_id", "channel") if k not in own]
-        if missing:
-            raise KeyError(f"the control payload lacks {missing}")
-        return UpdateWeightsDistributedReqInput(
-            update_id=own["update_id"],
-            channel=own["channel"],
-            timeout_s=own.get("timeout_s", DEFAULT_TIMEOUT_S),
-            bucket_bytes=own.get("bucket_bytes"),
-            **common,
-        )
-    except Exception as e:  # noqa: BLE001 - garbage, a blocked pickle, missing fields: refuse, never die
-        problem = f"unreadable {DISTRIBUTED_LOAD_FORMAT!r} control payload: {type(e).__name__}: {e}"
-        logger.error(problem)
-        return _unreadable_request()(
-            update_id="", channel="", problem=problem, **common
-        )
-
-
-@dataclass
-class _LocalStep:
-    """A trainer-side update's local work on this rank, run once every rank agreed;
-    ``run`` returns this rank's ``FIGURES`` (the engine itself receives nothing)."""
-
-    problems: List[str]
-    run: Callable[[], Tuple[int, int, int]]
-
-
-def _published_layout_step(
-    payload: Payload,
-    targets: DerivedTargets,
-    manifest: EngineManifest,
-    params,
-    rank: int,
-    channel: str,
-) -> _LocalStep:
-    """ "describe": publish the manifest (nothing is written to the model). "params": check
-    the buffers the trainer planned against this engine's manifest, then copy them in place."""
-    if payload.kind == PayloadKind.DESCRIBE:
-        path = write_manifest(resolve_channel(channel, rank), rank, manifest)
-        logger.info(
-            "engine rank %d: published the engine layout %s at %s",
-            rank,
-            manifest.fingerprint[:12],
-            path,
-        )
-        return _LocalStep([], lambda: (0, 0, 0))
-    if payload.fingerprint != manifest.fingerprint:
-        return _LocalStep(
-            [
-                f"engine rank {rank}: the trainer planned against engine layout {payload.fingerprint[:12]!r}, "
-                f"the engine's is now {manifest.fingerprint[:12]!r} (the trainer re-reads it on the next update)"
-            ],
-            lambda: (0, 0, 0),
-        )
-    not_copied = sorted(
-        n for n in payload.names if targets.aliases.get(n, n) in targets.not_copied
-    )
-    if not_copied:
-        name = not_copied[0]
-        return _LocalStep(
-            [
-                f"engine rank {rank}: tensor {name!r} is not a copy in SGLang's loader: "
-                f"{targets.not_copied[targets.aliases.get(name, name)]}"
-            ],
-            lambda: (0, 0, 0),
-        )
-    wanted = [
-        t
-        for t in restrict(targets.for_rank(rank), payload.names, targets.aliases)
-        if t.name in payload.tensors
-    ]
-    unknown = sorted(set(payload.tensors) - {t.name for t in wanted})
-    problems = (
-        [
-            f"engine rank {rank}: buffers {unknown[:3]} are not parameters this update fills"
-        ]
-        if unknown
-        else []
-    )
-
-    def copy() -> Tuple[int, int, int]:
-        copied = copy_buffers(params, wanted, payload.tensors)
-        logger.info(
-            "engine rank %d: trainer-side update, copied %d bytes locally", rank, copied
-        )
-        return 0, 0, 0
-
-    problems += check_buffers(params, wanted, payload.tensors, rank)
-    if not problems:
-        problems += [
-            f"engine rank {rank}: tensor {name!r}: the buffer from trainer rank {payload.trainer_rank} holds "
-            "NaN or inf values (refused: an update never writes non-finite weights)"
-            for name in nonfinite_buffers(wanted, payload.tensors)
-        ]
-    return _LocalStep(problems, copy)
-
-
-def engine_targets(
-    model: torch.nn.Module, targets: DerivedTargets, rank: int, sync: EngineWeightSync
-) -> Tuple[DerivedTargets, Dict[str, torch.Tensor], EngineManifest]:
-    """This engine's targets, derived from SGLang's own loaders (``target_cache``), checked
-    against the live tensors of ``rank``.
-
-    Returns the targets (with each parameter's live dtype), this rank's tensors by
-    name, and the engine's manifest of those targets. A live tensor that differs from its
-    derived shape means the engine was not built the way the derivation rebuilt it: refuse.
-    """
-    live = dict(model.named_parameters())
-    live.update((n, b) for n, b in model.named_buffers() if n not in live)
-    params: Dict[str, torch.Tensor] = {}
-    for target in targets.for_rank(rank):
-        param = live.get(target.name)
-        if param is None:
-            raise ValueError(
-                f"the model has no parameter {target.name!r} that SGLang's loader writes on rank {rank}"
-            )
-        if tuple(param.shape) != target.shape:
-            raise ValueError(
-                f"parameter {target.name!r} has shape {tuple(param.shape)} on rank {rank}, "
-                f"SGLang's loader (derived on meta) writes {target.shape}"
-            )
-        params[target.name] = (
-            param.data
-        )  # written in place: CUDA graphs hold this storage
-    live_targets, manifest = sync.with_live_dtypes(
-        targets, {n: p.dtype for n, p in params.items()}
-    )
-    return live_targets, params, manifest
-
-
 def _sources(
     payload: Payload,
     targets: DerivedTargets,
@@ -989,76 +723,6 @@ def _sources(
             "values (refused: an update never writes non-finite weights)"
         )
     return sources, payload.tensors
-
-
-def commit_to_write(
-    control: ControlGroup, rank: int, channel, update_id: str, bound: float
-) -> Tuple[Optional[str], bool]:
-    """The last step before the first write, on every TP rank of ``control``: (None, False)
-    to write, else why not and whether the weights may be mixed.
-
-    Engine rank 0 records in ``channel`` that the update is being applied, unless the
-    tokenizer manager has recorded that it gave up on it (``outcome``): an update whose
-    caller was told it failed is never applied later. Then one all-reduce: every rank writes
-    only if rank 0 committed and all hold the same update (a rank left behind by a fault may
-    be a whole update late). A rank whose wait fails here has voted, and a peer that comes
-    late completes the vote with it and writes: from here on, a failure says the weights are
-    mixed, whatever this rank wrote itself. The colocated path and remote engines
-    (``remote_engine``) both commit so.
-
-    A round trip of its own, after the agreement's: folded into that one, rank 0 would
-    record the commit before it knew that every rank is ready, so a rank stalled before the
-    agreement would leave an update committed that the tokenizer manager could otherwise
-    abandon cleanly, and a lost agreement would say mixed instead of refused."""
-    why = _claim(rank, channel, update_id) if rank == 0 else None
-    vote = 0 if why else _update_digest(update_id)
-    try:
-        agreed = control.all_equal(
-            vote, bound, f"engine rank {rank}: committing to write update {update_id!r}"
-        )
-    except PeerLost as e:
-        return (
-            f"distributed weight update FAILED on engine rank {rank} as the TP ranks "
-            f"committed to write ({e}): another rank may have begun writing, so {MIXED} as "
-            "far as anyone can tell (some parameters new, some old); generation is refused "
-            "until a distributed weight update succeeds"
-        ), True
-    if agreed and vote:
-        return None, False
-    return REFUSED + (
-        why
-        or f"engine rank {rank}: the TP ranks did not all commit to update "
-        f"{update_id!r} (engine rank 0 records its outcome, see its answer)"
-    ), False
-
-
-def _claim(rank: int, channel, update_id: str) -> Optional[str]:
-    """Rank 0: record that ``update_id`` is being applied; why not, or None."""
-    try:
-        recorded = decide(channel, update_id, Outcome.COMMITTED)
-    except (OSError, ValueError, DeliveryError) as e:
-        return (
-            f"engine rank {rank}: cannot record in its channel that update {update_id!r} "
-            f"is being applied ({type(e).__name__}: {e})"
-        )
-    if recorded is Outcome.ABANDONED:
-        logger.error(
-            "distributed weight update %s: the tokenizer manager gave up on it before the "
-            "engine could apply it: refused",
-            update_id,
-        )
-        return (
-            f"engine rank {rank}: the engine's tokenizer manager had already given up on "
-            f"update {update_id!r} (no answer within its bound: its caller was told it failed), "
-            "so the engine does not apply it"
-        )
-    return None
-
-
-def _update_digest(update_id: str) -> int:
-    """A non-zero 60-bit integer standing for ``update_id`` in the commit vote."""
-    digest = hashlib.sha256(str(update_id).encode("utf-8", "surrogatepass")).hexdigest()
-    return int(digest[:15], 16) | 1
 
 
 def _timeout(recv_req) -> float:

@@ -26,6 +26,7 @@ __all__ = (
     "original_hf_config",
     "parallel_widths",
     "rebind_parameter_aliases",
+    "record_served_weight_version",
     "replace_fields",
     "server_args_dict",
     "settle_weight_update",
@@ -306,7 +307,7 @@ def after_update(model) -> None:
     0.5.23: ``end_weight_update`` (the model's post-load fixups, then each quant method's
     post-processing). Older releases have no session: their own tensor update goes through
     ``model.load_weights``, which runs the model's post-load fixups itself (MLA's w_kc/w_vc), so
-    a distributed update runs those (``engine_update.update_from_payload``) and nothing more."""
+    a distributed update runs those (``tensor_path.update_from_payload``) and nothing more."""
     if _has_runtime_context():
         from sglang.srt.model_loader.loader import post_load_weights
 
@@ -409,3 +410,10 @@ def settle_weight_update(
             "running or queued. Retract or finish them, then call /flush_cache."
         )
     return success, message
+
+
+def record_served_weight_version(manager, version: str) -> None:
+    """Record in the tokenizer manager the weight version its engine now serves, as SGLang's
+    own update handlers do after an update that named one (the private
+    ``_update_weight_version_if_provided`` of every base this package is built on)."""
+    manager._update_weight_version_if_provided(version)

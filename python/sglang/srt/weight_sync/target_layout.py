@@ -3,7 +3,7 @@
 A ``ParamTarget`` is one SGLang parameter on one engine TP rank: its per-rank shape
 and dtype, the ``Piece``s (an HF tensor box landing at ``param[index][offsets...]``)
 that fill it, and zero-filled boxes. The engine derives them from SGLang's own
-loaders (``derived_targets``); the planner, the executor, the manifest and trainer-side
+loaders (``derive.derived_targets``); the planner, the executor, the manifest and trainer-side
 resharding consume them. ``ModelTargets`` is the same description as rules plus the
 engine's ``EngineParallel`` layout (the interface ``DerivedTargets`` shares); the
 simulator's hand-written rules live in ``benchmark/weight_sync/hand_rules.py``.
@@ -11,16 +11,35 @@ simulator's hand-written rules live in ``benchmark/weight_sync/hand_rules.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
+from typing import (
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Set,
+    Tuple,
+)
 
 import torch
 
 from sglang.srt.weight_sync.box import Box
 
-__all__ = ("EngineParallel", "ModelTargets", "ParamTarget", "Piece", "paused_gc")
+__all__ = (
+    "EngineParallel",
+    "ModelTargets",
+    "ParamTarget",
+    "Piece",
+    "paused_gc",
+    "restrict",
+    "restrict_to_names",
+)
 
 
 @contextmanager
@@ -130,3 +149,24 @@ class ModelTargets:
 
     def by_rank(self) -> Dict[int, List[ParamTarget]]:
         return {r: self.for_rank(r) for r in range(self.parallel.tp_size)}
+
+
+def restrict(
+    wanted: Iterable[ParamTarget], delivered: Iterable[str], aliases: Mapping[str, str]
+) -> List[ParamTarget]:
+    """Only the pieces filled from the HF tensors of this update (a trainer may send its
+    weights in batches); a parameter with none of them is left out. Zero fills stay
+    with a parameter that is written."""
+    return restrict_to_names({aliases.get(n, n) for n in delivered}, wanted)
+
+
+def restrict_to_names(
+    names: Set[str], wanted: Iterable[ParamTarget]
+) -> List[ParamTarget]:
+    """``restrict`` for names already resolved through the aliases."""
+    out = []
+    for t in wanted:
+        pieces = tuple(p for p in t.pieces if p.tensor in names)
+        if pieces:
+            out.append(dataclasses.replace(t, pieces=pieces))
+    return out

@@ -844,12 +844,8 @@ async def update_weights_distributed(
     """
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
     from sglang.srt.weight_sync.protocol import as_tensor_request
-    from sglang.srt.weight_sync.remote_endpoints import drive_engine, engine_request
     from sglang.srt.weight_sync.source_layout import LayoutError
 
-    request = engine_request(params_batch)  # a remote group's request, not weights
-    if request is not None:
-        return await drive_engine(engine, request)
     timeout_s = check_timeout(timeout_s)
     mesh = device_mesh[device_mesh_key]
     ranks, group = [int(r) for r in mesh.mesh.tolist()], mesh.get_group()

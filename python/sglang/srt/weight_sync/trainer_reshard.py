@@ -12,7 +12,6 @@ which only copies them into its parameters (no second round of communication).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import (
@@ -46,7 +45,11 @@ from sglang.srt.weight_sync.planner import (
 )
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
-from sglang.srt.weight_sync.target_layout import ParamTarget
+from sglang.srt.weight_sync.target_layout import (
+    ParamTarget,
+    restrict,
+    restrict_to_names,
+)
 
 __all__ = (
     "TrainerPlans",
@@ -54,7 +57,6 @@ __all__ = (
     "chunk_digest",
     "chunks",
     "first_uncovered",
-    "restrict",
     "uncovered",
 )
 
@@ -79,24 +81,6 @@ def first_uncovered(
         if any(uncovered(sources[name], g) for g in groups):
             return name
     return None
-
-
-def restrict(
-    wanted: Iterable[ParamTarget], delivered: Iterable[str], aliases: Mapping[str, str]
-) -> List[ParamTarget]:
-    """Only the pieces filled from the HF tensors of this update (a trainer may send its
-    weights in batches); a parameter with none of them is left out. Zero fills stay
-    with a parameter that is written."""
-    return _restrict({aliases.get(n, n) for n in delivered}, wanted)
-
-
-def _restrict(names: Set[str], wanted: Iterable[ParamTarget]) -> List[ParamTarget]:
-    out = []
-    for t in wanted:
-        pieces = tuple(p for p in t.pieces if p.tensor in names)
-        if pieces:
-            out.append(dataclasses.replace(t, pieces=pieces))
-    return out
 
 
 def chunks(
@@ -257,7 +241,8 @@ class TrainerPlans:
         ):
             names = {manifest.aliases.get(n, n) for n in sources}
             by_name = tuple(
-                {t.name: t for t in _restrict(names, ts)} for ts in manifest.ranks
+                {t.name: t for t in restrict_to_names(names, ts)}
+                for ts in manifest.ranks
             )
             self._targets = (
                 sources,

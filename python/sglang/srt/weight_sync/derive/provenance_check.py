@@ -37,8 +37,8 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang.srt.weight_sync.derived_targets import DerivedTargets
-from sglang.srt.weight_sync.repeated_layers import layer_pattern
+from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
+from sglang.srt.weight_sync.derive.repeated_layers import layer_pattern
 from sglang.srt.weight_sync.sglang_compat import load_synchronously
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
@@ -66,7 +66,7 @@ class ProvenanceMismatch(ValueError):
 
 def representatives(targets: Sequence[ParamTarget]) -> List[ParamTarget]:
     """The first target of each parameter kind: its name with layer numbers blanked
-    (``repeated_layers.layer_pattern``) and its shape."""
+    (``derive.repeated_layers.layer_pattern``) and its shape."""
     first: Dict[Tuple[str, Tuple[int, ...]], ParamTarget] = {}
     for t in targets:
         first.setdefault((layer_pattern(t.name), t.shape), t)

@@ -1,7 +1,7 @@
 """Glue between the RL frameworks' own update paths and a weight-sync group with remote engines.
 
-* verl 0.9.1: ``verl_checkpoint_engine`` registers the ``sglang_remote`` checkpoint
-  engine (its rollout side hands the engines ``remote_endpoints``' engine requests).
+* verl 0.9.1: ``remote.verl_checkpoint_engine`` registers the ``sglang_remote`` checkpoint
+  engine (its rollout side hands the engines ``remote.endpoints``' engine requests).
 * AReaL 1.0.4 (``integrations/areal``): ``areal_sync`` makes the ``RemoteSync`` of an
   ``FSDPEngine`` from its rollout client's server addresses (the first rank's) and its
   weight-update meta.
@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from sglang.srt.weight_sync.remote_endpoints import HttpEndpoint
-from sglang.srt.weight_sync.remote_trainer import RemoteSync
+from sglang.srt.weight_sync.remote.endpoints import HttpEndpoint
+from sglang.srt.weight_sync.remote.trainer import RemoteSync
 
 __all__ = ("areal_sync",)
 

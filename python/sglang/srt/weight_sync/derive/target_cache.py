@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from sglang.srt.weight_sync.derived_targets import (
+from sglang.srt.weight_sync.derive.derived_targets import (
     DerivedTargets,
     RankTargets,
     checkpoint_layout,

@@ -7,7 +7,7 @@ tensor); those take a fast path (``Transfers.box``) that records exactly what th
 general one (``Transfers.write``: refine the views to affine maps, read the source's
 entries, write the destination's) would.
 
-Notation (see also ``provenance``):
+Notation (see also ``derive.provenance``):
 
 * a view over a storage's canonical shape ``canon`` is ``x = x0 + cols @ i``:
   ``i`` the iteration index of the transfer (``sizes`` per dim ``j``), ``x`` the
@@ -17,7 +17,7 @@ Notation (see also ``provenance``):
 * a *part* is an iteration sub-box (``i0``: its first index, ``sizes``) and what
   it reads; ``x_at`` is the canonical coordinate its first index reads and
   ``span[e]`` how far past it the part reaches along dim ``e``;
-* ``sides`` are views as ``view_geometry.refine`` takes them: (storage offset,
+* ``sides`` are views as ``derive.view_geometry.refine`` takes them: (storage offset,
   strides, canonical shape) each;
 * ``budget``: how many more pieces a view that is no affine map may be cut or
   enumerated into, shared (a one-element list) by the recursion of one transfer.
@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.provenance import (
+from sglang.srt.weight_sync.derive.provenance import (
     Const,
     Entry,
     Fill,
@@ -41,7 +41,7 @@ from sglang.srt.weight_sync.provenance import (
     StorageLog,
     Vec,
 )
-from sglang.srt.weight_sync.view_geometry import (
+from sglang.srt.weight_sync.derive.view_geometry import (
     BoxCopy,
     NotAffine,
     box_copy,

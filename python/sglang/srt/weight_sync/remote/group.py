@@ -1,7 +1,7 @@
 """A weight-sync group spanning the trainer's ranks and remote engines: one rank's view of it.
 
 Both ends use what is here. A ``SyncGroup`` is this process's membership of one epoch of
-the group (``remote_protocol.Membership``): a data group (the epoch's backend: NCCL on
+the group (``remote.protocol.Membership``): a data group (the epoch's backend: NCCL on
 GPUs, gloo on CPUs, a ``DataGroup`` warmed up once) and a gloo control group over the
 same ranks (``ControlGroup``), both made in the trainer's TCP store under the epoch's
 prefix after every rank arrived (``control_plane.meet``: bounded, names who did not).
@@ -17,7 +17,7 @@ the same steps on every rank (``run_update``), each bounded by the update's time
    size of its source layout, the bucket);
 2. members that do not know that source layout (engines, on the first update or after
    the trainer's layout changed) say so in one all-reduce, and then hear it (one
-   broadcast of the specs, ``remote_protocol.layout_wire``);
+   broadcast of the specs, ``remote.protocol.layout_wire``);
 3. every rank plans only its own moves (``rank_plan.plan_for_rank``: trainer ranks what
    they send, engine ranks what they receive), from the same inputs;
 4. every rank's problems are shared (one all-reduce): any problem refuses the update on
@@ -64,7 +64,7 @@ from sglang.srt.weight_sync.manifest import (
 from sglang.srt.weight_sync.planner import CoverageError, Plan, sources_digest
 from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
-from sglang.srt.weight_sync.remote_protocol import (
+from sglang.srt.weight_sync.remote.protocol import (
     HEADER_LIMIT,
     MEMBERSHIP_LIMIT,
     Membership,
@@ -75,7 +75,7 @@ from sglang.srt.weight_sync.remote_protocol import (
     read_layout,
 )
 from sglang.srt.weight_sync.source_layout import LayoutError, SourceLayout
-from sglang.srt.weight_sync.trainer_reshard import restrict
+from sglang.srt.weight_sync.target_layout import restrict
 
 __all__ = (
     "GroupRefusal",

@@ -35,7 +35,7 @@ from typing import (
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.provenance import (
+from sglang.srt.weight_sync.derive.provenance import (
     Const,
     Entry,
     Fill,

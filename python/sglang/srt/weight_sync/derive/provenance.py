@@ -1,7 +1,7 @@
 """Provenance: what the elements the load recorder tracks are made of.
 
 ``LoadRecorder`` keeps, per storage, a write log (``StorageLog``) of ``Entry``s: a
-box of the storage's canonical coordinates (``view_geometry``) and what it holds.
+box of the storage's canonical coordinates (``derive.view_geometry``) and what it holds.
 
 Notation (rows and columns of the integer matrices below):
 
@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.view_geometry import matvec
+from sglang.srt.weight_sync.derive.view_geometry import matvec
 
 __all__ = (
     "Const",

@@ -8,14 +8,14 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
   derivation, provenance check and manifest as the colocated path, ``engine_update``),
   meets every member of the epoch in the trainer's store (rank ``rank_offset + TP rank``),
   hears the membership and publishes the engine's layout (its first TP rank) through the
-  group (``remote_group.SyncGroup``). A group of the same name held from an earlier epoch
+  group (``remote.group.SyncGroup``). A group of the same name held from an earlier epoch
   is released first: an engine that restarted, or whose trainer restarted, just joins.
-* update, in the steps the tokenizer manager sends (``remote_protocol.UpdateStep``):
+* update, in the steps the tokenizer manager sends (``remote.protocol.UpdateStep``):
   ``receive`` starts a thread that takes part in the group's update and receives this
   rank's regions into staging (``Staging``, at most ``staging_bytes``) while the scheduler
   goes on serving; ``status`` tells how far every TP rank is (one small all-reduce over the
   TP group); ``apply``, under the tokenizer manager's writer lock and between batches,
-  commits as the colocated path does (``engine_update.commit_to_write``: engine rank 0
+  commits as the colocated path does (``commit_vote.commit_to_write``: engine rank 0
   records the update's outcome in the directory the tokenizer manager names, so an update
   the tokenizer manager gave up on is never written), writes the staged regions into the live parameters (and streams the rest when the
   staging was too small to hold the rank's share), refreshes what SGLang derives from
@@ -47,17 +47,14 @@ from sglang.srt.weight_sync.apply import (
     run_post_load,
     synchronize,
 )
+from sglang.srt.weight_sync.commit_vote import commit_to_write
 from sglang.srt.weight_sync.control_plane import (
     GRACE_S,
     ControlGroup,
     PeerLost,
     open_store,
 )
-from sglang.srt.weight_sync.engine_update import (
-    EngineWeightSync,
-    commit_to_write,
-    engine_targets,
-)
+from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.executor import (
     Deferred,
     Landing,
@@ -66,13 +63,13 @@ from sglang.srt.weight_sync.executor import (
 )
 from sglang.srt.weight_sync.manifest import ManifestError
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
-from sglang.srt.weight_sync.remote_group import (
+from sglang.srt.weight_sync.remote.group import (
     GroupRefusal,
     SyncGroup,
     UpdateResult,
     check_specs_against,
 )
-from sglang.srt.weight_sync.remote_protocol import (
+from sglang.srt.weight_sync.remote.protocol import (
     DEFAULT_STAGING_BYTES,
     REMOTE_FIGURES,
     ReceiveState,
@@ -88,7 +85,6 @@ from sglang.srt.weight_sync.sglang_compat import (
     tp_state,
     weights_released,
 )
-from sglang.srt.weight_sync.target_cache import engine_derived_targets
 
 __all__ = ("Receive", "RemoteEngineSync", "Staging", "scheduler_step", "write_staged")
 
@@ -221,8 +217,11 @@ class _Member:
 class RemoteEngineSync:
     """One engine TP rank's memberships of weight-sync groups and its update in flight."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, layout: Optional[EngineLayout] = None) -> None:
         self.rank = rank
+        # targets, their provenance check, live dtypes and manifest (shared with the
+        # colocated path: derived and checked once, whichever path updates the engine)
+        self.layout = layout if layout is not None else EngineLayout(rank)
         self.members: Dict[str, _Member] = {}
         self.receiving: Optional[Tuple[str, Receive]] = None
         self._control: Optional[ControlGroup] = None
@@ -231,7 +230,8 @@ class RemoteEngineSync:
     def of(cls, owner) -> RemoteEngineSync:
         sync = getattr(owner, "_remote_weight_sync", None)
         if sync is None:
-            sync = owner._remote_weight_sync = cls(tp_state().rank)
+            rank = tp_state().rank
+            sync = owner._remote_weight_sync = cls(rank, EngineLayout.of(owner, rank))
         return sync
 
     @property
@@ -250,28 +250,26 @@ class RemoteEngineSync:
 
     def join(self, worker, req) -> Tuple[bool, str]:
         """Join epoch ``req.epoch`` of group ``req.group_name`` (every TP rank together);
-        ``worker``: the tp worker, whose ``EngineWeightSync`` the colocated path shares."""
+        ``worker``: the tp worker, which keeps the engine's layout (``EngineLayout``)."""
         runner = worker.model_runner
         problems = join_problems(req)
         if problems:
             return False, f"engine rank {self.rank}: " + "; ".join(problems)
         self.leave_group(req.group_name)
         bound = req.timeout_s + GRACE_S
-        sync = EngineWeightSync.of(worker)
+        layout = self.layout
         derived, problem = None, None
         try:
-            derived = engine_derived_targets(
+            derived = layout.derived(
                 runner.model_config,
-                self.rank,
                 functools.partial(
-                    sync.control.share_bytes,
+                    self.control.share_bytes,
                     timeout_s=bound,
                     phase="exchanging derived targets with the other TP ranks",
                 ),
-                sync.targets_memo,
             )
-            checked = sync.provenance.problems(runner.model, derived, self.rank)
-            _, _, manifest = engine_targets(runner.model, derived, self.rank, sync)
+            checked = layout.provenance_problems(runner.model, derived)
+            manifest = layout.live(runner.model, derived).manifest
             problem = "; ".join(checked) or None
         except Exception as e:  # noqa: BLE001 - published to every member, then refused
             logger.exception("engine rank %d: deriving its targets failed", self.rank)
@@ -369,9 +367,8 @@ class RemoteEngineSync:
             )
         if problems:
             return False, f"{REFUSED}engine rank {self.rank}: " + "; ".join(problems)
-        sync = EngineWeightSync.of(worker)
-        model = worker.model_runner.model
-        targets, params, _ = engine_targets(model, member.derived, self.rank, sync)
+        live = self.layout.live(worker.model_runner.model, member.derived)
+        targets, params = live.targets, live.params
         who = member.group.who
         cap = req.staging_bytes or DEFAULT_STAGING_BYTES
 
@@ -437,7 +434,7 @@ class RemoteEngineSync:
         mine = self.receive_of(req)
         bound = req.timeout_s + GRACE_S
         runner = worker.model_runner
-        sync = EngineWeightSync.of(worker)
+        layout = self.layout
         started = time.monotonic()
         wrote, error = False, None
         params = {}
@@ -447,7 +444,7 @@ class RemoteEngineSync:
             error = mine.error
         else:
             member = self.members[req.group_name]
-            _, params, _ = engine_targets(runner.model, member.derived, self.rank, sync)
+            params = layout.live(runner.model, member.derived).params
             # every round is in (checked as it landed): refuse it before any write
             if mine.result is not None and mine.staging.nonfinite:
                 error = (

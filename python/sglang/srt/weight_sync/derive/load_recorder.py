@@ -1,23 +1,23 @@
 """Record where every element of every storage comes from while SGLang loads weights.
 
-Used by ``derived_targets`` to learn, from SGLang's own loaders, which checkpoint
+Used by ``derive.derived_targets`` to learn, from SGLang's own loaders, which checkpoint
 elements land where in each parameter of an engine rank.
 
 ``LoadRecorder`` is a ``TorchDispatchMode``. Checkpoint tensors are meta tensors
 registered as *leaves*; the model is built on the meta device, so nothing is
 allocated. Each storage (identified by its StorageImpl) carries a write log
-(``provenance.StorageLog``) of ``Entry``s: a box in the storage's canonical
-coordinates (``view_geometry``) plus its source: a ``Leaf`` (an affine map into a
+(``derive.provenance.StorageLog``) of ``Entry``s: a box in the storage's canonical
+coordinates (``derive.view_geometry``) plus its source: a ``Leaf`` (an affine map into a
 checkpoint tensor), a ``Const`` or an ``Opaque`` (computed; names the leaves read).
 
 View ops need no handling at all: the meta tensors' offsets and strides are the
 truth and are read only when something is written. What each writing op records
-is in ``recorded_ops``; every write ends in ``transfer``: a view of one storage
-written from a view of another (or with one value), worked out by ``transfers``.
+is in ``derive.recorded_ops``; every write ends in ``transfer``: a view of one storage
+written from a view of another (or with one value), worked out by ``derive.transfers``.
 
 Notation: a *geometry* is a view as PyTorch has it, ``(offset, sizes, strides)``
 for a destination, ``(offset, strides)`` for a source iterating the same sizes;
-``sides`` are views as ``view_geometry.refine`` takes them (``transfers``).
+``sides`` are views as ``derive.view_geometry.refine`` takes them (``derive.transfers``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.provenance import (
+from sglang.srt.weight_sync.derive.provenance import (
     Const,
     Entry,
     Fill,
@@ -42,15 +42,15 @@ from sglang.srt.weight_sync.provenance import (
     Vec,
     identity,
 )
-from sglang.srt.weight_sync.recorded_ops import (
+from sglang.srt.weight_sync.derive.recorded_ops import (
     Geometry,
     OpFacts,
     broadcast_strides,
     computed_in_place,
     tensors_in,
 )
-from sglang.srt.weight_sync.transfers import Side, Transfers
-from sglang.srt.weight_sync.view_geometry import NotAffine, cstrides, unravel
+from sglang.srt.weight_sync.derive.transfers import Side, Transfers
+from sglang.srt.weight_sync.derive.view_geometry import NotAffine, cstrides, unravel
 
 # The provenance types are re-exported: they are what ``describe`` answers in.
 __all__ = ("Const", "Entry", "Leaf", "LoadRecorder", "Opaque")
@@ -95,7 +95,7 @@ class LoadRecorder(TorchDispatchMode):
     """See the module docstring. Use as ``with LoadRecorder() as rec: model.load_weights(...)``.
 
     Lives as long as one derivation: its memo tables (op facts per overload here, copy
-    geometries in ``transfers``) go with it. ``max_enumeration`` bounds how many pieces one
+    geometries in ``derive.transfers``) go with it. ``max_enumeration`` bounds how many pieces one
     transfer that is no affine map may be cut into before it is recorded as computed."""
 
     def __init__(self, max_enumeration: int = 1 << 16):
@@ -259,7 +259,7 @@ class LoadRecorder(TorchDispatchMode):
         return out
 
     def _track(self, func, facts: OpFacts, args, kwargs, out) -> None:
-        """Record what ``func`` wrote, by its handler in ``recorded_ops``."""
+        """Record what ``func`` wrote, by its handler in ``derive.recorded_ops``."""
         if facts.in_place is not None:
             facts.in_place(self, args)
             return

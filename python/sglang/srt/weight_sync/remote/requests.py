@@ -2,7 +2,7 @@
 
 ``join_weight_sync_group`` and ``leave_weight_sync_group`` check the request and hand it to
 the schedulers. ``update_weights_remote`` walks one update through its steps
-(``remote_protocol.UpdateStep``) so that the engine keeps serving while it receives:
+(``remote.protocol.UpdateStep``) so that the engine keeps serving while it receives:
 
 1. ``receive``, without the writer lock: every TP rank starts receiving its regions into
    staging; generation goes on with the old weights;
@@ -43,7 +43,7 @@ from typing import Optional
 from sglang.srt.weight_sync.answer_guard import guard_of, no_answer_message
 from sglang.srt.weight_sync.outcome import forget
 from sglang.srt.weight_sync.protocol import REFUSED, answer_bound_s, make_channel
-from sglang.srt.weight_sync.remote_protocol import (
+from sglang.srt.weight_sync.remote.protocol import (
     POLL_S,
     ReceiveState,
     UpdateStep,
@@ -53,7 +53,11 @@ from sglang.srt.weight_sync.remote_protocol import (
     remote_reply,
     update_problems,
 )
-from sglang.srt.weight_sync.sglang_compat import clear_preprocess_cache, replace_fields
+from sglang.srt.weight_sync.sglang_compat import (
+    clear_preprocess_cache,
+    record_served_weight_version,
+    replace_fields,
+)
 
 __all__ = (
     "join_weight_sync_group",
@@ -104,7 +108,7 @@ async def leave_weight_sync_group(manager, obj) -> dict:
 
 async def update_weights_remote(manager, obj) -> dict:
     """One update of the group ``obj.group_name``, as the module's text says; returns
-    ``remote_protocol.remote_reply``."""
+    ``remote.protocol.remote_reply``."""
     manager.auto_create_handle_loop()
     problems = update_problems(obj)
     if problems:
@@ -209,7 +213,7 @@ async def update_weights_remote(manager, obj) -> dict:
         if obj.flush_cache:
             clear_preprocess_cache(manager)
         if obj.weight_version is not None:
-            manager._update_weight_version_if_provided(obj.weight_version)
+            record_served_weight_version(manager, obj.weight_version)
             message += f" Weight version updated to {obj.weight_version}."
     logger.info(
         "remote weight update %s: %s; received while serving for %.3fs, paused %.3fs",

@@ -20,7 +20,7 @@ answer, then ``send_weights`` (actors) and ``CheckpointEngineWorker.update_weigh
   when it is new and runs the update (``RemoteSync``, ``drive=False``); it returns verl's
   metrics (bytes each actor rank sent, the update's seconds).
 * ``receive_weights`` (every rollout worker) yields one engine request
-  (``remote_endpoints.request_tensor``); verl's ``ServerAdapter.update_weights`` hands it
+  (``remote.endpoints.request_tensor``); verl's ``ServerAdapter.update_weights`` hands it
   to ``sglang.srt.weight_sync.utils.update_weights``, whose replica leader asks its server
   to join (once per epoch) and to take part in the update; the engine ranks receive their
   own pieces while serving and write them in a short pause.
@@ -42,9 +42,9 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from sglang.srt.weight_sync.control_plane import free_port
 from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S
-from sglang.srt.weight_sync.remote_endpoints import request_tensor
-from sglang.srt.weight_sync.remote_protocol import Membership
-from sglang.srt.weight_sync.remote_trainer import RemoteSync
+from sglang.srt.weight_sync.remote.endpoints import request_tensor
+from sglang.srt.weight_sync.remote.protocol import Membership
+from sglang.srt.weight_sync.remote.trainer import RemoteSync
 
 __all__ = ("BACKEND", "SGLangRemoteCheckpointEngine")
 

@@ -52,18 +52,18 @@ from sglang.srt.weight_sync.protocol import (
     check_timeout,
     trainer_bound_s,
 )
-from sglang.srt.weight_sync.remote_endpoints import (
+from sglang.srt.weight_sync.remote.endpoints import (
     EngineEndpoint,
     HttpEndpoint,
     LocalEndpoint,
     RemoteSyncError,
 )
-from sglang.srt.weight_sync.remote_group import (
+from sglang.srt.weight_sync.remote.group import (
     GroupRefusal,
     SyncGroup,
     TrainerPart,
 )
-from sglang.srt.weight_sync.remote_protocol import (
+from sglang.srt.weight_sync.remote.protocol import (
     Membership,
     Spec,
     UpdateHeader,

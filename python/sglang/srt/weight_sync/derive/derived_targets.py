@@ -7,7 +7,7 @@ process groups, the platform's own loader branches), then SGLang's own
 ``LoadRecorder``. What landed where becomes ``ParamTarget``s: pieces of HF
 tensors (possibly permuted) and zero-filled boxes. Nothing is allocated at full
 size, so a 671B model is described on a laptop; layers that repeat go through the loaders
-once (``repeated_layers``; ``derive_once_per_layer_kind`` is the engine's entry).
+once (``derive.repeated_layers``; ``derive_once_per_layer_kind`` is the engine's entry).
 
 What is not a copy (quantisation, computed values, replaced storage) is kept
 per checkpoint tensor in ``not_copied`` so an update sending it is refused,
@@ -27,14 +27,15 @@ import torch
 
 from sglang.srt.weight_sync.apply import refresh_derived
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.load_recorder import (
+from sglang.srt.weight_sync.derive.load_recorder import (
     Const,
     Entry,
     Leaf,
     LoadRecorder,
     Opaque,
 )
-from sglang.srt.weight_sync.repeated_layers import LayerSampling, sample_layers
+from sglang.srt.weight_sync.derive.repeated_layers import LayerSampling, sample_layers
+from sglang.srt.weight_sync.derive.view_geometry import unit_dim
 from sglang.srt.weight_sync.sglang_compat import (
     after_load,
     after_update,
@@ -47,7 +48,6 @@ from sglang.srt.weight_sync.target_layout import (
     Piece,
     paused_gc,
 )
-from sglang.srt.weight_sync.view_geometry import unit_dim
 
 __all__ = (
     "CheckpointLayout",
@@ -505,7 +505,7 @@ def derive_once_per_layer_kind(
     build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout
 ) -> RankTargets:
     """``derive_rank`` of a fresh ``build()``, with each kind of repeated layer loaded once
-    (its first and last layer; ``repeated_layers``): what ``derive_rank`` of the whole
+    (its first and last layer; ``derive.repeated_layers``): what ``derive_rank`` of the whole
     checkpoint gives, at a fraction of the cost for a deep model. Where the check finds the
     layers of a kind loaded differently (``LayerSampling.extend``), or the loader refuses a
     checkpoint without the others, every layer is derived."""

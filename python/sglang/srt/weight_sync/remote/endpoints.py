@@ -9,7 +9,7 @@ verl 0.9.1's rollout workers reach their engines only through verl's
 ``ServerAdapter.update_weights``, which hands ``(name, tensor)`` buckets to
 ``sglang.srt.weight_sync.utils.update_weights`` on every rollout worker (the replica's
 leader holds the engine's HTTP client). Our checkpoint engine's rollout side
-(``verl_checkpoint_engine``) therefore yields one **engine request** instead of weights: a
+(``remote.verl_checkpoint_engine``) therefore yields one **engine request** instead of weights: a
 small uint8 tensor under ``ENGINE_REQUEST`` holding the engine's part of the group (JSON).
 ``utils.update_weights`` recognises it (``engine_request``) and the leader asks its engine
 to join the group's epoch when it has not yet, then to take part in the update
@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.remote_protocol import Membership
+from sglang.srt.weight_sync.remote.protocol import Membership
 
 __all__ = (
     "ENGINE_REQUEST",

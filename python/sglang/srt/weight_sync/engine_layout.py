@@ -1,0 +1,150 @@
+"""One engine TP rank's layout for updates: what its parameters need, in what dtypes.
+
+The colocated path (``EngineWeightSync``) and remote engines (``RemoteEngineSync``) hold
+the same ``EngineLayout`` (``EngineLayout.of(owner)``, kept on the tp worker or model
+runner): the derived targets are derived once per model config, checked against SGLang's
+real loaders once, and published once, whichever path updates the engine. Neither sync
+reaches into the other (docs/design.md, "State and lifetimes").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.derive import (
+    DerivedTargets,
+    ProvenanceCheck,
+    engine_derived_targets,
+)
+from sglang.srt.weight_sync.manifest import EngineManifest
+from sglang.srt.weight_sync.protocol import resolve_channel
+from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
+
+__all__ = ("CHANNELS_TOLD", "EngineLayout", "LiveLayout")
+
+logger = logging.getLogger(__name__)
+
+CHANNELS_TOLD = (
+    64  # channels remembered as told of the engine's dtypes (then told again)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveLayout:
+    """The derived targets with each parameter's live dtype, this rank's live tensors by
+    name (written in place: CUDA graphs hold their storage), and the manifest of those
+    targets (``manifest``)."""
+
+    targets: DerivedTargets
+    params: Dict[str, torch.Tensor]
+    manifest: EngineManifest
+
+
+class EngineLayout:
+    """One engine TP rank's targets (derived, then with live dtypes), their manifest, the
+    provenance check of each derivation, and the dtype each HF tensor is kept in."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        # model config key -> derived targets (``derive.engine_derived_targets``' memo)
+        self._derived: Dict[tuple, DerivedTargets] = {}
+        # (derived targets, live dtypes, the targets with them, their manifest)
+        self._live: Optional[
+            Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
+        ] = None
+        # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
+        self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
+        self._provenance = ProvenanceCheck()
+
+    @classmethod
+    def of(cls, owner, rank: int) -> EngineLayout:
+        """The layout kept on ``owner`` (the tp worker, or the model runner on older
+        releases), made on first use."""
+        layout = getattr(owner, "_weight_sync_layout", None)
+        if layout is None:
+            layout = owner._weight_sync_layout = cls(rank)
+        return layout
+
+    def derived(
+        self, model_config, share: Callable[[bytes], List[bytes]]
+    ) -> DerivedTargets:
+        """Every TP rank's targets from SGLang's own loaders, memoised per model config; the
+        first call is collective (``share``: the TP ranks exchange what each derived)."""
+        return engine_derived_targets(model_config, self.rank, share, self._derived)
+
+    def provenance_problems(self, model, derived: DerivedTargets) -> List[str]:
+        """Where SGLang's real loaders, run once per ``derived`` on the live device, place
+        something other than the targets say (``ProvenanceCheck``); empty when they agree."""
+        return self._provenance.problems(model, derived, self.rank)
+
+    def live(self, model: torch.nn.Module, derived: DerivedTargets) -> LiveLayout:
+        """``derived`` checked against this rank's live tensors: a live tensor whose shape
+        differs from its derived one means the engine was not built the way the derivation
+        rebuilt it, refused (``ValueError`` naming the parameter)."""
+        named = dict(model.named_parameters())
+        named.update((n, b) for n, b in model.named_buffers() if n not in named)
+        params: Dict[str, torch.Tensor] = {}
+        for target in derived.for_rank(self.rank):
+            param = named.get(target.name)
+            if param is None:
+                raise ValueError(
+                    f"the model has no parameter {target.name!r} that SGLang's loader "
+                    f"writes on rank {self.rank}"
+                )
+            if tuple(param.shape) != target.shape:
+                raise ValueError(
+                    f"parameter {target.name!r} has shape {tuple(param.shape)} on rank "
+                    f"{self.rank}, SGLang's loader (derived on meta) writes {target.shape}"
+                )
+            params[target.name] = param.data
+        targets, manifest = self._with_live_dtypes(
+            derived, {n: p.dtype for n, p in params.items()}
+        )
+        return LiveLayout(targets, params, manifest)
+
+    def _with_live_dtypes(
+        self, derived: DerivedTargets, dtype_of: Dict[str, torch.dtype]
+    ) -> Tuple[DerivedTargets, EngineManifest]:
+        """``derived`` with the live dtypes, and its manifest: kept while both stay the same
+        (every update of a run), as making the manifest encodes and hashes every rank's
+        targets."""
+        dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
+        if (
+            self._live is None
+            or self._live[0] is not derived
+            or self._live[1] != dtypes
+        ):
+            targets = dataclasses.replace(derived, dtype_of=dtype_of)
+            self._live = (derived, dtypes, targets, EngineManifest.of(targets))
+        return self._live[2], self._live[3]
+
+    def kept_dtypes(
+        self, manifest: EngineManifest, channel: str
+    ) -> Dict[str, torch.dtype]:
+        """The dtype this engine keeps each HF tensor in (``wire_dtypes``): made once per
+        layout, and written once into each channel for the trainer rank beside this one,
+        which then casts while it copies its shards (a failed write only costs that)."""
+        if self._kept is None or self._kept[0] != manifest.fingerprint:
+            kept = engine_dtypes(manifest.ranks, manifest.aliases)
+            self._kept = (manifest.fingerprint, kept, set())
+        fingerprint, kept, told = self._kept
+        if channel not in told:
+            try:
+                write_dtypes(
+                    resolve_channel(channel, self.rank), self.rank, fingerprint, kept
+                )
+                if len(told) >= CHANNELS_TOLD:
+                    told.clear()
+                told.add(channel)
+            except OSError as e:
+                logger.warning(
+                    "engine rank %d: could not write its dtypes into channel %s: %s",
+                    self.rank,
+                    channel,
+                    e,
+                )
+        return kept
