@@ -36,10 +36,10 @@ def _setup(rank: int, job: dict, store=None, timeout: float = 60):
     import tiny_models
 
     from benchmark.weight_sync.hand_rules import model_targets_from_config
-    from sglang.srt.weight_sync.control_plane import open_store
     from sglang.srt.weight_sync.manifest import EngineManifest
     from sglang.srt.weight_sync.remote.group import SyncGroup
     from sglang.srt.weight_sync.remote.protocol import Membership
+    from sglang.srt.weight_sync.remote.rendezvous import open_store
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
     config = tiny_models.tiny_config("qwen2")
@@ -234,8 +234,8 @@ def stalled_join_job(rank: int, world: int, job: dict) -> dict:
     before meeting the others in the store, or after it, before making the epoch's groups,
     as a rank whose address its peers cannot reach); every other rank must fail its join
     within ``timeout``. Epoch 2, every rank again: an update must land bit for bit."""
-    from sglang.srt.weight_sync.control_plane import open_store
     from sglang.srt.weight_sync.remote import group as remote_group
+    from sglang.srt.weight_sync.remote.rendezvous import open_store
 
     store = open_store("127.0.0.1", job["port"], rank == 0, 60)
     timeout, out = job["timeout"], {}

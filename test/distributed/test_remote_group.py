@@ -145,7 +145,7 @@ def test_the_store_port_is_free_and_outside_the_ephemeral_range():
     free port left raises naming it."""
     import socket
 
-    from sglang.srt.weight_sync.control_plane import _ephemeral_low, free_port
+    from sglang.srt.weight_sync.remote.rendezvous import _ephemeral_low, free_port
 
     for _ in range(20):
         port = free_port()

@@ -5,7 +5,7 @@ minute afterwards. In that window another process may take it: every outgoing co
 every ``bind(0)`` gets a port from the kernel's ephemeral range (32768+ by default; SGLang 0.5.10
 and 0.5.12 take their ``nccl_port`` that way), and SGLang 0.5.23 picks its ``nccl_port`` at random
 from [22000, 30000). So the ports come from [10000, 22000), below both, with the product's
-``control_plane.free_port``: a server's port plus 10000 (0.5.12's gRPC port) stays below the
+``remote.rendezvous.free_port``: a server's port plus 10000 (0.5.12's gRPC port) stays below the
 ephemeral range. A process never gets the same port twice.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import List, Set
 
-from sglang.srt.weight_sync.control_plane import free_port as _free_port_in
+from sglang.srt.weight_sync.remote.rendezvous import free_port as _free_port_in
 
 __all__ = ["free_port", "free_ports"]
 

@@ -44,7 +44,8 @@ QUERIES = {
     "is_initialized",
     "is_available",
 }
-COLLECTIVE_MODULES = {"executor", "control_plane"}
+# remote.rendezvous makes the TCP store a weight-sync group meets in (no collective)
+COLLECTIVE_MODULES = {"executor", "control_plane", "remote.rendezvous"}
 MUTABLE_CALLS = {
     "dict",
     "list",

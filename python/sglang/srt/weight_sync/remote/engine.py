@@ -52,7 +52,6 @@ from sglang.srt.weight_sync.control_plane import (
     GRACE_S,
     ControlGroup,
     PeerLost,
-    open_store,
 )
 from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.executor import (
@@ -78,6 +77,7 @@ from sglang.srt.weight_sync.remote.protocol import (
     leave_problems,
     update_problems,
 )
+from sglang.srt.weight_sync.remote.rendezvous import open_store
 from sglang.srt.weight_sync.sglang_compat import (
     field_names,
     has_weight_update_sessions,

@@ -4,7 +4,7 @@ Both ends use what is here. A ``SyncGroup`` is this process's membership of one 
 the group (``remote.protocol.Membership``): a data group (the epoch's backend: NCCL on
 GPUs, gloo on CPUs, a ``DataGroup`` warmed up once) and a gloo control group over the
 same ranks (``ControlGroup``), both made in the trainer's TCP store under the epoch's
-prefix after every rank arrived (``control_plane.meet``: bounded, names who did not).
+prefix after every rank arrived (``remote.rendezvous.meet``: bounded, names who did not).
 ``close()`` releases both; a new epoch (an engine restarted, left, or died) is a new
 ``SyncGroup`` on every member.
 
@@ -46,8 +46,6 @@ from sglang.srt.weight_sync.control_plane import (
     check_group_timeout,
     join_group,
     leave_group,
-    meet,
-    prefixed_store,
 )
 from sglang.srt.weight_sync.executor import (
     DataGroup,
@@ -74,6 +72,7 @@ from sglang.srt.weight_sync.remote.protocol import (
     layout_wire,
     read_layout,
 )
+from sglang.srt.weight_sync.remote.rendezvous import meet, prefixed_store
 from sglang.srt.weight_sync.source_layout import LayoutError, SourceLayout
 from sglang.srt.weight_sync.target_layout import restrict
 

@@ -39,7 +39,6 @@ from sglang.srt.weight_sync.apply import nonfinite_tensors
 from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
-    open_store,
 )
 from sglang.srt.weight_sync.delivery import local_shard
 from sglang.srt.weight_sync.executor import ExecutionError
@@ -68,6 +67,7 @@ from sglang.srt.weight_sync.remote.protocol import (
     Spec,
     UpdateHeader,
 )
+from sglang.srt.weight_sync.remote.rendezvous import open_store
 from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
 
 __all__ = (

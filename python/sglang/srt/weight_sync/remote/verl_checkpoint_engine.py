@@ -40,10 +40,10 @@ from typing import Dict, List, Optional
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from sglang.srt.weight_sync.control_plane import free_port
 from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.remote.endpoints import request_tensor
 from sglang.srt.weight_sync.remote.protocol import Membership
+from sglang.srt.weight_sync.remote.rendezvous import free_port
 from sglang.srt.weight_sync.remote.trainer import RemoteSync
 
 __all__ = ("BACKEND", "SGLangRemoteCheckpointEngine")
