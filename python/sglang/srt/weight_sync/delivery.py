@@ -451,6 +451,22 @@ class ShardReceiver:
         """The payload of the awaited update: checked, then (only then) decoded, mapped from
         its shared-memory segment (taken from ``inbox``) or unpickled."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
+        self._check_addressing(header, names)
+        tensors = self._shards(header, frames, inbox, len(names))
+        return Payload(
+            header["update_id"],
+            trainer,
+            header["rank_map"],
+            dict(zip(names, tensors)),
+            self._specs(header),
+            header["kind"],
+            tuple(header["names"]),
+            header["fingerprint"],
+        )
+
+    def _check_addressing(self, header: dict, names: List[str]) -> None:
+        """The payload is for this engine rank and names each tensor once."""
+        trainer = header["trainer_rank"]
         if header["rank_map"].get(trainer) != self.engine_rank:
             raise self._error(
                 f"the payload of trainer rank {trainer} is for engine rank "
@@ -461,6 +477,13 @@ class ShardReceiver:
             raise self._error(
                 f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}"
             )
+
+    def _shards(
+        self, header: dict, frames: List[bytes], inbox: SegmentInbox, count: int
+    ) -> List[torch.Tensor]:
+        """The ``count`` shard tensors, mapped from the payload's shared-memory segment,
+        read from inline frames or unpickled from CUDA IPC handles."""
+        trainer = header["trainer_rank"]
         try:
             if header["shared"] is not None:
                 segment, placed = header["shared"]
@@ -480,12 +503,17 @@ class ShardReceiver:
             ) from None
         if (
             not isinstance(tensors, list)
-            or len(tensors) != len(names)
+            or len(tensors) != count
             or not all(isinstance(t, torch.Tensor) for t in tensors)
         ):
             raise self._error(
-                f"trainer rank {trainer} sent {type(tensors).__name__}, not {len(names)} tensors"
+                f"trainer rank {trainer} sent {type(tensors).__name__}, not {count} tensors"
             )
+        return tensors
+
+    def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
+        """Each tensor's layout: a mesh and placements, or the holders of its pieces."""
+        trainer = header["trainer_rank"]
         specs: Dict[str, Union[MeshSpec, HoldersSpec]] = {}
         described = [
             (n, w, MeshSpec.from_wire) for n, w in header["tensors"] if w is not None
@@ -503,16 +531,7 @@ class ShardReceiver:
                 raise self._error(
                     f"tensor {name!r} from trainer rank {trainer}: bad layout {wire!r}: {e}"
                 ) from None
-        return Payload(
-            header["update_id"],
-            trainer,
-            header["rank_map"],
-            dict(zip(names, tensors)),
-            specs,
-            header["kind"],
-            tuple(header["names"]),
-            header["fingerprint"],
-        )
+        return specs
 
     def close(self) -> None:
         for sock in self._socks.values():
