@@ -127,6 +127,9 @@ class ReceivedShards:
     mixed: bool = False
     clock: PhaseClock = dataclasses.field(default_factory=PhaseClock)
     phases: Dict[str, List[float]] = dataclasses.field(default_factory=dict)
+    # (the model config, its derived targets or None, why not): derived as the update was
+    # received, so that apply never derives again, alone, what its peers already derived
+    derivation: Optional[Tuple[object, Optional[DerivedTargets], List[str]]] = None
 
     def release(self) -> None:
         """Drop the payload's tensors (CUDA IPC maps of the trainer's memory, or CPU frames)
@@ -311,18 +314,23 @@ class EngineWeightSync:
         count bounds the payload's header (``header_bound``)."""
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+        derivation = None
         try:
             self.renew_control()
             with clock.phase(Phase.DESCRIBE):
-                derived, _ = self._derived_targets(
+                derived, why_not = self._derived_targets(
                     model_config, _timeout(recv_req) + GRACE_S
                 )
+            derivation = (model_config, derived, why_not)
             # a request whose control payload could not be read carries why (``tensor_path``)
             unreadable = getattr(recv_req, "problem", None)
             problems = [unreadable] if unreadable else request_problems(recv_req)
             if problems:
                 return ReceivedShards(
-                    self, None, f"engine rank {self.rank}: " + "; ".join(problems)
+                    self,
+                    None,
+                    f"engine rank {self.rank}: " + "; ".join(problems),
+                    derivation=derivation,
                 )
             monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID (no effect on CPU tensors)
             if self._receiver is None:
@@ -335,9 +343,10 @@ class EngineWeightSync:
                     recv_req.timeout_s,
                     header_bound(derived),
                 ),
+                derivation=derivation,
             )
         except DeliveryError as e:  # its message names the engine rank
-            return ReceivedShards(self, None, str(e))
+            return ReceivedShards(self, None, str(e), derivation=derivation)
         except Exception as e:  # noqa: BLE001 - the engine never dies of an update
             logger.exception(
                 "engine rank %d: receiving a distributed weight update failed",
@@ -348,6 +357,7 @@ class EngineWeightSync:
                 None,
                 f"engine rank {self.rank}: receiving the payload failed: "
                 f"{type(e).__name__}: {e}",
+                derivation=derivation,
             )
 
     # ---------------------------------------------------------------- step 2
@@ -363,7 +373,11 @@ class EngineWeightSync:
         )  # every rank waited at most timeout_s for its payload
         clock, trips = received.clock, self.control.round_trips
         with clock.phase(Phase.DESCRIBE):
-            derived, problems = self._derived_targets(model_config, bound)
+            carried = received.derivation
+            if carried is not None and carried[0] is model_config:
+                derived, problems = carried[1], list(carried[2])
+            else:  # another model runner's config (a draft model), or never derived
+                derived, problems = self._derived_targets(model_config, bound)
             if derived is not None:
                 problems += self.layout.provenance_problems(model, derived)
         with clock.phase(Phase.VALIDATE):
