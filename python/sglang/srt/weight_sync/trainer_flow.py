@@ -509,27 +509,10 @@ def sources_flow(
             _segment_buffers(chan.sender) if sync.data.device.type == "cpu" else None,
             checked=True,
         )
-        report.chunks += 1
-        report.bytes_received += result.stats.bytes_received
-        report.lower_bound_bytes += result.lower_bound_bytes(rank)
-        report.peak_staging_bytes = max(
-            report.peak_staging_bytes, result.stats.peak_staging_bytes
-        )
-        report.peak_buffer_bytes = max(
-            report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values())
-        )
+        _count_chunk(report, result, rank)
         report.update_id = chan.next_update_id()
         with clock.phase(Phase.DELIVER):
-            _cuda_ipc_ready(result.buffers.values())
-            chan.sender.send(
-                report.update_id,
-                rank,
-                chan.rank_map,
-                [(n, t, None) for n, t in result.buffers.items()],
-                kind=PayloadKind.PARAMS,
-                names=names,
-                fingerprint=chan.manifest.fingerprint,
-            )
+            _send_chunk(chan, report.update_id, rank, result.buffers, names)
         del result  # the sender keeps the buffers alive until the engine answers
         report.success, report.message = yield ControlRequest(
             report.update_id,
@@ -545,6 +528,39 @@ def sources_flow(
             )
             break
     return report.finish(clock, rank, chan.sender)
+
+
+def _count_chunk(report: UpdateReport, result, rank: int) -> None:
+    """Add one trainer-side chunk's figures to ``report``."""
+    report.chunks += 1
+    report.bytes_received += result.stats.bytes_received
+    report.lower_bound_bytes += result.lower_bound_bytes(rank)
+    report.peak_staging_bytes = max(
+        report.peak_staging_bytes, result.stats.peak_staging_bytes
+    )
+    report.peak_buffer_bytes = max(
+        report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values())
+    )
+
+
+def _send_chunk(
+    chan: TrainerChannel,
+    update_id: str,
+    rank: int,
+    buffers: Mapping[str, torch.Tensor],
+    names: List[str],
+) -> None:
+    """Hand one chunk's parameter-shaped buffers to the engine rank beside this rank."""
+    _cuda_ipc_ready(buffers.values())
+    chan.sender.send(
+        update_id,
+        rank,
+        chan.rank_map,
+        [(n, t, None) for n, t in buffers.items()],
+        kind=PayloadKind.PARAMS,
+        names=names,
+        fingerprint=chan.manifest.fingerprint,
+    )
 
 
 def agree_on_inputs(
