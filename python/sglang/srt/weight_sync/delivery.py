@@ -117,7 +117,9 @@ def local_shard(
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        return tensor.to_local(), MeshSpec.of_dtensor(tensor, ranks)
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it
+            local = tensor.to_local()
+        return local, MeshSpec.of_dtensor(tensor, ranks)
     if spec is None:
         raise DeliveryError(
             "a plain tensor needs an explicit MeshSpec (sharded or full)"
