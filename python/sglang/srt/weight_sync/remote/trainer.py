@@ -68,7 +68,7 @@ from sglang.srt.weight_sync.remote.protocol import (
     UpdateHeader,
 )
 from sglang.srt.weight_sync.remote.rendezvous import open_store
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshSpec
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshRanks, MeshSpec
 
 __all__ = (
     "EngineEndpoint",
@@ -97,7 +97,7 @@ def named_specs(
     which SGLang's loaders skip, are left out."""
     specs: Dict[str, Spec] = {}
     local: Dict[str, torch.Tensor] = {}
-    everyone = list(range(trainers))
+    everyone, ranks = list(range(trainers)), MeshRanks()
     for name, tensor in named_tensors:
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -110,7 +110,10 @@ def named_specs(
             if isinstance(tensor, DTensor)
             else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
         )
-        local[name], specs[name] = local_shard(tensor.detach(), spec)
+        shard, specs[name] = local_shard(tensor, spec, ranks)
+        local[name] = (
+            shard.detach()
+        )  # a plain tensor's detach: a DTensor's costs a dispatch
     return specs, local
 
 
