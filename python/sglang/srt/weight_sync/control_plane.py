@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from sglang.srt.weight_sync.nccl_watchdog import data_plane_env
 from sglang.srt.weight_sync.protocol import (
     GRACE_S,
     MAX_TIMEOUT_S,
@@ -59,6 +61,7 @@ __all__ = (
     "fresh_group",
     "plan_disagreement",
     "group_timeout_s",
+    "poll",
     "join_group",
     "leave_group",
     "wait",
@@ -104,6 +107,51 @@ def wait(work, timeout_s: Optional[float], phase: str) -> None:
         raise PeerLost(
             f"{phase}: a peer did not answer within {timeout_s:g}s ({e})"
         ) from None
+
+
+# ``poll``'s pauses between two looks at a work: the first short (a round that is nearly done
+# costs little more than a blocking wait), doubling up to the longest (a waiting rank takes a
+# few per cent of a core, not one)
+POLL_FIRST_S = 50e-6
+POLL_LONGEST_S = 2e-3
+
+
+def poll(
+    work,
+    timeout_s: float,
+    phase: str,
+    give_up: Callable[[], None],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Wait for ``work`` at most ``timeout_s`` seconds by asking whether it completed
+    (``is_completed``), never through ``work.wait(timeout=...)``: on NCCL that wait aborts
+    the work's communicator itself, and the group's watchdog, which holds the same work,
+    then reads the communicator's error, signals a dump to every rank and rethrows in its
+    own thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, the default: ``std::terminate``).
+    When the bound runs out, ``give_up`` (the owner aborts the whole group:
+    ``ProcessGroupNCCL::abort`` marks the group terminating before it aborts the
+    communicators, and from then on the watchdog reads no communicator's error) runs
+    before ``PeerLost`` is raised. A work that completed is then waited for once without a
+    timeout: on NCCL that joins the current stream to the work's, and raises the work's own
+    error, if any (a communicator error: ``give_up`` too). Gloo's send and receive works
+    complete only inside ``wait``: poll NCCL work only (``executor.DataGroup``)."""
+    deadline = clock() + timeout_s
+    pause = POLL_FIRST_S
+    while not work.is_completed():
+        left = deadline - clock()
+        if left <= 0:
+            give_up()
+            raise PeerLost(
+                f"{phase}: a peer did not answer within {timeout_s:g}s (the group was aborted)"
+            )
+        sleep(min(pause, left))
+        pause = min(2 * pause, POLL_LONGEST_S)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        give_up()
+        raise PeerLost(f"{phase}: the transfer failed ({e})") from None
 
 
 def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -510,7 +558,9 @@ def join_group(
     this world's: its ranks are their own "global" ranks (``get_global_rank`` is the
     identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``.
     ``ranks``: the group is one of this world's ranks instead (``fresh_group``), mapped as
-    ``new_group`` maps them. Its communicator is its own, never split from the default
+    ``new_group`` maps them. On NCCL it is made under ``nccl_watchdog.DATA_PLANE_ENV``: its
+    watchdog aborts its communicators on an error it finds itself and never ends the
+    process, writes no dump signal, runs no heartbeat monitor. Its communicator is its own, never split from the default
     group's (``unsplit_groups``). ``setup_s``: the bound of its making (gloo's rendezvous in
     the store and its connections to every peer wait for the group's timeout, hours for a
     group whose timeout is above every update's bound): made with ``setup_s``, then given
@@ -523,8 +573,13 @@ def join_group(
     )
 
     # its own communicator: split from the trainer's default one (bound to a device), it
-    # would hold the trainer's ranks only
-    with unsplit_groups():
+    # would hold the trainer's ranks only; on NCCL, a watchdog that never ends the process
+    with unsplit_groups(), data_plane_env(backend) as watchdog:
+        if watchdog is not None and watchdog.tears_down:
+            raise BoundTooLong(
+                f"group {prefix!r}: its NCCL watchdog would read TORCH_NCCL_ASYNC_ERROR_HANDLING="
+                f"{watchdog.async_error_handling} and end the process on an error it finds"
+            )
         group, _ = _new_process_group_helper(
             size,
             rank,
@@ -541,7 +596,10 @@ def join_group(
 
 
 def fresh_group(
-    ranks: Sequence[int], backend: str, timeout_s: float
+    ranks: Sequence[int],
+    backend: str,
+    timeout_s: float,
+    setup_s: Optional[float] = None,
 ) -> dist.ProcessGroup:
     """A group over ``ranks`` of this world (this rank among them), made by those ranks only,
     all together, under a name no group over them had before. ``new_group`` names a group
@@ -549,7 +607,8 @@ def fresh_group(
     group is destroyed: the next group would take the destroyed one's name, and its ranks
     would meet that group's stale addresses in the store and hang. Here every rank counts
     the groups made over ``ranks`` in the default store: each adds one, and a rank makes its
-    next group only after its peers made this one, so every rank reads the same count."""
+    next group only after its peers made this one, so every rank reads the same count.
+    ``setup_s``: the bound of its making (``join_group``)."""
     store = _store()
     tag = ",".join(map(str, ranks))
     made = store.add(f"weight_sync/groups/{tag}", 1)
@@ -561,6 +620,7 @@ def fresh_group(
         backend,
         timeout_s,
         ranks,
+        setup_s,
     )
 
 

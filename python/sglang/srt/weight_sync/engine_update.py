@@ -230,7 +230,7 @@ class EngineWeightSync:
         already agreed on it (``_agree``)."""
         if renew is None:
             renew = self.control.any(
-                self._data is None,
+                self._data is None or self._data.abandoned,
                 bound,
                 f"engine rank {self.rank}: agreeing whether to make the data group",
             )
@@ -530,7 +530,7 @@ class EngineWeightSync:
                 "delivery": delivery_digest(payload, IGNORED_SUFFIXES),
                 "plan": int(plan.fingerprint[:15], 16) if plan is not None else 0,
             },
-            {"no data group": self._data is None},
+            {"no data group": self._data is None or self._data.abandoned},
             bound,
             f"agreeing on problems, deliveries and the plan with the other TP ranks "
             f"(one is dead or stuck; {self.control.size} ranks)",

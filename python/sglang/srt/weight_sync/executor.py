@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.apply import write_region, write_zeros
-from sglang.srt.weight_sync.control_plane import fresh_group, leave_group, wait
+from sglang.srt.weight_sync.control_plane import (
+    PeerLost,
+    fresh_group,
+    leave_group,
+    poll,
+    wait,
+)
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 
 __all__ = (
@@ -94,6 +100,13 @@ class DataGroup:
     ``set_up`` does both for a plan, so that an owner can run them before it commits to
     write (the engine does), where a failure is still a refusal.
 
+    Every wait on the group goes through ``wait``: on NCCL it polls the work against the
+    bound and aborts the group before it raises (``control_plane.poll``), never
+    ``work.wait(timeout=...)``, which would leave the teardown to NCCL's watchdog (the
+    process ends about a minute later); on gloo, whose send and receive works complete only
+    inside ``wait``, it waits with the bound. Either way a wait that fails abandons the
+    group at once (``abandon``), and the owner makes a new one for its next update.
+
     Moves with several receivers are sent point-to-point to each: a broadcast subgroup
     per distinct rank set would be one more NCCL communicator (and its buffers) for the
     process's life, and with GQA (kv heads < TP) there are many; point-to-point reuses
@@ -106,33 +119,43 @@ class DataGroup:
         group: Optional[dist.ProcessGroup],
         device: Optional[torch.device] = None,
         own: bool = False,
+        polled: Optional[bool] = None,
     ) -> None:
         self.group = group
         # made for this DataGroup (``over_ranks_of``): destroyed when abandoned
         self.own = own
         self.device = device if device is not None else data_device(group)
+        # its works are polled (NCCL's: ``wait``); None: on a GPU
+        self.polled = self.device.type == "cuda" if polled is None else polled
+        # why a wait on it failed (then it is abandoned and never used again)
+        self.lost: Optional[str] = None
         self.warm = False
         # (sender, receiver) pairs, in the group's ranks, that a batch has carried
         self.connected: Set[Tuple[int, int]] = set()
         # fingerprints of the plans ``set_up`` warmed up and connected this group for
         self.set_up_for: Set[str] = set()
+        self.abandoned = False
 
     @classmethod
     def over_ranks_of(
-        cls, parent: Optional[dist.ProcessGroup], timeout_s: float
+        cls,
+        parent: Optional[dist.ProcessGroup],
+        timeout_s: float,
+        setup_s: Optional[float] = None,
     ) -> DataGroup:
         """A new group over ``parent``'s ranks (None: the default group's), with its backend
         and an explicit ``timeout_s``: the data plane's own, so that a wait that times out
         (on NCCL the communicator is then aborted) never poisons ``parent`` (SGLang's
         serving TP group). Only ``parent``'s ranks take part, all of them together, under a
         name of its own (``control_plane.fresh_group``); its communicator is never split
-        from the default group's, so a default group bound to a device needs no other rank."""
+        from the default group's, so a default group bound to a device needs no other rank.
+        ``setup_s``: the bound of its making (``control_plane.join_group``)."""
         ranks = (
             dist.get_process_group_ranks(parent)
             if parent is not None
             else list(range(dist.get_world_size()))
         )
-        group = fresh_group(ranks, str(dist.get_backend(parent)), timeout_s)
+        group = fresh_group(ranks, str(dist.get_backend(parent)), timeout_s, setup_s)
         return cls(group, own=True)
 
     def abandon(self) -> None:
@@ -141,10 +164,33 @@ class DataGroup:
         watchdog would end the process. A group of its own is destroyed too, so that its
         threads and torch's record of it go with it (``control_plane.leave_group``); a new
         group over the same ranks gets a name of its own (``control_plane.fresh_group``)."""
-        leave_group(self.group, destroy=self.own)
+        if self.lost is None:
+            self.lost = "abandoned"
+        if not self.abandoned:
+            self.abandoned = True
+            leave_group(self.group, destroy=self.own)
         self.warm = False
         self.connected = set()
         self.set_up_for = set()
+
+    def wait(self, work, timeout_s: Optional[float], phase: str) -> None:
+        """Wait for ``work`` of this group at most ``timeout_s`` (None: the group's own
+        timeout, outside an update): polled on NCCL (``control_plane.poll``, the group
+        aborted before ``PeerLost`` is raised), with the bound on gloo. A wait that fails
+        abandons the group (``abandon``) before the error leaves."""
+        try:
+            if self.polled and timeout_s is not None:
+                poll(work, timeout_s, phase, self.abandon)
+            else:
+                wait(work, timeout_s, phase)
+        except PeerLost as e:
+            self.lost = str(e)
+            self.abandon()
+            raise
+        except RuntimeError as e:  # a peer's connection closed (gloo), a NCCL error
+            self.lost = f"{phase}: {type(e).__name__}: {e}"
+            self.abandon()
+            raise
 
     def warm_up(self, timeout_s: Optional[float], phase: str) -> None:
         """Join the group's first collective on every rank (once per group; nothing to join
@@ -152,7 +198,7 @@ class DataGroup:
         if self.warm or not dist.is_initialized():
             return
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        wait(
+        self.wait(
             dist.all_reduce(flag, group=self.group, async_op=True),
             timeout_s,
             f"{phase} (warming up the data group on {self.device})",
@@ -199,7 +245,7 @@ class DataGroup:
             buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(op, buf, peer, self.group))
         for work in dist.batch_isend_irecv(ops):
-            wait(work, timeout_s, f"{phase} (connecting the ranks it pairs with)")
+            self.wait(work, timeout_s, f"{phase} (connecting the ranks it pairs with)")
         self.connected.update(new)
 
 
@@ -386,7 +432,7 @@ def execute(
             if flight is not None:  # no transfer of this update outlives it
                 for work in flight[0]:
                     try:
-                        wait(
+                        data.wait(
                             work,
                             timeout_s,
                             f"rank {rank}: executor, after a failed copy",
@@ -414,7 +460,7 @@ def execute(
             params,
             flight,
             staging,
-            lambda work: wait(work, timeout_s, phase),
+            lambda work: data.wait(work, timeout_s, phase),
             deferred,
         )
         flight = None

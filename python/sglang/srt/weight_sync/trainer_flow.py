@@ -46,10 +46,11 @@ from sglang.srt.weight_sync.control_plane import (
     GroupRefusal,
     PeerLost,
     check_bound,
+    check_group_timeout,
     collective_device,
 )
 from sglang.srt.weight_sync.delivery import ShardSender, local_shard
-from sglang.srt.weight_sync.executor import DataGroup
+from sglang.srt.weight_sync.executor import DataGroup, data_device
 from sglang.srt.weight_sync.manifest import (
     EngineManifest,
     ManifestError,
@@ -64,6 +65,7 @@ from sglang.srt.weight_sync.phase_timing import (
 )
 from sglang.srt.weight_sync.protocol import (
     CHANNEL_PREFIX,
+    DATA_GROUP_TIMEOUT_S,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     PayloadKind,
@@ -181,11 +183,36 @@ class TrainerSync:
         return self._world
 
     @property
+    def data_device(self) -> torch.device:
+        """Where the trainer-side data plane moves tensors (the default group's backend)."""
+        return self._data.device if self._data is not None else data_device(None)
+
+    @property
+    def lacks_data(self) -> bool:
+        """Whether this rank has no usable data group (none yet, or a wait on it failed)."""
+        return self._data is None or self._data.abandoned
+
+    @property
     def data(self) -> DataGroup:
-        """The data plane over every trainer rank (the default group), warmed up on its first
-        trainer-side chunk (``executor.DataGroup``)."""
+        """The trainer-side data plane, made by ``ready_data`` (``executor.DataGroup``)."""
         if self._data is None:
-            self._data = DataGroup(None)
+            raise RuntimeError("the trainer's data group is made by ready_data first")
+        return self._data
+
+    def ready_data(self, renew: bool, setup_s: float) -> DataGroup:
+        """The data plane's own group over every trainer rank, never the default group
+        (the communicator FSDP computes with: a wait that runs out aborts its group). Made,
+        with the default group's backend and ``DATA_GROUP_TIMEOUT_S`` (above every bound),
+        within ``setup_s``, when the trainer ranks agreed that some rank lacks one
+        (``renew``, the same on every rank: ``agree_on_inputs``), so all make it together."""
+        if renew or self._data is None:
+            if self._data is not None:
+                self._data.abandon()
+            timeout_s = check_group_timeout(
+                DATA_GROUP_TIMEOUT_S,
+                f"trainer rank {dist.get_rank()}: the trainer-side data group",
+            )
+            self._data = DataGroup.over_ranks_of(None, timeout_s, setup_s)
         return self._data
 
     def channel(
@@ -473,7 +500,7 @@ def sources_flow(
         None,
         timeout_s,
         f"timeout_s={timeout_s:g}: trainer rank {rank}, in each trainer-side round,",
-        sync.data.device,
+        sync.data_device,
     )
     with clock.phase(Phase.CONTROL):
         describe = sync.world.any(
@@ -506,7 +533,7 @@ def sources_flow(
             timeout_s,
             sync.data,
             clock,
-            _segment_buffers(chan.sender) if sync.data.device.type == "cpu" else None,
+            _segment_buffers(chan.sender) if sync.data_device.type == "cpu" else None,
             checked=True,
         )
         _count_chunk(report, result, rank)
@@ -578,7 +605,9 @@ def agree_on_inputs(
     (``TrainerPlans.shard_problems``, checked before the agreement): a wrong shard on one
     rank is then a ``GroupRefusal`` naming it on every rank, where a check raising on that
     rank alone after the agreement would leave its peers waiting in rounds that end in
-    ``PeerLost``. Different inputs raise ``ValueError`` on every rank."""
+    ``PeerLost``. Different inputs raise ``ValueError`` on every rank. The agreement also
+    says whether some rank lacks a data group (the first update, or a wait on it failed):
+    then every rank makes a new one (``TrainerSync.ready_data``)."""
     rank, names = dist.get_rank(), sorted(sources)
     with clock.phase(Phase.PLAN):
         digest = sync.plans.inputs_digest(
@@ -593,13 +622,13 @@ def agree_on_inputs(
             bucket_bytes,
             parts,
             rank,
-            sync.data.device,
+            sync.data_device,
         )
     with clock.phase(Phase.AGREE):
         agreed = sync.world.agree(
             problems,
             {"inputs": fingerprint_int(digest)},
-            {},
+            {"no data group": sync.lacks_data},
             timeout_s,
             f"trainer rank {rank}: checking that every rank plans alike, from tensors "
             "that fit its plan",
@@ -615,6 +644,8 @@ def agree_on_inputs(
             "the trainer ranks refused the update before any byte moved: "
             + "; ".join(agreed.problems)
         )
+    with clock.phase(Phase.CONTROL):
+        sync.ready_data("no data group" in agreed.raised, timeout_s)
     return parts
 
 

@@ -1,0 +1,197 @@
+"""The data plane's waits end within their bound without NCCL's watchdog: a polled wait
+(``control_plane.poll``, what a NCCL data group uses) aborts its group before it raises,
+and a data group whose wait failed is abandoned at once, on every path, and renewed by the
+next update.
+
+``poll`` is shown with works that say whether they completed (fakes: gloo's send and receive
+works complete only inside ``wait``), the abandon-and-renew path over gloo ranks where a
+peer withholds its send. NCCL's own side (the watchdog finding nothing to tear down) needs a
+GPU: ``test/gpu/test_nccl_timeout.py``.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from plan_samples import whole_tensor_plan
+from ranks import run_ranks
+
+from sglang.srt.weight_sync import control_plane
+from sglang.srt.weight_sync.control_plane import PeerLost, poll
+from sglang.srt.weight_sync.executor import DataGroup
+from sglang.srt.weight_sync.nccl_watchdog import (
+    DATA_PLANE_ENV,
+    data_plane_env,
+    watchdog_settings,
+)
+
+
+class _Clock:
+    """A clock that a sleep moves on: a poll's whole bound in no real time."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+class _Work:
+    """A work that completes after ``after`` looks (None: never); ``fails``: its wait raises."""
+
+    def __init__(self, after=None, fails=False) -> None:
+        self.after, self.fails, self.looks, self.waits, self.log = (
+            after,
+            fails,
+            0,
+            [],
+            None,
+        )
+
+    def is_completed(self) -> bool:
+        self.looks += 1
+        return self.after is not None and self.looks > self.after
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if self.log is not None:
+            self.log.append("wait")
+        if self.fails:
+            raise RuntimeError("NCCL communicator was aborted on rank 1")
+        return True
+
+
+def test_a_work_that_never_completes_aborts_the_group_before_the_error():
+    clock, work, events = _Clock(), _Work(), []
+
+    def give_up():
+        events.append(("aborted", clock.now))
+
+    with pytest.raises(PeerLost) as e:
+        poll(work, 5.0, "rank 1: round 3", give_up, clock, clock.sleep)
+    assert str(e.value).startswith("rank 1: round 3: a peer did not answer within 5s")
+    assert events == [("aborted", 5.0)], "aborted once, when the bound ran out"
+    assert work.waits == [], "never work.wait(timeout=...): NCCL's own abort path"
+    assert sum(clock.sleeps) == pytest.approx(5.0)
+    assert max(clock.sleeps) <= control_plane.POLL_LONGEST_S
+    assert clock.sleeps[0] == control_plane.POLL_FIRST_S
+
+
+def test_a_completed_work_is_waited_for_once_without_a_timeout():
+    clock, work = _Clock(), _Work(after=3)
+    poll(work, 5.0, "p", lambda: pytest.fail("gave up"), clock, clock.sleep)
+    assert work.waits == [None], "one plain wait: the current stream joins the work's"
+    assert clock.now < 0.01
+
+
+def test_a_work_that_completed_with_an_error_aborts_the_group_too():
+    clock, work, events = _Clock(), _Work(after=0, fails=True), []
+    with pytest.raises(PeerLost, match="^p: the transfer failed .*aborted on rank 1"):
+        poll(work, 5.0, "p", lambda: events.append("aborted"), clock, clock.sleep)
+    assert events == ["aborted"]
+
+
+class _Group:
+    """Stands for a NCCL group: records aborts."""
+
+    def __init__(self) -> None:
+        self.log = []
+
+    def abort(self) -> None:
+        self.log.append("abort")
+
+
+def test_a_polled_data_group_is_aborted_and_abandoned_when_its_wait_runs_out(
+    monkeypatch,
+):
+    """A GPU data group polls (``polled`` is the default on CUDA); the wait that runs out
+    aborts the group before ``PeerLost`` leaves, and the group is never used again."""
+    group = _Group()
+    data = DataGroup(group, device=torch.device("cuda", 0), own=False)
+    assert data.polled
+    assert not DataGroup(None, device=torch.device("cpu")).polled
+    monkeypatch.setattr(control_plane, "POLL_LONGEST_S", 0.01)
+    work = _Work()
+    work.log = group.log
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match="a peer did not answer within 0.2s"):
+        data.wait(work, 0.2, "rank 0: executor round 1 with ranks [1]")
+    assert 0.2 <= time.monotonic() - started < 2.0
+    assert group.log == ["abort"], "aborted once, before the error left"
+    assert data.abandoned and "within 0.2s" in data.lost
+    assert not data.warm and not data.connected
+
+
+def test_nccl_data_groups_are_made_with_a_watchdog_that_never_ends_the_process(
+    monkeypatch,
+):
+    """Under ``data_plane_env`` a NCCL group reads CleanUpOnly error handling, no dump
+    signal, no monitor of its own; the environment is restored after; gloo is untouched."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    assert watchdog_settings().tears_down
+    with data_plane_env("cpu:gloo,cuda:nccl") as settings:
+        assert not settings.tears_down and not settings.dump_on_timeout
+        assert not settings.monitoring
+        assert all(os.environ[k] == v for k, v in DATA_PLANE_ENV.items())
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    with data_plane_env("gloo") as settings:
+        assert settings is None
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def _withheld_send(rank: int, world: int) -> dict:
+    """Engine ranks over gloo (SGLang's TP state faked as the world): rank 0 withholds the
+    send rank 1 waits for; rank 1's wait ends within its bound, its data group abandoned and
+    destroyed at once; the next update agrees to renew it on both ranks and lands."""
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.executor import execute
+    from sglang.srt.weight_sync.sglang_compat import TpState
+
+    engine_update.tp_state = lambda: TpState(rank, world, world, 1, None, None)
+    sync = engine_update.EngineWeightSync(rank)
+    plan = whole_tensor_plan(0, {1}, world)
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    data, refusal = sync.ready_data_group(plan, None, 30.0)
+    assert refusal is None, refusal
+    out = {}
+    if rank == 1:
+        started = time.monotonic()
+        try:
+            execute(plan, 1, {}, {"p": torch.zeros(6, 4)}, data, timeout_s=2.0)
+            out["first"] = "landed"
+        except PeerLost as e:
+            out["first"] = str(e)
+        out["seconds"] = time.monotonic() - started
+        out["abandoned"] = data.abandoned
+        out["destroyed"] = data.group not in dist.distributed_c10d._world.pg_map
+    else:
+        time.sleep(4.0)  # the send is withheld past rank 1's bound
+        out["abandoned"] = data.abandoned
+    renewed = sync.data_group(30.0)
+    out["renewed"] = renewed is not data and not renewed.abandoned
+    renewed, refusal = sync.ready_data_group(plan, False, 30.0)
+    assert refusal is None, refusal
+    params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
+    execute(plan, rank, {"w": full} if rank == 0 else {}, params, renewed, 30.0)
+    out["landed"] = all(torch.equal(p, full) for p in params.values())
+    dist.barrier()
+    return out
+
+
+def test_a_withheld_send_ends_within_the_bound_and_the_next_update_renews_the_group():
+    first, second = run_ranks(2, _withheld_send)
+    assert second["first"].startswith("rank 1: executor round 1 with ranks [0]"), second
+    assert "within 2s" in second["first"], second
+    assert second["seconds"] < 10, second
+    assert second["abandoned"] and second["destroyed"], second
+    assert not first["abandoned"], "rank 0 did not wait: nothing failed there"
+    for r in (first, second):
+        assert r["renewed"] and r["landed"], r
