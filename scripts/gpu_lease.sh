@@ -6,7 +6,10 @@
 #   bash scripts/gpu_lease.sh OUT_DIR [SECONDS]   # SECONDS: the deadline, default 560
 # Steps: the whole tier in one pytest process (the derived targets under the CUDA branch, then
 # the engine tests: the CUDA IPC update after the engine-start test), the CUDA IPC update test
-# once more on its own, the 8B-shaped benchmark with the engine's phase lines.
+# once more on its own, the one-GPU proof that a data-plane wait running out on NCCL leaves
+# the process alive (test/gpu/test_nccl_timeout.py, about a minute: kept out of the tier's
+# step so that its own log says how it went), the 8B-shaped benchmark with the engine's phase
+# lines.
 # OUT_DIR/steps.txt says how each ended.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +34,8 @@ step() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch; print("torch", torch.__version__)'
 } > "$OUT/steps.txt" 2>&1
-step tier bash scripts/gpu_run.sh
+step tier bash scripts/gpu_run.sh --ignore=test/gpu/test_nccl_timeout.py
 step ipc_again bash scripts/gpu_run.sh test/gpu/test_engine_gpu.py -k ipc
+step nccl_timeout bash scripts/gpu_run.sh test/gpu/test_nccl_timeout.py -rA
 step bench bash scripts/gpu_run.sh --bench --json "$OUT/bench.json" --log-level info
 cat "$OUT/steps.txt"

@@ -8,13 +8,13 @@ broadcast rank set): gloo shows the decisions the code takes, counted by wrapper
 """
 
 import gc
-import os
 import time
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
+from held import held
 from plan_samples import whole_tensor_plan
 from ranks import run_ranks
 
@@ -136,7 +136,6 @@ def test_the_engine_makes_its_data_group_once_and_anew_on_every_rank_together():
 def _abandoned_groups_leave_nothing(rank: int, world: int) -> dict:
     """50 data groups made, used for one update and abandoned (what the engine does after
     each failed wait); what this process holds afterwards against what it held after one."""
-    from torch.distributed import distributed_c10d
 
     from sglang.srt.weight_sync.executor import DataGroup, execute
     from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
@@ -151,14 +150,6 @@ def _abandoned_groups_leave_nothing(rank: int, world: int) -> dict:
         execute(plan, rank, shards, params, data, timeout_s=60)
         data.abandon()
         return all(torch.equal(p, full) for p in params.values())
-
-    def held() -> dict:
-        gc.collect()
-        return dict(
-            threads=len(os.listdir("/proc/self/task")),
-            groups=len(distributed_c10d._world.pg_map),
-            names=len(distributed_c10d._world.pg_names),
-        )
 
     landed = (
         cycle()

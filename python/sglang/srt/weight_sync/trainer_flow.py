@@ -267,8 +267,11 @@ class TrainerSync:
         return self._channels[key]
 
     def close(self) -> None:
-        """Close every channel (idempotent)."""
+        """Close every channel and destroy the data group (idempotent)."""
         TrainerSync._close_all(self._channels)
+        if self._data is not None:
+            self._data.abandon()
+            self._data = None
 
     @staticmethod
     def _close_all(channels: Dict[Tuple[int, ...], TrainerChannel]) -> None:
