@@ -248,3 +248,16 @@ def test_fifty_failed_updates_leave_no_thread_or_group_behind():
     for rank, r in enumerate(results):
         assert r["after"] == r["before"], (rank, r)
     print("store keys per failed update:", results[0]["keys_per_update"])
+
+
+def test_a_peer_killed_mid_update_gives_an_error_within_the_bound():
+    """Rehearsal on gloo of ``test/gpu/test_peer_killed.py`` (the same scenario,
+    ``peer_death.killed_mid_round``): a killed peer, not one withholding its send."""
+    from peer_death import BOUND_S, killed_mid_round
+
+    results = run_ranks(2, killed_mid_round, "gloo", may_die=[1])
+    r = results[0]
+    assert r["first"] != "landed", r
+    assert r["first"].startswith(("PeerLost: rank 0: executor round 1", "RuntimeError"))
+    assert r["seconds"] < BOUND_S + 5, r
+    assert r["abandoned"] and r["destroyed"] and r["alone"], r

@@ -5,16 +5,21 @@ from typing import Collection
 import torch
 
 
-def whole_tensor_plan(holder: int, receivers: Collection[int], world: int):
-    """Tensor ``w`` (6 x 4 fp32) held whole by ``holder`` only, needed whole (as parameter
-    ``p``) by each of ``receivers``, in a world of ``world`` ranks."""
+def whole_tensor_plan(
+    holder: int, receivers: Collection[int], world: int, shape=(6, 4)
+):
+    """Tensor ``w`` (``shape``, 2-d, fp32) held whole by ``holder`` only, needed whole (as
+    parameter ``p``) by each of ``receivers``, in a world of ``world`` ranks."""
     from sglang.srt.weight_sync.box import Box
     from sglang.srt.weight_sync.planner import plan
     from sglang.srt.weight_sync.source_layout import MeshSpec
     from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
-    src = {"w": MeshSpec.full((6, 4), torch.float32, [holder]).describe("w")}
+    src = {"w": MeshSpec.full(tuple(shape), torch.float32, [holder]).describe("w")}
     target = ParamTarget(
-        "p", (6, 4), torch.float32, (Piece("w", Box((0, 0), (6, 4)), (), (0, 0)),)
+        "p",
+        tuple(shape),
+        torch.float32,
+        (Piece("w", Box((0, 0), tuple(shape)), (), (0, 0)),),
     )
     return plan(src, {r: ([target] if r in receivers else []) for r in range(world)})

@@ -29,6 +29,7 @@ from sglang.srt.weight_sync.control_plane import (
     wait,
 )
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
+from sglang.srt.weight_sync.staging_budget import keep_for_stream
 
 __all__ = (
     "DataGroup",
@@ -173,6 +174,17 @@ class DataGroup:
         self.connected = set()
         self.set_up_for = set()
 
+    def post(self, ops: List[dist.P2POp], phase: str) -> list:
+        """Post ``ops`` as one batch (``batch_isend_irecv``); a failure to post (on gloo, a
+        peer whose connection closed: a killed process) abandons the group as a failed wait
+        does."""
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            self.lost = f"{phase}: {type(e).__name__}: {e}"
+            self.abandon()
+            raise
+
     def wait(self, work, timeout_s: Optional[float], phase: str) -> None:
         """Wait for ``work`` of this group at most ``timeout_s`` (None: the group's own
         timeout, outside an update): polled on NCCL (``control_plane.poll``, the group
@@ -244,8 +256,9 @@ class DataGroup:
             op = dist.isend if src == rank else dist.irecv
             buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(op, buf, peer, self.group))
-        for work in dist.batch_isend_irecv(ops):
-            self.wait(work, timeout_s, f"{phase} (connecting the ranks it pairs with)")
+        phase = f"{phase} (connecting the ranks it pairs with)"
+        for work in self.post(ops, phase):
+            self.wait(work, timeout_s, phase)
         self.connected.update(new)
 
 
@@ -486,9 +499,11 @@ def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) 
 
 def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) -> int:
     """Write deferred landings into ``params`` (``apply.write_region``, cast on the fly);
-    returns the bytes written."""
+    returns the bytes written. The buffers were allocated where they were received (another
+    thread, another stream): each is kept for this stream's writes (``record_stream``)."""
     for landing in landings:
         _finish_landing(params, landing.buf, landing.move, list(landing.dests))
+    keep_for_stream(landing.buf for landing in landings)
     return sum(landing.nbytes for landing in landings)
 
 
@@ -557,7 +572,8 @@ def _start_round(
         ops.append(dist.P2POp(dist.irecv, flat, to_global(sender), group))
         landings.extend((view, move, _my_dests(move, rank)) for view, move in views)
         staging.stats.p2p_ops += 1
-    return (dist.batch_isend_irecv(ops) if ops else []), landings
+    works = data.post(ops, f"rank {rank}: executor, posting a round") if ops else []
+    return works, landings
 
 
 def _packed(moves: List[Move]) -> List[Move]:

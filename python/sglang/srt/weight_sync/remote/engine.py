@@ -85,6 +85,7 @@ from sglang.srt.weight_sync.sglang_compat import (
     tp_state,
     weights_released,
 )
+from sglang.srt.weight_sync.staging_budget import staging_cap
 
 __all__ = ("Receive", "RemoteEngineSync", "Staging", "scheduler_step", "write_staged")
 
@@ -370,7 +371,11 @@ class RemoteEngineSync:
         live = self.layout.live(worker.model_runner.model, member.derived)
         targets, params = live.targets, live.params
         who = member.group.who
-        cap = req.staging_bytes or DEFAULT_STAGING_BYTES
+        cap, cut = staging_cap(
+            req.staging_bytes or DEFAULT_STAGING_BYTES, member.group.data.device
+        )
+        if cut:
+            logger.info("%s: %s", who, cut)
 
         def check(header, specs) -> List[str]:
             problems = check_specs_against(
