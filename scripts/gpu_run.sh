@@ -26,6 +26,11 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_
 if [ "${1:-}" = "--torchrun" ]; then
   N=$2
   shift 2
+  # NCCL's watchdog acts 4 x its dump delay after an error it finds, its heartbeat monitor
+  # after its timeout (480 s): shortened, so that test_multi_gpu.py's failure test decides
+  # after both have passed (docs/gpu.md, runbook)
+  export TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=${TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC:-2000}
+  export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-20}
   exec torchrun --nproc-per-node "$N" -m pytest test/gpu/test_multi_gpu.py -p no:cacheprovider \
     --timeout=600 -rs -q "$@"
 fi

@@ -7,7 +7,9 @@ repository root with ``.gpu/`` in it::
     bash scripts/gpu_run.sh --torchrun 2
 
 which installs the carry and runs ``torchrun --nproc-per-node 2 -m pytest
-test/gpu/test_multi_gpu.py`` with the tier's environment. Under plain pytest, or on one GPU,
+test/gpu/test_multi_gpu.py`` with the tier's environment and NCCL's watchdog delays
+shortened (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=2000``, ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=20``),
+so that the failure test decides after both have passed. Under plain pytest, or on one GPU,
 each test is skipped with that line as its reason.
 
 The CPU suite rehearses this file (``test/e2e/test_multi_gpu_rehearsal.py``): with
@@ -25,9 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_engines import ON_CPU, QWEN2_SHAPE, engine_args, greedy_each
+from peer_death import watchdog_delay_s
 from plan_samples import whole_tensor_plan
 from tiny_models import qwen2, write_modified_checkpoint
-from update_cases import VerlLikeClient, as_layout, new_weights
+from update_cases import VerlLikeClient, as_layout, checksums, new_weights
 
 RUN = "bash scripts/gpu_run.sh --torchrun 2"
 WORLD = 2
@@ -149,6 +152,7 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
         )
         assert out[0], out
         got = _greedy(engine)
+        updated = checksums(engine)
     finally:
         engine.shutdown()
     reference_dir = os.path.join(os.path.dirname(model_dir), f"reference-{rank}")
@@ -161,6 +165,8 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
         model_path=reference_dir, tp_size=1, **_engine_args(**own_gpu)
     )
     try:
+        # every parameter equal to SGLang's own load of the same values, then generation
+        assert updated == checksums(fresh)
         assert got == _greedy(fresh)
     finally:
         fresh.shutdown()
@@ -172,7 +178,8 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
     rank 1 withholds its send. Rank 0's receive fails within the bound (``PeerLost``), and
     both ranks then abandon the group, as the engine does (``DataGroup.abandon``: the
     communicator is aborted). With work still pending, NCCL's watchdog would end the process
-    once the group's own timeout passed: both ranks outlive it, the default group (SGLang's
+    once the group's own timeout passed, or its dump delay after a wait that tore the
+    communicator down: both ranks outlive both, the default group (SGLang's
     serving group stands for it) still reduces on the device, and a new data group delivers
     the tensor exactly."""
     from sglang.srt.weight_sync.control_plane import PeerLost
@@ -197,9 +204,11 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
         assert time.monotonic() - t0 < bound_s + 10
     dist.barrier()  # rank 1 aborts only after rank 0's wait has run out
     data.abandon()
-    # past the abandoned group's timeout, NCCL's watchdog would have ended a process whose
-    # work on it were still pending (gloo has no watchdog: nothing to outlive on CPU)
-    time.sleep(0 if ON_CPU else group_timeout_s + 5)
+    # past the abandoned group's timeout and the watchdog's dump delay and heartbeat
+    # timeout (``scripts/gpu_run.sh --torchrun`` shortens both), NCCL's watchdog would have
+    # ended a process whose work on it were still pending or whose wait tore it down (gloo
+    # has no watchdog: nothing to outlive on CPU)
+    time.sleep(0 if ON_CPU else max(group_timeout_s + 5, watchdog_delay_s(os.environ)))
 
     flag = torch.ones(1, device=DEVICE)
     dist.all_reduce(flag)

@@ -34,17 +34,21 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer_world(tmp_path_factory):
-    """This process as a one-rank trainer world (on GPU 0). A file store: the CPU suite's
+    """This process as a one-rank trainer world (bound to GPU 0). A file store: the CPU suite's
     zygote cannot fork schedulers for a process that made a TCP store (see the rehearsal)."""
     if not dist.is_initialized():
         if not ON_CPU:
             torch.cuda.set_device(0)
         store = tmp_path_factory.mktemp("trainer_world") / "store"
+        # bound to its GPU, as verl's trainers are: the weight-sync group's NCCL data group
+        # must not be split from this world's communicator (issue 38, item 2)
+        bound = {} if ON_CPU else {"device_id": torch.device("cuda", 0)}
         dist.init_process_group(
             "gloo" if ON_CPU else "cpu:gloo,cuda:nccl",
             init_method=f"file://{store}",
             rank=0,
             world_size=1,
+            **bound,
         )
     yield
 

@@ -4,6 +4,7 @@
 
 import os
 import time
+from typing import Mapping
 
 import torch
 from plan_samples import whole_tensor_plan
@@ -17,11 +18,12 @@ ROWS = 1 << 12  # a 16 MiB fp32 tensor
 BOUND_S = 3.0
 
 
-def watchdog_delay_s() -> float:
-    """How long after a failure NCCL's watchdog or heartbeat monitor would have acted."""
-    env = WATCHDOG_ENV  # what every rank sets before it makes a group
-    dump = int(env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) / 1000
-    return max(4 * dump, int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"])) + 5
+def watchdog_delay_s(env: Mapping[str, str] = WATCHDOG_ENV) -> float:
+    """How long after a failure NCCL's watchdog (4 x its dump delay) or heartbeat monitor
+    would have acted, with ``env``'s settings (torch's defaults where unset: 15 s, 480 s),
+    plus 5 s. By default ``WATCHDOG_ENV``, what ``killed_mid_round`` sets on every rank."""
+    dump = int(env.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "15000")) / 1000
+    return max(4 * dump, int(env.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "480"))) + 5
 
 
 def killed_mid_round(rank: int, world: int, backend: str) -> dict:

@@ -531,8 +531,15 @@ class RemoteEngineSync:
             self.receiving = None
 
     def abort(self, req) -> None:
+        """Give up the group's receive: its data group is abandoned now (on NCCL the
+        thread's pending round ends at once, on gloo at its bound), and a receive whose
+        thread still runs stays known, so that no new receive starts beside it (``receive``
+        refuses while it runs; the trainer forms a new epoch after a failed update)."""
         mine = self.receive_of(req)
-        if mine is not None:
+        if mine is None:
+            return
+        mine.group.data.abandon()
+        if not mine.thread.is_alive():
             self._done(mine)
 
 
