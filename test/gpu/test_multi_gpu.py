@@ -1,7 +1,9 @@
-"""Two GPUs: FSDP2 trainer ranks on both, updating engines that span them.
+"""Two or four GPUs: FSDP2 trainer ranks on each, updating engines that span them.
 
-Each test runs on every rank of a ``torchrun`` world of 2 (one process per GPU, colocated
-with the engine ranks as verl places them). Run on a machine with two GPUs, from the
+Each test runs on every rank of a ``torchrun`` world of 2 or 4 (one process per GPU,
+colocated with the engine ranks as verl places them). At 4 the model's 2 kv heads are
+replicated over pairs of the TP-4 engine's ranks: moves with several receivers, and ranks
+that hold nothing another needs (``--torchrun 4``; the CPU rehearsal runs 2). Run on a machine with two GPUs, from the
 repository root with ``.gpu/`` in it::
 
     bash scripts/gpu_run.sh --torchrun 2
@@ -32,8 +34,14 @@ from plan_samples import whole_tensor_plan
 from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, as_layout, checksums, new_weights
 
-RUN = "bash scripts/gpu_run.sh --torchrun 2"
-WORLD = 2
+WORLDS = ("2", "4")
+# this torchrun world's size (2 outside one: the tests are then skipped)
+WORLD = (
+    int(os.environ.get("WORLD_SIZE", "2"))
+    if os.environ.get("WORLD_SIZE") in WORLDS
+    else 2
+)
+RUN = "bash scripts/gpu_run.sh --torchrun 2 (or 4)"
 PROMPTS = [[11, 12, 13, 14, 15], [101, 7, 9]]
 MAX_NEW = 8
 DEVICE = "cpu" if ON_CPU else "cuda"
@@ -42,8 +50,8 @@ pytestmark = [
     pytest.mark.gpus(WORLD),
     pytest.mark.cpu_rehearsal,
     pytest.mark.skipif(
-        os.environ.get("WORLD_SIZE") != str(WORLD),
-        reason=f"runs on every rank of a torchrun world of {WORLD}: {RUN}",
+        os.environ.get("WORLD_SIZE") not in WORLDS,
+        reason=f"runs on every rank of a torchrun world of 2 or 4: {RUN}",
     ),
 ]
 
@@ -94,9 +102,10 @@ def _verl_greedy(verl):
 
 
 def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
-    """FSDP2-style fp32 Shard(0) DTensors on 2 GPUs -> one TP-2 engine over the same GPUs
-    (``VerlEngine``, engine-side resharding: NCCL point-to-point between the engine's
-    ranks). Greedy generation equals a freshly loaded TP-2 engine's with the same weights."""
+    """FSDP2-style fp32 Shard(0) DTensors on every GPU -> one engine of TP 2 (or 4) over the
+    same GPUs (``VerlEngine``, engine-side resharding: NCCL point-to-point between the
+    engine's ranks). Every parameter equals SGLang's own load of the same values (checksums
+    of every TP rank), and greedy generation a freshly loaded engine's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from sglang.srt.entrypoints.verl_engine import VerlEngine
@@ -116,14 +125,20 @@ def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
         verl.update_weights_from_tensor(shards)
         verl.flush_cache()
         got = _verl_greedy(verl)
+        # every TP rank's parameters, from the engine's leader (the checker gathers them)
+        updated = checksums(verl._engine) if verl._engine is not None else None
+        dist.barrier()
     finally:
         verl.shutdown()
     dist.barrier()
     fresh = VerlEngine(cpu_mesh, model_path=reference_dir, **_engine_args())
     try:
         want = _verl_greedy(fresh)
+        loaded = checksums(fresh._engine) if fresh._engine is not None else None
+        dist.barrier()
     finally:
         fresh.shutdown()
+    assert updated == loaded, "a parameter differs from SGLang's own load"
     assert got == want
 
 

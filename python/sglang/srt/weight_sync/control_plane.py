@@ -206,7 +206,11 @@ def check_group_timeout(timeout_s: float, what: str) -> float:
     weight-sync group's data and control groups), refused (``BoundTooLong``) unless it is above
     every bound an update waits with: the largest, ``trainer_bound_s(MAX_TIMEOUT_S)``, is
     itself above ``MAX_TIMEOUT_S + GRACE_S``. Otherwise NCCL's watchdog could abort a wait on
-    the group (and end the process) before its bound does. Checked where the group is made."""
+    the group (and end the process) before its bound does. Checked where the group is made.
+    The watchdog's other delays (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``,
+    ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``) count only from an error the watchdog found
+    itself, which a polled wait never leaves it (``poll``); what it does with one is checked
+    where the group is made (``join_group``: never the process's end)."""
     largest = trainer_bound_s(MAX_TIMEOUT_S)
     if not timeout_s > largest:
         raise BoundTooLong(
