@@ -82,6 +82,16 @@ def test_a_work_that_never_completes_aborts_the_group_before_the_error():
     assert sum(clock.sleeps) == pytest.approx(5.0)
     assert max(clock.sleeps) <= control_plane.POLL_LONGEST_S
     assert clock.sleeps[0] == control_plane.POLL_FIRST_S
+    # no pause longer than a share of the time waited before it (a round's end is seen
+    # at most that share late)
+    waited = 0.0
+    for pause in clock.sleeps:
+        assert (
+            pause
+            <= max(control_plane.POLL_FIRST_S, 2 * control_plane.POLL_SHARE * waited)
+            + 1e-12
+        )
+        waited += pause
 
 
 def test_a_completed_work_is_waited_for_once_without_a_timeout():

@@ -111,9 +111,11 @@ def wait(work, timeout_s: Optional[float], phase: str) -> None:
 
 # ``poll``'s pauses between two looks at a work: the first short (a round that is nearly done
 # costs little more than a blocking wait), doubling up to the longest (a waiting rank takes a
-# few per cent of a core, not one)
+# few per cent of a core, not one), and never longer than ``POLL_SHARE`` of the time waited
+# so far (a pause overshoots a work's end by at most that share of its wait)
 POLL_FIRST_S = 50e-6
 POLL_LONGEST_S = 2e-3
+POLL_SHARE = 0.125
 
 
 def poll(
@@ -136,17 +138,21 @@ def poll(
     timeout: on NCCL that joins the current stream to the work's, and raises the work's own
     error, if any (a communicator error: ``give_up`` too). Gloo's send and receive works
     complete only inside ``wait``: poll NCCL work only (``executor.DataGroup``)."""
-    deadline = clock() + timeout_s
+    start = clock()
+    deadline = start + timeout_s
     pause = POLL_FIRST_S
     while not work.is_completed():
-        left = deadline - clock()
+        now = clock()
+        left = deadline - now
         if left <= 0:
             give_up()
             raise PeerLost(
                 f"{phase}: a peer did not answer within {timeout_s:g}s (the group was aborted)"
             )
         sleep(min(pause, left))
-        pause = min(2 * pause, POLL_LONGEST_S)
+        pause = min(
+            2 * pause, POLL_LONGEST_S, max(POLL_FIRST_S, POLL_SHARE * (now - start))
+        )
     try:
         work.wait()
     except RuntimeError as e:
