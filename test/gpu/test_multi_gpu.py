@@ -35,19 +35,13 @@ from tiny_models import qwen2, write_modified_checkpoint
 from update_cases import VerlLikeClient, as_layout, checksums, new_weights
 
 WORLDS = ("2", "4")
-# this torchrun world's size (2 outside one: the tests are then skipped)
-WORLD = (
-    int(os.environ.get("WORLD_SIZE", "2"))
-    if os.environ.get("WORLD_SIZE") in WORLDS
-    else 2
-)
 RUN = "bash scripts/gpu_run.sh --torchrun 2 (or 4)"
 PROMPTS = [[11, 12, 13, 14, 15], [101, 7, 9]]
 MAX_NEW = 8
 DEVICE = "cpu" if ON_CPU else "cuda"
 
 pytestmark = [
-    pytest.mark.gpus(WORLD),
+    pytest.mark.gpus(int(os.environ.get("WORLD_SIZE", "2"))),
     pytest.mark.cpu_rehearsal,
     pytest.mark.skipif(
         os.environ.get("WORLD_SIZE") not in WORLDS,
@@ -75,6 +69,11 @@ def world(tmp_path_factory):
     dist.barrier()
     yield rank, model_dir
     dist.destroy_process_group()
+
+
+def world_size() -> int:
+    """This torchrun world's size (2 or 4: the tests are skipped outside such a world)."""
+    return int(os.environ["WORLD_SIZE"])
 
 
 def _engine_args(**extra) -> dict:
@@ -111,8 +110,8 @@ def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
     from sglang.srt.entrypoints.verl_engine import VerlEngine
 
     rank, model_dir = world
-    cpu_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    trainer_mesh = init_device_mesh(DEVICE, (WORLD,), mesh_dim_names=("fsdp",))
+    cpu_mesh = init_device_mesh("cpu", (world_size(),), mesh_dim_names=("tp",))
+    trainer_mesh = init_device_mesh(DEVICE, (world_size(),), mesh_dim_names=("fsdp",))
     weights = new_weights(model_dir, seed=3)
     shards = as_layout(weights, "fsdp32", trainer_mesh)  # on the mesh's device
     expected = {n: t.float().to(torch.bfloat16) for n, t in weights.items()}
@@ -152,8 +151,10 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
     from sglang.srt.weight_sync.utils import update_weights
 
     rank, model_dir = world
-    trainer_mesh = init_device_mesh(DEVICE, (WORLD,), mesh_dim_names=("fsdp",))
-    engines = init_device_mesh(DEVICE, (WORLD, 1), mesh_dim_names=("dp", "infer_tp"))
+    trainer_mesh = init_device_mesh(DEVICE, (world_size(),), mesh_dim_names=("fsdp",))
+    engines = init_device_mesh(
+        DEVICE, (world_size(), 1), mesh_dim_names=("dp", "infer_tp")
+    )
     weights = new_weights(model_dir, seed=4)
     shards = as_layout(weights, "fsdp32", trainer_mesh)
     own_gpu = {} if ON_CPU else {"base_gpu_id": rank}
@@ -205,7 +206,7 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     shards = {"w": full.to(DEVICE)} if rank == 1 else {}
     # one receive on rank 0, one send on rank 1
-    the_plan = whole_tensor_plan(1, {0}, WORLD)
+    the_plan = whole_tensor_plan(1, {0}, world_size())
 
     def params():
         return {"p": torch.zeros(6, 4, device=DEVICE)} if rank == 0 else {}
@@ -227,7 +228,7 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
 
     flag = torch.ones(1, device=DEVICE)
     dist.all_reduce(flag)
-    assert flag.item() == WORLD, "the default group no longer reduces"
+    assert flag.item() == world_size(), "the default group no longer reduces"
     fresh = DataGroup.over_ranks_of(None, group_timeout_s)
     assert fresh.group is not data.group
     landed = params()

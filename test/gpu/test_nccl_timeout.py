@@ -57,7 +57,9 @@ def test_a_timed_out_nccl_wait_leaves_the_process_alive_and_the_next_update_work
     assert proc.returncode == 0, (proc.returncode, r, tail)
     assert r["first"].startswith("PeerLost: proof: the held-back collective"), r
     assert "within 2s" in r["first"], r
-    assert 2.0 <= r["raised_after_s"] < 10.0, r
+    # the abort may wait for the held-back kernels (freeing a communicator's device memory
+    # can synchronize the device): at most the sleep's length more
+    assert 2.0 <= r["raised_after_s"] < 2.0 + 8.0 + 5.0, r
     assert r["abandoned"] and r["destroyed"], r
     assert r["alive_after_s"] >= 15.0, "past the dump delay and the heartbeat timeout"
     assert r["serving"] and r["renewed"] and r["done"], r
