@@ -6,7 +6,7 @@ of the GPU when the engine starts; the rest is left to what serving allocates as
 (activations, CUDA graphs' pools, NCCL's buffers). Staging that a remote update holds while
 the engine keeps serving comes out of that rest: ``staging_cap`` gives it at most
 ``STAGING_SHARE_OF_FREE`` of the memory free when the receive starts, so that serving
-keeps the other part; what does not fit streams in during the pause (``remote_engine``).
+keeps the other part; what does not fit streams in during the pause (``remote.engine``).
 """
 
 from __future__ import annotations
