@@ -191,7 +191,7 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
         )
         return layout, local
     if s.train in ("fsdp", "hsdp"):
-        from torch.distributed.fsdp import fully_shard
+        from fsdp_shards import fully_sharded
 
         if s.train == "fsdp":
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -199,18 +199,7 @@ def _train_shards(s: Scenario, rank: int, full: Dict[str, torch.Tensor]):
             mesh = init_device_mesh(
                 "cpu", s.hsdp_shape, mesh_dim_names=("replicate", "shard")
             )
-        names = sorted(full)
-        module = torch.nn.Module()
-        for i, name in enumerate(names):
-            module.register_parameter(f"p{i}", torch.nn.Parameter(full[name].clone()))
-        fully_shard(module, mesh=mesh)
-        for i, name in enumerate(names):
-            dt = getattr(module, f"p{i}")
-            layout[name], local[name] = (
-                MeshSpec.of_dtensor(dt).describe(name),
-                dt.to_local(),
-            )
-        return layout, local
+        return fully_sharded(full, mesh)
     raise ValueError(s.train)
 
 

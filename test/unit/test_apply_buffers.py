@@ -7,8 +7,7 @@ import torch
 
 from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
-from sglang.srt.weight_sync.trainer_reshard import restrict
+from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, restrict
 
 GATE_UP = ParamTarget(
     "model.layers.0.mlp.gate_up_proj.weight",

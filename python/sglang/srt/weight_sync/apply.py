@@ -17,6 +17,8 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.fp8_quant import quantize_blocks_into
+from sglang.srt.weight_sync.fp8_targets import QuantizedParam
 from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
 from sglang.srt.weight_sync.target_layout import ParamTarget
 
@@ -29,6 +31,7 @@ __all__ = (
     "release_cached_memory",
     "run_post_load",
     "synchronize",
+    "write_quantized",
     "write_region",
     "write_zeros",
 )
@@ -43,6 +46,52 @@ def write_region(view: torch.Tensor, src: torch.Tensor) -> None:
         or view.stride() != src.stride()
     ):
         view.copy_(src)
+
+
+def write_quantized(
+    quantized: Sequence[QuantizedParam],
+    targets: Sequence[ParamTarget],
+    staged: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+) -> int:
+    """Quantize what this update delivered of each block-FP8 parameter (the pieces of
+    ``targets``, every one whole blocks: ``fp8_targets``) from its staged buffer into the
+    e4m3 weight and float32 scale, in place; regions of a parameter this update did not
+    deliver (a fused parameter whose other tensors come in another batch) keep their
+    blocks and scales. Returns the e4m3 bytes written."""
+    by_name = {q.weight: q for q in quantized}
+    written = 0
+    for t in targets:
+        q = by_name.get(t.name)
+        if q is None:
+            continue
+        source, weight, scale = staged[t.name], params[q.weight], params[q.scale]
+        bn, bk = q.block
+        for p in t.pieces:
+            box = p.dest_box()
+            (r0, c0), (r1, c1) = box.offsets[-2:], box.ends[-2:]
+            lead = p.index + tuple(
+                slice(o, e) for o, e in zip(box.offsets[:-2], box.ends[:-2])
+            )
+            region = lead + (slice(r0, r1), slice(c0, c1))
+            grid = lead + (slice(r0 // bn, -(-r1 // bn)), slice(c0 // bk, -(-c1 // bk)))
+            for src, dst, sc in zip(
+                _matrices(source[region]),
+                _matrices(weight[region]),
+                _matrices(scale[grid]),
+            ):
+                quantize_blocks_into(src, dst, sc, q.block)
+                written += dst.numel()
+    return written
+
+
+def _matrices(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The 2-D views of ``t`` along its leading dims (experts), each a view of ``t``."""
+    if t.dim() == 2:
+        yield t
+        return
+    for i in range(t.shape[0]):
+        yield from _matrices(t[i])
 
 
 def write_zeros(view: torch.Tensor) -> None:

@@ -20,11 +20,13 @@ from sglang.srt.weight_sync.derive import (
     ProvenanceCheck,
     engine_derived_targets,
 )
+from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, engine_block_fp8
 from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.protocol import resolve_channel
+from sglang.srt.weight_sync.sglang_compat import update_refusals
 from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
 
-__all__ = ("CHANNELS_TOLD", "EngineLayout", "LiveLayout")
+__all__ = ("CHANNELS_TOLD", "EngineLayout", "LiveLayout", "live_tensors")
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,10 @@ class EngineLayout:
         # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
         self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
         self._provenance = ProvenanceCheck()
+        # (derived targets, their block-FP8 transform or None): see block_fp8
+        self._fp8: Optional[Tuple[DerivedTargets, Optional[EngineBlockFp8]]] = None
+        # (the model, why an update of it is refused): see refusals
+        self._refusals: Optional[Tuple[torch.nn.Module, List[str]]] = None
 
     @classmethod
     def of(cls, owner, rank: int) -> EngineLayout:
@@ -81,12 +87,27 @@ class EngineLayout:
         something other than the targets say (``ProvenanceCheck``); empty when they agree."""
         return self._provenance.problems(model, derived, self.rank)
 
-    def live(self, model: torch.nn.Module, derived: DerivedTargets) -> LiveLayout:
+    def live(
+        self, model: torch.nn.Module, derived: DerivedTargets, block_fp8: bool = False
+    ) -> LiveLayout:
         """``derived`` checked against this rank's live tensors: a live tensor whose shape
         differs from its derived one means the engine was not built the way the derivation
-        rebuilt it, refused (``ValueError`` naming the parameter)."""
-        named = dict(model.named_parameters())
-        named.update((n, b) for n, b in model.named_buffers() if n not in named)
+        rebuilt it, refused (``ValueError`` naming the parameter). A block-FP8 engine's
+        weights are staged in their unquantized dtype (``fp8_targets``): only a caller that
+        quantizes them after its plan ran or from the buffers it received (``block_fp8``: the
+        colocated updates, engine-side and trainer-side) may use them; any other (a remote
+        engine's) refuses, naming a parameter."""
+        named = live_tensors(model)
+        fp8 = self.block_fp8(derived, named)
+        if fp8 is not None:
+            if not block_fp8:
+                raise ValueError(
+                    f"block-FP8 parameter {fp8.own.quantized[0].weight!r} (and "
+                    f"{len(fp8.own.quantized) - 1} more) on rank {self.rank}: this update "
+                    "path does not quantize yet (only the colocated updates do: engine-side "
+                    "and trainer-side); nothing written"
+                )
+            derived = fp8.targets
         params: Dict[str, torch.Tensor] = {}
         for target in derived.for_rank(self.rank):
             param = named.get(target.name)
@@ -101,10 +122,33 @@ class EngineLayout:
                     f"{self.rank}, SGLang's loader (derived on meta) writes {target.shape}"
                 )
             params[target.name] = param.data
-        targets, manifest = self._with_live_dtypes(
-            derived, {n: p.dtype for n, p in params.items()}
-        )
+        dtype_of = {n: p.dtype for n, p in params.items()}
+        if fp8 is not None:
+            dtype_of.update((q.weight, q.staged_dtype) for q in fp8.own.quantized)
+        targets, manifest = self._with_live_dtypes(derived, dtype_of)
         return LiveLayout(targets, params, manifest)
+
+    def block_fp8(
+        self, derived: DerivedTargets, live: Dict[str, torch.Tensor]
+    ) -> Optional[EngineBlockFp8]:
+        """The block-FP8 transform of ``derived`` on this rank (``fp8_targets``), None when no
+        live parameter is e4m3: made once per derived targets, so that the staged targets keep
+        their identity (and their manifest and cached plans) across updates."""
+        if self._fp8 is None or self._fp8[0] is not derived:
+            self._fp8 = (derived, engine_block_fp8(derived, live, self.rank))
+        return self._fp8[1]
+
+    def refusals(self, model: torch.nn.Module) -> List[str]:
+        """Why an update of ``model`` must be refused before any write: what SGLang derived
+        after loading and its post-load step cannot redo (``sglang_compat.update_refusals``).
+        Decided at startup (SGLang's own rule for these caches), so walked once per model."""
+        if self._refusals is None or self._refusals[0] is not model:
+            found = [
+                f"engine rank {self.rank}: {why}; refused before any write"
+                for why in update_refusals(model)
+            ]
+            self._refusals = (model, found)
+        return list(self._refusals[1])
 
     def _with_live_dtypes(
         self, derived: DerivedTargets, dtype_of: Dict[str, torch.dtype]
@@ -148,3 +192,10 @@ class EngineLayout:
                     e,
                 )
         return kept
+
+
+def live_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name (a parameter wins a shared name)."""
+    live = dict(model.named_parameters())
+    live.update((n, b) for n, b in model.named_buffers() if n not in live)
+    return live

@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from sglang.srt.weight_sync.apply import check_buffers, copy_buffers, nonfinite_buffers
+import torch
+
+from sglang.srt.weight_sync.apply import (
+    check_buffers,
+    copy_buffers,
+    nonfinite_buffers,
+    write_quantized,
+)
 from sglang.srt.weight_sync.delivery import Payload
 from sglang.srt.weight_sync.derive import DerivedTargets
+from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8
 from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.protocol import PayloadKind, resolve_channel
 from sglang.srt.weight_sync.target_layout import restrict
@@ -42,9 +50,14 @@ def local_step(
     params,
     rank: int,
     channel: str,
+    fp8: Optional[EngineBlockFp8] = None,
+    live: Optional[Dict[str, torch.Tensor]] = None,
 ) -> LocalStep:
     """ "describe": publish the manifest (nothing is written to the model). "params": check
-    the buffers the trainer planned against this engine's manifest, then copy them in place."""
+    the buffers the trainer planned against this engine's manifest, then copy them in place;
+    a block-FP8 weight's buffer (in its staged dtype: the manifest's) is the staging its
+    delivered blocks are quantized from (``fp8``; ``live``: the model's tensors, scales
+    included)."""
     if payload.kind == PayloadKind.DESCRIBE:
         path = write_manifest(resolve_channel(channel, rank), rank, manifest)
         logger.info(
@@ -88,14 +101,27 @@ def local_step(
         else []
     )
 
+    quantized = fp8.own.quantized if fp8 is not None else ()
+    names = {q.weight for q in quantized}
+    plain = [t for t in wanted if t.name not in names]
+    staged = [t for t in wanted if t.name in names]
+    fp8_params = {q.weight: params[q.weight] for q in quantized}
+    fp8_params.update((q.scale, live[q.scale].data) for q in quantized)
+
     def copy() -> Tuple[int, int, int]:
-        copied = copy_buffers(params, wanted, payload.tensors)
+        copied = copy_buffers(params, plain, payload.tensors)
+        copied += write_quantized(quantized, staged, payload.tensors, fp8_params)
         logger.info(
             "engine rank %d: trainer-side update, copied %d bytes locally", rank, copied
         )
         return 0, 0, 0
 
-    problems += check_buffers(params, wanted, payload.tensors, rank)
+    as_staged = {  # what check_buffers compares a block-FP8 weight's buffer with
+        q.weight: torch.empty(q.shape, dtype=q.staged_dtype, device="meta")
+        for q in quantized
+    }
+    problems += check_buffers(params, plain, payload.tensors, rank)
+    problems += check_buffers(as_staged, staged, payload.tensors, rank)
     if not problems:
         problems += [
             f"engine rank {rank}: tensor {name!r}: the buffer from trainer rank {payload.trainer_rank} holds "

@@ -44,6 +44,7 @@ from sglang.srt.weight_sync.apply import (
     refresh_derived,
     release_cached_memory,
     synchronize,
+    write_quantized,
 )
 from sglang.srt.weight_sync.commit_vote import commit_to_write
 from sglang.srt.weight_sync.control_plane import (
@@ -57,9 +58,10 @@ from sglang.srt.weight_sync.control_plane import (
 from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derive import DerivedTargets
-from sglang.srt.weight_sync.engine_layout import EngineLayout
+from sglang.srt.weight_sync.engine_layout import EngineLayout, live_tensors
 from sglang.srt.weight_sync.engine_trainer_side import LocalStep, local_step
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
+from sglang.srt.weight_sync.fp8_targets import QuantizedParam, staging_buffers
 from sglang.srt.weight_sync.phase_timing import (
     Count,
     Phase,
@@ -87,7 +89,7 @@ from sglang.srt.weight_sync.sglang_compat import (
     tp_state,
 )
 from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec
-from sglang.srt.weight_sync.target_layout import restrict
+from sglang.srt.weight_sync.target_layout import ParamTarget, restrict
 from sglang.srt.weight_sync.wire_dtypes import (
     cast_problems,
 )
@@ -159,6 +161,11 @@ class _Validated:
     shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     local_step: Optional[LocalStep] = None
+    # block-FP8 weights: what the plan stages (this update's pieces of them: ``quantized_targets``),
+    # and the live weights and scales it quantizes into
+    quantized: Tuple[QuantizedParam, ...] = ()
+    quantized_targets: Tuple[ParamTarget, ...] = ()
+    fp8_params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class EngineWeightSync:
@@ -380,6 +387,7 @@ class EngineWeightSync:
                 derived, problems = self._derived_targets(model_config, bound)
             if derived is not None:
                 problems += self.layout.provenance_problems(model, derived)
+            problems += self.layout.refusals(model)
         with clock.phase(Phase.VALIDATE):
             found = (
                 self._validate(model, derived, received, recv_req)
@@ -468,11 +476,19 @@ class EngineWeightSync:
         rank, clock = self.rank, received.clock
         try:
             with clock.phase(Phase.DESCRIBE):
-                live = self.layout.live(model, derived)
+                live = self.layout.live(model, derived, block_fp8=True)
                 targets, params, manifest = live.targets, live.params, live.manifest
             if received.payload.kind != PayloadKind.SHARDS:
+                named = live_tensors(model)
                 step = local_step(
-                    received.payload, targets, manifest, params, rank, recv_req.channel
+                    received.payload,
+                    targets,
+                    manifest,
+                    params,
+                    rank,
+                    recv_req.channel,
+                    self.layout.block_fp8(derived, named),
+                    named,
                 )
                 return _Validated(step.problems, local_step=step)
             kept = self.layout.kept_dtypes(manifest, recv_req.channel)
@@ -493,8 +509,28 @@ class EngineWeightSync:
                     local_ranks=(rank,),
                 )
                 clock.count(Count.PLAN_COLD, self.plans.misses - misses)
+            named = live_tensors(model)
+            fp8 = self.layout.block_fp8(derived, named)
+            if fp8 is None:
+                return _Validated(
+                    check_inputs(plan, rank, shards, params), plan, shards, params
+                )
+            # block FP8: the plan lands each weight's pieces in staging, quantized after it ran
+            quantized = fp8.own.quantized
+            staged = staging_buffers(quantized, next(iter(params.values())).device)
+            fp8_params = {q.weight: params[q.weight] for q in quantized}
+            fp8_params.update((q.scale, named[q.scale].data) for q in quantized)
+            params = {**params, **staged}
+            problems = [f"engine rank {rank}: {p}" for p in fp8.own.problems]
+            names = {q.weight for q in quantized}
             return _Validated(
-                check_inputs(plan, rank, shards, params), plan, shards, params
+                problems + check_inputs(plan, rank, shards, params),
+                plan,
+                shards,
+                params,
+                quantized=quantized,
+                quantized_targets=tuple(t for t in needed[rank] if t.name in names),
+                fp8_params=fp8_params,
             )
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             return _Validated([f"engine rank {rank}: {e}"])
@@ -584,6 +620,13 @@ class EngineWeightSync:
                 Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
             )
             with clock.phase(Phase.APPLY):
+                # every element of every block has met in staging: quantize in place
+                write_quantized(
+                    found.quantized,
+                    found.quantized_targets,
+                    found.params,
+                    found.fp8_params,
+                )
                 synchronize(
                     found.params.values()
                 )  # the trainer may reuse what we read once we reply

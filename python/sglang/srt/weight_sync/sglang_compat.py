@@ -33,6 +33,7 @@ __all__ = (
     "subclass_with_field",
     "tp_state",
     "unsplit_groups",
+    "update_refusals",
     "weights_released",
 )
 
@@ -417,3 +418,62 @@ def record_served_weight_version(manager, version: str) -> None:
     own update handlers do after an update that named one (the private
     ``_update_weight_version_if_provided`` of every base this package is built on)."""
     manager._update_weight_version_if_provided(version)
+
+
+def update_refusals(model) -> list:
+    """Why an in-place update of ``model`` must be refused before any write, because what
+    SGLang derived from its weights after loading cannot be redone by its post-load step:
+
+    * SGLang's own check, where the release has it (0.5.23's
+      ``weight_updater._unsupported_derived_weight_cache_error``: Hopper's BF16 caches of block
+      FP8, ``SGLANG_OPT_HOPPER_BLOCK_FP8_BF16``; compensated mHC splits; HPC-Ops GEMMs), the
+      text its own update paths refuse with;
+    * an FP8 layer whose weight the CPU AMX post-load step packed (``use_intel_amx_backend``:
+      ``_amx_process_weight_after_loading`` replaces the weight by a VNNI-packed one, and
+      running it again would pack the packed weight);
+    * an FP8 layer whose weight ROCm's aiter pre-shuffled in place (``aiter_bpreshuffled``:
+      shuffling again permutes the shuffled weight);
+    * a block-FP8 layer whose float32 scales DeepGEMM's UE8M0 requantization rewrote and
+      marked (``weight_scale_inv.format_ue8m0``, ``fp8_utils.requant_block_scale_ue8m0_for_deepgemm``):
+      the post-load step skips marked scales, so new float32 scales would be served as UE8M0.
+    """
+    found = []
+    try:
+        from sglang.srt.model_executor.model_runner_components import weight_updater
+    except ImportError:
+        weight_updater = None
+    check = getattr(weight_updater, "_unsupported_derived_weight_cache_error", None)
+    if check is not None:
+        reason = check(model)
+        if reason:
+            found.append(reason)
+    for name, module in model.named_modules():
+        method = type(getattr(module, "quant_method", None)).__name__
+        if not method.startswith("Fp8"):
+            continue
+        if getattr(module, "use_intel_amx_backend", False):
+            found.append(
+                f"{name}: SGLang's CPU AMX post-load step packed its FP8 weight "
+                "(_amx_process_weight_after_loading), which it cannot redo on a packed weight"
+            )
+        elif getattr(module, "aiter_bpreshuffled", False):
+            found.append(
+                f"{name}: ROCm aiter pre-shuffled its FP8 weight in place after loading, "
+                "which SGLang's post-load step cannot redo on a shuffled weight"
+            )
+        elif getattr(
+            getattr(module, "weight_scale_inv", None), "format_ue8m0", False
+        ) and (
+            getattr(
+                getattr(module.quant_method, "quant_config", None), "scale_fmt", None
+            )
+            != "ue8m0"
+        ):
+            found.append(
+                f"{name}: SGLang requantized its float32 block scales to UE8M0 for DeepGEMM "
+                "after loading and marked them (format_ue8m0), so its post-load step would "
+                "not requantize the new scales"
+            )
+        if len(found) > 3:
+            break
+    return found

@@ -89,7 +89,7 @@ def check_provenance(
     for target in representatives(targets):
         tensor = live.tensors.get(target.name)
         if tensor is None or tuple(tensor.shape) != target.shape:
-            continue  # engine_targets refuses it, naming the difference
+            continue  # EngineLayout.live refuses it, naming the difference
         if tensor.element_size() not in _BITS or tensor.is_complex():
             continue
         _check_one(model, live, target, tensor, shapes, rank, seed)

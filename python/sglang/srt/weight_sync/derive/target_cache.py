@@ -35,6 +35,7 @@ from sglang.srt.weight_sync.derive.derived_targets import (
     checkpoint_layout,
     derive_engine_rank,
 )
+from sglang.srt.weight_sync.fp8_targets import derivation_config
 from sglang.srt.weight_sync.sglang_compat import (
     original_hf_config,
     parallel_widths,
@@ -146,7 +147,9 @@ def own_rank_record(model_config, rank: int) -> dict:
             paused_gc()
         ):  # millions of small objects: the collector's full passes would free nothing
             checkpoint = checkpoint_layout(original_hf_config(model_config))
-            derived = derive_engine_rank(model_config, checkpoint, rank)
+            derived = derive_engine_rank(
+                derivation_config(model_config), checkpoint, rank
+            )
             record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
             if (
                 rank == 0

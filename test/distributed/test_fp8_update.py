@@ -1,0 +1,112 @@
+"""Block-FP8 engine ranks updated from BF16 FSDP2 trainer ranks, without a gather.
+
+Each 128 x 128 block is quantized where all its elements meet: here on the receiving engine
+rank, which stages the BF16 pieces its plan brings and quantizes them into the e4m3 weight and
+float32 ``weight_scale_inv`` (``fp8_targets``, ``apply.write_quantized``). Every parameter
+must then equal SGLang's own load of the same weights quantized by the reference quantizer
+(checksums of every parameter, e4m3 weights, scales, and the unquantized embeddings, norms
+and biases). SGLang's CPU engine cannot load block FP8 (its post-load step asserts an AMX CPU
+with sgl-kernel's CPU ops), so SGLang's own load is its model classes built on the CPU as
+each engine rank, outside an engine (``fp8_cases``). Trainer shards cut 128-blocks at 3 ranks
+(rows 86 and 172 of every 256-row tensor). Gathers are forbidden in every rank
+(``ranks.run_ranks``); no rank keeps a full tensor after sharding.
+"""
+
+import pytest
+import tiny_models
+from fp8_cases import SPECS, sglang_fp8_load, update_rank, write_fp8_checkpoint
+from ranks import run_ranks
+
+# (trainer ranks = world, engine TP, batches of tensors): engine-side at world == TP; otherwise
+# each rank gets what engine rank k % TP needs (trainer-side resharding's shape); in 2 batches
+# the fused parameters are filled by two updates, each quantizing only its own blocks
+CASES = ((1, 1, 1), (2, 2, 1), (2, 1, 1), (3, 1, 1), (2, 2, 2), (3, 1, 2))
+BUCKET = 1 << 16  # several rounds per update
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def checkpoints(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"fp8-{request.param}")
+    spec = SPECS[request.param]
+    bf16, _ = tiny_models.make_tiny_model(request.param, work / "bf16", seed=3, **spec)
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
+    loads = sglang_fp8_load(fp8, bf16, [(1, 0), (2, 0), (2, 1)], work)
+    return bf16, loads
+
+
+def test_sglang_post_load_step_is_idempotent_on_block_fp8(checkpoints):
+    """What an update runs after its writes (the model's post-load fixups, then each quant
+    method's post-load step) leaves a loaded block-FP8 model's parameters as they were, in
+    their storage: on this branch it may run once per update."""
+    _, loads = checkpoints
+    for key, load in loads.items():
+        assert load["post_load_idempotent"], (key, load["post_load_changed"])
+
+
+@pytest.mark.parametrize(
+    "world,tp,batches", CASES, ids=[f"fsdp{w}-tp{t}-b{b}" for w, t, b in CASES]
+)
+def test_fp8_params_equal_sglang_load_of_reference_checkpoint(
+    checkpoints, world, tp, batches
+):
+    bf16, loads = checkpoints
+    results = run_ranks(world, update_rank, tp, str(bf16), loads, BUCKET, batches)
+    for rank, r in enumerate(results):
+        # every e4m3 parameter (qkv, o, gate_up or the experts' w13, down or w2; 2 layers)
+        assert r["quantized"] == r["fp8_live"] == 4 * 2, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        # only the FP8 KV-cache scales (constants of the quant config) are not written
+        assert all(
+            n.endswith(("attn.k_scale", "attn.v_scale")) for n in r["not_written"]
+        ), r
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        assert r["peak"] <= BUCKET, r
+
+
+def test_engine_end_on_sglang_live_fp8_model(checkpoints):
+    """The engine end's own steps on SGLang's live FP8 model (TP 1): the targets derived from
+    the unquantized twin pass the provenance check against the live FP8 loaders; nothing
+    SGLang derived must be refused on this branch; a path that does not quantize refuses by
+    name; scrambled weights and scales come back to SGLang's load, in their own storage,
+    after SGLang's post-load step; and again through the trainer-side path's engine step."""
+    _, loads = checkpoints
+    e = loads[(1, 0)]["engine"]
+    assert e["provenance"] == [] and e["refusals"] == [], e
+    assert "block-FP8 parameter 'model.layers." in e["refused_elsewhere"], e
+    assert e["quantized"] == 8 and not e["differ"] and not e["moved"], e
+    # trainer-side, one hop: the buffers the trainer planned, in two batches
+    assert e["trainer_side"] == {"problems": [], "differ": []}, e["trainer_side"]
+
+
+def test_engine_transform_of_other_ranks_equals_their_own(checkpoints):
+    """An engine rank transforms every rank's targets (the plan needs them all) but sees only
+    its own live parameters: what it infers for the others (same FP8 names, scales the block
+    grid of their shard) must be what each rank finds from its own live parameters."""
+    import torch
+
+    from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
+    from sglang.srt.weight_sync.fp8_targets import block_fp8_targets, engine_block_fp8
+    from sglang.srt.weight_sync.target_layout import EngineParallel
+
+    bf16, loads = checkpoints
+    shapes = {n: tuple(t.shape) for n, t in tiny_models.load_checkpoint(bf16).items()}
+    ranks = [loads[(2, r)] for r in range(2)]
+    derived = DerivedTargets.of_ranks(
+        EngineParallel(2), [x["derived"] for x in ranks], shapes, {}
+    )
+    for r, own in enumerate(ranks):
+        live = {
+            n: torch.empty(s, dtype=d, device="meta")
+            for n, (s, d) in own["live"].items()
+        }
+        fp8 = engine_block_fp8(derived, live, r)
+        assert not fp8.own.problems
+        for k, other in enumerate(ranks):
+            expected = block_fp8_targets(
+                other["derived"].targets, other["live"], shapes
+            )
+            assert fp8.targets.for_rank(k) == list(expected.targets), (r, k)
+        assert (
+            fp8.own.quantized
+            == block_fp8_targets(own["derived"].targets, own["live"], shapes).quantized
+        )

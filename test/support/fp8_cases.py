@@ -1,0 +1,441 @@
+"""Block-FP8 engines fed from BF16 trainers: the checkpoints, SGLang's own load, the update.
+
+SGLang 0.5.23's CPU engine cannot load a block-FP8 model (docs/usage.md, FP8): its
+``Fp8LinearMethod`` post-load step asserts an AMX CPU with sgl-kernel's CPU ops, which no
+CPU wheel provides. So the ground truth here is the lowest level that is real: SGLang's own
+model classes built on the CPU as engine TP rank r of T (``sglang_fakes.fake_engine_rank``),
+with the quantization config SGLang's loader resolves from the checkpoint, loading the
+reference-quantized checkpoint through their own ``load_weights`` and the loader's post-load
+step, on the platform-neutral branch (no ``SGLANG_USE_CPU_ENGINE``: the branch CUDA takes
+when DeepGEMM is not the runner). A worker process does that (``python fp8_cases.py JOB
+OUT``) and also derives each rank's targets from the BF16 checkpoint (the pieces of every
+``P.weight``, as the unquantized model's loaders place them).
+
+* ``SPECS``: tiny models in block-FP8 shapes (every size a multiple of 128 per rank at
+  TP 1 and 2): the Qwen2 (8 q and 8 kv heads of 32, hidden 256, intermediate 512) and a
+  Qwen3-MoE (the same attention, 8 experts of intermediate 256, top 2).
+* ``write_fp8_checkpoint``: the BF16 checkpoint quantized by the reference quantizer
+  (``fp8_quant``), with the ``quantization_config`` verl's FP8 rollout gives SGLang.
+* ``sglang_fp8_load``: the worker's answer per (T, rank): parameter checksums, live shapes and
+  dtypes, derived targets, and whether SGLang's post-load step is idempotent there.
+* ``update_rank``: one rank of a gloo world: FSDP2 shards of the BF16 weights -> plan ->
+  execute into staging -> quantize into the FP8 parameters; checksums and byte counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Dict, Sequence, Tuple
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+QUANT_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+# the tiny Qwen2 of ``tiny_models`` at sizes block FP8 takes at TP 1 and 2
+_ATTENTION = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8)
+SPECS = {
+    "qwen2": dict(intermediate_size=512, **_ATTENTION),
+    "qwen3_moe": dict(
+        head_dim=32, intermediate_size=512, moe_intermediate_size=256, **_ATTENTION
+    ),
+}
+
+
+def quantized_names(tensors: Dict[str, torch.Tensor]) -> Sequence[str]:
+    """The HF tensors SGLang's ``Fp8Config`` quantizes: the weights of its linear layers and
+    experts (2-D ``.weight`` under ``model.layers``, norms and the MoE router excepted: the
+    router is built without a quant config). Embeddings and ``lm_head`` stay unquantized
+    (not ``LinearBase``)."""
+    return sorted(
+        n
+        for n, t in tensors.items()
+        if n.startswith("model.layers.")
+        and n.endswith(".weight")
+        and t.dim() == 2
+        and "norm" not in n
+        and not n.endswith("mlp.gate.weight")
+    )
+
+
+def write_fp8_checkpoint(src: Path, dst: Path) -> Path:
+    """``src`` (a BF16 checkpoint) with every quantized weight replaced by the reference
+    quantizer's e4m3 weight and float32 ``weight_scale_inv``, and the block-FP8
+    ``quantization_config`` in its config.json."""
+    import tiny_models
+    from safetensors.torch import save_file
+
+    from sglang.srt.weight_sync.fp8_quant import quantize_block_fp8
+
+    tensors = tiny_models.load_checkpoint(src)
+    out = dict(tensors)
+    for name in quantized_names(tensors):
+        out[name], out[name + "_scale_inv"] = quantize_block_fp8(tensors[name])
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name != "config.json"
+        ):
+            (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["quantization_config"] = dict(QUANT_CONFIG)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def checksum(t: torch.Tensor) -> str:
+    """A tensor's checksum as SGLang's weight checker reports it (its bytes)."""
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    return f"{tensor_hash(t):016x}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker: SGLang's own load of the FP8 checkpoint, per faked engine rank.
+
+
+def _build_quantized(model_config):
+    """The model as ``DefaultModelLoader`` builds it, quantization config included, on CPU."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import (
+        _get_quantization_config,
+        _initialize_model,
+    )
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    quant_config = _get_quantization_config(model_config, LoadConfig())
+    with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        return _initialize_model(model_config, LoadConfig(), quant_config)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _post_load_idempotent(model) -> Tuple[bool, Sequence[str]]:
+    """Run what follows an update (``sglang_compat.after_update``: the model's post-load
+    fixups, then each quant method's post-load step) once more on a loaded model: whether
+    every parameter keeps its bytes and its storage."""
+    from sglang.srt.weight_sync.sglang_compat import after_update
+
+    before = {
+        n: (p.detach().clone(), p.data_ptr()) for n, p in model.named_parameters()
+    }
+    with torch.no_grad():
+        after_update(model)
+    changed = [
+        n
+        for n, p in model.named_parameters()
+        if n not in before
+        or p.data_ptr() != before[n][1]
+        or p.dtype != before[n][0].dtype
+        or not torch.equal(_bytes(p), _bytes(before[n][0]))
+    ]
+    return not changed and set(before) == {
+        n for n, _ in model.named_parameters()
+    }, changed
+
+
+def run_job(job: dict, out_path: str) -> None:
+    """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...]}. Writes ``torch.save({(T, r):
+    {"checksums", "live", "derived", "post_load_idempotent", "post_load_changed"}})``."""
+    import sglang_fakes
+
+    sglang_fakes._provide_vllm_rotary_import()
+    import transformers
+    from safetensors.torch import load_file
+
+    from sglang.srt.weight_sync.derive.derived_targets import (
+        build_meta_model,
+        checkpoint_layout,
+        derive_rank,
+    )
+    from sglang.srt.weight_sync.fp8_targets import derivation_config
+    from sglang.srt.weight_sync.sglang_compat import after_load
+
+    fp8, bf16 = Path(job["fp8"]), Path(job["bf16"])
+    full = load_file(str(fp8 / "model.safetensors"))
+    # what the engine derives from: the FP8 checkpoint's HF config (BF16 tensors, as a
+    # trainer holds them) and the unquantized twin of its model config
+    layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(fp8))
+    out = {}
+    for tp, rank in job["cases"]:
+        with sglang_fakes.fake_engine_rank(tp, rank):
+            model_config, _ = sglang_fakes.sglang_model_config(fp8, "default", tp)
+            model = _build_quantized(model_config)
+            with torch.no_grad():
+                model.load_weights(iter(full.items()))
+                after_load(model)
+            params = dict(model.named_parameters())
+            idempotent, changed = _post_load_idempotent(model)
+            derived = derive_rank(
+                build_meta_model(derivation_config(model_config)), layout
+            )
+            out[(tp, rank)] = {
+                "checksums": {n: checksum(p) for n, p in params.items()},
+                "live": {n: (tuple(p.shape), p.dtype) for n, p in params.items()},
+                "derived": derived,
+                "post_load_idempotent": idempotent,
+                "post_load_changed": list(changed),
+            }
+            if tp == 1:
+                out[(tp, rank)]["engine"] = _engine_update(
+                    model, derived, layout, bf16, out[(tp, rank)]["checksums"]
+                )
+    torch.save(out, out_path)
+
+
+def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
+    """The engine end's own steps on SGLang's live FP8 model (TP 1, rank 0): the provenance
+    check of the derived targets against the live FP8 loaders, the refusals of derived state,
+    ``EngineLayout.live`` with the block-FP8 transform, the plan from the full
+    BF16 tensors, execute into staging, ``apply.write_quantized``, then what follows an
+    update (``refresh_derived``, SGLang's post-load step). Weights and scales are scrambled
+    first; every parameter must come back to SGLang's load (``expected``)."""
+    import tiny_models
+
+    from sglang.srt.weight_sync.apply import refresh_derived, write_quantized
+    from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
+    from sglang.srt.weight_sync.derive.provenance_check import ProvenanceCheck
+    from sglang.srt.weight_sync.engine_layout import EngineLayout
+    from sglang.srt.weight_sync.executor import execute
+    from sglang.srt.weight_sync.fp8_targets import staging_buffers
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.sglang_compat import after_update, update_refusals
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import EngineParallel
+
+    derived = DerivedTargets.of_ranks(
+        EngineParallel(1), [rank_targets], layout.shapes(), layout.aliases
+    )
+    provenance = ProvenanceCheck().problems(model, derived, 0)
+    refusals = update_refusals(model)
+    layout = EngineLayout(0)
+    refused = ""
+    try:
+        layout.live(model, derived)
+    except ValueError as e:
+        refused = str(e)
+    live_layout = layout.live(model, derived, block_fp8=True)
+    targets, params = live_layout.targets, live_layout.params
+    fp8 = layout.block_fp8(derived, dict(model.named_parameters()))
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
+                p.copy_(torch.randn(p.shape).to(p.dtype))
+    full = tiny_models.load_checkpoint(bf16)
+    sources = {
+        n: MeshSpec.full(t.shape, t.dtype, [0]).describe(n) for n, t in full.items()
+    }
+    staged = staging_buffers(fp8.own.quantized, torch.device("cpu"))
+    live = dict(model.named_parameters())
+    fp8_params = {q.weight: live[q.weight].data for q in fp8.own.quantized}
+    fp8_params.update((q.scale, live[q.scale].data) for q in fp8.own.quantized)
+    p = plan(sources, {0: targets.for_rank(0)}, aliases=targets.aliases)
+    with torch.no_grad():
+        stats = execute(p, 0, full, {**params, **staged})
+        write_quantized(fp8.own.quantized, targets.for_rank(0), staged, fp8_params)
+        refresh_derived(model)
+        after_update(model)
+    now = dict(model.named_parameters())
+    engine_side = sorted(n for n, t in now.items() if checksum(t) != expected[n])
+    trainer_side = _trainer_side(model, derived, layout, full, expected)
+    now = dict(model.named_parameters())
+    return {
+        "trainer_side": trainer_side,
+        "provenance": provenance,
+        "refusals": refusals,
+        "refused_elsewhere": refused,
+        "quantized": len(fp8.own.quantized),
+        "differ": engine_side,
+        "moved": sorted(n for n, t in now.items() if t.data_ptr() != ptrs[n]),
+        "copied": stats.bytes_copied_locally,
+        "staged_bytes": sum(t.numel() * t.element_size() for t in staged.values()),
+    }
+
+
+def _trainer_side(model, derived, layout, full, expected) -> dict:
+    """The trainer-side path's engine step (``engine_trainer_side.local_step``): the
+    trainer planned parameter-shaped buffers against the manifest (block-FP8 weights in bf16,
+    their staged dtype) and sends them in two batches, each a fused parameter's half; the
+    engine checks and copies them, quantizing the delivered blocks. Weights and scales are
+    scrambled first."""
+    from sglang.srt.weight_sync.delivery import Payload
+    from sglang.srt.weight_sync.engine_trainer_side import local_step
+    from sglang.srt.weight_sync.protocol import PayloadKind
+    from sglang.srt.weight_sync.sglang_compat import after_update
+    from sglang.srt.weight_sync.target_layout import restrict
+
+    live_layout = layout.live(model, derived, block_fp8=True)
+    targets, params, manifest = (
+        live_layout.targets,
+        live_layout.params,
+        live_layout.manifest,
+    )
+    live = dict(model.named_parameters())
+    fp8 = layout.block_fp8(derived, live)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
+                p.copy_(torch.randn(p.shape).to(p.dtype))
+    problems = []
+    for names in batches_of(full, 2):
+        buffers = {}
+        for t in restrict(targets.for_rank(0), names, {}):
+            buffer = torch.full(t.shape, float("nan"), dtype=t.dtype)
+            for piece in t.pieces:
+                buffer[piece.index][piece.dest_box().slices()] = piece.region(
+                    full[piece.tensor]
+                )
+            buffers[t.name] = buffer
+        payload = Payload(
+            "u",
+            0,
+            {0: 0},
+            buffers,
+            {},
+            PayloadKind.PARAMS,
+            tuple(names),
+            manifest.fingerprint,
+        )
+        step = local_step(payload, targets, manifest, params, 0, "", fp8, live)
+        problems += step.problems
+        if not step.problems:
+            with torch.no_grad():
+                step.run()
+    with torch.no_grad():
+        after_update(model)
+    now = dict(model.named_parameters())
+    return {
+        "problems": problems,
+        "differ": sorted(n for n, t in now.items() if checksum(t) != expected[n]),
+    }
+
+
+def sglang_fp8_load(fp8: Path, bf16: Path, cases, work: Path) -> dict:
+    """``run_job`` in a worker process on the platform-neutral branch."""
+    import sglang_fakes
+
+    job = {"fp8": str(fp8), "bf16": str(bf16), "cases": [list(c) for c in cases]}
+    job_path, out_path = work / "fp8-job.json", work / "fp8-out.pt"
+    job_path.write_text(json.dumps(job))
+    sglang_fakes.run_worker([__file__, job_path, out_path], "default")
+    return torch.load(out_path, weights_only=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank of the update.
+
+
+def fsdp_shards(full: Dict[str, torch.Tensor], world: int):
+    """FSDP2 (``fully_shard`` over every rank) shards of ``full``: (layout, local tensors).
+    Dim-0 chunks of ceil(rows / world): at 3 ranks every 256-row tensor is cut at rows 86
+    and 172, inside 128-blocks."""
+    from fsdp_shards import fully_sharded
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return fully_sharded(
+        full, init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    )
+
+
+def batches_of(names, count: int):
+    """The HF tensors in ``count`` batches, as a trainer that sends its weights bucket by
+    bucket does: with 2, the q and gate projections (and every expert's gate) come first, so
+    that a fused parameter (``qkv_proj``, ``gate_up_proj``, ``w13``) is filled by two updates."""
+    names = sorted(names)
+    if count == 1:
+        return [names]
+    first = [n for n in names if "q_proj" in n or "gate_proj" in n]
+    return [first, [n for n in names if n not in first]]
+
+
+def update_rank(
+    rank: int,
+    world: int,
+    tp: int,
+    bf16: str,
+    loads: dict,
+    bucket: int,
+    batches: int = 1,
+) -> dict:
+    """Rank ``rank`` of ``world`` FSDP2 trainer ranks holding the BF16 checkpoint's tensors;
+    rank k also acts as engine rank k % ``tp`` (engine-side when ``world == tp``; every rank
+    receives what its engine rank needs). Its FP8 parameters start as garbage; after the update
+    (in ``batches`` of tensors: ``batches_of``) every parameter's checksum must equal
+    SGLang's own load (``loads[(tp, k % tp)]``)."""
+    import tiny_models
+    import torch.distributed as dist
+
+    from sglang.srt.weight_sync.apply import write_quantized
+    from sglang.srt.weight_sync.executor import execute
+    from sglang.srt.weight_sync.fp8_targets import block_fp8_targets, staging_buffers
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.target_layout import restrict
+
+    full = tiny_models.load_checkpoint(bf16)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    layout, local = fsdp_shards(full, world)
+    del full  # the reference lives in ``loads``: no rank keeps a full tensor past here
+    transformed = {}
+    for k in range(world):
+        load = loads[(tp, k % tp)]
+        t = block_fp8_targets(load["derived"].targets, load["live"], shapes)
+        assert not t.problems, [str(p) for p in t.problems]
+        transformed[k] = t
+    mine = transformed[rank]
+    live = loads[(tp, rank % tp)]["live"]
+    written = {t.name for t in mine.targets} | {q.scale for q in mine.quantized}
+    params = {}
+    for name in sorted(written):
+        shape, dtype = live[name]
+        garbage = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
+        params[name] = garbage.to(dtype)
+    figures = dict(received=0, lower_bound=0, planned=0, peak=0)
+    for names in batches_of(layout, batches):
+        # fresh staging per update, as the engine makes it: what a batch did not deliver is
+        # garbage there, and must not be quantized
+        staged = staging_buffers(mine.quantized, torch.device("cpu"))
+        for buffer in staged.values():
+            buffer.fill_(float("nan"))
+        destinations = {**params, **staged}
+        wanted = {k: restrict(t.targets, names, {}) for k, t in transformed.items()}
+        sources = {n: layout[n] for n in names}
+        p = plan(sources, wanted, bucket_bytes=bucket)
+        stats = execute(p, rank, {n: local[n] for n in names}, destinations)
+        write_quantized(mine.quantized, wanted[rank], staged, params)
+        figures["received"] += stats.bytes_received
+        figures["lower_bound"] += p.lower_bound_bytes(rank)
+        figures["planned"] += p.received_bytes(rank)
+        figures["peak"] = max(figures["peak"], stats.peak_staging_bytes)
+    staging_bytes = sum(s.numel() * s.element_size() for s in staged.values())
+    del staged
+    dist.barrier()
+    expected = loads[(tp, rank % tp)]["checksums"]
+    return {
+        "differ": sorted(n for n, t in params.items() if checksum(t) != expected[n]),
+        "compared": len(params),
+        "not_written": sorted(set(live) - written),
+        "quantized": len(mine.quantized),
+        "fp8_live": sum(1 for _, d in live.values() if d == torch.float8_e4m3fn),
+        **figures,
+        "fp8_staging_bytes": staging_bytes,
+        "largest_local": max(t.numel() * t.element_size() for t in local.values()),
+    }
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    run_job(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
