@@ -19,7 +19,9 @@ rank R's provenance check sees SGLang's ``gate_up_proj`` loaders swap gate and u
 ``<dir>/permute_gate_up.rank<R>`` exists (removed likewise): a loader permutation the
 derived targets do not know. And the whole engine (its process group) is killed once
 engine rank R's staging took its first round of a remote update if
-``<dir>/die_in_receive.rank<R>`` exists: an engine that dies mid-update.
+``<dir>/die_in_receive.rank<R>`` exists: an engine that dies mid-update. And one bit of
+engine rank R's first ``down_proj`` weight flips before it receives a remote update if
+``<dir>/corrupt_param.rank<R>`` exists: a parameter changed behind the trainer's back.
 
 With ``SGLANG_USE_CPU_ENGINE`` set (every engine the tests start), SGLang's weight checker on
 0.5.10.post1 and 0.5.12 also takes the action ``checksums_to:<dir>``: every TP rank writes its
@@ -205,8 +207,29 @@ def _install_faults() -> None:
 
         return call
 
+    def _corrupt_param(receive):
+        """Before engine rank R receives a remote update, change one bit of its first
+        ``down_proj`` weight if ``<dir>/corrupt_param.rank<R>`` exists (removed): a
+        parameter changed behind the trainer's back, on demand."""
+
+        def call(self, worker, req):
+            if _fault_flag(f"corrupt_param.rank{self.rank}"):
+                import torch as _torch
+
+                for name, p in worker.model_runner.model.named_parameters():
+                    if name.endswith("down_proj.weight"):
+                        bits = p.data.view(-1)[:1].view(_torch.int16)
+                        bits.bitwise_xor_(1)
+                        break
+            return receive(self, worker, req)
+
+        return call
+
     def _wrap_staging(module):
         module.Staging.landed = _die_in_receive(module.Staging.landed)
+        module.RemoteEngineSync.receive = _corrupt_param(
+            module.RemoteEngineSync.receive
+        )
 
     _on_import("sglang.srt.weight_sync.remote.engine", _wrap_staging)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Set, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,11 @@ __all__ = (
     "Landing",
     "check_inputs",
     "data_device",
+    "dest_region",
+    "exchange_payloads",
     "execute",
+    "rank_rounds",
+    "source_region",
     "write_landings",
     "write_zero_fills",
 )
@@ -638,6 +642,66 @@ def _landing(params, dest: Dest, move: Move, staging: _Staging) -> torch.Tensor:
 def _finish_landing(params, buf: torch.Tensor, move: Move, dests: List[Dest]) -> None:
     for dest in dests:
         write_region(_dest_view(params, dest, move), buf)
+
+
+def exchange_payloads(
+    data: DataGroup,
+    rank: int,
+    outgoing: Mapping[int, torch.Tensor],
+    incoming: Sequence[int],
+    timeout_s: Optional[float],
+    phase: str,
+) -> Dict[int, torch.Tensor]:
+    """Byte payloads whose sizes only the sender knows (a delta update's records): every
+    buffer of ``outgoing`` (receiver -> 1-d uint8, non-empty) to its receiver, one from
+    each rank of ``incoming``, in two batches of point-to-point operations: the sizes
+    (one int64 each), then the payloads. Both ends list the same pairs (the same plan)."""
+
+    def to_global(r: int) -> int:
+        return r if data.group is None else dist.get_global_rank(data.group, r)
+
+    def run(pairs_out, pairs_in, what: str) -> None:
+        ops = [
+            dist.P2POp(dist.isend, buf, to_global(peer), data.group)
+            for peer, buf in pairs_out
+        ] + [
+            dist.P2POp(dist.irecv, buf, to_global(peer), data.group)
+            for peer, buf in pairs_in
+        ]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            wait(work, timeout_s, f"{phase} ({what})")
+
+    out = {p: b.to(data.device).contiguous() for p, b in sorted(outgoing.items())}
+    sizes_out = [
+        (p, torch.tensor([b.numel()], dtype=torch.int64, device=data.device))
+        for p, b in out.items()
+    ]
+    sizes_in = [
+        (p, torch.zeros(1, dtype=torch.int64, device=data.device))
+        for p in sorted(incoming)
+    ]
+    run(sizes_out, sizes_in, "the payloads' sizes")
+    bufs = {
+        p: torch.empty(int(n.item()), dtype=torch.uint8, device=data.device)
+        for p, n in sizes_in
+    }
+    run(list(out.items()), list(bufs.items()), "the payloads")
+    return bufs
+
+
+def source_region(shards, move: Move) -> torch.Tensor:
+    """The region ``move`` reads, in its holder's local buffer (a view)."""
+    return _src_view(shards, move)
+
+
+def dest_region(params, dest: Dest, move: Move) -> torch.Tensor:
+    """The parameter region ``move`` writes at ``dest``, dims in the region's order (a view)."""
+    return _dest_view(params, dest, move)
+
+
+def rank_rounds(plan: Plan, rank: int) -> List[List[Move]]:
+    """``rank``'s moves of each round of ``plan`` in which it has one."""
+    return _rounds(plan, rank)
 
 
 def _src_view(shards, move: Move) -> torch.Tensor:

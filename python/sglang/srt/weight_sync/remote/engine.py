@@ -490,6 +490,7 @@ class RemoteEngineSync:
             mine.staging.peak,
             int(mine.seconds * 1e6),
             applied_us,
+            result.delta.decode_us if result is not None and result.delta else 0,
         ]
         self._done(mine)
         after = self.control.share_problems(

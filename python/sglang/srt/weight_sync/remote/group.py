@@ -47,6 +47,12 @@ from sglang.srt.weight_sync.control_plane import (
     join_group,
     leave_group,
 )
+from sglang.srt.weight_sync.delta_rounds import (
+    DeltaFigures,
+    Snapshot,
+    execute_delta,
+    stage_full,
+)
 from sglang.srt.weight_sync.executor import (
     DataGroup,
     Deferred,
@@ -112,6 +118,9 @@ class UpdateResult:
     header: UpdateHeader
     plan: Plan
     stats: ExecutionStats
+    # a delta update's figures (``delta_rounds``), and why it was full ("" when not)
+    delta: Optional[DeltaFigures] = None
+    why_full: str = ""
 
 
 def source_layout(specs: Mapping[str, Spec]) -> SourceLayout:
@@ -464,6 +473,7 @@ class SyncGroup:
         check: Optional[Callable[[UpdateHeader, Mapping[str, Spec]], List[str]]] = None,
         params: Optional[Mapping[str, torch.Tensor]] = None,
         deferred: Optional[Deferred] = None,
+        snapshot: Optional[Snapshot] = None,
     ) -> UpdateResult:
         """Steps 1-6 on this rank. A trainer rank passes ``part``; every rank may pass
         ``check`` (its problems with the update: the header and specs), an engine rank its
@@ -472,7 +482,9 @@ class SyncGroup:
         tensors against it: ``executor.check_inputs``) runs before the agreement and its
         problems are part of it: one raising after it would leave the peers waiting in
         rounds that end in ``PeerLost``. Raises ``GroupRefusal`` before any byte moved,
-        ``PeerLost`` when a member did not answer within ``timeout_s``."""
+        ``PeerLost`` when a member did not answer within ``timeout_s``. A header that says
+        ``delta`` runs the rounds as delta records (``delta_rounds``: a trainer rank encodes
+        against its ``snapshot``, an engine rank decodes against ``params``)."""
         problems: List[str] = []
         plan, device = None, self.data.device
         local = part.local if part is not None else {}
@@ -489,20 +501,39 @@ class SyncGroup:
         except (CoverageError, LayoutError, KeyError, ValueError) as e:
             problems.append(f"{self.who}: {e}")
         self.agree(problems, plan, timeout_s)
+        delta, why_full = None, ""
         try:
-            stats = execute(
-                plan,
-                self.rank,
-                local,
-                params or {},
-                self.data,
-                timeout_s,
-                deferred,
-                checked=True,
-            )
+            if header.delta:
+                stats, delta, why_full = execute_delta(
+                    plan,
+                    self.rank,
+                    local,
+                    params or {},
+                    self.data,
+                    timeout_s,
+                    deferred,
+                    snapshot,
+                    self.membership.epoch,
+                    header.digest,
+                )
+            else:
+                stats = execute(
+                    plan,
+                    self.rank,
+                    local,
+                    params or {},
+                    self.data,
+                    timeout_s,
+                    deferred,
+                    checked=True,
+                )
+                if snapshot is not None:
+                    delta, why_full = stage_full(
+                        plan, self.rank, local, snapshot, self.membership.epoch
+                    )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None
-        return UpdateResult(header, plan, stats)
+        return UpdateResult(header, plan, stats, delta, why_full)
 
     @staticmethod
     def wire_of(specs: Mapping[str, Spec]) -> Tuple[bytes, str]:

@@ -17,6 +17,8 @@ epoch is a process group of its own in that store (``membership prefix``).
   ``MeshSpec`` or ``HoldersSpec``, JSON, decoded with bounds.
 * ``UpdateStep`` and ``ReceiveState``: the steps the tokenizer manager walks an update
   through (receive while serving, poll, apply in a short pause), and what a rank reports.
+* A delta update's records (``delta_records`` / ``read_delta_records``): per region,
+  its kind, changed count, payload size and the digest of the base it applies to.
 * The reply: ``REMOTE_FIGURES`` per engine TP rank, and the pause.
 """
 
@@ -27,6 +29,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
+import torch
+
+from sglang.srt.weight_sync.delta_codec import (
+    DIGEST_BITS,
+    NO_DIGEST,
+    Encoded,
+    Kind,
+    payload_bytes,
+)
 from sglang.srt.weight_sync.protocol import (
     GRACE_S,
     MAX_UPDATE_ID_CHARS,
@@ -44,6 +55,7 @@ from sglang.srt.weight_sync.source_layout import HoldersSpec, LayoutError, MeshS
 __all__ = (
     "BACKENDS",
     "DEFAULT_STAGING_BYTES",
+    "DIGEST_BYTES",
     "HEADER_LIMIT",
     "LAYOUT_LIMIT",
     "MEMBERSHIP_LIMIT",
@@ -52,13 +64,16 @@ __all__ = (
     "POLL_S",
     "REMOTE_FIGURES",
     "ReceiveState",
+    "RECORD_BYTES",
     "Spec",
     "UpdateHeader",
     "UpdateStep",
+    "delta_records",
     "epoch_prefix",
     "join_problems",
     "layout_wire",
     "leave_problems",
+    "read_delta_records",
     "read_layout",
     "receive_bound_s",
     "remote_reply",
@@ -102,6 +117,7 @@ REMOTE_FIGURES = (
     "peak_staging_bytes",
     "receive_us",
     "apply_us",
+    "decode_us",  # a delta update's decoding, inside receive_us
 )
 
 
@@ -300,6 +316,10 @@ class UpdateHeader:
     layout_bytes: int
     bucket_bytes: int
     tensors: int
+    # regions travel as delta records (``delta_records``); with ``digest`` each record
+    # carries the digest of the base it applies to, which the engine checks
+    delta: bool = False
+    digest: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -318,9 +338,83 @@ class UpdateHeader:
             header.bucket_bytes, "bucket_bytes", MIN_BUCKET_BYTES, 1 << 62
         )
         problems += _int_problem(header.tensors, "tensors", 0, 1 << 31)
+        for name in ("delta", "digest"):
+            if type(getattr(header, name)) is not bool:
+                problems.append(
+                    f"{name}={getattr(header, name)!r}: must be true or false"
+                )
+        if header.digest and not header.delta:
+            problems.append("digest=true without delta=true")
         if problems:
             raise DeliveryError("update header: " + "; ".join(problems))
         return header
+
+
+# ---------------------------------------------------------------------------- delta records
+
+# A record's header: one int64, kind | changed << 2 (the payload's size follows from them and
+# the region's), then, when the update checks digests, the base's digest (NO_DIGEST: none).
+KIND_BITS = 2
+RECORD_BYTES = 8
+DIGEST_BYTES = 8
+
+
+def delta_records(records: List[Tuple[Encoded, int]], digest: bool) -> torch.Tensor:
+    """One sender's records for one receiver in one round, in the plan's order of their
+    moves: each its header (and with ``digest`` its base's digest), then its payload."""
+    parts = []
+    for enc, check in records:
+        words = [int(enc.kind) | (enc.changed << KIND_BITS)] + (
+            [check] if digest else []
+        )
+        parts += [
+            torch.tensor(words, dtype=torch.int64).view(torch.uint8),
+            enc.payload.reshape(-1).cpu(),
+        ]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def read_delta_records(
+    raw: torch.Tensor, regions: List[Tuple[int, int]], digest: bool, who: str
+) -> List[Tuple[Encoded, int]]:
+    """The records of ``raw`` for ``regions`` (each ``(numel, itemsize)``, in the plan's
+    order): every header checked against its region (a known kind, at most ``numel``
+    changed, ``FULL`` with all, a digest in range) and the buffer read exactly to its
+    end; ``DeliveryError`` names the record."""
+    raw = raw.reshape(-1).to("cpu", torch.uint8)
+    head_bytes = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
+    out, offset = [], 0
+    for i, (numel, itemsize) in enumerate(regions):
+        where = (
+            f"{who}: delta record {i} of {len(regions)} (a region of {numel} elements)"
+        )
+        if offset + head_bytes > raw.numel():
+            raise DeliveryError(f"{where}: the payload ends before its header")
+        words = raw[offset : offset + head_bytes].clone().view(torch.int64).tolist()
+        offset += head_bytes
+        code, changed = words[0] & ((1 << KIND_BITS) - 1), words[0] >> KIND_BITS
+        check = words[1] if digest else NO_DIGEST
+        kind = Kind(code)
+        ok_changed = (
+            changed == numel
+            if kind == Kind.FULL
+            else (changed == 0 if kind == Kind.UNCHANGED else 0 < changed <= numel)
+        )
+        if not ok_changed:
+            raise DeliveryError(f"{where}: {kind.name} with {changed} changed")
+        if check != NO_DIGEST and not 0 <= check < (1 << DIGEST_BITS):
+            raise DeliveryError(f"{where}: digest {check} out of range")
+        size = payload_bytes(kind, numel, changed, itemsize)
+        if offset + size > raw.numel():
+            raise DeliveryError(f"{where}: the payload ends inside it")
+        payload = raw[offset : offset + size]
+        offset += size
+        out.append((Encoded(kind, numel, itemsize, changed, payload), check))
+    if offset != raw.numel():
+        raise DeliveryError(
+            f"{who}: {raw.numel() - offset} bytes after the last of {len(regions)} records"
+        )
+    return out
 
 
 def _strict_json(raw: bytes):

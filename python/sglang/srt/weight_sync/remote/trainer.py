@@ -19,6 +19,12 @@ trainer's own process group.
 * After a failed update (an engine or a trainer rank died, a wait ran out), the epoch is
   dropped; the next update forms a new one with the engines that still answer, so a dead
   engine leaves and the others go on; an engine restarted joins again with ``join``.
+* ``delta=True``: every trainer rank keeps the engine-dtype values it last delivered
+  (``delta_rounds.Snapshot``, host memory) and sends each region as what changed since
+  (``delta_codec``); the snapshot advances only when every engine answered success, and
+  the first update of an epoch, or after any failure, is full (``RemoteReport.delta``
+  says which and why). Every ``digest_every``-th update the engines check that they hold
+  what the trainer delivered; one that does not refuses, and the next update is full.
 * ``leave`` lets one engine go (it releases its groups); ``close`` lets all go and stops
   the store.
 """
@@ -41,6 +47,7 @@ from sglang.srt.weight_sync.control_plane import (
     PeerLost,
 )
 from sglang.srt.weight_sync.delivery import local_shard
+from sglang.srt.weight_sync.delta_rounds import DeltaFigures, Snapshot, delta_summary
 from sglang.srt.weight_sync.executor import ExecutionError
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
 from sglang.srt.weight_sync.protocol import (
@@ -122,7 +129,8 @@ class RemoteReport:
     """One update as every trainer rank reports it. ``engines``: each engine's reply (its
     per-TP-rank ``bytes_received``, ``lower_bound_bytes``, ``receive_us``, ``apply_us``,
     the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``: per trainer
-    rank, in the engines' dtypes; ``seconds``: the update's wall time on the first rank."""
+    rank, in the engines' dtypes (a delta update's: its records); ``seconds``: the update's
+    wall time on the first rank; ``delta`` (``delta=True``): ``delta_rounds.delta_summary``."""
 
     success: bool
     message: str
@@ -133,6 +141,7 @@ class RemoteReport:
     peak_staging_bytes: List[int] = field(default_factory=list)
     seconds: float = 0.0
     left: List[str] = field(default_factory=list)
+    delta: Dict[str, object] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -142,7 +151,9 @@ class RemoteSync:
     """One trainer rank's side of a weight-sync group (see the module's text). Every trainer
     rank makes it with the same arguments; ``engines`` matter on the first rank only.
     ``backend``: the data group's ("nccl" on GPUs, "gloo" on CPUs; default: NCCL when CUDA
-    is available)."""
+    is available). ``delta``: send what changed since the last update (module text);
+    ``digest_every``: how often the engines check their base (1: every update);
+    ``snapshot_device``: where the delivered values are kept."""
 
     def __init__(
         self,
@@ -152,8 +163,15 @@ class RemoteSync:
         engines: Sequence[EngineEndpoint] = (),
         backend: Optional[str] = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        delta: bool = False,
+        digest_every: int = 8,
+        snapshot_device: str = "cpu",
     ) -> None:
+        if not isinstance(digest_every, int) or digest_every < 1:
+            raise ValueError(f"digest_every={digest_every!r}: a positive integer")
         self.group_name, self.address, self.port = group_name, address, port
+        self.delta, self.digest_every = bool(delta), digest_every
+        self.snapshot = Snapshot(snapshot_device) if delta else None
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = check_timeout(timeout_s)
         self.rank, self.trainers = dist.get_rank(), dist.get_world_size()
@@ -410,7 +428,16 @@ class RemoteSync:
         if self.rank == 0:
             part.wire, digest = SyncGroup.wire_of(specs)
             part.header = UpdateHeader(
-                update_id, digest, len(part.wire), bucket_bytes, len(specs)
+                update_id,
+                digest,
+                len(part.wire),
+                bucket_bytes,
+                len(specs),
+                # the first update of an epoch (or after a failure) is a plain full one
+                delta=self.delta and self.snapshot.epoch == membership.epoch,
+                digest=self.delta
+                and self.snapshot.epoch == membership.epoch
+                and self.updates % self.digest_every == 0,
             )
             if drive:
                 body = dict(
@@ -425,10 +452,13 @@ class RemoteSync:
                     m.name: self._pool.submit(self.engines[m.name].update, body, None)
                     for m in membership.engines
                 }
-        problem, sent, staged = None, 0, 0
+        problem, sent, staged, result = None, 0, 0, None
         try:
             result = group.run_update(
-                part, timeout_s, check=lambda _h, _s: self._finite_problems(local)
+                part,
+                timeout_s,
+                check=lambda _h, _s: self._finite_problems(local),
+                snapshot=self.snapshot,
             )
             sent, staged = result.stats.bytes_sent, result.stats.peak_staging_bytes
         except (GroupRefusal, PeerLost, ExecutionError) as e:
@@ -445,8 +475,9 @@ class RemoteSync:
                 trainer_bound_s(timeout_s),
                 f"trainer rank {self.rank}: sharing how the update went on every trainer rank",
             )
+            mine = result.delta if result is not None and result.delta else None
             figures = self.world.share_figures(
-                [sent, staged],
+                [sent, staged] + (mine or DeltaFigures()).ints(),
                 timeout_s,
                 f"trainer rank {self.rank}: sharing the bytes every trainer rank sent",
             )
@@ -459,6 +490,8 @@ class RemoteSync:
             )
         except PeerLost as e:
             self._broken(str(e))
+            if self.snapshot is not None:
+                self.snapshot.drop(f"update {update_id} was not answered: {e}")
             raise RemoteSyncError(
                 f"weight update {update_id}: {e} ({membership.legend()})"
             ) from None
@@ -478,6 +511,21 @@ class RemoteSync:
             seconds=time.monotonic() - started,
             left=list(self.left),
         )
+        if self.delta:
+            per_rank = [
+                DeltaFigures.from_ints([row[r] for row in figures[2:]])
+                for r in range(self.trainers)
+            ]
+            report.delta = delta_summary(
+                per_rank,
+                result.why_full if result is not None else "it failed",
+                result.header.digest if result is not None else False,
+            )
+        if self.snapshot is not None:
+            if report.success:
+                self.snapshot.commit(membership.epoch, result.plan.fingerprint)
+            else:
+                self.snapshot.drop(f"update {update_id} failed: {report.message[:300]}")
         if problems or failed:
             self._broken(report.message)
         logger.info(

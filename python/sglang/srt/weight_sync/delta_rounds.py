@@ -1,0 +1,414 @@
+"""A delta update's rounds: each region sent as what changed since the last update, exactly.
+
+The plan is the same as a full update's (``rank_plan``); only what crosses the wire
+differs. A trainer rank keeps a ``Snapshot``: the engine-dtype values it last delivered for
+its own regions, in host memory, valid for one membership epoch and one plan. In each round
+it encodes every region it sends against that snapshot (``delta_codec``: nothing, indices,
+a bitmask or the whole region, whichever is fewest bytes; the whole region when it has no
+valid base) and sends each receiver one buffer of records (``remote_protocol.delta_records``)
+through ``executor.exchange_payloads``. An engine rank reads the records, takes the base of
+each region from its live parameter (the values the trainer last delivered, unless
+something changed them), checks the base's digest when the update asks, and decodes into
+staging of its own that the pause writes as usual (``executor.Landing``); an unchanged
+region lands nothing.
+
+Exact or full: the trainer stages the new values and ``Snapshot.commit`` keeps them only
+once every engine answered success; anything else (``Snapshot.drop``) makes the next
+update full, and says why. An engine whose base differs from the trainer's digest refuses
+the update before writing anything (``DeltaRefusal``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.control_plane import GroupRefusal
+from sglang.srt.weight_sync.delta_codec import (
+    NO_DIGEST,
+    Kind,
+    decode_into,
+    encode_many,
+    region_digest,
+)
+from sglang.srt.weight_sync.executor import (
+    DataGroup,
+    Deferred,
+    ExecutionStats,
+    Landing,
+    dest_region,
+    exchange_payloads,
+    rank_rounds,
+    source_region,
+)
+from sglang.srt.weight_sync.planner import Move, Plan
+from sglang.srt.weight_sync.protocol import DeliveryError
+from sglang.srt.weight_sync.remote_protocol import (
+    DIGEST_BYTES,
+    RECORD_BYTES,
+    delta_records,
+    read_delta_records,
+)
+
+__all__ = (
+    "CLASSES",
+    "DeltaFigures",
+    "DeltaRefusal",
+    "Snapshot",
+    "delta_summary",
+    "execute_delta",
+    "stage_full",
+    "tensor_class",
+)
+
+# the tensor classes whose density a report gives
+CLASSES = ("embedding", "attention", "mlp", "norm", "other")
+
+
+def tensor_class(name: str) -> str:
+    """The class of an HF tensor name, for densities per class."""
+    if "embed" in name or "lm_head" in name:
+        return "embedding"
+    if "norm" in name:
+        return "norm"
+    if "attn" in name or "attention" in name:
+        return "attention"
+    if "mlp" in name or "expert" in name:
+        return "mlp"
+    return "other"
+
+
+class DeltaRefusal(GroupRefusal):
+    """An engine rank's base differs from what the trainer delivered (a digest mismatch),
+    or it cannot decode a region: nothing is written, the next update is full."""
+
+
+@dataclass
+class DeltaFigures:
+    """One rank's delta figures for one update (integers, shared among the trainer ranks).
+    ``wire_bytes``: the records' bytes (headers included); ``full_bytes``: what a full
+    update sends or receives for the same regions; ``changed``/``elements``: on a sender,
+    per region sent (once, however many receivers), per class in ``by_class``."""
+
+    wire_bytes: int = 0
+    full_bytes: int = 0
+    changed: int = 0
+    elements: int = 0
+    regions_full: int = 0
+    regions_delta: int = 0
+    regions_unchanged: int = 0
+    encode_us: int = 0
+    decode_us: int = 0
+    digests_checked: int = 0
+    by_class: Dict[str, List[int]] = field(default_factory=dict)
+
+    def ints(self) -> List[int]:
+        """The figures as one list (``from_ints`` reads it back)."""
+        out = [getattr(self, f.name) for f in fields(self) if f.name != "by_class"]
+        for c in CLASSES:
+            out += self.by_class.get(c, [0, 0])
+        return out
+
+    @staticmethod
+    def from_ints(values: List[int]) -> DeltaFigures:
+        names = [f.name for f in fields(DeltaFigures) if f.name != "by_class"]
+        figures = DeltaFigures(**dict(zip(names, values)))
+        rest = values[len(names) :]
+        figures.by_class = {
+            c: [rest[2 * i], rest[2 * i + 1]] for i, c in enumerate(CLASSES)
+        }
+        return figures
+
+
+def _key(move: Move) -> tuple:
+    return (move.tensor, move.holder.buffer, move.region, move.dtype)
+
+
+class Snapshot:
+    """A trainer rank's engine-dtype values of its regions as last delivered (``device``:
+    host memory by default), for one membership epoch and one plan."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.epoch: Optional[int] = None
+        self.fingerprint: Optional[str] = None
+        self.regions: Dict[tuple, torch.Tensor] = {}
+        self.pending: Dict[tuple, torch.Tensor] = {}
+        self.why_full = "no update delivered yet"
+
+    def bases(
+        self, epoch: int, fingerprint: str
+    ) -> Tuple[Optional[Mapping[tuple, torch.Tensor]], str]:
+        """The regions a delta may apply to in ``epoch`` with the plan ``fingerprint``, or
+        None and why the update is full."""
+        if self.epoch is None:
+            return None, self.why_full
+        if self.epoch != epoch:
+            return None, f"a new membership epoch ({epoch}; delivered in {self.epoch})"
+        if self.fingerprint != fingerprint:
+            return None, "the plan changed (a new layout, engine or dtype)"
+        return self.regions, ""
+
+    def stage(self, move: Move, values: torch.Tensor) -> None:
+        self.pending[_key(move)] = values.detach().to(self.device, copy=True)
+
+    def commit(self, epoch: int, fingerprint: str) -> None:
+        """Every engine answered success: what was staged is what they hold."""
+        self.regions.update(self.pending)
+        self.pending = {}
+        self.epoch, self.fingerprint = epoch, fingerprint
+
+    def drop(self, why: str) -> None:
+        """The update was not answered success everywhere: the next one is full."""
+        self.regions, self.pending = {}, {}
+        self.epoch = self.fingerprint = None
+        self.why_full = why
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.regions.values())
+
+
+def _receivers(move: Move) -> List[int]:
+    return list(dict.fromkeys(d.rank for d in move.dests))
+
+
+def _my_dests(move: Move, rank: int):
+    return tuple(d for d in move.dests if d.rank == rank)
+
+
+def execute_delta(
+    plan: Plan,
+    rank: int,
+    shards: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    data: DataGroup,
+    timeout_s: Optional[float],
+    deferred: Optional[Deferred],
+    snapshot: Optional[Snapshot],
+    epoch: int,
+    digest: bool,
+) -> Tuple[ExecutionStats, DeltaFigures, str]:
+    """Run ``plan``'s rounds as ``rank`` with delta records (see the module's text): a
+    sender encodes against ``snapshot`` (and stages the new values in it), a receiver
+    decodes against ``params`` into ``deferred``. Returns the executor's figures (bytes
+    as they travelled), the delta figures and why the update was full ("" for a delta).
+    ``DeltaRefusal`` after the last round when a base did not match or decode."""
+    phase = f"rank {rank}: delta executor"
+    stats, figures = ExecutionStats(), DeltaFigures()
+    data.warm_up(timeout_s, phase)
+    rounds = rank_rounds(plan, rank)
+    data.connect(rounds, rank, timeout_s, phase)
+    bases, why_full = (
+        snapshot.bases(epoch, plan.fingerprint) if snapshot else (None, "")
+    )
+    local = plan.local_for(rank)
+    if local and deferred is not None:
+        deferred.landed(
+            [Landing(source_region(shards, m).clone(), m, m.dests[:1]) for m in local]
+        )
+        stats.bytes_copied_locally += sum(m.nbytes for m in local)
+    problems: List[str] = []
+    for number, mine in enumerate(rounds, 1):
+        sends = [m for m in mine if m.src == rank]
+        recvs = [m for m in mine if _my_dests(m, rank)]
+        outgoing = _encode_round(sends, shards, bases, snapshot, digest, figures)
+        stats.bytes_sent += sum(b.numel() for b in outgoing.values())
+        if deferred is not None and recvs:
+            deferred.reserve(sum(m.nbytes for m in recvs))
+        senders = sorted({m.src for m in recvs})
+        peers = sorted(set(outgoing) | set(senders))
+        got = exchange_payloads(
+            data,
+            rank,
+            outgoing,
+            senders,
+            timeout_s,
+            f"{phase} round {number} with ranks {peers}",
+        )
+        stats.rounds += 1
+        stats.p2p_ops += 2 * (len(outgoing) + len(got))
+        if recvs:
+            t0 = time.perf_counter()
+            landings = []
+            for src, raw in got.items():
+                stats.bytes_received += raw.numel()
+                figures.wire_bytes += raw.numel()
+                moves = [m for m in recvs if m.src == src]
+                figures.full_bytes += sum(m.nbytes for m in moves)
+                landings += _decode_from(
+                    src, raw, moves, rank, params, digest, problems, figures
+                )
+            figures.decode_us += int((time.perf_counter() - t0) * 1e6)
+            if deferred is not None:
+                deferred.landed(landings)
+    if problems:
+        raise DeltaRefusal(
+            f"rank {rank}: the delta update is refused before any write: "
+            + "; ".join(problems[:8])
+            + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
+        )
+    return stats, figures, why_full if bases is None else ""
+
+
+def stage_full(
+    plan: Plan,
+    rank: int,
+    shards: Mapping[str, torch.Tensor],
+    snapshot: Snapshot,
+    epoch: int,
+) -> Tuple[DeltaFigures, str]:
+    """After a full update's rounds (``executor.execute``: every byte at its lower bound), the
+    engine-dtype values this rank sent, staged in ``snapshot``; the figures of a full
+    update and why it was full."""
+    figures = DeltaFigures()
+    t0 = time.perf_counter()
+    for mine in rank_rounds(plan, rank):
+        for move in mine:
+            if move.src != rank:
+                continue
+            snapshot.stage(move, source_region(shards, move).to(move.dtype))
+            sent = move.nbytes * len(_receivers(move))
+            figures.wire_bytes += sent
+            figures.full_bytes += sent
+            figures.elements += move.region.numel
+            figures.changed += move.region.numel
+            figures.regions_full += 1
+            row = figures.by_class.setdefault(tensor_class(move.tensor), [0, 0])
+            row[0] += move.region.numel
+            row[1] += move.region.numel
+    figures.encode_us = int((time.perf_counter() - t0) * 1e6)
+    _, why = snapshot.bases(epoch, plan.fingerprint)
+    return figures, why or "the trainer sent a full update"
+
+
+def _encode_round(
+    sends: List[Move],
+    shards,
+    bases: Optional[Mapping[tuple, torch.Tensor]],
+    snapshot: Optional[Snapshot],
+    digest: bool,
+    figures: DeltaFigures,
+) -> Dict[int, torch.Tensor]:
+    """The round's records from this rank, one buffer per receiver; the new values staged."""
+    if not sends:
+        return {}
+    t0 = time.perf_counter()
+    news = [source_region(shards, m).to(m.dtype).contiguous() for m in sends]
+    olds = [bases.get(_key(m)) if bases is not None else None for m in sends]
+    encoded = encode_many(list(zip(olds, news)))
+    records: Dict[int, List] = {}
+    for move, new, old, enc in zip(sends, news, olds, encoded):
+        if snapshot is not None:
+            snapshot.stage(move, new)
+        check = region_digest(old) if digest and old is not None else NO_DIGEST
+        figures.digests_checked += check != NO_DIGEST
+        receivers = _receivers(move)
+        for receiver in receivers:
+            records.setdefault(receiver, []).append((enc, check))
+        figures.full_bytes += move.nbytes * len(receivers)
+        head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
+        figures.wire_bytes += (head + enc.nbytes) * len(receivers)
+        figures.elements += enc.numel
+        figures.changed += enc.changed
+        row = figures.by_class.setdefault(tensor_class(move.tensor), [0, 0])
+        row[0] += enc.changed
+        row[1] += enc.numel
+        if enc.kind == Kind.FULL:
+            figures.regions_full += 1
+        elif enc.kind == Kind.UNCHANGED:
+            figures.regions_unchanged += 1
+        else:
+            figures.regions_delta += 1
+    out = {r: delta_records(recs, digest) for r, recs in records.items()}
+    figures.encode_us += int((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def _decode_from(
+    src: int,
+    raw: torch.Tensor,
+    moves: List[Move],
+    rank: int,
+    params: Mapping[str, torch.Tensor],
+    digest: bool,
+    problems: List[str],
+    figures: DeltaFigures,
+) -> List[Landing]:
+    """The landings of one sender's records (``moves``: theirs, in the plan's order); a
+    problem is named in ``problems`` and its region lands nothing."""
+    who = f"rank {rank}: from rank {src}"
+    try:
+        records = read_delta_records(
+            raw, [(m.region.numel, m.dtype.itemsize) for m in moves], digest, who
+        )
+    except DeliveryError as e:
+        problems.append(str(e))
+        return []
+    landings = []
+    for move, (enc, check) in zip(moves, records):
+        dests = _my_dests(move, rank)
+        where = f"rank {rank}: tensor {move.tensor!r} region {move.region}"
+        base = dest_region(params, dests[0], move)
+        if enc.kind == Kind.FULL and (check == NO_DIGEST or base.dtype != move.dtype):
+            buf = torch.empty(move.region.sizes, dtype=move.dtype, device=base.device)
+            decode_into(enc, buf)
+            landings.append(Landing(buf, move, dests))
+            continue
+        if base.dtype != move.dtype:
+            problems.append(
+                f"{where}: the parameter is {base.dtype}, the delta {move.dtype}: no base "
+                "to apply it to"
+            )
+            continue
+        old = base.clone(memory_format=torch.contiguous_format)
+        if check != NO_DIGEST:
+            figures.digests_checked += 1
+            if region_digest(old) != check:
+                problems.append(
+                    f"{where}: digest mismatch: the parameter differs from what the "
+                    "trainer last delivered (changed behind its back)"
+                )
+                continue
+        if enc.kind == Kind.UNCHANGED:
+            continue
+        try:
+            decode_into(enc, old)
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        landings.append(Landing(old, move, dests))
+    return landings
+
+
+def delta_summary(
+    per_rank: List[DeltaFigures], why_full: str, digest: bool
+) -> Dict[str, object]:
+    """What a trainer's report says of a delta update (``per_rank``: every trainer rank's
+    figures): full or delta and why, bytes on the wire against a full update's per rank,
+    seconds encoding per rank, the density of the changes overall and per tensor class."""
+    elements = sum(f.elements for f in per_rank)
+    by_class = {}
+    for c in CLASSES:
+        changed = sum(f.by_class.get(c, [0, 0])[0] for f in per_rank)
+        total = sum(f.by_class.get(c, [0, 0])[1] for f in per_rank)
+        if total:
+            by_class[c] = changed / total
+    return {
+        "mode": "full" if why_full else "delta",
+        "why_full": why_full,
+        "digest_checked": digest,
+        "wire_bytes": [f.wire_bytes for f in per_rank],
+        "full_bytes": [f.full_bytes for f in per_rank],
+        "encode_seconds": [f.encode_us / 1e6 for f in per_rank],
+        "density": sum(f.changed for f in per_rank) / elements if elements else 0.0,
+        "density_by_class": by_class,
+        "regions": {
+            "full": sum(f.regions_full for f in per_rank),
+            "delta": sum(f.regions_delta for f in per_rank),
+            "unchanged": sum(f.regions_unchanged for f in per_rank),
+        },
+    }
