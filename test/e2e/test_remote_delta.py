@@ -30,19 +30,11 @@ STEPS_AT_1E6 = 3
 @pytest.fixture(scope="module")
 def delta_servers(tmp_path_factory):
     """Two bf16 TP-2 servers of the tiny Qwen2, each with a fault directory of its own."""
-    from servers import launch_side_by_side
+    from servers import launch_with_fault_dirs
 
     directory = tmp_path_factory.mktemp("delta")
-    model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    faults = [directory / f"faults{i}" for i in range(2)]
-    for fault in faults:
-        fault.mkdir()
-    servers = launch_side_by_side(
-        model_dir,
-        TP,
-        [{"SGLANG_TEST_FAULT_DIR": str(f)} for f in faults],
-        log_dir=str(directory),
-    )
+    model_dir, _ = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
+    servers, faults = launch_with_fault_dirs(model_dir, TP, 2, directory)
     try:
         yield servers, faults, model_dir
     finally:

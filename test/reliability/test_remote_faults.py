@@ -19,7 +19,7 @@ import tiny_models
 from ports import free_port
 from ranks import run_ranks
 from remote_fault_cases import remote_steps_job
-from servers import launch, launch_side_by_side
+from servers import launch, launch_with_fault_dirs
 from update_cases import new_weights
 from update_checks import expected_checksums
 
@@ -35,15 +35,7 @@ def cluster(tmp_path_factory):
     """Two TP-1 servers, each with a fault directory of its own; killed at the end."""
     directory = tmp_path_factory.mktemp("remote_faults")
     model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    faults = [directory / f"faults{i}" for i in range(2)]
-    for fault in faults:
-        fault.mkdir()
-    servers = launch_side_by_side(
-        model_dir,
-        1,
-        [{"SGLANG_TEST_FAULT_DIR": str(fault)} for fault in faults],
-        log_dir=str(directory),
-    )
+    servers, faults = launch_with_fault_dirs(model_dir, 1, 2, directory)
     try:
         yield dict(
             servers=servers,

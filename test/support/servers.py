@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from engine import SUPPORT_DIR, _pid_alive, configure_cpu_env, omp_bind
 from ports import free_port
@@ -210,6 +210,23 @@ def launch_side_by_side(
             server.kill()
         raise
     return servers
+
+
+def launch_with_fault_dirs(
+    model_dir, tp_size: int, count: int, directory
+) -> Tuple[List[Server], List]:
+    """``count`` servers side by side, each with a fault directory of its own under
+    ``directory`` (``SGLANG_TEST_FAULT_DIR``, see ``sitecustomize``): (servers, directories)."""
+    faults = [directory / f"faults{i}" for i in range(count)]
+    for fault in faults:
+        fault.mkdir()
+    servers = launch_side_by_side(
+        model_dir,
+        tp_size,
+        [{"SGLANG_TEST_FAULT_DIR": str(fault)} for fault in faults],
+        log_dir=str(directory),
+    )
+    return servers, faults
 
 
 @contextlib.contextmanager

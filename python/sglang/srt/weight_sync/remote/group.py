@@ -502,31 +502,14 @@ class SyncGroup:
             problems.append(f"{self.who}: {e}")
         self.agree(problems, plan, timeout_s)
         delta, why_full = None, ""
+        args = (plan, self.rank, local, params or {}, self.data, timeout_s, deferred)
         try:
             if header.delta:
                 stats, delta, why_full = execute_delta(
-                    plan,
-                    self.rank,
-                    local,
-                    params or {},
-                    self.data,
-                    timeout_s,
-                    deferred,
-                    snapshot,
-                    self.membership.epoch,
-                    header.digest,
+                    *args, snapshot, self.membership.epoch, header.digest
                 )
             else:
-                stats = execute(
-                    plan,
-                    self.rank,
-                    local,
-                    params or {},
-                    self.data,
-                    timeout_s,
-                    deferred,
-                    checked=True,
-                )
+                stats = execute(*args, checked=True)
                 if snapshot is not None:
                     delta, why_full = stage_full(
                         plan, self.rank, local, snapshot, self.membership.epoch
