@@ -53,25 +53,15 @@ def delta_trainer_job(rank: int, world: int, job: dict) -> list:
     """Steps: ("train", lr) one optimizer step then one update; ("corrupt", flag file) the
     first rank creates the fault file (the engine flips a parameter bit before its next
     receive). Records every update's report, the loss and the servers' wrong parameters."""
-    from remote_cases import fsdp2_model
+    from remote_cases import fsdp2_model, group_of
     from torch.distributed.device_mesh import init_device_mesh
-
-    from sglang.srt.weight_sync.remote_trainer import HttpEndpoint, RemoteSync
 
     init_device_mesh("cpu", (world,))
     model = fsdp2_model(job["model_dir"], 1, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     generator = torch.Generator().manual_seed(1234)
     vocab = model.config.vocab_size
-    sync = RemoteSync(
-        job["group"],
-        "127.0.0.1",
-        job["port"],
-        engines=[HttpEndpoint(u) for u in job["urls"]],
-        timeout_s=job["timeout"],
-        delta=True,
-        digest_every=1,
-    )
+    sync = group_of(job, delta=True, digest_every=1)
     sync.join()
     records = []
     for kind, arg in job["steps"]:
@@ -88,6 +78,116 @@ def delta_trainer_job(rank: int, world: int, job: dict) -> list:
         report = sync.update(model.named_parameters(), bucket_bytes=job["bucket"])
         record = dict(report.__dict__, kind=kind, lr=arg, loss=loss)
         record["wrong"] = _wrong_params(model, job)
+        records.append(record)
+    dist.barrier()
+    sync.close()
+    return records
+
+
+def _row(report) -> dict:
+    """The figures of one update that the delta benchmark reports."""
+    engines = list(report.engines.values())
+    return dict(
+        success=report.success,
+        message=report.message[:300],
+        seconds=report.seconds,
+        bytes_sent=sum(report.bytes_sent),
+        pause_seconds=max((e.get("pause_seconds", 0) for e in engines), default=0),
+        decode_seconds=max(
+            (max(e.get("decode_us") or [0]) / 1e6 for e in engines), default=0
+        ),
+        delta=report.delta,
+    )
+
+
+def delta_bench_job(rank: int, world: int, job: dict) -> list:
+    """``benchmark.weight_sync.delta_run``: after every AdamW step (each of ``job["lrs"]``
+    for ``job["steps"]`` steps), one full update through a group of its own and one delta
+    update through another, to the same servers (both write the same values). Returns one
+    row per step (first rank)."""
+    from remote_cases import fsdp2_model, group_of
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (world,))
+    model = fsdp2_model(job["model_dir"], 1, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["lrs"][0], foreach=False)
+    generator = torch.Generator().manual_seed(1234)
+    syncs = {
+        mode: group_of(
+            dict(job, group=f"bench-{mode}", port=port),
+            delta=mode == "delta",
+            digest_every=job["digest_every"],
+        )
+        # the delta update first: the full one then writes the values it delivered, so the
+        # server still holds the delta group's snapshot (the other order changes it behind
+        # that group's back, which its digest check refuses)
+        for mode, port in (("delta", job["ports"][1]), ("full", job["ports"][0]))
+    }
+    for sync in syncs.values():
+        sync.join()
+        sync.update(model.named_parameters(), bucket_bytes=job["bucket"])
+    rows = []
+    for lr in job["lrs"]:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for step in range(job["steps"]):
+            loss = _train_step(model, optimizer, generator, model.config.vocab_size)
+            row = dict(lr=lr, step=step, loss=loss)
+            for mode, sync in syncs.items():
+                report = sync.update(
+                    model.named_parameters(), bucket_bytes=job["bucket"]
+                )
+                row[mode] = _row(report)
+            rows.append(row)
+    dist.barrier()
+    for sync in syncs.values():
+        sync.close()
+    return rows
+
+
+def megatron_delta_job(rank: int, world: int, job: dict) -> list:
+    """A megatron-core GPTModel at TP x PP (``remote_cases.megatron_trainer_job``'s) updates
+    one server with ``delta=True``: first the weights of ``job["seed"]``, then
+    ``job["steps"]`` Adam-sized steps (every fp32 weight moved by ``job["lr"]`` with a
+    random sign, the same on every rank), each written into the model's fused parameters.
+    Returns each update's report and the server's wrong parameters (first rank)."""
+    import tiny_models
+    from megatron_cases import build_gpt, load_hf_weights
+    from remote_cases import group_of, server_state
+    from transformers import AutoConfig
+    from update_cases import new_weights
+    from update_checks import expected_checksums
+
+    hf_config = tiny_models.tiny_config("qwen2")
+    model = build_gpt(hf_config, job["tp"], job["pp"], job["padded_vocab"])
+    weights = {
+        n: t.float() for n, t in new_weights(job["model_dir"], job["seed"]).items()
+    }
+    generator = torch.Generator().manual_seed(99)
+    sync = group_of(job, delta=True, digest_every=1)
+    sync.join()
+    config = AutoConfig.from_pretrained(job["model_dir"])
+    records = []
+    for step in range(job["steps"] + 1):
+        if step:
+            for name in sorted(weights):
+                noise = torch.randn(weights[name].shape, generator=generator)
+                weights[name] += job["lr"] * noise.sign()
+        load_hf_weights(model, weights, hf_config.vocab_size)
+        report = sync.update_megatron(
+            [model], hf_config.vocab_size, bucket_bytes=job["bucket"]
+        )
+        record = dict(report.__dict__)
+        dist.barrier()
+        if rank == 0:
+            expected = expected_checksums(config, weights, job["engine_tp"], 1)
+            [state] = server_state(job["urls"], [[1, 2, 3]])
+            record["wrong"] = sorted(
+                f"rank {r}: {n}"
+                for r in range(job["engine_tp"])
+                for n in expected[r]
+                if state["checksums"][r][n] != expected[r][n]
+            )
         records.append(record)
     dist.barrier()
     sync.close()

@@ -49,8 +49,9 @@ def fsdp2_model(model_dir, seed: int, world: int):
     return model
 
 
-def group_of(job: dict):
-    """This trainer rank's ``RemoteSync`` of the job's group, servers and port."""
+def group_of(job: dict, **kwargs):
+    """This trainer rank's ``RemoteSync`` of the job's group, servers and port (``kwargs``:
+    ``RemoteSync``'s others, e.g. ``delta``)."""
     from sglang.srt.weight_sync.remote import HttpEndpoint, RemoteSync
 
     return RemoteSync(
@@ -59,6 +60,7 @@ def group_of(job: dict):
         job["port"],
         engines=[HttpEndpoint(u) for u in job["urls"]],
         timeout_s=job["timeout"],
+        **kwargs,
     )
 
 

@@ -116,3 +116,41 @@ def test_delta_updates_after_adamw_steps_are_exact_and_small(delta_servers):
         _check_bytes(record, what)
     assert "failed" in records[STEPS_AT_1E5 + STEPS_AT_1E6 + 2]["delta"]["why_full"]
     print("delta updates, FSDP 4 fp32 -> 2 bf16 engines of TP 2:\n" + "\n".join(rows))
+
+
+def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):
+    """A megatron-core GPTModel at TP 2 x PP 2 (fused QKV and fc1, padded vocab) updates one
+    server with deltas after Adam-sized steps: each update bit-exact, and small."""
+    from delta_cases import megatron_delta_job
+
+    servers, _, model_dir = delta_servers
+    job = dict(
+        group="megatron-delta",
+        port=free_port(),
+        urls=[servers[0].url],
+        model_dir=str(model_dir),
+        tp=2,
+        pp=2,
+        engine_tp=TP,
+        padded_vocab=520,
+        seed=7,
+        steps=4,
+        lr=1e-5,
+        bucket=1 << 20,
+        timeout=TIMEOUT_S,
+    )
+    records = run_ranks(4, megatron_delta_job, job, timeout=1500)[0]
+    for i, record in enumerate(records):
+        what = f"megatron update {i}"
+        assert record["success"], (what, record["message"])
+        assert not record["wrong"], (what, record["wrong"][:5])
+        assert record["delta"]["mode"] == ("full" if i == 0 else "delta"), what
+        _check_bytes(record, what)
+    print(
+        "megatron TP 2 x PP 2 -> TP 2, deltas: "
+        + ", ".join(
+            f"density {r['delta']['density']:.4f} wire {sum(r['delta']['wire_bytes'])}/"
+            f"{sum(r['delta']['full_bytes'])}"
+            for r in records
+        )
+    )

@@ -40,25 +40,35 @@ def server(remote_tp2_servers):
     return first, model_dir, config, directory
 
 
-def test_verl_checkpoint_engine_registry_selects_sglang_remote(server):
-    server, model_dir, config, directory = server
-    prompts = {seed: prompts_for(model_dir, seed) for _, seed in STEPS}
-    work = directory / "verl_ce"
+def _job(server, steps, name: str, **engine_kwargs) -> dict:
+    """The job of ``verl_ce_cases.verl_ce_job``: 2 actor ranks, 2 rollout workers, ``steps``."""
+    server, model_dir, _, directory = server
+    work = directory / name
     work.mkdir()
-    job = dict(
+    return dict(
         actors=2,
         tp=TP,
         url=server.url,
         dir=str(work),
         model_dir=str(model_dir),
-        steps=STEPS,
-        prompts=prompts,
+        steps=steps,
+        prompts={seed: prompts_for(model_dir, seed) for _, seed in steps},
         rollout_port=free_port(),
-        verl_sources=verl_sources(directory),
+        verl_sources=verl_sources(work),
         engine_kwargs=dict(
-            rollout_tp=TP, group_name="verl-test", timeout_s=60, port=free_port()
+            rollout_tp=TP,
+            group_name=name,
+            timeout_s=60,
+            port=free_port(),
+            **engine_kwargs,
         ),
     )
+
+
+def test_verl_checkpoint_engine_registry_selects_sglang_remote(server):
+    job = _job(server, STEPS, "verl-test")
+    server, model_dir, config, directory = server
+    prompts = job["prompts"]
     results = run_ranks(4, verl_ce_job, job, timeout=900)
     actors, rollouts = results[:2], results[2:]
     for step, (kind, seed) in enumerate(STEPS):
@@ -95,3 +105,36 @@ def test_verl_checkpoint_engine_registry_selects_sglang_remote(server):
         f"{[a['metrics'] for a in actors[0]]}; engine ranks received "
         f"{[s['replies'][0]['bytes_received'] for s in rollouts[0]]} (= lower bound)"
     )
+
+
+def test_verl_checkpoint_engine_delta_switch(server):
+    """``engine_kwargs.sglang_remote.delta``: the first update is full (at the lower bound),
+    the same weights again travel as headers only, new weights as whole regions within 1%
+    of a full update; every step bit-exact."""
+    steps = [("patched", 4), ("patched", 4), ("patched", 5)]
+    job = _job(server, steps, "verl-delta", delta=True, digest_every=1)
+    _, model_dir, config, _ = server
+    prompts = job["prompts"]
+    results = run_ranks(4, verl_ce_job, job, timeout=900)
+    actors, rollouts = results[:2], results[2:]
+    for step, (kind, seed) in enumerate(steps):
+        what = f"step {step + 1} ({kind}, seed {seed})"
+        check_state(
+            actors[0][step]["state"], model_dir, config, seed, prompts[seed], what
+        )
+        [reply] = rollouts[0][step]["replies"]
+        assert reply["success"], (what, reply)
+        received, bound = sum(reply["bytes_received"]), sum(reply["lower_bound_bytes"])
+        metrics = actors[0][step]["metrics"]
+        assert metrics["weight_sync/delta"] == float(step > 0), (what, metrics)
+        if step == 0:
+            assert received == bound, (what, reply)
+        elif step == 1:
+            assert metrics["weight_sync/density"] == 0 and received < bound / 20, (
+                what,
+                received,
+                bound,
+            )
+        else:
+            assert metrics["weight_sync/density"] > 0.5, (what, metrics)
+            assert bound <= received <= 1.01 * bound, (what, received, bound)

@@ -55,15 +55,19 @@ def test_roundtrip_is_bit_exact_and_never_larger(pair):
     enc = encode(old, new)
     assert _bits_equal(decode(enc, old), new)
     assert enc.nbytes <= enc.full_bytes
-    assert enc.nbytes == payload_bytes(enc.kind, enc.numel, enc.changed, enc.itemsize)
+    size = payload_bytes(enc.kind, enc.numel, enc.changed, enc.itemsize)
+    assert enc.nbytes == (size if enc.kind != Kind.GAPS else enc.nbytes)
     changed = int((bits_of(old) != bits_of(new)).sum())
     assert (enc.kind == Kind.UNCHANGED) == (changed == 0)
-    # the chosen kind is the smallest possible
-    best = min(
-        payload_bytes(k, enc.numel, changed, enc.itemsize)
-        for k in (Kind.INDICES, Kind.BITMASK, Kind.FULL)
-    )
-    assert changed == 0 or enc.nbytes == best
+    if changed == 0:
+        return
+    # the chosen kind is the smallest possible, every kind decodes exactly
+    sizes = {}
+    for kind in (Kind.INDICES, Kind.BITMASK, Kind.FULL, Kind.GAPS):
+        forced = encode(old, new, kind)
+        assert _bits_equal(decode(forced, old), new), kind
+        sizes[kind] = forced.nbytes
+    assert enc.nbytes == min(sizes.values()), (enc.kind, sizes)
 
 
 @settings(max_examples=60, deadline=None)
@@ -100,8 +104,7 @@ def test_malformed_records_are_refused():
     old = torch.zeros(64, dtype=torch.bfloat16)
     new = old.clone()
     new[3] = 1.0
-    enc = encode(old, new)
-    assert enc.kind == Kind.INDICES
+    enc = encode(old, new, Kind.INDICES)
     bad = type(enc)(enc.kind, enc.numel, enc.itemsize, enc.changed, enc.payload[:-1])
     with pytest.raises(ValueError, match="expected"):
         decode(bad, old)
@@ -111,6 +114,17 @@ def test_malformed_records_are_refused():
         decode(type(enc)(enc.kind, 64, 2, 1, idx), old)
     with pytest.raises(ValueError, match="region of"):
         decode(enc, torch.zeros(65, dtype=torch.bfloat16))
+    gaps = encode(old, new)
+    assert gaps.kind == Kind.GAPS and gaps.nbytes == 3  # the value, one varint
+    with pytest.raises(ValueError, match="expected"):
+        decode(type(gaps)(Kind.GAPS, 64, 2, 1, gaps.payload[:2]), old)
+    far = gaps.payload.clone()
+    far[2] = 100  # a gap past the region
+    with pytest.raises(ValueError, match="outside"):
+        decode(type(gaps)(Kind.GAPS, 64, 2, 1, far), old)
+    unended = torch.cat([gaps.payload[:2], torch.tensor([0x81], dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="whole varints"):
+        decode(type(gaps)(Kind.GAPS, 64, 2, 1, unended), old)
 
 
 def test_digest_sees_one_changed_element_and_a_swap():
@@ -123,3 +137,82 @@ def test_digest_sees_one_changed_element_and_a_swap():
     w[[1, 2]] = t[[2, 1]]
     assert t[1] == t[2] or region_digest(w) != base
     assert 0 <= base < 2**62 and region_digest(t.clone()) == base
+
+
+@pytest.mark.parametrize("digest", [False, True])
+def test_records_read_back_and_malformed_ones_are_refused(digest):
+    """The wire form of a round's records (``remote_protocol``): read back exactly; a wrong
+    kind code, count, size, digest or trailing byte is refused naming the record."""
+    from sglang.srt.weight_sync.protocol import DeliveryError
+    from sglang.srt.weight_sync.remote_protocol import delta_records, read_delta_records
+
+    old = torch.zeros(100, dtype=torch.bfloat16)
+    new = old.clone()
+    new[7] = 2.0
+    encs = [encode(old, new), encode(old, old), encode(None, new)]
+    encs.append(encode(old, new, Kind.INDICES))
+    assert encs[0].kind == Kind.GAPS
+    checks = [5, 6, -1, 7] if digest else [-1, -1, -1, -1]
+    raw = delta_records(list(zip(encs, checks)), digest)
+    regions = [(100, 2)] * 4
+    back = read_delta_records(raw, regions, digest, "test")
+    assert [c for _, c in back] == checks
+    for (enc, _), want in zip(back, encs):
+        assert enc.kind == want.kind and torch.equal(enc.payload, want.payload)
+    with pytest.raises(DeliveryError, match="after the last"):
+        read_delta_records(torch.cat([raw, raw[:1]]), regions, digest, "test")
+    with pytest.raises(DeliveryError, match="ends"):
+        read_delta_records(raw[:-1], regions, digest, "test")
+    bad = raw.clone()
+    bad[:8] = torch.tensor([int(Kind.FULL) | (3 << 3)]).view(torch.uint8)
+    with pytest.raises(DeliveryError, match="FULL with 3 changed"):
+        read_delta_records(bad, regions, digest, "test")
+    bad = raw.clone()
+    bad[:8] = torch.tensor([7 | (1 << 3)]).view(torch.uint8)
+    with pytest.raises(DeliveryError, match="unknown kind 7"):
+        read_delta_records(bad, regions, digest, "test")
+    size_at = 16 if digest else 8  # the GAPS record's size word
+    bad = raw.clone()
+    bad[size_at : size_at + 8] = torch.tensor([1000]).view(torch.uint8)
+    with pytest.raises(DeliveryError, match="GAPS payload of 1000"):
+        read_delta_records(bad, regions, digest, "test")
+    if digest:
+        bad = raw.clone()
+        bad[8:16] = torch.tensor([1 << 62]).view(torch.uint8)
+        with pytest.raises(DeliveryError, match="digest"):
+            read_delta_records(bad, regions, digest, "test")
+
+
+def test_the_snapshot_advances_only_on_commit():
+    """A trainer rank's delivered values (``delta_rounds.Snapshot``): no base before a commit,
+    in another epoch or under another plan; a drop makes the next update full and says why."""
+    from sglang.srt.weight_sync.delta_rounds import Snapshot
+
+    snap = Snapshot()
+    assert snap.bases(1, "plan")[0] is None
+    snap.pending[("t",)] = torch.ones(2)
+    snap.commit(1, "plan")
+    bases, why = snap.bases(1, "plan")
+    assert why == "" and torch.equal(bases[("t",)], torch.ones(2))
+    assert "epoch" in snap.bases(2, "plan")[1]
+    assert "plan changed" in snap.bases(1, "other")[1]
+    snap.drop("update u3 failed: engine refused")
+    bases, why = snap.bases(1, "plan")
+    assert bases is None and why == "update u3 failed: engine refused"
+
+
+@pytest.mark.parametrize("density", [0.001, 0.1])
+def test_large_regions_beside_small_ones(density):
+    """A region of at least ``SMALL_REGION`` elements is compared alone, the small ones
+    together; each decodes exactly either way."""
+    from sglang.srt.weight_sync.delta_codec import SMALL_REGION
+
+    g = torch.Generator().manual_seed(3)
+    pairs = []
+    for numel in (SMALL_REGION + 5, 100, SMALL_REGION * 2, 7):
+        old = torch.randn(numel, generator=g).to(torch.bfloat16)
+        new = old.clone()
+        bits_of(new)[torch.rand(numel, generator=g) < density] ^= 1
+        pairs.append((old, new))
+    for (old, new), enc in zip(pairs, encode_many(pairs)):
+        assert _bits_equal(decode(enc, old), new) and enc.nbytes <= enc.full_bytes

@@ -49,6 +49,7 @@ from sglang.srt.weight_sync.protocol import DeliveryError
 from sglang.srt.weight_sync.remote_protocol import (
     DIGEST_BYTES,
     RECORD_BYTES,
+    SIZE_BYTES,
     delta_records,
     read_delta_records,
 )
@@ -311,6 +312,7 @@ def _encode_round(
             records.setdefault(receiver, []).append((enc, check))
         figures.full_bytes += move.nbytes * len(receivers)
         head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
+        head += SIZE_BYTES if enc.kind == Kind.GAPS else 0
         figures.wire_bytes += (head + enc.nbytes) * len(receivers)
         figures.elements += enc.numel
         figures.changed += enc.changed

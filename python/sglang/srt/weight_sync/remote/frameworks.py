@@ -9,16 +9,24 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from sglang.srt.weight_sync.remote.endpoints import HttpEndpoint
 from sglang.srt.weight_sync.remote.trainer import RemoteSync
 
 __all__ = ("areal_sync",)
 
 
-def areal_sync(rollout_engine, meta, timeout_s: float = 120.0) -> RemoteSync:
+def areal_sync(
+    rollout_engine, meta, timeout_s: float = 120.0, delta: Optional[bool] = None
+) -> RemoteSync:
     """The ``RemoteSync`` of an AReaL trainer (every trainer rank calls it): the group meets
     at the first rank's ``meta.nccl_master_address``/``nccl_master_port``, heard by every
-    rank; its engines are the first rank's rollout client's servers. Joins them."""
+    rank; its engines are the first rank's rollout client's servers. Joins them. ``delta``
+    (default: ``AREAL_SGLANG_WEIGHT_SYNC_DELTA=1`` in the environment, beside the patch's
+    own switch): send only what changed since the last update."""
+    import os
+
     import torch.distributed as dist
 
     from sglang.srt.weight_sync.control_plane import ControlGroup
@@ -43,6 +51,11 @@ def areal_sync(rollout_engine, meta, timeout_s: float = 120.0) -> RemoteSync:
         port,
         engines=[HttpEndpoint(f"http://{s}") for s in servers],
         timeout_s=timeout_s,
+        delta=(
+            os.environ.get("AREAL_SGLANG_WEIGHT_SYNC_DELTA") == "1"
+            if delta is None
+            else delta
+        ),
     )
     sync.join()
     return sync

@@ -36,6 +36,7 @@ from sglang.srt.weight_sync.delta_codec import (
     NO_DIGEST,
     Encoded,
     Kind,
+    gaps_bytes_bounds,
     payload_bytes,
 )
 from sglang.srt.weight_sync.protocol import (
@@ -65,6 +66,7 @@ __all__ = (
     "REMOTE_FIGURES",
     "ReceiveState",
     "RECORD_BYTES",
+    "SIZE_BYTES",
     "Spec",
     "UpdateHeader",
     "UpdateStep",
@@ -352,11 +354,13 @@ class UpdateHeader:
 
 # ---------------------------------------------------------------------------- delta records
 
-# A record's header: one int64, kind | changed << 2 (the payload's size follows from them and
-# the region's), then, when the update checks digests, the base's digest (NO_DIGEST: none).
-KIND_BITS = 2
+# A record's header: one int64, kind | changed << 3 (the payload's size follows from them and
+# the region's), then, when the update checks digests, the base's digest (NO_DIGEST: none),
+# then, for a GAPS payload (whose size depends on the positions), its size.
+KIND_BITS = 3
 RECORD_BYTES = 8
 DIGEST_BYTES = 8
+SIZE_BYTES = 8
 
 
 def delta_records(records: List[Tuple[Encoded, int]], digest: bool) -> torch.Tensor:
@@ -364,12 +368,14 @@ def delta_records(records: List[Tuple[Encoded, int]], digest: bool) -> torch.Ten
     moves: each its header (and with ``digest`` its base's digest), then its payload."""
     parts = []
     for enc, check in records:
-        words = [int(enc.kind) | (enc.changed << KIND_BITS)] + (
-            [check] if digest else []
-        )
+        words = [int(enc.kind) | (enc.changed << KIND_BITS)]
+        words += [check] if digest else []
+        if payload_bytes(enc.kind, enc.numel, enc.changed, enc.itemsize) is None:
+            words.append(enc.nbytes)
+        device = enc.payload.device
         parts += [
-            torch.tensor(words, dtype=torch.int64).view(torch.uint8),
-            enc.payload.reshape(-1).cpu(),
+            torch.tensor(words, dtype=torch.int64, device=device).view(torch.uint8),
+            enc.payload.reshape(-1),
         ]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
@@ -381,7 +387,8 @@ def read_delta_records(
     order): every header checked against its region (a known kind, at most ``numel``
     changed, ``FULL`` with all, a digest in range) and the buffer read exactly to its
     end; ``DeliveryError`` names the record."""
-    raw = raw.reshape(-1).to("cpu", torch.uint8)
+    raw = raw.reshape(-1)
+    host = raw.cpu()  # the headers are read here; payloads stay where they landed
     head_bytes = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
     out, offset = [], 0
     for i, (numel, itemsize) in enumerate(regions):
@@ -390,10 +397,12 @@ def read_delta_records(
         )
         if offset + head_bytes > raw.numel():
             raise DeliveryError(f"{where}: the payload ends before its header")
-        words = raw[offset : offset + head_bytes].clone().view(torch.int64).tolist()
+        words = host[offset : offset + head_bytes].clone().view(torch.int64).tolist()
         offset += head_bytes
         code, changed = words[0] & ((1 << KIND_BITS) - 1), words[0] >> KIND_BITS
         check = words[1] if digest else NO_DIGEST
+        if code not in [k.value for k in Kind]:
+            raise DeliveryError(f"{where}: unknown kind {code}")
         kind = Kind(code)
         ok_changed = (
             changed == numel
@@ -405,6 +414,16 @@ def read_delta_records(
         if check != NO_DIGEST and not 0 <= check < (1 << DIGEST_BITS):
             raise DeliveryError(f"{where}: digest {check} out of range")
         size = payload_bytes(kind, numel, changed, itemsize)
+        if size is None:  # a GAPS payload: its size follows the header
+            if offset + 8 > raw.numel():
+                raise DeliveryError(f"{where}: the payload ends before its size")
+            size = int(host[offset : offset + 8].clone().view(torch.int64).item())
+            offset += 8
+            low, high = gaps_bytes_bounds(changed, itemsize)
+            if not low <= size <= high:
+                raise DeliveryError(
+                    f"{where}: a GAPS payload of {size} bytes; expected {low}-{high}"
+                )
         if offset + size > raw.numel():
             raise DeliveryError(f"{where}: the payload ends inside it")
         payload = raw[offset : offset + size]

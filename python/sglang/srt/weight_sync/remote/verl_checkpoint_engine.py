@@ -28,7 +28,9 @@ answer, then ``send_weights`` (actors) and ``CheckpointEngineWorker.update_weigh
 
 ``engine_kwargs`` (``checkpoint_engine.engine_kwargs.sglang_remote``): ``rollout_tp`` (the
 replicas' TP size, required), ``group_name``, ``timeout_s``, ``staging_bytes``, ``port``
-(the group's store port on actor rank 0; default: a free one), ``backend``.
+(the group's store port on actor rank 0; default: a free one), ``backend``, ``delta``
+(send only what changed since the last update, ``RemoteSync(delta=True)``; default off)
+and ``digest_every`` (how often the engines check what they hold, with ``delta``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class SGLangRemoteCheckpointEngine(CheckpointEngine):
         staging_bytes: Optional[int] = None,
         port: Optional[int] = None,
         backend: Optional[str] = None,
+        delta: bool = False,
+        digest_every: int = 8,
     ) -> None:
         self.bucket_size = max(int(bucket_size), 1 << 20)
         self.actor = is_master is not None
@@ -75,6 +79,7 @@ class SGLangRemoteCheckpointEngine(CheckpointEngine):
         self.rollout_tp = int(rollout_tp)
         self.group_name, self.timeout_s = group_name, timeout_s
         self.staging_bytes, self.port, self.backend = staging_bytes, port, backend
+        self.delta, self.digest_every = bool(delta), int(digest_every)
         self.sync: Optional[RemoteSync] = None
         self.membership: Optional[Membership] = None
         self.joined_epoch = -1  # rollout side: the epoch this worker's engine joined
@@ -171,6 +176,8 @@ class SGLangRemoteCheckpointEngine(CheckpointEngine):
                 m.port,
                 backend=m.backend,
                 timeout_s=self.timeout_s,
+                delta=self.delta,
+                digest_every=self.digest_every,
             )
         if self.sync.group is None or self.sync.broken or self.sync.epoch != m.epoch:
             self.sync.join(membership=m)
@@ -183,11 +190,15 @@ class SGLangRemoteCheckpointEngine(CheckpointEngine):
         )
         if not report.success:
             raise RuntimeError(f"weight sync step {global_steps}: {report.message}")
-        return {
+        metrics = {
             "weight_sync/seconds": report.seconds,
             "weight_sync/bytes_sent_max": max(report.bytes_sent),
             "weight_sync/bytes_sent_min": min(report.bytes_sent),
         }
+        if report.delta:
+            metrics["weight_sync/delta"] = float(report.delta["mode"] == "delta")
+            metrics["weight_sync/density"] = report.delta["density"]
+        return metrics
 
     def receive_weights(self, global_steps: Optional[int] = None):
         """Every rollout worker: one engine request for its replica's engine (joining the
