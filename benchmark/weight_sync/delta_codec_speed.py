@@ -4,7 +4,7 @@ density, with each kind forced, against its bytes.
 ``python -m benchmark.weight_sync.delta_codec_speed [--json]``: a region of ``NUMEL`` bf16
 elements (one large projection's shard), ``REPEATS`` runs each (median). Reported per
 density and kind: payload bytes (% of the region), encode and decode seconds, and the
-kind ``delta_codec.choose`` picks. What it shows: where indices stop beating a bitmask in
+kind the codec picks. What it shows: where indices stop beating a bitmask in
 time as well as in bytes, and how the codec's cost compares with the wire it saves.
 """
 
@@ -35,7 +35,6 @@ def run() -> dict:
     from sglang.srt.weight_sync.delta_codec import (
         Kind,
         bits_of,
-        choose,
         decode_into,
         encode,
     )
@@ -48,7 +47,8 @@ def run() -> dict:
         pick = torch.rand(NUMEL) < density
         bits_of(new)[pick] ^= 1  # one ulp-sized change
         changed = int(pick.sum())
-        for kind in (Kind.INDICES, Kind.BITMASK, Kind.FULL):
+        chosen = encode(old, new).kind.name
+        for kind in (Kind.GAPS, Kind.INDICES, Kind.BITMASK, Kind.FULL):
             if changed == 0 and kind != Kind.FULL:
                 continue
             enc = encode(old, new, kind)
@@ -59,7 +59,7 @@ def run() -> dict:
                 dict(
                     density=density,
                     kind=kind.name,
-                    chosen=choose(NUMEL, changed, 2).name,
+                    chosen=chosen,
                     bytes=enc.nbytes,
                     fraction=enc.nbytes / (2 * NUMEL),
                     encode_s=encode_s,

@@ -23,8 +23,8 @@ from ranks import run_ranks
 from remote_checks import TP
 
 TIMEOUT_S = 60
-STEPS_AT_1E5 = 4
-STEPS_AT_1E6 = 3
+STEPS_AT_1E5 = 10
+STEPS_AT_1E6 = 10
 
 
 @pytest.fixture(scope="module")

@@ -160,21 +160,28 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _varints(values: torch.Tensor) -> torch.Tensor:
-    """Non-negative int64 ``values`` as LEB128 varints, one after another (vectorised: one
-    pass per byte position, at most ``MAX_VARINT_BYTES``)."""
-    lengths = torch.ones_like(values)
-    for k in range(1, MAX_VARINT_BYTES):
-        lengths += values >= (1 << (7 * k))
+    """Non-negative int64 ``values`` as LEB128 varints, one after another (vectorised: the
+    first byte of every value in one pass, then only the values that need more)."""
+    if values.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    bounds = torch.tensor(
+        [1 << (7 * k) for k in range(1, MAX_VARINT_BYTES)],
+        dtype=torch.int64,
+        device=values.device,
+    )
+    lengths = torch.bucketize(values, bounds, right=True) + 1
     ends = lengths.cumsum(0)
     starts = ends - lengths
-    out = torch.empty(
-        int(ends[-1]) if values.numel() else 0, dtype=torch.uint8, device=values.device
+    out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=values.device)
+    out[starts] = ((values & 0x7F) | ((lengths > 1).to(torch.int64) << 7)).to(
+        torch.uint8
     )
-    for k in range(int(lengths.max()) if values.numel() else 0):
-        sel = lengths > k
-        byte = (values[sel] >> (7 * k)) & 0x7F
-        more = (lengths[sel] > k + 1).to(torch.int64) << 7
-        out[starts[sel] + k] = (byte | more).to(torch.uint8)
+    rest, k = torch.nonzero(lengths > 1).reshape(-1), 1
+    while rest.numel():
+        more = lengths[rest] > k + 1
+        byte = (values[rest] >> (7 * k)) & 0x7F
+        out[starts[rest] + k] = (byte | (more.to(torch.int64) << 7)).to(torch.uint8)
+        rest, k = rest[more], k + 1
     return out
 
 
@@ -185,6 +192,8 @@ def _read_varints(raw: torch.Tensor, count: int) -> torch.Tensor:
         raise ValueError(f"a GAPS record's positions are not {count} whole varints")
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=raw.device)
+    if count == raw.numel():  # every value in one byte
+        return raw.to(torch.int64)
     ends = torch.nonzero(last).reshape(-1)
     starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
     if int((ends - starts).max()) >= MAX_VARINT_BYTES:
