@@ -141,10 +141,10 @@ def test_digest_sees_one_changed_element_and_a_swap():
 
 @pytest.mark.parametrize("digest", [False, True])
 def test_records_read_back_and_malformed_ones_are_refused(digest):
-    """The wire form of a round's records (``remote_protocol``): read back exactly; a wrong
+    """The wire form of a round's records (``remote.protocol``): read back exactly; a wrong
     kind code, count, size, digest or trailing byte is refused naming the record."""
     from sglang.srt.weight_sync.protocol import DeliveryError
-    from sglang.srt.weight_sync.remote_protocol import delta_records, read_delta_records
+    from sglang.srt.weight_sync.remote.protocol import delta_records, read_delta_records
 
     old = torch.zeros(100, dtype=torch.bfloat16)
     new = old.clone()
@@ -184,9 +184,9 @@ def test_records_read_back_and_malformed_ones_are_refused(digest):
 
 
 def test_the_snapshot_advances_only_on_commit():
-    """A trainer rank's delivered values (``delta_rounds.Snapshot``): no base before a commit,
+    """A trainer rank's delivered values (``remote.delta.Snapshot``): no base before a commit,
     in another epoch or under another plan; a drop makes the next update full and says why."""
-    from sglang.srt.weight_sync.delta_rounds import Snapshot
+    from sglang.srt.weight_sync.remote.delta import Snapshot
 
     snap = Snapshot()
     assert snap.bases(1, "plan")[0] is None

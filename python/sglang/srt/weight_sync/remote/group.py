@@ -47,12 +47,6 @@ from sglang.srt.weight_sync.control_plane import (
     join_group,
     leave_group,
 )
-from sglang.srt.weight_sync.delta_rounds import (
-    DeltaFigures,
-    Snapshot,
-    execute_delta,
-    stage_full,
-)
 from sglang.srt.weight_sync.executor import (
     DataGroup,
     Deferred,
@@ -68,6 +62,12 @@ from sglang.srt.weight_sync.manifest import (
 from sglang.srt.weight_sync.planner import CoverageError, Plan, sources_digest
 from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
+from sglang.srt.weight_sync.remote.delta import (
+    DeltaFigures,
+    Snapshot,
+    execute_delta,
+    stage_full,
+)
 from sglang.srt.weight_sync.remote.protocol import (
     HEADER_LIMIT,
     MEMBERSHIP_LIMIT,
@@ -118,7 +118,7 @@ class UpdateResult:
     header: UpdateHeader
     plan: Plan
     stats: ExecutionStats
-    # a delta update's figures (``delta_rounds``), and why it was full ("" when not)
+    # a delta update's figures (``remote.delta``), and why it was full ("" when not)
     delta: Optional[DeltaFigures] = None
     why_full: str = ""
 
@@ -483,7 +483,7 @@ class SyncGroup:
         problems are part of it: one raising after it would leave the peers waiting in
         rounds that end in ``PeerLost``. Raises ``GroupRefusal`` before any byte moved,
         ``PeerLost`` when a member did not answer within ``timeout_s``. A header that says
-        ``delta`` runs the rounds as delta records (``delta_rounds``: a trainer rank encodes
+        ``delta`` runs the rounds as delta records (``remote.delta``: a trainer rank encodes
         against its ``snapshot``, an engine rank decodes against ``params``)."""
         problems: List[str] = []
         plan, device = None, self.data.device

@@ -20,7 +20,7 @@ trainer's own process group.
   dropped; the next update forms a new one with the engines that still answer, so a dead
   engine leaves and the others go on; an engine restarted joins again with ``join``.
 * ``delta=True``: every trainer rank keeps the engine-dtype values it last delivered
-  (``delta_rounds.Snapshot``, host memory) and sends each region as what changed since
+  (``remote.delta.Snapshot``, host memory) and sends each region as what changed since
   (``delta_codec``); the snapshot advances only when every engine answered success, and
   the first update of an epoch, or after any failure, is full (``RemoteReport.delta``
   says which and why). Every ``digest_every``-th update the engines check that they hold
@@ -47,7 +47,6 @@ from sglang.srt.weight_sync.control_plane import (
     PeerLost,
 )
 from sglang.srt.weight_sync.delivery import local_shard
-from sglang.srt.weight_sync.delta_rounds import DeltaFigures, Snapshot, delta_summary
 from sglang.srt.weight_sync.executor import ExecutionError
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
 from sglang.srt.weight_sync.protocol import (
@@ -58,6 +57,7 @@ from sglang.srt.weight_sync.protocol import (
     check_timeout,
     trainer_bound_s,
 )
+from sglang.srt.weight_sync.remote.delta import DeltaFigures, Snapshot, delta_summary
 from sglang.srt.weight_sync.remote.endpoints import (
     EngineEndpoint,
     HttpEndpoint,
@@ -130,7 +130,7 @@ class RemoteReport:
     per-TP-rank ``bytes_received``, ``lower_bound_bytes``, ``receive_us``, ``apply_us``,
     the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``: per trainer
     rank, in the engines' dtypes (a delta update's: its records); ``seconds``: the update's
-    wall time on the first rank; ``delta`` (``delta=True``): ``delta_rounds.delta_summary``."""
+    wall time on the first rank; ``delta`` (``delta=True``): ``remote.delta.delta_summary``."""
 
     success: bool
     message: str

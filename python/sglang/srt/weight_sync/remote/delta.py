@@ -5,7 +5,7 @@ differs. A trainer rank keeps a ``Snapshot``: the engine-dtype values it last de
 its own regions, in host memory, valid for one membership epoch and one plan. In each round
 it encodes every region it sends against that snapshot (``delta_codec``: nothing, indices,
 a bitmask or the whole region, whichever is fewest bytes; the whole region when it has no
-valid base) and sends each receiver one buffer of records (``remote_protocol.delta_records``)
+valid base) and sends each receiver one buffer of records (``remote.protocol.delta_records``)
 through ``executor.exchange_payloads``. An engine rank reads the records, takes the base of
 each region from its live parameter (the values the trainer last delivered, unless
 something changed them), checks the base's digest when the update asks, and decodes into
@@ -46,7 +46,7 @@ from sglang.srt.weight_sync.executor import (
 )
 from sglang.srt.weight_sync.planner import Move, Plan
 from sglang.srt.weight_sync.protocol import DeliveryError
-from sglang.srt.weight_sync.remote_protocol import (
+from sglang.srt.weight_sync.remote.protocol import (
     DIGEST_BYTES,
     RECORD_BYTES,
     SIZE_BYTES,
