@@ -1,6 +1,6 @@
 # Build the drop-in sglang wheels and test them installed, as users get them (docs/design.md).
-# BASE picks the SGLang release for venv/install/test/smoke: 0.5.23 (primary, .venv), 0.5.12 or 0.5.10.post1
-# (.venv-<BASE>); `make wheel` always builds all three.
+# BASE picks the SGLang release for venv/install/test/smoke: 0.5.23 (primary, .venv), 0.5.15.post1, 0.5.12
+# or 0.5.10.post1 (.venv-<BASE>); `make wheel` always builds all four.
 BASE  ?= 0.5.23
 VENV  := $(if $(filter 0.5.23,$(BASE)),.venv,.venv-$(BASE))
 PY    := $(VENV)/bin/python
@@ -68,7 +68,9 @@ SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_en
          test/unit/test_remote_request_path.py
 # And the weight-sync group with remote engines, driven by the released code of the framework
 # that pins the base: verl 0.9.1's checkpoint-engine registry on 0.5.12, AReaL 1.0.4's companion
-# patch beside its broadcast on 0.5.10.post1.
+# patch beside its broadcast on 0.5.10.post1; on 0.5.15.post1 slime's three update paths and the
+# routes of its own SGLang build, as its released code calls them (its launcher included).
+SMOKE_REMOTE_0.5.15.post1 :=
 SMOKE_REMOTE_0.5.12       := test/e2e/test_verl_checkpoint_engine.py
 SMOKE_REMOTE_0.5.10.post1 := test/e2e/test_areal_remote.py
 # `smoke-run` is the tests alone, on what `make install BASE=...` left: .ci/run installs each

@@ -33,7 +33,7 @@ import zipfile
 from pathlib import Path
 
 # The primary base (the upstream PR's) first; the others are the releases RL frameworks pin.
-BASES = ("0.5.23", "0.5.12", "0.5.10.post1")
+BASES = ("0.5.23", "0.5.15.post1", "0.5.12", "0.5.10.post1")
 ROOT = Path(__file__).resolve().parent.parent
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed timestamp for a reproducible zip
 

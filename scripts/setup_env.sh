@@ -2,6 +2,7 @@
 # Creates a venv for one SGLang base release with a torch that runs on CPU and the release's runtime deps
 # (no CUDA-only packages).
 #   BASE=0.5.23       (default) .venv:              torch 2.13.0+cpu, scripts/requirements-cpu.txt
+#   BASE=0.5.15.post1 .venv-0.5.15.post1:           torch 2.11.0 (sglang's pin), scripts/requirements-cpu-0.5.15.post1.txt
 #   BASE=0.5.12       .venv-0.5.12:                 torch 2.11.0 (sglang's pin), scripts/requirements-cpu-0.5.12.txt
 #   BASE=0.5.10.post1 .venv-0.5.10.post1:           torch 2.9.1 (sglang's pin), scripts/requirements-cpu-0.5.10.post1.txt
 # The older releases pin torch builds that exist on PyPI only with CUDA; they import and run on CPU.
@@ -11,9 +12,10 @@ cd "$(dirname "$0")/.."
 BASE=${BASE:-0.5.23}
 case "$BASE" in
   0.5.23)       TORCH=2.13.0; VISION=0.28.0; REQS=scripts/requirements-cpu.txt; DEFAULT_VENV=.venv ;;
+  0.5.15.post1) TORCH=2.11.0; VISION=0.26.0; REQS=scripts/requirements-cpu-0.5.15.post1.txt; DEFAULT_VENV=.venv-0.5.15.post1 ;;
   0.5.12)       TORCH=2.11.0; VISION=0.26.0; REQS=scripts/requirements-cpu-0.5.12.txt; DEFAULT_VENV=.venv-0.5.12 ;;
   0.5.10.post1) TORCH=2.9.1;  VISION=0.24.1; REQS=scripts/requirements-cpu-0.5.10.post1.txt; DEFAULT_VENV=.venv-0.5.10.post1 ;;
-  *) echo "setup_env: unknown BASE=$BASE (0.5.23, 0.5.12, 0.5.10.post1)" >&2; exit 2 ;;
+  *) echo "setup_env: unknown BASE=$BASE (0.5.23, 0.5.15.post1, 0.5.12, 0.5.10.post1)" >&2; exit 2 ;;
 esac
 VENV=${VENV:-$DEFAULT_VENV}
 # The frameworks' releases for test/e2e/test_{verl,areal}_release.py (--no-deps, see each requirements

@@ -109,7 +109,7 @@ class VerlLikeClient:
 # "checksum" action (and compares on CUDA only); 0.5.12 replies with TP rank 0's only.
 NO_CHECKSUMS = ("0.5.10.post1", "0.5.12")
 # Releases whose weight checker calls all_gather_object in the engine: what shows the recorder is live.
-GATHERING_CHECKER = ("0.5.23",)
+GATHERING_CHECKER = ("0.5.23", "0.5.15.post1")
 
 
 def _saved_checksums(engine) -> Dict[int, Dict[str, str]]:

@@ -317,12 +317,15 @@ RULE_ARCHS = (
 # (rope scaling and swiglu_limit as the released Gemma 3 and gpt-oss configs have them: SGLang 0.5.12 reads both)
 
 # What a release's own loading makes impossible to update in place, and what the refusal must
-# name: 0.5.12's GemmaRMSNorm (Gemma 2's norms) computes gemma_weight = weight + 1 into a new
+# name: 0.5.12's and 0.5.15.post1's GemmaRMSNorm (Gemma 2's norms) computes gemma_weight = weight + 1 into a new
 # tensor in its weight loader, and nothing recomputes it after parameters are written in place,
 # so every norm weight is refused (naming gemma_weight); everything else must still equal
 # SGLang's load. (Gemma 3's norms there compute nothing; 0.5.23 refreshes gemma_weight in place.)
 BASE = __import__("sglang").__version__.split("+")[0]
-REFUSED = {"0.5.12": {"gemma2": "gemma_weight"}}.get(BASE, {})
+REFUSED = {
+    "0.5.12": {"gemma2": "gemma_weight"},
+    "0.5.15.post1": {"gemma2": "gemma_weight"},
+}.get(BASE, {})
 # (arch, platform) a release's own loaders cannot load at all, and where they fail: nothing can be
 # updated there, and deriving runs the same loader code, so an update is refused with that error.
 # The CPU branch of 0.5.10.post1 and 0.5.12 narrows a 3-d expert weight of gpt-oss as if it were 2-d.

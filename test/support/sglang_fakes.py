@@ -227,15 +227,18 @@ def fake_engine_rank(tp_size: int, rank: int, moe_ep_size: int = 1, **server_arg
 @contextmanager
 def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
     """What a launched engine has published before it builds its model, as a dummy: 0.5.23's
-    ``override_server_args`` (SGLang's own test helper); on older releases, server args with
+    ``override_server_args`` (SGLang's own test helper); on older releases (0.5.15.post1: in its
+    runtime context, with the flags it resolves from them), server args with
     their defaults (no ``__post_init__``, which inspects a real model) and placement-only
     groups of these widths in the ``parallel_state`` and ``dp_attention`` globals."""
     try:
         from sglang.srt.runtime_context import get_context
     except ImportError:
-        pass
+        context = None
     else:
-        installed = get_context().override_server_args(
+        context = get_context()
+    if hasattr(context, "override_server_args"):
+        installed = context.override_server_args(
             tp_size=tp_size, ep_size=moe_ep_size, **server_args
         )
         installed.install()
@@ -263,7 +266,12 @@ def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
     for name, value in dict(server_args, tp_size=tp_size, ep_size=moe_ep_size).items():
         setattr(args, name, value)
     published = {
-        server_args_module: dict(_global_server_args=args),
+        # 0.5.15.post1 keeps them in its runtime context (its flags resolved from them)
+        **(
+            {context: dict(_server_args=args, flags=_resolved_flags(context, args))}
+            if context is not None
+            else {server_args_module: dict(_global_server_args=args)}
+        ),
         parallel_state: dict(
             _TP=PlacementGroup(0, tp_size),
             _ATTN_TP=PlacementGroup(0, tp_size),
@@ -283,6 +291,17 @@ def published_layout(tp_size: int, moe_ep_size: int, server_args: dict):
     }
     with module_globals(published):
         yield
+
+
+def _resolved_flags(context, args):
+    """The flags 0.5.15.post1's runtime context resolves from ``args`` when they are published,
+    leaving the context's own as they were."""
+    saved = (context._server_args, context.flags)
+    try:
+        context.set_server_args(args)
+        return context.flags
+    finally:
+        context._server_args, context.flags = saved
 
 
 def _provide_vllm_rotary_import() -> None:

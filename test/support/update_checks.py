@@ -98,7 +98,7 @@ def run(
                 f"{record['step']}: full_tensor/gather_object called during the update"
             )
     # the recorder is live in the engine's processes: it saw the weight checker's gathers (only
-    # 0.5.23's checker gathers objects; older releases read the parameters without any)
+    # 0.5.23's and 0.5.15.post1's checkers gather objects; older releases read the parameters without any)
     if tp > 1 and sglang.__version__.split("+")[0] in GATHERING_CHECKER:
         assert any(f.read_text() for f in forbidden_log.iterdir()), (
             "forbidden-call recorder is not active"

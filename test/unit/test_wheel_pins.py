@@ -1,7 +1,8 @@
 """Each built wheel installs by the pin of the framework that uses its base: pip resolves
-``sglang==0.5.12`` (verl 0.9.x), ``sglang==0.5.10.post1`` (AReaL 1.0.x) and ``sglang==0.5.23`` to
-our ``+dwu1`` wheel, also when upstream's wheel of that release is offered beside it (PEP 440: a
-local version matches ``==`` of its public version and sorts after it).
+``sglang==0.5.12`` (verl 0.9.x), ``sglang==0.5.10.post1`` (AReaL 1.0.x), ``sglang==0.5.15.post1``
+(slime) and ``sglang==0.5.23`` to our ``+dwu1`` wheel, also when upstream's wheel of that release
+is offered beside it (PEP 440: a local version matches ``==`` of its public version and sorts
+after it).
 
 Dry runs of pip into nothing (``--dry-run --report``), against ``dist/`` as ``make wheel`` left it.
 """
@@ -15,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST, UPSTREAM = ROOT / "dist", ROOT / "build" / "upstream"
-BASES = ("0.5.23", "0.5.12", "0.5.10.post1")
+BASES = ("0.5.23", "0.5.15.post1", "0.5.12", "0.5.10.post1")
 
 
 def resolve(requirement: str, *find_links: Path) -> list:
@@ -69,5 +70,7 @@ def test_our_wheel_wins_over_upstream_release(base):
 
 def test_other_bases_are_not_picked_by_a_pin():
     """``sglang==0.5.12`` must not fall back to another base's wheel, nor ``>=`` to an older one."""
-    assert resolve("sglang>=0.5.12,<0.5.23", DIST) == [("sglang", "0.5.12+dwu1")]
+    assert resolve("sglang>=0.5.12,<0.5.15", DIST) == [("sglang", "0.5.12+dwu1")]
+    assert resolve("sglang>=0.5.12,<0.5.23", DIST) == [("sglang", "0.5.15.post1+dwu1")]
+    assert resolve("sglang>=0.5.15,<0.5.16", DIST) == [("sglang", "0.5.15.post1+dwu1")]
     assert resolve("sglang", DIST) == [("sglang", "0.5.23+dwu1")]

@@ -1,7 +1,10 @@
 """The few SGLang APIs that differ between the releases this package is built on (0.5.10.post1,
-0.5.12, 0.5.23), adapted here and nowhere else.
+0.5.12, 0.5.15.post1, 0.5.23), adapted here and nowhere else.
 
-Each function tries the newest release's API first and falls back to the older one.
+Each function tries the newest release's API first and falls back to the older one. 0.5.15.post1
+sits between: msgspec requests, a ``runtime_context`` (parallel state only) and a scheduler
+weight-updater manager as 0.5.23 has them, but no weight-update sessions, no derived spawn ranks
+and no resolved server args, as the older releases; each function probes the API it needs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = (
     "tp_state",
     "unsplit_groups",
     "update_refusals",
+    "weight_version",
     "weights_released",
 )
 
@@ -51,17 +55,31 @@ class TpState:
 
 
 def _has_runtime_context() -> bool:
-    """0.5.23 keeps ranks, groups and server args in ``runtime_context``; older releases in
-    ``parallel_state``/``dp_attention`` module globals and ``get_global_server_args()``."""
+    """0.5.15.post1 and 0.5.23 publish ranks and groups in ``runtime_context``; older releases
+    in ``parallel_state``/``dp_attention`` module globals only."""
     import importlib.util
 
     return importlib.util.find_spec("sglang.srt.runtime_context") is not None
 
 
+def _runtime_context_has(name: str) -> bool:
+    """Whether ``runtime_context`` has ``name`` (0.5.23's spawn-rank derivation and resolved
+    server args; 0.5.15.post1's holds parallel state only)."""
+    if not _has_runtime_context():
+        return False
+    from sglang.srt import runtime_context
+
+    return hasattr(runtime_context, name) or hasattr(
+        runtime_context.RuntimeContext, name
+    )
+
+
 def has_weight_update_sessions() -> bool:
     """Whether updates run inside ``begin_weight_update`` ... ``end_weight_update`` sessions,
     whose end runs the model's post-load fixups (0.5.23); older releases have none."""
-    return _has_runtime_context()
+    from sglang.srt.managers import io_struct
+
+    return hasattr(io_struct, "BeginWeightUpdateReqInput")
 
 
 def tp_state() -> TpState:
@@ -128,8 +146,9 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
     """This process as TP ``rank`` of its engine's layout while a model is built and loaded on
     meta: every rank SGLang's layers read is ``rank``'s, from SGLang's own formulas, and every
     group is ``group(rank_in_group, world_size)``, a stand-in that carries placement only.
-    0.5.23 overrides its ``runtime_context``; older releases swap the ``parallel_state`` and
-    ``dp_attention`` module globals their getters read, restored on exit. Either way it holds
+    0.5.23 overrides its ``runtime_context``; older releases (0.5.15.post1's ``runtime_context``
+    reads the same globals) swap the ``parallel_state`` and ``dp_attention`` module globals
+    their getters read, restored on exit. Either way it holds
     for the whole process, so it runs where the scheduler does nothing else (an update)."""
     tp, attn_tp, ep, pp, attn_cp, moe_dp = parallel_widths()
     if (pp, attn_cp, moe_dp) != (1, 1, 1):
@@ -137,7 +156,7 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
             f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
             f"{pp}, {attn_cp}, {moe_dp}"
         )
-    if _has_runtime_context():
+    if _runtime_context_has("derive_spawn_ranks"):
         from sglang.srt.runtime_context import (
             derive_attention_ranks,
             derive_spawn_ranks,
@@ -175,9 +194,11 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
     from sglang.srt.server_args import get_global_server_args
 
     args = get_global_server_args()
-    attn_tp_rank, _, attn_dp_rank = dp_attention.compute_dp_attention_world_info(
+    # (rank, size, dp rank), and dp size since 0.5.15.post1
+    world = dp_attention.compute_dp_attention_world_info(
         args.enable_dp_attention, rank, tp, args.dp_size
     )
+    attn_tp_rank, attn_dp_rank = world[0], world[2]
     _, _, local_attn_dp_rank = dp_attention.compute_dp_attention_local_info(
         args.enable_dp_attention, rank, tp, args.dp_size, args.moe_dense_tp_size
     )
@@ -243,7 +264,7 @@ def _no_split_source(_pg) -> None:
 
 def server_args_dict() -> Dict[str, Any]:
     """The engine's server args as resolved at launch, by field name."""
-    if _has_runtime_context():
+    if _runtime_context_has("resolved_server_args_dict"):
         from sglang.srt.runtime_context import get_context
 
         return dict(get_context().resolved_server_args_dict())
@@ -309,7 +330,7 @@ def after_update(model) -> None:
     post-processing). Older releases have no session: their own tensor update goes through
     ``model.load_weights``, which runs the model's post-load fixups itself (MLA's w_kc/w_vc), so
     a distributed update runs those (``tensor_path.update_from_payload``) and nothing more."""
-    if _has_runtime_context():
+    if has_weight_update_sessions():
         from sglang.srt.model_loader.loader import post_load_weights
 
         post_load_weights(model)
@@ -382,6 +403,15 @@ def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
     return type(
         name, (cls,), {"__annotations__": {field: type_}, field: default}, kw_only=True
     )
+
+
+def weight_version(tokenizer_manager):
+    """The weight version the last update recorded: 0.5.23's tokenizer manager reads it with
+    ``config_value``; older releases keep it in ``server_args``."""
+    config_value = getattr(tokenizer_manager, "config_value", None)
+    if config_value is not None:
+        return config_value("weight_version")
+    return getattr(tokenizer_manager.server_args, "weight_version", None)
 
 
 def weights_released(holder) -> bool:
