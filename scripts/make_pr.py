@@ -123,6 +123,12 @@ HOOK_MESSAGES = {
         "While a failed distributed update has left the weights mixed or unknown, generation\n"
         "requests are refused instead of answered from half-updated weights.",
     ),
+    "http-framework-routes": (
+        "[RL] HTTP: the weight version, and the routes slime's build adds",
+        "/weight_version answers the recorded version; /post_process_weights and /pull_weights\n"
+        "answer slime's released client (nothing to do on an unquantized model; a refusal\n"
+        "that names update_weights_from_disk).",
+    ),
 }
 
 

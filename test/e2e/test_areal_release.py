@@ -31,11 +31,11 @@ from datetime import datetime
 
 import tiny_models
 import torch
-from engine import WORKER_ENGINE_ARGS, stable_prompts
+from engine import WORKER_ENGINE_ARGS
 from ports import free_ports
 from ranks import run_ranks
 from update_cases import MAX_NEW, new_weights
-from verl_helpers import check_server, params_at_tp1, wait_healthy
+from verl_helpers import check_server, llama_with_prompts, params_at_tp1, wait_healthy
 
 STEPS = (("xccl", 1), ("disk", 2))
 
@@ -115,11 +115,9 @@ def areal_job(rank: int, world: int, job: dict) -> list:
 
 
 def test_areal_updates_a_tp1_server(tmp_path):
-    model_dir, config = tiny_models.make_tiny_model("llama", tmp_path / "llama")
-    prompts = {
-        seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW)
-        for _, seed in STEPS
-    }
+    model_dir, config, prompts = llama_with_prompts(
+        tmp_path / "llama", [seed for _, seed in STEPS]
+    )
     job = dict(
         model_dir=str(model_dir),
         ports=free_ports(2),

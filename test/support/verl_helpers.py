@@ -9,6 +9,8 @@ stand-in is needed).
 * ``give_tokenizer``: a tokenizer for a tiny checkpoint, which verl's ``HFModelConfig`` loads.
 * ``wait_healthy``, ``params_at_tp1``, ``check_server``: a server up, its parameters read back
   at TP 1, and after an update bit-exact with generation equal to HF's.
+* ``llama_with_prompts``: the tiny Llama those servers run, and prompts stable under each
+  seed's new weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "ServerActor",
     "check_server",
     "give_tokenizer",
+    "llama_with_prompts",
     "params_at_tp1",
     "patched_copy",
     "verl_producer",
@@ -222,6 +225,19 @@ def check_server(
     assert record["generation"] == hf_greedy(
         model_dir, prompts[record["seed"]], MAX_NEW, weights=weights
     ), f"{what}: generation differs from HF transformers"
+
+
+def llama_with_prompts(directory: Path, seeds) -> tuple:
+    """A tiny Llama in ``directory`` and, per seed, prompts whose greedy continuation is stable
+    under that seed's new weights: (model_dir, config, {seed: prompts})."""
+    from engine import stable_prompts
+
+    model_dir, config = tiny_models.make_tiny_model("llama", directory)
+    prompts = {
+        seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW)
+        for seed in seeds
+    }
+    return model_dir, config, prompts
 
 
 def give_tokenizer(model_dir: Path, tmp_path: Path) -> None:
