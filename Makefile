@@ -69,8 +69,9 @@ SMOKE := test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_en
 # And the weight-sync group with remote engines, driven by the released code of the framework
 # that pins the base: verl 0.9.1's checkpoint-engine registry on 0.5.12, AReaL 1.0.4's companion
 # patch beside its broadcast on 0.5.10.post1; on 0.5.15.post1 slime's three update paths and the
-# routes of its own SGLang build, as its released code calls them (its launcher included).
-SMOKE_REMOTE_0.5.15.post1 := test/e2e/test_slime_paths.py
+# routes of its own SGLang build, as its released code calls them (its launcher included), and its
+# colocated update with the companion patch's glue (integrations/slime) from Megatron-core shards.
+SMOKE_REMOTE_0.5.15.post1 := test/e2e/test_slime_paths.py test/e2e/test_slime_companion.py
 SMOKE_REMOTE_0.5.12       := test/e2e/test_verl_checkpoint_engine.py
 SMOKE_REMOTE_0.5.10.post1 := test/e2e/test_areal_remote.py
 # `smoke-run` is the tests alone, on what `make install BASE=...` left: .ci/run installs each

@@ -53,73 +53,6 @@ STEPS = (("tensor", 1), ("distributed", 2), ("disk", 3))
 BUFFER_BYTES = 1 << 17
 
 
-def _launch(model_dir: str, ports) -> tuple:
-    """The server as slime starts it (or, where its launcher cannot, as the tests do): (stop, url)."""
-    from sglang.srt.server_args import ServerArgs
-
-    port, nccl_port, dist_port = ports
-    if dataclasses.is_dataclass(ServerArgs):
-        from slime_client import launch_server_process, slime_server_args
-
-        from sglang.srt.utils import kill_process_tree
-
-        args = slime_server_args(
-            model_dir,
-            "127.0.0.1",
-            port,
-            nccl_port,
-            dist_port,
-            TP,
-            0,
-            WORKER_ENGINE_ARGS,
-        )
-        process = launch_server_process(args)
-        return (lambda: kill_process_tree(process.pid)), args
-    from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
-
-    server = HttpServerEngineAdapter(
-        model_path=model_dir,
-        tp_size=TP,
-        host="127.0.0.1",
-        port=port,
-        **WORKER_ENGINE_ARGS,
-    )
-    return server.shutdown, server.server_args
-
-
-def _tensor_update(rank, engine, group, weights, version) -> None:
-    """``UpdateWeightFromTensor.update_weights`` on each trainer rank."""
-    import torch.distributed as dist
-    from ranks import gathers_allowed
-    from slime_client import chunks, send_to_colocated_engine
-
-    if rank == 0:
-        engine.pause_generation()
-        engine.flush_cache()
-    dist.barrier()
-    with (
-        gathers_allowed()
-    ):  # slime gathers the serialized buckets to the engine's first rank
-        for chunk in chunks(sorted(weights.items()), BUFFER_BYTES):
-            refs, keep = send_to_colocated_engine(
-                chunk,
-                ipc_engine=engine,
-                ipc_gather_src=0,
-                ipc_gather_group=group,
-                weight_version=version,
-            )
-            for ref in refs:
-                assert ref.result()["success"], ref.result()
-            # stand-in for CUDA IPC's producer-side lifetime: every rank's buckets live until
-            # the engine has copied them
-            dist.barrier()
-            del keep
-    dist.barrier()
-    if rank == 0:
-        engine.continue_generation()
-    dist.barrier()
-
-
 def _distributed_update(rank, engine, weights, version, group_port) -> None:
     """``UpdateWeightFromDistributed``: connect, update, disconnect (rank 0 sends)."""
     import torch.distributed as dist
@@ -173,14 +106,14 @@ def _disk_update(rank, engine, model_dir, disk_dir, weights, version) -> None:
 def slime_job(rank: int, world: int, job: dict) -> list:
     import torch.distributed as dist
     from engine import omp_bind
-    from slime_client import SlimeEngine
+    from slime_client import SlimeEngine, colocated_update, start_server
     from update_cases import checksums
 
     model_dir, port = job["model_dir"], job["ports"][0]
     stop = None
     if rank == 0:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(TP)
-        stop, server_args = _launch(model_dir, job["ports"][:3])
+        stop, server = start_server(model_dir, job["ports"][:3], TP, WORKER_ENGINE_ARGS)
     records = []
     try:
         wait_healthy(port)
@@ -189,7 +122,7 @@ def slime_job(rank: int, world: int, job: dict) -> list:
         for version, (kind, seed) in enumerate(job["steps"], start=1):
             weights = new_weights(model_dir, seed)
             if kind == "tensor":
-                _tensor_update(rank, engine, group, weights, version)
+                colocated_update(rank, engine, group, weights, version, BUFFER_BYTES)
             elif kind == "distributed":
                 _distributed_update(rank, engine, weights, version, job["ports"][3])
             else:
@@ -207,7 +140,7 @@ def slime_job(rank: int, world: int, job: dict) -> list:
                     kind=kind,
                     seed=seed,
                     generation=[o["output_ids"] for o in out],
-                    params=checksums(_Server(server_args)),
+                    params=checksums(server),
                     weight_version=engine.get_weight_version(),
                 )
             )
@@ -218,13 +151,6 @@ def slime_job(rank: int, world: int, job: dict) -> list:
         if stop is not None:
             stop()
     return records
-
-
-class _Server:
-    """What ``update_cases.checksums`` reads of a server: its address."""
-
-    def __init__(self, server_args):
-        self.server_args = server_args
 
 
 def _framework_routes(engine, disk_dir: str) -> dict:

@@ -33,9 +33,7 @@ Stand-ins, only for what cannot run here:
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import tiny_models
 import torch
@@ -43,6 +41,7 @@ from engine import WORKER_ENGINE_ARGS, stable_prompts
 from ports import free_ports
 from ranks import run_ranks
 from update_cases import MAX_NEW, new_weights
+from update_checks import engine_figures
 from verl_helpers import (
     ServerActor,
     check_server,
@@ -203,7 +202,7 @@ def verl_job(rank: int, world: int, job: dict):
                 seen = {row[0] for r in records for row in r["figures"]}
                 record["figures"] = [
                     row
-                    for row in _figures(Path(job["figures_log"]))
+                    for row in engine_figures(job["figures_log"])
                     if row[0] not in seen
                 ]
             records.append(record)
@@ -212,13 +211,6 @@ def verl_job(rank: int, world: int, job: dict):
         if server is not None:
             server.shutdown()
     return records
-
-
-def _figures(directory: Path):
-    rows = []
-    for f in directory.iterdir():
-        rows += [json.loads(line) for line in f.read_text().splitlines()]
-    return rows
 
 
 def test_patch_applies_to_verl_0_9_1(tmp_path):

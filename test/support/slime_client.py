@@ -16,11 +16,16 @@ was written from reading its public source, not copied; each piece names what it
   (``output_str=True``), ``gather_object``s them to the engine's first rank, which sends one
   ``update_weights_from_tensor(load_format="flattened_bucket")`` per bucket with one entry per
   engine TP rank.
+* ``colocated_update``: ``UpdateWeightFromTensor.update_weights`` around it: rank 0 pauses and
+  flushes, every rank sends each chunk, rank 0 continues.
 * ``connect_rollout_engines_from_distributed`` / ``update_weights_from_distributed``: the same
   functions of ``update_weight_from_distributed.py``: every engine joins a group of its GPU count
   plus trainer rank 0 (``init_weights_update_group``, ``rank_offset`` 1 + the GPUs before it),
   then per chunk every engine is asked to receive (names, dtype strings, shapes, group name,
   weight version) while rank 0 broadcasts each tensor from rank 0.
+* ``start_server``: slime's launcher where ``ServerArgs`` is a dataclass (0.5.15.post1 and
+  older); on 0.5.23, whose ``ServerArgs`` is a msgspec struct and stops slime's launcher with
+  ``TypeError``, SGLang's ``HttpServerEngineAdapter`` (the update calls that follow are the same).
 * ``reload_from_disk``: ``RayTrainGroup._reload_rollout_weights_from_disk`` (full mode, no
   local checkpoint dir): pause, flush, ``update_weights_from_disk(model_path, weight_version)``,
   the version check of ``--ci-test``, continue.
@@ -43,13 +48,16 @@ import requests
 import torch
 
 __all__ = [
+    "ServerAddress",
     "SlimeEngine",
     "chunks",
+    "colocated_update",
     "connect_rollout_engines_from_distributed",
     "launch_server_process",
     "reload_from_disk",
     "send_to_colocated_engine",
     "slime_server_args",
+    "start_server",
     "update_weights_from_distributed",
 ]
 
@@ -279,6 +287,38 @@ def launch_server_process(server_args, timeout: float = 900):
         time.sleep(2)
 
 
+class ServerAddress:
+    """What ``update_cases.checksums`` reads of a server: its ``server_args`` (``url()``)."""
+
+    def __init__(self, server_args):
+        self.server_args = server_args
+
+
+def start_server(model_dir: str, ports: Sequence[int], tp_size: int, engine_args: dict):
+    """A server of ``model_dir`` at ``tp_size`` on ``ports`` (HTTP, NCCL, dist init), started
+    as slime starts it where it can: (stop, its ``ServerAddress``)."""
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils import kill_process_tree
+
+    port, nccl_port, dist_port = ports
+    if dataclasses.is_dataclass(ServerArgs):
+        args = slime_server_args(
+            model_dir, "127.0.0.1", port, nccl_port, dist_port, tp_size, 0, engine_args
+        )
+        process = launch_server_process(args)
+        return (lambda: kill_process_tree(process.pid)), ServerAddress(args)
+    from sglang.srt.entrypoints.http_server_engine import HttpServerEngineAdapter
+
+    server = HttpServerEngineAdapter(
+        model_path=model_dir,
+        tp_size=tp_size,
+        host="127.0.0.1",
+        port=port,
+        **engine_args,
+    )
+    return server.shutdown, ServerAddress(server.server_args)
+
+
 def chunks(
     named: Sequence[Tuple[str, torch.Tensor]], buffer_bytes: int
 ) -> List[List[Tuple[str, torch.Tensor]]]:
@@ -372,6 +412,46 @@ def send_to_colocated_engine(
                 )
             )
     return refs, long_live
+
+
+def colocated_update(
+    rank: int,
+    engine: SlimeEngine,
+    group,
+    weights: Dict[str, torch.Tensor],
+    version: int,
+    buffer_bytes: int,
+) -> None:
+    """slime's colocated update of one engine by the trainer ranks of ``group`` (its first
+    rank gathers); ``weights``: the HF tensors its Megatron conversion yields on each rank."""
+    import torch.distributed as dist
+    from ranks import gathers_allowed
+
+    if rank == 0:
+        engine.pause_generation()
+        engine.flush_cache()
+    dist.barrier()
+    with (
+        gathers_allowed()
+    ):  # slime gathers the serialized buckets to the engine's first rank
+        for chunk in chunks(sorted(weights.items()), buffer_bytes):
+            refs, keep = send_to_colocated_engine(
+                chunk,
+                ipc_engine=engine,
+                ipc_gather_src=dist.get_process_group_ranks(group)[0],
+                ipc_gather_group=group,
+                weight_version=version,
+            )
+            for ref in refs:
+                assert ref.result()["success"], ref.result()
+            # stand-in for CUDA IPC's producer-side lifetime: every rank's buckets live until
+            # the engine has copied them
+            dist.barrier()
+            del keep
+    dist.barrier()
+    if rank == 0:
+        engine.continue_generation()
+    dist.barrier()
 
 
 def connect_rollout_engines_from_distributed(

@@ -6,6 +6,8 @@
   simulator's hand rules (``benchmark/weight_sync/hand_rules.py``: SGLang's slicing written
   out by hand). Test modules take ``model_targets_from_config`` from here too.
 * ``check_update``: a record's parameters bit-exact and its greedy generation HF's.
+* ``engine_figures``: every engine rank's figures from ``SGLANG_TEST_FIGURES_LOG``
+  (``sitecustomize``): [update_id, rank, received, lower_bound, staged] rows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,24 @@ from update_cases import (
 import sglang
 from benchmark.weight_sync.hand_rules import model_targets_from_config, reference_param
 
-__all__ = ["check_update", "expected_checksums", "model_targets_from_config", "run"]
+__all__ = [
+    "check_update",
+    "engine_figures",
+    "expected_checksums",
+    "model_targets_from_config",
+    "run",
+]
+
+
+def engine_figures(directory) -> list:
+    """[update_id, rank, received, lower_bound, staged] of every engine rank's update so far."""
+    import json
+    from pathlib import Path
+
+    rows = []
+    for f in Path(directory).iterdir():
+        rows += [json.loads(line) for line in f.read_text().splitlines()]
+    return rows
 
 
 def expected_checksums(config, weights, tp: int, ep: int):
