@@ -1,23 +1,25 @@
-"""slime's colocated update with the companion patch (``integrations/slime``): the trainer
-ranks beside an engine hand their Megatron-core local parameters to SGLang's distributed
-update (``weight_sync.slime_sync.SlimeColocatedSync``) instead of gathering full HF tensors.
+"""slime's updates with the companion patch (``integrations/slime``): the trainer ranks hand
+their Megatron-core local parameters to SGLang's distributed update instead of gathering full
+HF tensors (``weight_sync.slime_sync``).
 
 Two trainer ranks hold a real megatron-core ``GPTModel`` at TP 2 (``megatron_cases``, loaded
-with a tiny Qwen2's new weights) beside a TP-2 CPU server that slime's launcher starts
-(``slime_client``; the test's adapter where slime's launcher cannot, 0.5.23). Around the update
-rank 0 makes slime's own calls (``pause_generation``, ``flush_cache``, then
-``continue_generation``); in between every rank runs what the patched
-``UpdateWeightFromTensor.update_weights`` runs: ``SlimeColocatedSync(url, ranks,
-group).update(model, vocab_size, version)``.
+with a tiny Qwen2's weights) beside a TP-2 CPU server that slime's launcher starts
+(``slime_client.start_server``). First slime's released colocated path (one version of other
+weights, ``slime_client.colocated_update``), for its bytes and seconds. Then what the patched
+updaters run, each inside rank 0's ``pause_generation`` / ``flush_cache`` ...
+``continue_generation`` as released:
 
-slime's released colocated path runs first on the same server (one version of other weights,
-``slime_client.colocated_update``), for its bytes and seconds beside the companion's.
+* colocated (``UpdateWeightFromTensor``): ``SlimeColocatedSync(url, ranks, group).update(model,
+  vocab_size, version)``, control requests over ``/update_weights_distributed``;
+* distributed (``UpdateWeightFromDistributed``): every rank joins the weight-sync group
+  (``slime_remote_sync``) and sends with ``RemoteSync.update_megatron``.
 
-Checked: the server's parameters equal SGLang's slicing of the new weights bit for bit on both
-TP ranks, greedy generation equals HF transformers', the version is reported, no process
+After each: the server's parameters equal SGLang's slicing of the new weights bit for bit on
+both TP ranks, greedy generation equals HF transformers', the version is reported, no process
 called ``full_tensor``/``gather_object``/``all_gather_object`` during the update (the trainer
 ranks refuse them, the engine's record them), and every engine rank received exactly the lower
-bound of bytes (the engine's own figures, ``SGLANG_TEST_FIGURES_LOG``).
+bound of bytes (colocated: the engine's own figures, ``SGLANG_TEST_FIGURES_LOG``; distributed:
+the group's reply).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PADDED_VOCAB = (
 )
 SEED = 5
 RELEASED_SEED = 6  # the weights slime's released path sends first
+REMOTE_SEED = 7  # the weights the distributed updater with the patch sends last
 BUFFER_BYTES = 1 << 20  # slime's --update-weight-buffer-size, scaled to the tiny model
 
 
@@ -47,10 +50,10 @@ def companion_job(rank: int, world: int, job: dict) -> dict:
     from engine import omp_bind
     from megatron_cases import build_gpt, load_hf_weights
     from slime_client import SlimeEngine, colocated_update, start_server
-    from update_cases import _forbidden_calls, checksums
+    from update_cases import _forbidden_calls
     from update_checks import engine_figures
 
-    from sglang.srt.weight_sync.slime_sync import SlimeColocatedSync
+    from sglang.srt.weight_sync.slime_sync import SlimeColocatedSync, slime_remote_sync
 
     os.environ.update(
         SGLANG_TEST_FORBIDDEN_LOG=job["forbidden_log"],
@@ -102,18 +105,33 @@ def companion_job(rank: int, world: int, job: dict) -> dict:
             engine.continue_generation()
         record["companion_s"] = time.perf_counter() - started
         if rank == 0:
-            params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-            out = requests.post(
-                f"http://127.0.0.1:{port}/generate",
-                json={"input_ids": job["prompts"], "sampling_params": params},
-                timeout=300,
-            ).json()
-            record.update(
-                generation=[o["output_ids"] for o in out],
-                params=checksums(server),
-                weight_version=engine.get_weight_version(),
-                figures=engine_figures(job["figures_log"]),
+            record["colocated"] = _server_state(engine, server, job["prompts"][SEED])
+            record["figures"] = engine_figures(job["figures_log"])
+        dist.barrier()
+        # the distributed updater with the patch: every rank joins the weight-sync group and
+        # sends its own regions (RemoteSync.update_megatron), inside slime's pause / continue
+        load_hf_weights(model, new_weights(model_dir, REMOTE_SEED), config.vocab_size)
+        remote = slime_remote_sync("slime", [url], "127.0.0.1")
+        if rank == 0:
+            engine.pause_generation()
+            engine.flush_cache()
+        dist.barrier()
+        before = _forbidden_calls(job["forbidden_log"])
+        report = remote.update_megatron([model], config.vocab_size, weight_version="3")
+        record["remote_forbidden_calls"] = (
+            _forbidden_calls(job["forbidden_log"]) - before
+        )
+        dist.barrier()
+        if rank == 0:
+            engine.continue_generation()
+            record["remote"] = dict(
+                _server_state(engine, server, job["prompts"][REMOTE_SEED]),
+                success=report.success,
+                message=report.message,
+                engines=report.engines,
+                seconds=report.seconds,
             )
+        remote.close()
         dist.barrier()
     finally:
         if stop is not None:
@@ -121,10 +139,30 @@ def companion_job(rank: int, world: int, job: dict) -> dict:
     return record
 
 
-def test_slime_colocated_companion_sends_megatron_local_parameters(tmp_path):
+def _server_state(engine, server, prompts) -> dict:
+    """The server after an update: greedy generation of ``prompts``, every rank's checksums,
+    the weight version it reports."""
+    from update_cases import checksums
+
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+    out = requests.post(
+        f"{server.server_args.url()}/generate",
+        json={"input_ids": prompts, "sampling_params": params},
+        timeout=300,
+    ).json()
+    return dict(
+        generation=[o["output_ids"] for o in out],
+        params=checksums(server),
+        weight_version=engine.get_weight_version(),
+    )
+
+
+def test_slime_companion_sends_megatron_local_parameters(tmp_path):
     model_dir, config = tiny_models.make_tiny_model("qwen2", tmp_path / "qwen2")
-    weights = new_weights(model_dir, SEED)
-    prompts = stable_prompts([(model_dir, weights)], 3, MAX_NEW)
+    prompts = {
+        seed: stable_prompts([(model_dir, new_weights(model_dir, seed))], 3, MAX_NEW)
+        for seed in (SEED, REMOTE_SEED)
+    }
     for name in ("forbidden", "figures"):
         (tmp_path / name).mkdir()
     job = dict(
@@ -135,24 +173,31 @@ def test_slime_colocated_companion_sends_megatron_local_parameters(tmp_path):
         figures_log=str(tmp_path / "figures"),
     )
     first, second = run_ranks(TP, companion_job, job, timeout=560)
+    # colocated (UpdateWeightFromTensor with the patch)
     assert first["mode"] == second["mode"] == "engine", (first["mode"], second["mode"])
     assert first["forbidden_calls"] == second["forbidden_calls"] == 0
+    colocated = dict(first["colocated"], seed=SEED)
     check_server(
-        dict(first, seed=SEED),
-        model_dir,
-        config,
-        TP,
-        {SEED: prompts},
-        "slime companion",
+        colocated, model_dir, config, TP, prompts, "slime companion, colocated"
     )
-    assert first["weight_version"] == "2", first["weight_version"]
+    assert colocated["weight_version"] == "2", colocated["weight_version"]
     figures = first["figures"]
     assert {row[1] for row in figures} == set(range(TP)), figures
     assert all(received == lower for _, _, received, lower, _ in figures), figures
+    # distributed (UpdateWeightFromDistributed with the patch)
+    remote = dict(first["remote"], seed=REMOTE_SEED)
+    assert remote["success"], remote["message"]
+    assert first["remote_forbidden_calls"] == second["remote_forbidden_calls"] == 0
+    check_server(remote, model_dir, config, TP, prompts, "slime companion, distributed")
+    assert remote["weight_version"] == "3", remote["weight_version"]
+    (reply,) = remote["engines"].values()
+    assert reply["bytes_received"] == reply["lower_bound_bytes"], reply
     print(
         f"slime colocated, same model and server: released path all-gathers "
         f"{first['released_gather_bytes']} bytes per trainer rank and hands "
         f"{first['released_bytes']} bytes to each engine rank, in {first['released_s']:.2f} s; "
         f"companion {[(row[1], row[2]) for row in figures]} (engine rank, bytes = lower bound) "
-        f"in {first['companion_s']:.2f} s"
+        f"in {first['companion_s']:.2f} s. slime distributed with the patch: engine ranks "
+        f"received {reply['bytes_received']} (lower bound {reply['lower_bound_bytes']}) "
+        f"in {remote['seconds']:.2f} s"
     )
