@@ -15,7 +15,7 @@ State lives on the objects slime's updater keeps between updates, never in this 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -25,7 +25,6 @@ from sglang.srt.weight_sync.remote_trainer import RemoteSync
 from sglang.srt.weight_sync.trainer_flow import (
     ControlRequest,
     Mode,
-    Reply,
     TrainerSync,
     UpdateReport,
     as_reply,
@@ -94,7 +93,7 @@ class SlimeColocatedSync:
             )
         return report
 
-    def _serve(self, request: ControlRequest) -> Reply:
+    def _serve(self, request: ControlRequest) -> Tuple[bool, str]:
         """One control request, on the group's first rank: ``/update_weights_distributed``."""
         import requests
 
