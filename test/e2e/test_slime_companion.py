@@ -53,7 +53,8 @@ def companion_job(rank: int, world: int, job: dict) -> dict:
     from update_cases import _forbidden_calls
     from update_checks import engine_figures
 
-    from sglang.srt.weight_sync.slime_sync import SlimeColocatedSync, slime_remote_sync
+    from sglang.srt.weight_sync.remote.frameworks import slime_remote_sync
+    from sglang.srt.weight_sync.slime_sync import SlimeColocatedSync
 
     os.environ.update(
         SGLANG_TEST_FORBIDDEN_LOG=job["forbidden_log"],

@@ -17,6 +17,7 @@ ENGINE_END = {
     "delivered",
     "remote.engine",
     "remote.requests",
+    "framework_routes",
 }
 TRAINER_END = {
     "trainer_flow",
@@ -26,4 +27,5 @@ TRAINER_END = {
     "remote.endpoints",
     "remote.frameworks",
     "remote.verl_checkpoint_engine",
+    "slime_sync",
 }

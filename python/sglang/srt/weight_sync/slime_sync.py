@@ -6,7 +6,7 @@
   first rank serves its control requests over HTTP (``/update_weights_distributed``), and each
   engine rank receives its own bytes over a local channel. No ``all_gather_param``, no HF
   conversion, no full tensor on any rank.
-* ``slime_remote_sync``: slime's distributed updater (``UpdateWeightFromDistributed``) without
+* ``remote.frameworks.slime_remote_sync``: slime's distributed updater (``UpdateWeightFromDistributed``) without
   the rank-0 funnel: every trainer rank joins a weight-sync group with the engines' TP ranks
   (``RemoteSync``), and ``RemoteSync.update_megatron`` sends each rank's own regions.
 
@@ -20,8 +20,6 @@ from typing import Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S
-from sglang.srt.weight_sync.remote_endpoints import HttpEndpoint
-from sglang.srt.weight_sync.remote_trainer import RemoteSync
 from sglang.srt.weight_sync.trainer_flow import (
     ControlRequest,
     Mode,
@@ -31,7 +29,7 @@ from sglang.srt.weight_sync.trainer_flow import (
     drive,
 )
 
-__all__ = ("SlimeColocatedSync", "slime_remote_sync")
+__all__ = ("SlimeColocatedSync",)
 
 
 class SlimeColocatedSync:
@@ -118,32 +116,3 @@ class SlimeColocatedSync:
 
     def close(self) -> None:
         self.sync.close()
-
-
-def slime_remote_sync(
-    group_name: str,
-    engine_urls: Sequence[Optional[str]],
-    address: str,
-    sync: Optional[RemoteSync] = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> RemoteSync:
-    """The joined ``RemoteSync`` of a slime trainer; every trainer rank calls it. Rank 0's
-    ``engine_urls`` (slime's ``SGLangEngine.get_url()``; None for node ranks other than 0, skipped)
-    and ``address`` (its node's IP) count; it picks the group's port and every rank hears both.
-    With ``sync`` (slime reconnecting engines) the engines join that group's next epoch."""
-    from sglang.srt.weight_sync.control_plane import ControlGroup, free_port
-
-    endpoints = [HttpEndpoint(u) for u in engine_urls if u]
-    if sync is not None:
-        sync.join(endpoints)
-        return sync
-    mine = (address, free_port()) if dist.get_rank() == 0 else None
-    address, port = ControlGroup(None, f"slime-{group_name}").broadcast_object(
-        mine,
-        0,
-        timeout_s,
-        f"trainer rank {dist.get_rank()}: hearing where the weight-sync group meets",
-    )
-    sync = RemoteSync(group_name, address, port, engines=endpoints, timeout_s=timeout_s)
-    sync.join()
-    return sync

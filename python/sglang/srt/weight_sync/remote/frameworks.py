@@ -5,16 +5,20 @@
 * AReaL 1.0.4 (``integrations/areal``): ``areal_sync`` makes the ``RemoteSync`` of an
   ``FSDPEngine`` from its rollout client's server addresses (the first rank's) and its
   weight-update meta.
+* slime (``integrations/slime``): ``slime_remote_sync`` makes and joins the ``RemoteSync`` of
+  its distributed updater (its colocated updater's glue is ``slime_sync``, outside this
+  package: it needs no remote engine).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
+from sglang.srt.weight_sync.protocol import DEFAULT_TIMEOUT_S
 from sglang.srt.weight_sync.remote.endpoints import HttpEndpoint
 from sglang.srt.weight_sync.remote.trainer import RemoteSync
 
-__all__ = ("areal_sync",)
+__all__ = ("areal_sync", "slime_remote_sync")
 
 
 def areal_sync(
@@ -57,5 +61,37 @@ def areal_sync(
             else delta
         ),
     )
+    sync.join()
+    return sync
+
+
+def slime_remote_sync(
+    group_name: str,
+    engine_urls: Sequence[Optional[str]],
+    address: str,
+    sync: Optional[RemoteSync] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> RemoteSync:
+    """The joined ``RemoteSync`` of a slime trainer; every trainer rank calls it. Rank 0's
+    ``engine_urls`` (slime's ``SGLangEngine.get_url()``; None for node ranks other than 0, skipped)
+    and ``address`` (its node's IP) count; it picks the group's port and every rank hears both.
+    With ``sync`` (slime reconnecting engines) the engines join that group's next epoch."""
+    import torch.distributed as dist
+
+    from sglang.srt.weight_sync.control_plane import ControlGroup
+    from sglang.srt.weight_sync.remote.rendezvous import free_port
+
+    endpoints = [HttpEndpoint(u) for u in engine_urls if u]
+    if sync is not None:
+        sync.join(endpoints)
+        return sync
+    mine = (address, free_port()) if dist.get_rank() == 0 else None
+    address, port = ControlGroup(None, f"slime-{group_name}").broadcast_object(
+        mine,
+        0,
+        timeout_s,
+        f"trainer rank {dist.get_rank()}: hearing where the weight-sync group meets",
+    )
+    sync = RemoteSync(group_name, address, port, engines=endpoints, timeout_s=timeout_s)
     sync.join()
     return sync
