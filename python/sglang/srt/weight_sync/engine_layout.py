@@ -1,8 +1,8 @@
 """One engine TP rank's layout for updates: what its parameters need, in what dtypes.
 
 The colocated path (``EngineWeightSync``) and remote engines (``RemoteEngineSync``) hold
-the same ``EngineLayout`` (``EngineLayout.of(owner)``, kept on the tp worker or model
-runner): the derived targets are derived once per model config, checked against SGLang's
+the same ``EngineLayout`` (``EngineLayout.of(owner, rank)``, kept on the tp worker or
+model runner): the derived targets are derived once per model config, checked against SGLang's
 real loaders once, and published once, whichever path updates the engine. Neither sync
 reaches into the other (docs/design.md, "State and lifetimes").
 """
@@ -48,7 +48,9 @@ class LiveLayout:
 
 class EngineLayout:
     """One engine TP rank's targets (derived, then with live dtypes), their manifest, the
-    provenance check of each derivation, and the dtype each HF tensor is kept in."""
+    provenance check of each derivation, the dtype each HF tensor is kept in, the block-FP8
+    transform of the targets (``fp8_targets``) and why the model cannot be updated in place
+    at all (``sglang_compat.update_refusals``)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
