@@ -39,11 +39,14 @@ CHANNELS_TOLD = (
 class LiveLayout:
     """The derived targets with each parameter's live dtype, this rank's live tensors by
     name (written in place: CUDA graphs hold their storage), and the manifest of those
-    targets (``manifest``)."""
+    targets (``manifest``); for a block-FP8 engine, the targets' transform (``fp8``) and
+    every live tensor of the model, scales included (``tensors``)."""
 
     targets: DerivedTargets
     params: Dict[str, torch.Tensor]
     manifest: EngineManifest
+    fp8: Optional[EngineBlockFp8] = None
+    tensors: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class EngineLayout:
@@ -128,7 +131,7 @@ class EngineLayout:
         if fp8 is not None:
             dtype_of.update((q.weight, q.staged_dtype) for q in fp8.own.quantized)
         targets, manifest = self._with_live_dtypes(derived, dtype_of)
-        return LiveLayout(targets, params, manifest)
+        return LiveLayout(targets, params, manifest, fp8, named)
 
     def block_fp8(
         self, derived: DerivedTargets, live: Dict[str, torch.Tensor]

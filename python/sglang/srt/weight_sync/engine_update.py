@@ -58,7 +58,7 @@ from sglang.srt.weight_sync.control_plane import (
 from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derive import DerivedTargets
-from sglang.srt.weight_sync.engine_layout import EngineLayout, live_tensors
+from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.engine_trainer_side import LocalStep, local_step
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
 from sglang.srt.weight_sync.fp8_targets import QuantizedParam, staging_buffers
@@ -479,7 +479,6 @@ class EngineWeightSync:
                 live = self.layout.live(model, derived, block_fp8=True)
                 targets, params, manifest = live.targets, live.params, live.manifest
             if received.payload.kind != PayloadKind.SHARDS:
-                named = live_tensors(model)
                 step = local_step(
                     received.payload,
                     targets,
@@ -487,8 +486,8 @@ class EngineWeightSync:
                     params,
                     rank,
                     recv_req.channel,
-                    self.layout.block_fp8(derived, named),
-                    named,
+                    live.fp8,
+                    live.tensors,
                 )
                 return _Validated(step.problems, local_step=step)
             kept = self.layout.kept_dtypes(manifest, recv_req.channel)
@@ -509,8 +508,7 @@ class EngineWeightSync:
                     local_ranks=(rank,),
                 )
                 clock.count(Count.PLAN_COLD, self.plans.misses - misses)
-            named = live_tensors(model)
-            fp8 = self.layout.block_fp8(derived, named)
+            fp8, named = live.fp8, live.tensors
             if fp8 is None:
                 return _Validated(
                     check_inputs(plan, rank, shards, params), plan, shards, params
