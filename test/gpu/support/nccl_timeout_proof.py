@@ -67,9 +67,10 @@ def main(out: str, old: bool) -> int:
     import torch
     import torch.distributed as dist
 
-    from sglang.srt.weight_sync.control_plane import PeerLost, free_port
+    from sglang.srt.weight_sync.control_plane import PeerLost
     from sglang.srt.weight_sync.executor import DataGroup
     from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
+    from sglang.srt.weight_sync.remote.rendezvous import free_port
 
     result = {"mode": "old" if old else "polled", "torch": torch.__version__}
     _write(out, result)

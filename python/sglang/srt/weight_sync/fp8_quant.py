@@ -19,7 +19,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = [
+__all__ = (
     "BLOCK",
     "EPS",
     "FP8_DTYPE",
@@ -27,7 +27,7 @@ __all__ = [
     "block_grid",
     "quantize_block_fp8",
     "quantize_blocks_into",
-]
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max

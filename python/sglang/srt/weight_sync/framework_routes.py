@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, Optional
 
-__all__ = [
+__all__ = (
     "POST_PROCESS_FIELDS",
     "RouteReply",
     "post_process_weights_reply",
     "pull_weights_reply",
     "weight_version_reply",
-]
+)
 
 # The body of slime's post_process_weights request (SGLangEngine.post_process_weights).
 POST_PROCESS_FIELDS = ("restore_weights_before_load", "post_process_quantization")
