@@ -16,9 +16,18 @@ venv:
 # python3 is the interpreter setup_env.sh builds .venv from, so the upstream wheel's cpXY tag matches it.
 wheel:
 	python3 scripts/build_wheel.py
+	touch $(BUILT)
+
+# `install` builds the four wheels only when what goes into them changed since the last build (a
+# file, or a folder's entries: a file added or removed), so that installing each base in turn
+# (.ci/run) builds them once.
+BUILT := dist/.built
+$(BUILT): $(shell find python patches -name __pycache__ -prune -o -print 2>/dev/null) scripts/build_wheel.py
+	python3 scripts/build_wheel.py
+	touch $@
 
 # Symlinks left in site-packages (dev hacks) are not in upstream's RECORD, so pip would keep them: drop them first.
-install: venv wheel
+install: venv $(BUILT)
 	find $(SITE)/sglang -type l -delete 2>/dev/null || true
 	$(PY) -m pip install -q --no-deps --force-reinstall --no-index $(WHEEL)
 	@test -f $(PLANNER) -a ! -L $(PLANNER) || { echo "install: $(PLANNER) is not a regular file" >&2; exit 1; }

@@ -101,3 +101,29 @@ def test_the_collector_is_paused_inside_phases_and_restored_after():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_collection_a_phase_held_back_runs_inside_it():
+    """Objects a phase allocated past the young generation's threshold are collected as the
+    phase ends, in its time: the next allocation after it triggers no collection outside
+    every phase (the trainer's named phases must cover its update, ``phase_checks``)."""
+    import gc
+
+    collections = []
+
+    def seen(stage, info):
+        if stage == "start":
+            collections.append(clock._open)
+
+    clock = PhaseClock()
+    held = []
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        with clock.phase(Phase.DESCRIBE):
+            held.extend([i] for i in range(3 * gc.get_threshold()[0]))
+            assert collections == []
+        assert collections == [Phase.DESCRIBE.value]
+        assert gc.get_count()[0] < gc.get_threshold()[0]
+    finally:
+        gc.callbacks.remove(seen)

@@ -539,9 +539,9 @@ def sources_flow(
             _segment_buffers(chan.sender) if sync.data_device.type == "cpu" else None,
             checked=True,
         )
-        _count_chunk(report, result, rank)
-        report.update_id = chan.next_update_id()
         with clock.phase(Phase.DELIVER):
+            _count_chunk(report, result, rank)
+            report.update_id = chan.next_update_id()
             _send_chunk(chan, report.update_id, rank, result.buffers, names)
         del result  # the sender keeps the buffers alive until the engine answers
         report.success, report.message = yield ControlRequest(
@@ -551,7 +551,8 @@ def sources_flow(
             final=i == len(parts) - 1,
             clock=clock,
         )
-        chan.sender.release()  # the engine has answered: it no longer reads the buffers
+        with clock.phase(Phase.DELIVER):
+            chan.sender.release()  # the engine has answered: it no longer reads the buffers
         if not report.success:
             chan.manifest = (
                 None  # the engine may have changed its layout: read it again next time
@@ -672,7 +673,8 @@ def delivered_flow(
     report.success, report.message = yield ControlRequest(
         update_id, chan.channel, chan.control, clock=clock
     )
-    chan.sender.release()  # the engine has answered: it no longer reads the shards
+    with clock.phase(Phase.DELIVER):
+        chan.sender.release()  # the engine has answered: it no longer reads the shards
     return report.finish(
         clock, dist.get_rank() if dist.is_initialized() else 0, chan.sender
     )
