@@ -30,8 +30,11 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 
-def build_gpt(hf_config, tp: int, pp: int, padded_vocab: int, ep: int = 1):
-    """A megatron-core GPTModel (local spec) shaped like the tiny HF Qwen2 or Qwen3-MoE."""
+def build_gpt(
+    hf_config, tp: int, pp: int, padded_vocab: int, ep: int = 1, layer_spec=None
+):
+    """A megatron-core GPTModel (local spec, or ``layer_spec``) shaped like the tiny HF Qwen2
+    or Qwen3-MoE."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -83,7 +86,7 @@ def build_gpt(hf_config, tp: int, pp: int, padded_vocab: int, ep: int = 1):
         attention_dropout=0.0,
         **extra,
     )
-    spec = get_gpt_layer_local_spec(
+    spec = layer_spec or get_gpt_layer_local_spec(
         num_experts=moe,
         moe_grouped_gemm=False,
         qk_layernorm=bool(moe),
