@@ -15,6 +15,8 @@ each engine rank, outside an engine (``fp8_cases``). Trainer shards cut 128-bloc
 import pytest
 import tiny_models
 from fp8_cases import SPECS, sglang_fp8_load, update_rank, write_fp8_checkpoint
+from fp8_remote import remote_fp8_job
+from ports import free_port
 from ranks import run_ranks
 
 # (trainer ranks = world, engine TP, batches of tensors): engine-side at world == TP; otherwise
@@ -110,3 +112,70 @@ def test_engine_transform_of_other_ranks_equals_their_own(checkpoints):
             fp8.own.quantized
             == block_fp8_targets(own["derived"].targets, own["live"], shapes).quantized
         )
+
+
+# (trainer ranks, engines as (name, TP)): remote engines in one weight-sync group; at 3
+# trainer ranks every 256-row tensor's shards cut 128-blocks, which meet in the engine's staging
+REMOTE = ((2, (("e0", 1), ("e1", 2))), (3, (("e0", 2),)))
+REMOTE_BUCKET = 1 << 20  # the least bucket a remote update takes
+REMOTE_STAGING = 1 << 18  # less than each rank's share: the pause's writes stream it in
+
+
+@pytest.mark.parametrize(
+    "trainers,engines",
+    REMOTE,
+    ids=[f"trainers{t}-" + "-".join(f"tp{n}" for _, n in e) for t, e in REMOTE],
+)
+def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines):
+    """Remote block-FP8 engines in a weight-sync group (``remote.engine``: receive into the
+    engine's staging while serving, then the pause writes it, the FP8 weights' pieces into
+    bf16 staging, and quantizes each block in place): every parameter equals SGLang's load
+    of the reference-quantized checkpoint, each rank received exactly its lower bound (the
+    staged weights in bf16 plus the unquantized parameters), and the trainer sent that."""
+    bf16, loads = checkpoints
+    job = dict(
+        port=free_port(),
+        trainers=trainers,
+        engines=[list(e) for e in engines],
+        bucket=REMOTE_BUCKET,
+        staging=REMOTE_STAGING,
+    )
+    world = trainers + sum(tp for _, tp in engines)
+    results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
+    sent = sum(r["sent"] for r in results[:trainers])
+    received = 0
+    for rank, r in enumerate(results[trainers:], start=trainers):
+        assert r["quantized"] == 4 * 2, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert all(
+            n.endswith(("attn.k_scale", "attn.v_scale")) for n in r["not_written"]
+        ), r
+        assert not r["unchanged"], r
+        assert (
+            r["received"]
+            == r["lower_bound"]
+            == r["staged_bytes"] + r["unquantized_bytes"]
+        ), r
+        # the share streamed through staging smaller than it (a round, at most about half a
+        # bucket, is admitted into empty staging whatever its size)
+        assert r["staging_peak"] < r["received"], r
+        received += r["received"]
+    assert sent == received, (sent, received)
+
+
+def test_remote_fp8_engine_refuses_a_delta_update_before_any_write(checkpoints):
+    """A delta update decodes against the live values, which a block-FP8 engine keeps only
+    quantized: every member refuses it by name before a byte moves; the old weights stay."""
+    bf16, loads = checkpoints
+    job = dict(
+        port=free_port(),
+        trainers=2,
+        engines=[["e0", 1]],
+        bucket=REMOTE_BUCKET,
+        staging=REMOTE_STAGING,
+        delta=True,
+    )
+    results = run_ranks(3, remote_fp8_job, job, str(bf16), loads, timeout=300)
+    for r in results:
+        assert "delta update of block-FP8 weight" in r["error"], r
+    assert results[2]["unchanged"], results[2]

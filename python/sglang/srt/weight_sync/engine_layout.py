@@ -100,17 +100,17 @@ class EngineLayout:
         rebuilt it, refused (``ValueError`` naming the parameter). A block-FP8 engine's
         weights are staged in their unquantized dtype (``fp8_targets``): only a caller that
         quantizes them after its plan ran or from the buffers it received (``block_fp8``: the
-        colocated updates, engine-side and trainer-side) may use them; any other (a remote
-        engine's) refuses, naming a parameter."""
+        colocated updates, engine-side and trainer-side, and remote engines through
+        ``fp8_staging``) may use them; any other refuses, naming a parameter."""
         named = live_tensors(model)
         fp8 = self.block_fp8(derived, named)
         if fp8 is not None:
             if not block_fp8:
                 raise ValueError(
                     f"block-FP8 parameter {fp8.own.quantized[0].weight!r} (and "
-                    f"{len(fp8.own.quantized) - 1} more) on rank {self.rank}: this update "
-                    "path does not quantize yet (only the colocated updates do: engine-side "
-                    "and trainer-side); nothing written"
+                    f"{len(fp8.own.quantized) - 1} more) on rank {self.rank}: this caller "
+                    "does not quantize what it stages (the engine-side, trainer-side and "
+                    "remote updates do); nothing written"
                 )
             derived = fp8.targets
         params: Dict[str, torch.Tensor] = {}

@@ -60,6 +60,7 @@ from sglang.srt.weight_sync.executor import (
     write_landings,
     write_zero_fills,
 )
+from sglang.srt.weight_sync.fp8_staging import Fp8Staging
 from sglang.srt.weight_sync.manifest import ManifestError
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
 from sglang.srt.weight_sync.remote.group import (
@@ -156,10 +157,19 @@ class Staging(Deferred):
 
 class Receive:
     """One update's receiving on this rank, in a thread of its own, on the group's device
-    (the engine rank's GPU, made current in the thread)."""
+    (the engine rank's GPU, made current in the thread); a block-FP8 engine's staged
+    weights (``fp8``), quantized once the pause wrote every region."""
 
-    def __init__(self, group: SyncGroup, staging: Staging, check, params, timeout_s):
-        self.group, self.staging = group, staging
+    def __init__(
+        self,
+        group: SyncGroup,
+        staging: Staging,
+        check,
+        params,
+        timeout_s,
+        fp8: Optional[Fp8Staging] = None,
+    ):
+        self.group, self.staging, self.fp8 = group, staging, fp8
         self.result: Optional[UpdateResult] = None
         self.error: Optional[str] = None
         self.refused = False
@@ -270,7 +280,7 @@ class RemoteEngineSync:
                 ),
             )
             checked = layout.provenance_problems(runner.model, derived)
-            manifest = layout.live(runner.model, derived).manifest
+            manifest = layout.live(runner.model, derived, block_fp8=True).manifest
             problem = "; ".join(checked) or None
         except Exception as e:  # noqa: BLE001 - published to every member, then refused
             logger.exception("engine rank %d: deriving its targets failed", self.rank)
@@ -368,9 +378,12 @@ class RemoteEngineSync:
             )
         if problems:
             return False, f"{REFUSED}engine rank {self.rank}: " + "; ".join(problems)
-        live = self.layout.live(worker.model_runner.model, member.derived)
+        model = worker.model_runner.model
+        live = self.layout.live(model, member.derived, block_fp8=True)
         targets, params = live.targets, live.params
         who = member.group.who
+        refusals = self.layout.refusals(model)
+        fp8 = Fp8Staging.of(live, self.rank, _device_of(params), who)
         cap, cut = staging_cap(
             req.staging_bytes or DEFAULT_STAGING_BYTES, member.group.data.device
         )
@@ -385,6 +398,9 @@ class RemoteEngineSync:
                 targets.not_copied,
                 who,
             )
+            problems += refusals
+            if fp8 is not None:  # block FP8: pieces cutting a block, delta updates
+                problems += fp8.check(specs, header.delta)
             if req.update_id is not None and req.update_id != header.update_id:
                 problems.append(
                     f"{who}: asked to take part in update {req.update_id!r}, the trainer runs "
@@ -396,8 +412,9 @@ class RemoteEngineSync:
             member.group,
             Staging(cap, req.timeout_s, who),
             check,
-            params,
+            fp8.params(params) if fp8 is not None else params,
             req.timeout_s,
+            fp8,
         )
         self.receiving = (req.group_name, receive)
         return True, f"{who}: receiving"
@@ -449,7 +466,9 @@ class RemoteEngineSync:
             error = mine.error
         else:
             member = self.members[req.group_name]
-            params = layout.live(runner.model, member.derived).params
+            params = layout.live(runner.model, member.derived, block_fp8=True).params
+            if mine.fp8 is not None:  # the plan lands block-FP8 pieces in staging
+                params = mine.fp8.params(params)
             # every round is in (checked as it landed): refuse it before any write
             if mine.result is not None and mine.staging.nonfinite:
                 error = (
@@ -547,8 +566,9 @@ class RemoteEngineSync:
 def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -> bool:
     """The pause's writes on one rank: every staged region as it comes (a share larger than
     the staging streams in: the receiving thread refills what each write frees, so a round
-    is written while the next is on the wire), until receiving ended, then the zero fills.
-    Whether anything was written."""
+    is written while the next is on the wire), until receiving ended, then the zero fills;
+    then a block-FP8 engine's delivered blocks are quantized from their staging into the
+    live weights and scales (``fp8_staging``). Whether anything was written."""
     wrote = False
     while True:
         landings = mine.staging.take(timeout_s)
@@ -564,7 +584,14 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
         raise RuntimeError(mine.error)
     plan = mine.result.plan
     write_zero_fills(plan, mine.group.rank, params)
+    if wrote and mine.fp8 is not None:
+        mine.fp8.quantize()  # every element of every block has met in staging
     return wrote or bool(plan.zero_fills)
+
+
+def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device of the engine rank's parameters (where its staging goes)."""
+    return next(iter(params.values())).device
 
 
 # -------------------------------------------------------------------- the hook

@@ -1,0 +1,102 @@
+"""One update's block-FP8 staging on an engine rank that receives now and writes later.
+
+A remote engine (``remote.engine``) receives its regions while it serves and writes them in
+a short pause. For its block-FP8 weights (``fp8_targets``) the plan's destinations are
+buffers in the unquantized dtype, not the e4m3 parameters: ``Fp8Staging`` holds them for
+the update (made when receiving starts, so their shapes are checked against the plan before
+the ranks agree), says what refuses the update before any byte moves (a piece that cuts a
+128-block, a delta update, which decodes against the live values the staging does not
+hold), and after the pause wrote every region, quantizes the delivered blocks into the
+e4m3 weights and float32 scales in place through ``apply.write_quantized``: the one apply
+step the colocated paths use too.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from sglang.srt.weight_sync.apply import write_quantized
+from sglang.srt.weight_sync.fp8_targets import (
+    EngineBlockFp8,
+    QuantizedParam,
+    staging_buffers,
+)
+from sglang.srt.weight_sync.target_layout import ParamTarget, restrict
+
+__all__ = ("Fp8Staging",)
+
+
+class Fp8Staging:
+    """One engine rank's block-FP8 weights during one update: the staged buffers (the
+    plan's destinations for their pieces), the live e4m3 weights and float32 scales they are
+    quantized into, and the HF tensors the update delivers (heard with its header)."""
+
+    def __init__(
+        self,
+        fp8: EngineBlockFp8,
+        targets: Iterable[ParamTarget],
+        aliases: Mapping[str, str],
+        live: Mapping[str, torch.Tensor],
+        device: torch.device,
+        who: str,
+    ) -> None:
+        self.fp8, self.who = fp8, who
+        self.quantized: Tuple[QuantizedParam, ...] = fp8.own.quantized
+        names = {q.weight for q in self.quantized}
+        self.targets = tuple(t for t in targets if t.name in names)
+        self.aliases = dict(aliases)
+        self.staged: Dict[str, torch.Tensor] = staging_buffers(self.quantized, device)
+        self.live: Dict[str, torch.Tensor] = {}
+        for q in self.quantized:
+            self.live[q.weight] = live[q.weight].data
+            self.live[q.scale] = live[q.scale].data
+        self.delivered: Optional[Tuple[str, ...]] = None
+
+    @classmethod
+    def of(
+        cls, layout, rank: int, device: torch.device, who: str
+    ) -> Optional[Fp8Staging]:
+        """The staging of ``layout`` (an ``engine_layout.LiveLayout``) on TP rank ``rank``;
+        None when the engine has no block-FP8 weight."""
+        if layout.fp8 is None:
+            return None
+        return cls(
+            layout.fp8,
+            layout.targets.for_rank(rank),
+            layout.targets.aliases,
+            layout.tensors,
+            device,
+            who,
+        )
+
+    def check(self, names: Iterable[str], delta: bool) -> List[str]:
+        """What refuses this update before any byte moves; records the HF tensors it
+        delivers (``names``), whose blocks ``quantize`` writes."""
+        self.delivered = tuple(sorted(names))
+        problems = [f"{self.who}: {p}" for p in self.fp8.own.problems]
+        if delta:
+            problems.append(
+                f"{self.who}: a delta update of block-FP8 weight "
+                f"{self.quantized[0].weight!r} (and {len(self.quantized) - 1} more): its "
+                "regions decode against the unquantized values, which an FP8 engine does not "
+                "keep (send this update full)"
+            )
+        return problems
+
+    def params(self, params: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``params`` with the staged buffers in place of the e4m3 weights: where the plan
+        lands their pieces."""
+        return {**params, **self.staged}
+
+    def quantize(self) -> int:
+        """Quantize every delivered block from staging into the live weights and scales, in
+        place (``apply.write_quantized``); the e4m3 bytes written. Called once every region
+        of the update was written into the staging."""
+        if self.delivered is None:
+            raise RuntimeError(
+                f"{self.who}: block-FP8 staging quantized before the update was heard"
+            )
+        delivered = restrict(self.targets, self.delivered, self.aliases)
+        return write_quantized(self.quantized, delivered, self.staged, self.live)

@@ -1,0 +1,162 @@
+"""Block-FP8 remote engines in a weight-sync group: what each rank does (``test_fp8_update``).
+
+One gloo world plays a trainer (its first ranks: ``Shard(0)`` chunks of the BF16 weights,
+cutting 128-blocks at 3 ranks) and remote engines (the ranks after them). Each engine rank
+holds the parameters of SGLang's FP8 model classes as that TP rank (names, shapes, dtypes
+from ``fp8_cases.sglang_fp8_load``, garbage values) in a module, and runs the engine end's
+own steps on it: ``EngineLayout.live`` (the block-FP8 transform, the manifest it publishes
+through the group), ``Fp8Staging`` (the staged weights, its refusals in the update's
+check), ``remote.engine.Receive`` into its ``Staging`` and ``write_staged`` (the pause's
+writes, then the quantization). Afterwards every parameter must have the checksum of
+SGLang's own load of the reference-quantized checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+__all__ = ("module_of", "remote_fp8_job")
+
+GROUP = "fp8-group"
+
+
+def module_of(tensors: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters are ``tensors`` by their dotted names (sharing storage)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def _trainer(rank: int, job: dict, group, weights, update_id: str):
+    from sglang.srt.weight_sync.remote.group import SyncGroup, TrainerPart
+    from sglang.srt.weight_sync.remote.protocol import UpdateHeader
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+
+    ranks = list(range(job["trainers"]))
+    specs = {
+        n: MeshSpec.sharded(t.shape, t.dtype, 0, ranks) for n, t in weights.items()
+    }
+    local = {
+        n: weights[n][spec.describe(n).box_of(rank).slices()].clone()
+        for n, spec in specs.items()
+    }
+    part = TrainerPart(specs, local)
+    if rank == 0:
+        part.wire, digest = SyncGroup.wire_of(specs)
+        part.header = UpdateHeader(
+            update_id,
+            digest,
+            len(part.wire),
+            job["bucket"],
+            len(specs),
+            delta=job.get("delta", False),
+        )
+    try:
+        result = group.run_update(part, 60)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"sent": result.stats.bytes_sent}
+
+
+def _engine_rank(tp: int, tp_rank: int, loads: dict, shapes) -> Tuple:
+    """SGLang's FP8 model as TP rank ``tp_rank`` of ``tp`` (garbage values), its layout."""
+    from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
+    from sglang.srt.weight_sync.engine_layout import EngineLayout
+    from sglang.srt.weight_sync.target_layout import EngineParallel
+
+    live = loads[(tp, tp_rank)]["live"]
+    garbage = torch.Generator().manual_seed(tp_rank)
+    tensors = {
+        n: torch.randn(s, generator=garbage).to(d) for n, (s, d) in sorted(live.items())
+    }
+    model = module_of(tensors)
+    derived = DerivedTargets.of_ranks(
+        EngineParallel(tp), [loads[(tp, r)]["derived"] for r in range(tp)], shapes, {}
+    )
+    layout = EngineLayout(tp_rank)
+    return model, layout, layout.live(model, derived, block_fp8=True)
+
+
+def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> dict:
+    """One update from ``job["trainers"]`` BF16 trainer ranks to block-FP8 engines
+    ``job["engines"]`` ((name, TP) each); per rank what it sent, or received and whether
+    every parameter equals SGLang's load (``loads[(TP, rank)]["checksums"]``)."""
+    import tiny_models
+    from fp8_cases import checksum
+
+    from sglang.srt.weight_sync.remote.engine import Receive, Staging, write_staged
+    from sglang.srt.weight_sync.remote.group import SyncGroup
+    from sglang.srt.weight_sync.remote.protocol import Membership
+    from sglang.srt.weight_sync.remote.rendezvous import open_store
+
+    membership = Membership.of(
+        GROUP, 1, "127.0.0.1", job["port"], "gloo", job["trainers"], job["engines"]
+    )
+    store = open_store("127.0.0.1", job["port"], rank == 0, 60)
+    group = SyncGroup(GROUP, 1, membership.world_size, "gloo", rank, store, 60)
+    group.hear_membership(membership if rank == 0 else None, 60)
+    member = membership.engine_of(rank)
+    weights = tiny_models.load_checkpoint(bf16)
+    shapes = {n: tuple(t.shape) for n, t in weights.items()}
+    if member is None:
+        group.exchange_layouts(None, None, 60)
+        out = _trainer(rank, job, group, weights, "fp8-u1")
+        group.close()
+        return out
+    del weights  # an engine rank holds nothing of the trainer's
+    from sglang.srt.weight_sync.fp8_staging import Fp8Staging
+
+    tp_rank = rank - member.offset
+    model, layout, live = _engine_rank(member.tp_size, tp_rank, loads, shapes)
+    first = tp_rank == 0
+    group.exchange_layouts(live.manifest if first else None, None, 60)
+    fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
+    params = fp8.params(live.params)
+    before = {n: checksum(p) for n, p in model.named_parameters()}
+    staging = Staging(job["staging"], 60, group.who)
+    receiving = Receive(
+        group,
+        staging,
+        lambda header, specs: layout.refusals(model) + fp8.check(specs, header.delta),
+        params,
+        60,
+        fp8,
+    )
+    try:
+        with torch.no_grad():  # the pause: drains the staging while receiving goes on
+            write_staged(receiving, params, 60)
+    except RuntimeError:
+        receiving.thread.join(60)
+        now = {n: checksum(p) for n, p in model.named_parameters()}
+        group.close()
+        return {"error": receiving.error, "unchanged": now == before}
+    receiving.thread.join(60)
+    result = receiving.result
+    expected = loads[(member.tp_size, tp_rank)]["checksums"]
+    now = dict(model.named_parameters())
+    written = set(live.params) | {q.scale for q in fp8.quantized}
+    group.close()
+    return {
+        "differ": sorted(n for n in written if checksum(now[n]) != expected[n]),
+        "not_written": sorted(set(now) - written),
+        "unchanged": sorted(n for n in written if checksum(now[n]) == before[n]),
+        "quantized": len(fp8.quantized),
+        "received": result.stats.bytes_received,
+        "lower_bound": result.plan.lower_bound_bytes(rank),
+        "staged_bytes": sum(t.numel() * t.element_size() for t in fp8.staged.values()),
+        "unquantized_bytes": sum(
+            t.numel() * t.element_size()
+            for n, t in live.params.items()
+            if n not in fp8.staged
+        ),
+        "staging_peak": staging.peak,
+    }
