@@ -16,6 +16,7 @@ import pytest
 import tiny_models
 from fp8_cases import SPECS, sglang_fp8_load, update_rank, write_fp8_checkpoint
 from fp8_remote import remote_fp8_job
+from fp8_sender_cases import sender_side_update
 from ports import free_port
 from ranks import run_ranks
 
@@ -179,3 +180,47 @@ def test_remote_fp8_engine_refuses_a_delta_update_before_any_write(checkpoints):
     for r in results:
         assert "delta update of block-FP8 weight" in r["error"], r
     assert results[2]["unchanged"], results[2]
+
+
+# (trainer ranks, engine TP, bucket): at 2 ranks every block lies whole on one trainer rank;
+# at 3 the 512-row tensors' first and last blocks do, the rest meet only in the engine's
+# staging; a bucket of 96 KiB splits 256-column moves every 192 rows, inside blocks
+SENDER = ((1, 1, 1 << 30), (2, 2, 1 << 30), (3, 1, 1 << 30), (3, 2, 1 << 30))
+SPLIT = (2, 1, 3 << 15)
+
+
+@pytest.mark.parametrize(
+    "trainers,tp,bucket",
+    SENDER + (SPLIT,),
+    ids=[f"trainers{t}-tp{n}" for t, n, _ in SENDER] + ["trainers2-tp1-split"],
+)
+def test_blocks_quantized_at_the_sender_equal_sglang_load(
+    checkpoints, trainers, tp, bucket
+):
+    """The plan cut by ``fp8_sender.sender_quantized``: blocks lying whole on one trainer
+    rank are quantized there and land as e4m3 and scales, the others meet and are quantized
+    in the engine rank's staging. Every parameter equals SGLang's load (the same bits as the
+    engine-side way, which the tests above compare with the same load); each engine rank
+    receives exactly the quantized lower bound, counted block by block."""
+    bf16, loads = checkpoints
+    out = sender_side_update(str(bf16), loads, trainers, tp, bucket)
+    sent = out.pop("sent")
+    assert sent == sum(r["received"] for r in out.values())
+    for rank, r in out.items():
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        if (
+            trainers,
+            tp,
+            bucket,
+        ) == SPLIT:  # a block the split cuts meets on the engine
+            # (the Qwen2's 512-row tensors; the MoE's 128-row chunks are not split)
+            assert r["lower_bound"] <= r["received"] < r["staged_bound"], r
+            continue
+        assert r["received"] == r["lower_bound"], r
+        assert r["received"] <= r["staged_bound"], r
+        # the plan quantizes at the sender every block ``fp8_targets.block_sites`` counts there
+        assert r["blocks_at_sender"] == r["sites"].at_sender, r
+        assert r["sites"].local == 0, r
+        if trainers < 3:  # every block whole on one rank: e4m3 and scales on the wire
+            assert r["blocks_at_sender"] > 0, r
+            assert r["received"] < 0.6 * r["staged_bound"] + r["unquantized_received"]
