@@ -164,9 +164,18 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines):
     assert sent == received, (sent, received)
 
 
-def test_remote_fp8_engine_refuses_a_delta_update_before_any_write(checkpoints):
-    """A delta update decodes against the live values, which a block-FP8 engine keeps only
-    quantized: every member refuses it by name before a byte moves; the old weights stay."""
+REFUSED = {
+    # a delta update decodes against the live values, which an FP8 engine keeps quantized
+    "delta": "delta update of block-FP8 weight 'model.layers.",
+    # derived state SGLang's post-load step cannot redo (``sglang_compat.update_refusals``)
+    "amx": "model.layers.0.self_attn.qkv_proj: SGLang's CPU AMX post-load step packed",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_remote_fp8_engine_refuses_before_any_write(checkpoints, case):
+    """What a remote FP8 engine cannot take is refused by name by every member of the
+    group before a byte moves, and the engine keeps its old weights."""
     bf16, loads = checkpoints
     job = dict(
         port=free_port(),
@@ -174,11 +183,11 @@ def test_remote_fp8_engine_refuses_a_delta_update_before_any_write(checkpoints):
         engines=[["e0", 1]],
         bucket=REMOTE_BUCKET,
         staging=REMOTE_STAGING,
-        delta=True,
+        **{case: True},
     )
     results = run_ranks(3, remote_fp8_job, job, str(bf16), loads, timeout=300)
     for r in results:
-        assert "delta update of block-FP8 weight" in r["error"], r
+        assert REFUSED[case] in r["error"], r
     assert results[2]["unchanged"], results[2]
 
 

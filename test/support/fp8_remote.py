@@ -8,7 +8,9 @@ own steps on it: ``EngineLayout.live`` (the block-FP8 transform, the manifest it
 through the group), ``Fp8Staging`` (the staged weights, its refusals in the update's
 check), ``remote.engine.Receive`` into its ``Staging`` and ``write_staged`` (the pause's
 writes, then the quantization). Afterwards every parameter must have the checksum of
-SGLang's own load of the reference-quantized checkpoint.
+SGLang's own load of the reference-quantized checkpoint. ``job["delta"]`` makes the update a
+delta one, ``job["amx"]`` marks a layer as SGLang's CPU AMX post-load step leaves it: both
+must be refused before a byte moves.
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
 
     tp_rank = rank - member.offset
     model, layout, live = _engine_rank(member.tp_size, tp_rank, loads, shapes)
+    if job.get("amx"):  # as SGLang's CPU AMX post-load step leaves a layer: packed
+        layer = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+        layer.quant_method = type("Fp8LinearMethod", (), {})()
+        layer.use_intel_amx_backend = True
     first = tp_rank == 0
     group.exchange_layouts(live.manifest if first else None, None, 60)
     fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
