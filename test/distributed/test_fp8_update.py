@@ -146,7 +146,7 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines):
     sent = sum(r["sent"] for r in results[:trainers])
     received = 0
     for rank, r in enumerate(results[trainers:], start=trainers):
-        assert r["quantized"] == 4 * 2, r
+        assert r["quantized"] == 4 * 2 and r["released"], r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
         assert all(
             n.endswith(("attn.k_scale", "attn.v_scale")) for n in r["not_written"]

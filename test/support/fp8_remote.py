@@ -126,19 +126,20 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     first = tp_rank == 0
     group.exchange_layouts(live.manifest if first else None, None, 60)
     fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
-    params = fp8.params(live.params)
     before = {n: checksum(p) for n, p in model.named_parameters()}
     staging = Staging(job["staging"], 60, group.who)
     receiving = Receive(
         group,
         staging,
         lambda header, specs: layout.refusals(model) + fp8.check(specs, header.delta),
-        params,
+        live.params,  # checked against the plan only, as the engine does
         60,
         fp8,
     )
     try:
         with torch.no_grad():  # the pause: drains the staging while receiving goes on
+            params = fp8.params(live.params)
+            staged = sum(t.numel() * t.element_size() for t in fp8.staged.values())
             write_staged(receiving, params, 60)
     except RuntimeError:
         receiving.thread.join(60)
@@ -158,11 +159,12 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         "quantized": len(fp8.quantized),
         "received": result.stats.bytes_received,
         "lower_bound": result.plan.lower_bound_bytes(rank),
-        "staged_bytes": sum(t.numel() * t.element_size() for t in fp8.staged.values()),
+        "staged_bytes": staged,
+        "released": not fp8.staged,
         "unquantized_bytes": sum(
             t.numel() * t.element_size()
             for n, t in live.params.items()
-            if n not in fp8.staged
+            if n not in {q.weight for q in fp8.quantized}
         ),
         "staging_peak": staging.peak,
     }

@@ -3,12 +3,13 @@
 A remote engine (``remote.engine``) receives its regions while it serves and writes them in
 a short pause. For its block-FP8 weights (``fp8_targets``) the plan's destinations are
 buffers in the unquantized dtype, not the e4m3 parameters: ``Fp8Staging`` holds them for
-the update (made when receiving starts, so their shapes are checked against the plan before
-the ranks agree), says what refuses the update before any byte moves (a piece that cuts a
-128-block, a delta update, which decodes against the live values the staging does not
-hold), and after the pause wrote every region, quantizes the delivered blocks into the
-e4m3 weights and float32 scales in place through ``apply.write_quantized``: the one apply
-step the colocated paths use too.
+the pause only (the regions wait in the engine's own staging while it serves; the plan is
+checked against the live weights, whose shapes the staged buffers have), says what refuses
+the update before any byte moves (a piece that cuts a 128-block, a delta update, which
+decodes against the live values the staging does not hold), and after the pause wrote
+every region, quantizes the delivered blocks into the e4m3 weights and float32 scales in
+place through ``apply.write_quantized`` (the one apply step the colocated paths use too),
+then lets the buffers go.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ __all__ = ("Fp8Staging",)
 
 class Fp8Staging:
     """One engine rank's block-FP8 weights during one update: the staged buffers (the
-    plan's destinations for their pieces), the live e4m3 weights and float32 scales they are
-    quantized into, and the HF tensors the update delivers (heard with its header)."""
+    plan's destinations for their pieces, made for the pause), the live e4m3 weights and
+    float32 scales they are quantized into, and the HF tensors the update delivers (heard
+    with its header)."""
 
     def __init__(
         self,
@@ -47,7 +49,8 @@ class Fp8Staging:
         names = {q.weight for q in self.quantized}
         self.targets = tuple(t for t in targets if t.name in names)
         self.aliases = dict(aliases)
-        self.staged: Dict[str, torch.Tensor] = staging_buffers(self.quantized, device)
+        self.device = device
+        self.staged: Dict[str, torch.Tensor] = {}
         self.live: Dict[str, torch.Tensor] = {}
         for q in self.quantized:
             self.live[q.weight] = live[q.weight].data
@@ -86,8 +89,10 @@ class Fp8Staging:
         return problems
 
     def params(self, params: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """``params`` with the staged buffers in place of the e4m3 weights: where the plan
-        lands their pieces."""
+        """``params`` with the staged buffers (made on first use: in the pause) in place of
+        the e4m3 weights: where the pause writes their pieces."""
+        if not self.staged:
+            self.staged = staging_buffers(self.quantized, self.device)
         return {**params, **self.staged}
 
     def quantize(self) -> int:
@@ -99,4 +104,6 @@ class Fp8Staging:
                 f"{self.who}: block-FP8 staging quantized before the update was heard"
             )
         delivered = restrict(self.targets, self.delivered, self.aliases)
-        return write_quantized(self.quantized, delivered, self.staged, self.live)
+        written = write_quantized(self.quantized, delivered, self.staged, self.live)
+        self.staged = {}  # the caller's params still hold them until its pause ends
+        return written

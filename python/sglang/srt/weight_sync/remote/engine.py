@@ -412,7 +412,7 @@ class RemoteEngineSync:
             member.group,
             Staging(cap, req.timeout_s, who),
             check,
-            fp8.params(params) if fp8 is not None else params,
+            params,  # checked against the plan only: the FP8 weights have the staged shapes
             req.timeout_s,
             fp8,
         )
