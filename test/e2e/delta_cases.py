@@ -23,22 +23,28 @@ def _train_step(model, optimizer, generator, vocab: int) -> float:
     return float(loss.detach())
 
 
-def _wrong_params(model, job) -> dict:
-    """Every server's parameters against SGLang's slicing of the trainer's weights (first
-    rank: server -> names that differ; every rank takes part in the gather)."""
+def _weights(model) -> dict:
+    """The trainer's current fp32 weights, whole (every rank takes part in the gather)."""
     from ranks import gathers_allowed
+
+    with gathers_allowed():
+        return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def _wrong(weights: dict, job: dict, urls=None) -> dict:
+    """Every server's (or ``urls``') parameters against SGLang's slicing of ``weights`` cast
+    to bf16 (server -> names that differ; first rank only: {} elsewhere)."""
     from remote_cases import server_state
     from transformers import AutoConfig
     from update_checks import expected_checksums
 
-    with gathers_allowed():
-        weights = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     if dist.get_rank() != 0:
         return {}
+    urls = job["urls"] if urls is None else urls
     config = AutoConfig.from_pretrained(job["model_dir"])
     expected = expected_checksums(config, weights, job["tp"], 1)
     out = {}
-    for url, state in zip(job["urls"], server_state(job["urls"], [[1, 2, 3]])):
+    for url, state in zip(urls, server_state(urls, [[1, 2, 3]])):
         got = state["checksums"]
         out[url] = sorted(
             f"rank {r}: {n}"
@@ -49,10 +55,14 @@ def _wrong_params(model, job) -> dict:
     return out
 
 
-def delta_trainer_job(rank: int, world: int, job: dict) -> list:
-    """Steps: ("train", lr) one optimizer step then one update; ("corrupt", flag file) the
-    first rank creates the fault file (the engine flips a parameter bit before its next
-    receive). Records every update's report, the loss and the servers' wrong parameters."""
+def _wrong_params(model, job) -> dict:
+    """Every server's parameters against the trainer's current weights (``_wrong``)."""
+    return _wrong(_weights(model), job)
+
+
+def _trainer(world: int, job: dict):
+    """This rank's FSDP2 fp32 model of the tiny Qwen2, its AdamW, the batches' generator and
+    its ``RemoteSync(delta=True)`` checking digests every update."""
     from remote_cases import fsdp2_model, group_of
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -60,16 +70,37 @@ def delta_trainer_job(rank: int, world: int, job: dict) -> list:
     model = fsdp2_model(job["model_dir"], 1, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     generator = torch.Generator().manual_seed(1234)
+    return model, optimizer, generator, group_of(job, delta=True, digest_every=1)
+
+
+def delta_trainer_job(rank: int, world: int, job: dict) -> list:
+    """Steps: ("full", None) one update; ("train", lr) one optimizer step then one update;
+    ("corrupt", flag file) the first rank creates the fault file (the engine flips a
+    parameter bit before its next receive); ("refuse", flag file) likewise, the engine
+    refuses its next apply before any write; ("leave", url) that engine leaves the group;
+    ("join", url) it joins again (a new membership epoch). Records every update's report,
+    the loss and the servers' wrong parameters; the update after a fault also records
+    ``wrong_before``: them against the weights before its step (what was delivered last)."""
+    from sglang.srt.weight_sync.remote import HttpEndpoint
+
+    model, optimizer, generator, sync = _trainer(world, job)
     vocab = model.config.vocab_size
-    sync = group_of(job, delta=True, digest_every=1)
     sync.join()
-    records = []
+    records, after_fault = [], False
     for kind, arg in job["steps"]:
-        if kind == "corrupt":
+        if kind in ("corrupt", "refuse"):
             if rank == 0:
                 open(arg, "w").close()
             dist.barrier()
+            after_fault = True
             continue
+        if kind == "leave":
+            sync.leave(arg)
+            continue
+        if kind == "join":
+            sync.join([HttpEndpoint(arg)])
+            continue
+        before = _weights(model) if after_fault else None
         loss = None
         if kind == "train":
             for group in optimizer.param_groups:
@@ -78,10 +109,53 @@ def delta_trainer_job(rank: int, world: int, job: dict) -> list:
         report = sync.update(model.named_parameters(), bucket_bytes=job["bucket"])
         record = dict(report.__dict__, kind=kind, lr=arg, loss=loss)
         record["wrong"] = _wrong_params(model, job)
+        if before is not None:
+            record["wrong_before"] = _wrong(before, job)
+        after_fault = False
         records.append(record)
     dist.barrier()
     sync.close()
     return records
+
+
+def delta_death_job(rank: int, world: int, job: dict) -> dict:
+    """A trainer rank dies in the middle of a delta update: one full update, one AdamW step
+    and a delta update, another step, then trainer rank 1 exits inside its first round of
+    delta records (``remote.delta``'s exchange). Returns (first rank) the reports, what the
+    update that lost a rank raised or reported and how long it took, and the servers'
+    parameters against the weights delivered last and the new ones."""
+    import os
+    import time
+
+    from sglang.srt.weight_sync.remote import delta
+
+    model, optimizer, generator, sync = _trainer(world, job)
+    vocab = model.config.vocab_size
+    out = {"reports": []}
+    for step in range(2):
+        if step:
+            _train_step(model, optimizer, generator, vocab)
+        report = sync.update(model.named_parameters(), bucket_bytes=job["bucket"])
+        out["reports"].append(dict(report.__dict__))
+    delivered = _weights(model)  # what the engines hold
+    _train_step(model, optimizer, generator, vocab)
+    new = _weights(model)
+    if rank == 1:
+
+        def die(*args, **kwargs):
+            os._exit(0)  # killed in the middle of sending its delta records
+
+        delta.exchange_payloads = die
+    started = time.monotonic()
+    try:
+        report = sync.update(model.named_parameters(), bucket_bytes=job["bucket"])
+        out["died"] = dict(report.__dict__)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out["died"] = {"success": False, "raised": f"{type(e).__name__}: {e}"}
+    out["died"]["seconds_here"] = time.monotonic() - started
+    out["stale"] = _wrong(delivered, job)
+    out["new"] = _wrong(new, job)
+    return out
 
 
 def _row(report) -> dict:

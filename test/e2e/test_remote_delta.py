@@ -8,7 +8,12 @@ slicing of the trainer's bf16-cast weights bit for bit, and whose bytes on the w
 most 5% of a full update's when at most 3% of the elements changed, never more than the
 full update's plus 1%. Then one engine rank's parameter is changed behind the trainer's
 back: the next update's digest check finds it, that engine refuses (nothing written) and
-the report says so; the update after it is full, and exact again, and deltas resume.
+the report says so; the update after it is full, and exact again, and deltas resume. Then
+the other faults of a delta update, on the same servers: one engine refuses an update it
+received in full (its answer is failure: the trainer keeps no snapshot of it, and the other
+engine, which answered success, holds it; the refusing one its old weights); an engine
+leaves and joins again (a new membership epoch: full); a trainer rank dies in the middle of
+a delta (every engine keeps what it held) and fresh trainer ranks update in full, exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from remote_checks import TP
 TIMEOUT_S = 60
 STEPS_AT_1E5 = 10
 STEPS_AT_1E6 = 10
+# the trainer-death case waits out a bound on purpose: its rounds and the engines' answer
+# (``trainer_bound_s``), with slack for a loaded machine
+DEATH_TIMEOUT_S = 10
+DEATH_BOUND_S = 2 * DEATH_TIMEOUT_S + 30 + 15
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +49,12 @@ def delta_servers(tmp_path_factory):
     finally:
         for server in servers:
             server.kill()
+
+
+def _job(group, urls, model_dir, timeout_s, **more) -> dict:
+    """A trainer job of ``delta_cases`` updating ``urls`` through group ``group``."""
+    job = dict(group=group, port=free_port(), urls=urls, model_dir=str(model_dir))
+    return dict(job, tp=TP, bucket=1 << 20, timeout=timeout_s, **more)
 
 
 def _check_bytes(record, what):
@@ -59,6 +74,37 @@ def _check_bytes(record, what):
         assert wire <= 0.05 * full, (what, delta["density"], wire, full)
 
 
+def _check_refused(records, i, urls, fault):
+    """Update ``i``, after ``fault``, was refused by one engine: which, and what each engine
+    holds."""
+    record, what = records[i], f"update {i} (after {fault})"
+    assert not record["success"], what
+    assert record["delta"]["mode"] == "delta", (what, record["delta"])
+    after = records[i + 1]["delta"]
+    assert after["mode"] == "full", (what, after)
+    assert record["update_id"] in after["why_full"], after["why_full"]
+    if fault == "corrupt":
+        # engine 1's rank 1 finds its base changed: that engine writes nothing (the
+        # corrupted element stays), engine 0 takes the update
+        assert "digest mismatch" in record["message"], record["message"]
+        assert urls[1] in record["message"] and urls[1] in after["why_full"]
+        assert not record["wrong"][urls[0]], (what, record["wrong"])
+        assert record["wrong_before"][urls[1]] == [
+            "rank 1: model.layers.0.mlp.down_proj.weight"
+        ], (what, record["wrong_before"])
+        return
+    # engine 0 received every region and refused in its apply step: only its answer says
+    # so. One outcome per engine: engine 1 answered success and holds the update, engine 0
+    # holds what it held; the trainer commits no snapshot, so the next update is full.
+    refused, took = record["engines"][urls[0]], record["engines"][urls[1]]
+    assert not refused["success"] and not refused["mixed"], refused
+    assert "refused before any write" in refused["message"], refused
+    assert took["success"], took
+    assert urls[0] in record["message"] and urls[0] in after["why_full"]
+    assert not record["wrong"][urls[1]], (what, record["wrong"])
+    assert not record["wrong_before"][urls[0]], (what, record["wrong_before"])
+
+
 def test_delta_updates_after_adamw_steps_are_exact_and_small(delta_servers):
     servers, faults, model_dir = delta_servers
     urls = [s.url for s in servers]
@@ -68,20 +114,21 @@ def test_delta_updates_after_adamw_steps_are_exact_and_small(delta_servers):
         + [("train", 1e-6)] * STEPS_AT_1E6
         + [("corrupt", os.path.join(faults[1], "corrupt_param.rank1"))]
         + [("train", 1e-6)] * 3
+        + [("refuse", os.path.join(faults[0], "refuse_apply.rank0"))]
+        + [("train", 1e-6)] * 2
+        + [("leave", urls[1]), ("train", 1e-6), ("join", urls[1])]
+        + [("train", 1e-6)] * 2
     )
-    job = dict(
-        group="delta",
-        port=free_port(),
-        urls=urls,
-        model_dir=str(model_dir),
-        tp=TP,
-        bucket=1 << 20,
-        timeout=TIMEOUT_S,
-        steps=steps,
-    )
+    corrupted = STEPS_AT_1E5 + STEPS_AT_1E6 + 1
+    refused = corrupted + 3
+    left, joined = refused + 2, refused + 3
+    full_after = {0: "no update delivered", corrupted + 1: "failed"}
+    full_after.update({refused + 1: "failed", left: "epoch", joined: "epoch"})
+    job = _job("delta", urls, model_dir, TIMEOUT_S, steps=steps)
     results = run_ranks(4, delta_trainer_job, job, timeout=1500)
     records = results[0]
-    strip = ("seconds", "wrong", "loss")
+    assert len(records) == joined + 2, len(records)
+    strip = ("seconds", "wrong", "wrong_before", "loss")
     for other in results[1:]:
         for a, b in zip(records, other):
             a = {k: v for k, v in a.items() if k not in strip}
@@ -99,23 +146,58 @@ def test_delta_updates_after_adamw_steps_are_exact_and_small(delta_servers):
             f"{record['seconds']:.3f}s, encode {max(delta['encode_seconds']):.4f}s "
             f"{delta['why_full']!r}"
         )
-        if i == STEPS_AT_1E5 + STEPS_AT_1E6 + 1:  # the one after the corruption
-            assert not record["success"], what
-            assert "digest mismatch" in record["message"], record["message"]
-            assert urls[1] in record["message"], record["message"]
+        if i in (corrupted, refused):
+            _check_refused(records, i, urls, "corrupt" if i == corrupted else "refuse")
             continue
         assert record["success"], (what, record["message"])
-        assert all(not wrong for wrong in record["wrong"].values()), (
-            what,
-            record["wrong"],
-        )
-        if i in (0, STEPS_AT_1E5 + STEPS_AT_1E6 + 2):
-            assert delta["mode"] == "full" and delta["why_full"], (what, delta)
+        members = sorted(record["engines"])
+        assert members == sorted(urls[:1] if i == left else urls), (what, members)
+        assert all(not record["wrong"][u] for u in members), (what, record["wrong"])
+        if i in full_after:
+            assert delta["mode"] == "full", (what, delta)
+            assert full_after[i] in delta["why_full"], (what, delta["why_full"])
         else:
             assert delta["mode"] == "delta", (what, delta)
         _check_bytes(record, what)
-    assert "failed" in records[STEPS_AT_1E5 + STEPS_AT_1E6 + 2]["delta"]["why_full"]
     print("delta updates, FSDP 4 fp32 -> 2 bf16 engines of TP 2:\n" + "\n".join(rows))
+
+
+def test_trainer_rank_killed_mid_delta_then_fresh_ranks_update_in_full(delta_servers):
+    """Two trainer ranks: a full update, a delta after an AdamW step, then trainer rank 1 dies
+    in its first round of the next delta. The other rank fails within its bound naming the
+    lost rank; every engine keeps the weights delivered last, bit for bit, and serves; fresh
+    trainer ranks (a restarted job, same group name) update them in full, exactly, then by
+    delta."""
+    from delta_cases import delta_death_job
+
+    servers, _, model_dir = delta_servers
+    urls = [s.url for s in servers]
+    job = _job("delta-death", urls, model_dir, DEATH_TIMEOUT_S)
+    survivor, dead = run_ranks(2, delta_death_job, job, timeout=900, may_die=[1])
+    assert dead is None, "trainer rank 1 did not die"
+    first, second = survivor["reports"]
+    assert first["success"] and first["delta"]["mode"] == "full", first["message"]
+    assert second["success"] and second["delta"]["mode"] == "delta", second["message"]
+    died = survivor["died"]
+    message = died.get("raised") or died.get("message")
+    assert not died["success"] and died["seconds_here"] < DEATH_BOUND_S, died
+    assert "trainer rank 0" in message and "[1]" in message, message
+    assert survivor["stale"] == {u: [] for u in urls}, survivor["stale"]
+    assert all(survivor["new"][u] for u in urls), "the new weights equal the old ones"
+    for server in servers:
+        status, _ = server.generate([[5, 17, 42, 7]], 4)
+        assert status == 200, "an engine no longer serves after the trainer rank died"
+    fresh = dict(job, port=free_port(), timeout=TIMEOUT_S)
+    fresh["steps"] = [("full", None), ("train", 1e-5)]
+    records = run_ranks(2, delta_trainer_job, fresh, timeout=900)[0]
+    for i, record in enumerate(records):
+        what = f"fresh trainer update {i}"
+        assert record["success"], (what, record["message"])
+        assert all(not w for w in record["wrong"].values()), (what, record["wrong"])
+        _check_bytes(record, what)
+    assert records[0]["delta"]["mode"] == "full", records[0]["delta"]
+    assert "no update delivered" in records[0]["delta"]["why_full"]
+    assert records[1]["delta"]["mode"] == "delta", records[1]["delta"]
 
 
 def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):

@@ -22,6 +22,9 @@ engine rank R's staging took its first round of a remote update if
 ``<dir>/die_in_receive.rank<R>`` exists: an engine that dies mid-update. And one bit of
 engine rank R's first ``down_proj`` weight flips before it receives a remote update if
 ``<dir>/corrupt_param.rank<R>`` exists: a parameter changed behind the trainer's back.
+And engine rank R's next remote apply step refuses the update before any write if
+``<dir>/refuse_apply.rank<R>`` exists: an engine that received everything and answers
+failure.
 
 With ``SGLANG_USE_CPU_ENGINE`` set (every engine the tests start), SGLang's weight checker on
 0.5.10.post1 and 0.5.12 also takes the action ``checksums_to:<dir>``: every TP rank writes its
@@ -225,11 +228,29 @@ def _install_faults() -> None:
 
         return call
 
+    def _refuse_apply(apply):
+        """Engine rank R's next remote apply step finds its receive failed, and so the whole
+        engine refuses the update before any write, if ``<dir>/refuse_apply.rank<R>`` exists
+        (removed): an engine that received every region and still answers failure (a
+        refusal the trainer learns of only from the engine's reply), on demand."""
+
+        def call(self, worker, req):
+            mine = self.receive_of(req)
+            if mine is not None and _fault_flag(f"refuse_apply.rank{self.rank}"):
+                mine.error = (
+                    f"engine rank {self.rank}: the update is refused before any write "
+                    "(fault injected by the test)"
+                )
+            return apply(self, worker, req)
+
+        return call
+
     def _wrap_staging(module):
         module.Staging.landed = _die_in_receive(module.Staging.landed)
         module.RemoteEngineSync.receive = _corrupt_param(
             module.RemoteEngineSync.receive
         )
+        module.RemoteEngineSync.apply = _refuse_apply(module.RemoteEngineSync.apply)
 
     _on_import("sglang.srt.weight_sync.remote.engine", _wrap_staging)
 
