@@ -66,12 +66,47 @@ def _check_bytes(record, what):
     assert sum(sum(e["bytes_received"]) for e in engines) == wire, (what, engines)
     assert sum(sum(e["lower_bound_bytes"]) for e in engines) == full, what
     assert all(len(e["decode_us"]) == TP for e in engines), (what, engines)
+    _check_figures(record, what)
     if delta["mode"] == "full":
         assert wire == full, (what, wire, full)
         return
     assert wire <= 1.01 * full, (what, wire, full)
     if delta["density"] <= 0.03:
         assert wire <= 0.05 * full, (what, delta["density"], wire, full)
+
+
+def _check_figures(record, what):
+    """The report's delta figures: the wire bytes split by what the records carry, each
+    engine's bytes as its own reply counts them, densities per class, coding seconds."""
+    delta, trainers = record["delta"], len(record["bytes_sent"])
+    sent_as = delta["sent_as"]
+    assert [sum(k) for k in zip(*sent_as.values())] == delta["wire_bytes"], (
+        what,
+        delta,
+    )
+    assert len(delta["encode_seconds"]) == trainers, (what, delta)
+    assert all(s >= 0 for s in delta["encode_seconds"]), (what, delta)
+    assert sorted(delta["engines"]) == sorted(record["engines"]), (what, delta)
+    for name, engine in delta["engines"].items():
+        reply = record["engines"][name]
+        assert engine["wire_bytes"] == sum(reply["bytes_received"]), (what, name)
+        assert engine["full_bytes"] == sum(reply["lower_bound_bytes"]), (what, name)
+        assert engine["decode_seconds"] == [us / 1e6 for us in reply["decode_us"]]
+        classes = engine["density_by_class"]
+        assert set(classes) == {"embedding", "attention", "mlp", "norm"}, (
+            what,
+            classes,
+        )
+        assert all(0 <= d <= 1 for d in classes.values()), (what, classes)
+    if delta["mode"] == "full":
+        assert sent_as["full"] == delta["wire_bytes"], (what, sent_as)
+        assert all(e["density"] == 1 for e in delta["engines"].values()), (what, delta)
+    else:
+        assert sum(sent_as["delta"]) > 0, (what, sent_as)
+        assert all(e["density"] < 0.05 for e in delta["engines"].values()), (
+            what,
+            delta,
+        )
 
 
 def _check_refused(records, i, urls, fault):

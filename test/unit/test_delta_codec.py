@@ -201,6 +201,40 @@ def test_the_snapshot_advances_only_on_commit():
     assert bases is None and why == "update u3 failed: engine refused"
 
 
+def test_figures_per_engine_and_by_what_the_records_carry():
+    """A sender's figures per receiving rank, summed per engine (its group ranks), and the
+    summary's densities per class for each engine."""
+    from sglang.srt.weight_sync.remote.delta import (
+        RECEIVER_FIGURES,
+        DeltaFigures,
+        delta_summary,
+    )
+
+    a, b = DeltaFigures(sent_delta=30, sent_full=200), DeltaFigures(sent_unchanged=8)
+    a.received(2, "model.layers.0.mlp.up_proj.weight", 30, 400, 5, 200)
+    a.received(3, "model.layers.0.mlp.up_proj.weight", 200, 200, 100, 100)
+    b.received(2, "model.norm.weight", 8, 64, 0, 32)
+    engines = [range(2, 4), range(4, 5)]
+    rows = [f.engine_rows(engines) for f in (a, b)]
+    assert all(len(r) == 2 * len(RECEIVER_FIGURES) for r in rows)
+    width = len(RECEIVER_FIGURES)
+    first = [x + y for x, y in zip(rows[0][:width], rows[1][:width])]
+    assert first[:4] == [238, 664, 105, 332]
+    assert rows[0][width:] == [0] * width
+    back = DeltaFigures.from_ints(a.ints())
+    assert (back.sent_delta, back.sent_full, back.sent_unchanged) == (30, 200, 0)
+    summary = delta_summary([a, b], "", False, {"e0": first, "e1": rows[0][width:]})
+    assert summary["sent_as"] == {
+        "delta": [30, 0],
+        "full": [200, 0],
+        "unchanged": [0, 8],
+    }
+    e0 = summary["engines"]["e0"]
+    assert (e0["wire_bytes"], e0["full_bytes"]) == (238, 664)
+    assert e0["density_by_class"] == {"mlp": 105 / 300, "norm": 0.0}
+    assert summary["engines"]["e1"]["density_by_class"] == {}
+
+
 @pytest.mark.parametrize("density", [0.001, 0.1])
 def test_large_regions_beside_small_ones(density):
     """A region of at least ``SMALL_REGION`` elements is compared alone, the small ones

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +57,7 @@ from sglang.srt.weight_sync.remote.protocol import (
 __all__ = (
     "CLASSES",
     "DeltaFigures",
+    "RECEIVER_FIGURES",
     "DeltaRefusal",
     "Snapshot",
     "delta_summary",
@@ -67,6 +68,13 @@ __all__ = (
 
 # the tensor classes whose density a report gives
 CLASSES = ("embedding", "attention", "mlp", "norm", "other")
+
+# what a sender counts per receiver (then per engine): its records' bytes, a full update's
+# bytes for the same regions, the elements changed and compared, then changed and compared
+# per class (``CLASSES``)
+RECEIVER_FIGURES = ("wire_bytes", "full_bytes", "changed", "elements") + tuple(
+    f"{c}_{what}" for c in CLASSES for what in ("changed", "elements")
+)
 
 
 def tensor_class(name: str) -> str:
@@ -92,7 +100,9 @@ class DeltaFigures:
     """One rank's delta figures for one update (integers, shared among the trainer ranks).
     ``wire_bytes``: the records' bytes (headers included); ``full_bytes``: what a full
     update sends or receives for the same regions; ``changed``/``elements``: on a sender,
-    per region sent (once, however many receivers), per class in ``by_class``."""
+    per region sent (once, however many receivers), per class in ``by_class``; ``sent_*``:
+    a sender's wire bytes by what its records carry (changes, whole regions, nothing);
+    ``by_receiver``: a sender's ``RECEIVER_FIGURES`` per receiving group rank."""
 
     wire_bytes: int = 0
     full_bytes: int = 0
@@ -104,24 +114,58 @@ class DeltaFigures:
     encode_us: int = 0
     decode_us: int = 0
     digests_checked: int = 0
+    sent_delta: int = 0
+    sent_full: int = 0
+    sent_unchanged: int = 0
     by_class: Dict[str, List[int]] = field(default_factory=dict)
+    by_receiver: Dict[int, List[int]] = field(default_factory=dict)
 
     def ints(self) -> List[int]:
-        """The figures as one list (``from_ints`` reads it back)."""
-        out = [getattr(self, f.name) for f in fields(self) if f.name != "by_class"]
+        """The scalar figures and ``by_class`` as one list (``from_ints`` reads it back)."""
+        out = [getattr(self, name) for name in _scalars()]
         for c in CLASSES:
             out += self.by_class.get(c, [0, 0])
         return out
 
+    def engine_rows(self, engines: Sequence[Sequence[int]]) -> List[int]:
+        """``by_receiver`` summed over each engine's group ranks, one ``RECEIVER_FIGURES``
+        row per engine, flat (shared among the trainer ranks beside ``ints``)."""
+        out: List[int] = []
+        for ranks in engines:
+            row = [0] * len(RECEIVER_FIGURES)
+            for r in ranks:
+                for i, v in enumerate(self.by_receiver.get(r, ())):
+                    row[i] += v
+            out += row
+        return out
+
+    def received(
+        self, receiver: int, tensor: str, wire: int, full: int, changed: int, numel: int
+    ) -> None:
+        """Count one region's record to ``receiver``."""
+        row = self.by_receiver.setdefault(receiver, [0] * len(RECEIVER_FIGURES))
+        at = 4 + 2 * CLASSES.index(tensor_class(tensor))
+        values = (wire, full, changed, numel, changed, numel)
+        for i, v in zip((0, 1, 2, 3, at, at + 1), values):
+            row[i] += v
+
     @staticmethod
     def from_ints(values: List[int]) -> DeltaFigures:
-        names = [f.name for f in fields(DeltaFigures) if f.name != "by_class"]
+        names = _scalars()
         figures = DeltaFigures(**dict(zip(names, values)))
         rest = values[len(names) :]
         figures.by_class = {
             c: [rest[2 * i], rest[2 * i + 1]] for i, c in enumerate(CLASSES)
         }
         return figures
+
+
+def _scalars() -> List[str]:
+    return [
+        f.name
+        for f in fields(DeltaFigures)
+        if f.name not in ("by_class", "by_receiver")
+    ]
 
 
 def _key(move: Move) -> tuple:
@@ -275,6 +319,10 @@ def stage_full(
             sent = move.nbytes * len(_receivers(move))
             figures.wire_bytes += sent
             figures.full_bytes += sent
+            figures.sent_full += sent
+            n = move.region.numel
+            for receiver in _receivers(move):
+                figures.received(receiver, move.tensor, move.nbytes, move.nbytes, n, n)
             figures.elements += move.region.numel
             figures.changed += move.region.numel
             figures.regions_full += 1
@@ -308,12 +356,21 @@ def _encode_round(
         check = region_digest(old) if digest and old is not None else NO_DIGEST
         figures.digests_checked += check != NO_DIGEST
         receivers = _receivers(move)
-        for receiver in receivers:
-            records.setdefault(receiver, []).append((enc, check))
-        figures.full_bytes += move.nbytes * len(receivers)
         head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
         head += SIZE_BYTES if enc.kind == Kind.GAPS else 0
-        figures.wire_bytes += (head + enc.nbytes) * len(receivers)
+        for receiver in receivers:
+            records.setdefault(receiver, []).append((enc, check))
+            figures.received(
+                receiver,
+                move.tensor,
+                head + enc.nbytes,
+                move.nbytes,
+                enc.changed,
+                enc.numel,
+            )
+        figures.full_bytes += move.nbytes * len(receivers)
+        sent = (head + enc.nbytes) * len(receivers)
+        figures.wire_bytes += sent
         figures.elements += enc.numel
         figures.changed += enc.changed
         row = figures.by_class.setdefault(tensor_class(move.tensor), [0, 0])
@@ -321,10 +378,13 @@ def _encode_round(
         row[1] += enc.numel
         if enc.kind == Kind.FULL:
             figures.regions_full += 1
+            figures.sent_full += sent
         elif enc.kind == Kind.UNCHANGED:
             figures.regions_unchanged += 1
+            figures.sent_unchanged += sent
         else:
             figures.regions_delta += 1
+            figures.sent_delta += sent
     out = {r: delta_records(recs, digest) for r, recs in records.items()}
     figures.encode_us += int((time.perf_counter() - t0) * 1e6)
     return out
@@ -387,11 +447,16 @@ def _decode_from(
 
 
 def delta_summary(
-    per_rank: List[DeltaFigures], why_full: str, digest: bool
+    per_rank: List[DeltaFigures],
+    why_full: str,
+    digest: bool,
+    engines: Optional[Mapping[str, List[int]]] = None,
 ) -> Dict[str, object]:
     """What a trainer's report says of a delta update (``per_rank``: every trainer rank's
-    figures): full or delta and why, bytes on the wire against a full update's per rank,
-    seconds encoding per rank, the density of the changes overall and per tensor class."""
+    figures; ``engines``: each engine's ``RECEIVER_FIGURES`` row, summed over the trainer
+    ranks): full or delta and why, bytes on the wire against a full update's per rank and
+    by what the records carry, seconds encoding per rank, the density of the changes
+    overall and per tensor class, and per engine what it received."""
     elements = sum(f.elements for f in per_rank)
     by_class = {}
     for c in CLASSES:
@@ -405,6 +470,11 @@ def delta_summary(
         "digest_checked": digest,
         "wire_bytes": [f.wire_bytes for f in per_rank],
         "full_bytes": [f.full_bytes for f in per_rank],
+        "sent_as": {
+            "delta": [f.sent_delta for f in per_rank],
+            "full": [f.sent_full for f in per_rank],
+            "unchanged": [f.sent_unchanged for f in per_rank],
+        },
         "encode_seconds": [f.encode_us / 1e6 for f in per_rank],
         "density": sum(f.changed for f in per_rank) / elements if elements else 0.0,
         "density_by_class": by_class,
@@ -413,4 +483,24 @@ def delta_summary(
             "delta": sum(f.regions_delta for f in per_rank),
             "unchanged": sum(f.regions_unchanged for f in per_rank),
         },
+        "engines": {
+            name: _engine_summary(row) for name, row in (engines or {}).items()
+        },
+    }
+
+
+def _engine_summary(row: List[int]) -> Dict[str, object]:
+    """One engine's ``RECEIVER_FIGURES`` row as a report gives it: the bytes of the records
+    it received against a full update's, the density of what it received, per class."""
+    wire, full, changed, elements = row[:4]
+    by_class = {
+        c: row[4 + 2 * i] / row[5 + 2 * i]
+        for i, c in enumerate(CLASSES)
+        if row[5 + 2 * i]
+    }
+    return {
+        "wire_bytes": wire,
+        "full_bytes": full,
+        "density": changed / elements if elements else 0.0,
+        "density_by_class": by_class,
     }

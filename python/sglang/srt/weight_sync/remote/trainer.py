@@ -57,7 +57,12 @@ from sglang.srt.weight_sync.protocol import (
     check_timeout,
     trainer_bound_s,
 )
-from sglang.srt.weight_sync.remote.delta import DeltaFigures, Snapshot, delta_summary
+from sglang.srt.weight_sync.remote.delta import (
+    RECEIVER_FIGURES,
+    DeltaFigures,
+    Snapshot,
+    delta_summary,
+)
 from sglang.srt.weight_sync.remote.endpoints import (
     EngineEndpoint,
     HttpEndpoint,
@@ -130,7 +135,10 @@ class RemoteReport:
     per-TP-rank ``bytes_received``, ``lower_bound_bytes``, ``receive_us``, ``apply_us``,
     the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``: per trainer
     rank, in the engines' dtypes (a delta update's: its records); ``seconds``: the update's
-    wall time on the first rank; ``delta`` (``delta=True``): ``remote.delta.delta_summary``."""
+    wall time on the first rank; ``delta`` (``delta=True``): ``remote.delta.delta_summary``:
+    full or delta and why, bytes on the wire against a full update's and by what the records
+    carry (``sent_as``), encoding seconds per trainer rank, densities overall and per tensor
+    class, and per engine its bytes, densities and decoding seconds per TP rank."""
 
     success: bool
     message: str
@@ -476,8 +484,12 @@ class RemoteSync:
                 f"trainer rank {self.rank}: sharing how the update went on every trainer rank",
             )
             mine = result.delta if result is not None and result.delta else None
+            mine = mine or DeltaFigures()
+            engine_ranks = [
+                range(m.offset, m.offset + m.tp_size) for m in membership.engines
+            ]
             figures = self.world.share_figures(
-                [sent, staged] + (mine or DeltaFigures()).ints(),
+                [sent, staged] + mine.ints() + mine.engine_rows(engine_ranks),
                 timeout_s,
                 f"trainer rank {self.rank}: sharing the bytes every trainer rank sent",
             )
@@ -512,14 +524,8 @@ class RemoteSync:
             left=list(self.left),
         )
         if self.delta:
-            per_rank = [
-                DeltaFigures.from_ints([row[r] for row in figures[2:]])
-                for r in range(self.trainers)
-            ]
-            report.delta = delta_summary(
-                per_rank,
-                result.why_full if result is not None else "it failed",
-                result.header.digest if result is not None else False,
+            report.delta = _delta_report(
+                figures[2:], self.trainers, membership, result, answers
             )
         if self.snapshot is not None:
             if report.success:
@@ -550,3 +556,31 @@ class RemoteSync:
             "(refused: an update never writes non-finite weights)"
             for name in nonfinite_tensors(local)
         ]
+
+
+def _delta_report(
+    rows: List[List[int]], trainers: int, membership: Membership, result, answers
+) -> Dict[str, object]:
+    """``RemoteReport.delta`` from the shared figures (``DeltaFigures.ints`` then
+    ``engine_rows`` of every trainer rank, a figures x ranks table): ``delta_summary``,
+    each engine's with the seconds its TP ranks spent decoding (from its reply)."""
+    scalars = len(DeltaFigures().ints())
+    per_rank = [
+        DeltaFigures.from_ints([row[r] for row in rows[:scalars]])
+        for r in range(trainers)
+    ]
+    width = len(RECEIVER_FIGURES)
+    engines = {
+        m.name: [sum(rows[scalars + i * width + k][:trainers]) for k in range(width)]
+        for i, m in enumerate(membership.engines)
+    }
+    summary = delta_summary(
+        per_rank,
+        result.why_full if result is not None else "it failed",
+        result.header.digest if result is not None else False,
+        engines,
+    )
+    for name, engine in summary["engines"].items():
+        decode_us = (answers.get(name) or {}).get("decode_us") or []
+        engine["decode_seconds"] = [us / 1e6 for us in decode_us]
+    return summary
