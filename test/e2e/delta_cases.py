@@ -223,8 +223,11 @@ def megatron_delta_job(rank: int, world: int, job: dict) -> list:
     """A megatron-core GPTModel at TP x PP (``remote_cases.megatron_trainer_job``'s) updates
     one server with ``delta=True``: first the weights of ``job["seed"]``, then
     ``job["steps"]`` Adam-sized steps (every fp32 weight moved by ``job["lr"]`` with a
-    random sign, the same on every rank), each written into the model's fused parameters.
-    Returns each update's report and the server's wrong parameters (first rank)."""
+    random sign, the same on every rank), each written into the model's fused parameters;
+    with ``job["refuse"]`` = (step, fault file) the first rank creates the file before that
+    step's update (the engine refuses its apply). Returns each update's report and the
+    server's wrong parameters (first rank; the refused one's also against the weights
+    before it, ``wrong_before``)."""
     import tiny_models
     from megatron_cases import build_gpt, load_hf_weights
     from remote_cases import group_of, server_state
@@ -241,12 +244,17 @@ def megatron_delta_job(rank: int, world: int, job: dict) -> list:
     sync = group_of(job, delta=True, digest_every=1)
     sync.join()
     config = AutoConfig.from_pretrained(job["model_dir"])
-    records = []
+    records, expected = [], None
+    refuse_at, flag = job.get("refuse", (None, None))
     for step in range(job["steps"] + 1):
         if step:
             for name in sorted(weights):
                 noise = torch.randn(weights[name].shape, generator=generator)
                 weights[name] += job["lr"] * noise.sign()
+        if step == refuse_at:
+            if rank == 0:
+                open(flag, "w").close()
+            dist.barrier()
         load_hf_weights(model, weights, hf_config.vocab_size)
         report = sync.update_megatron(
             [model], hf_config.vocab_size, bucket_bytes=job["bucket"]
@@ -254,14 +262,21 @@ def megatron_delta_job(rank: int, world: int, job: dict) -> list:
         record = dict(report.__dict__)
         dist.barrier()
         if rank == 0:
+            before = expected
             expected = expected_checksums(config, weights, job["engine_tp"], 1)
             [state] = server_state(job["urls"], [[1, 2, 3]])
-            record["wrong"] = sorted(
-                f"rank {r}: {n}"
-                for r in range(job["engine_tp"])
-                for n in expected[r]
-                if state["checksums"][r][n] != expected[r][n]
-            )
+
+            def wrong(against):
+                return sorted(
+                    f"rank {r}: {n}"
+                    for r in range(job["engine_tp"])
+                    for n in against[r]
+                    if state["checksums"][r][n] != against[r][n]
+                )
+
+            record["wrong"] = wrong(expected)
+            if step == refuse_at:
+                record["wrong_before"] = wrong(before)
         records.append(record)
     dist.barrier()
     sync.close()

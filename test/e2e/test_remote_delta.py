@@ -237,10 +237,13 @@ def test_trainer_rank_killed_mid_delta_then_fresh_ranks_update_in_full(delta_ser
 
 def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):
     """A megatron-core GPTModel at TP 2 x PP 2 (fused QKV and fc1, padded vocab) updates one
-    server with deltas after Adam-sized steps: each update bit-exact, and small."""
+    server with deltas after Adam-sized steps: each update bit-exact, and small. The engine
+    refuses one delta in its apply step: nothing of it is written (it holds the update
+    before, bit for bit), the next update is full and exact, and deltas resume."""
     from delta_cases import megatron_delta_job
 
-    servers, _, model_dir = delta_servers
+    servers, faults, model_dir = delta_servers
+    refused = 3
     job = dict(
         group="megatron-delta",
         port=free_port(),
@@ -251,17 +254,27 @@ def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):
         engine_tp=TP,
         padded_vocab=520,
         seed=7,
-        steps=4,
+        steps=5,
         lr=1e-5,
         bucket=1 << 20,
         timeout=TIMEOUT_S,
+        refuse=(refused, os.path.join(faults[0], "refuse_apply.rank1")),
     )
     records = run_ranks(4, megatron_delta_job, job, timeout=1500)[0]
     for i, record in enumerate(records):
         what = f"megatron update {i}"
+        if i == refused:
+            assert not record["success"], what
+            assert "refused before any write" in record["message"], record["message"]
+            assert not record["wrong_before"], (what, record["wrong_before"][:5])
+            assert record["wrong"], "the refused update's weights equal the old ones"
+            continue
         assert record["success"], (what, record["message"])
         assert not record["wrong"], (what, record["wrong"][:5])
-        assert record["delta"]["mode"] == ("full" if i == 0 else "delta"), what
+        full = i in (0, refused + 1)
+        assert record["delta"]["mode"] == ("full" if full else "delta"), what
+        if i == refused + 1:
+            assert records[refused]["update_id"] in record["delta"]["why_full"]
         _check_bytes(record, what)
     print(
         "megatron TP 2 x PP 2 -> TP 2, deltas: "
