@@ -70,7 +70,13 @@ def _trainer(world: int, job: dict):
     model = fsdp2_model(job["model_dir"], 1, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     generator = torch.Generator().manual_seed(1234)
-    return model, optimizer, generator, group_of(job, delta=True, digest_every=1)
+    digest_every = job.get("digest_every", 1)
+    return (
+        model,
+        optimizer,
+        generator,
+        group_of(job, delta=True, digest_every=digest_every),
+    )
 
 
 def delta_trainer_job(rank: int, world: int, job: dict) -> list:
@@ -156,6 +162,60 @@ def delta_death_job(rank: int, world: int, job: dict) -> dict:
     out["stale"] = _wrong(delivered, job)
     out["new"] = _wrong(new, job)
     return out
+
+
+def _undriven_update(sync, model, job) -> dict:
+    """One update with ``drive=False``: the first rank sends each engine its update request
+    itself (as verl's rollout workers do), so the trainer never hears the answers; the
+    report, with the engines' answers (first rank) under ``heard_here``."""
+    import concurrent.futures
+
+    from sglang.srt.weight_sync.remote import HttpEndpoint
+
+    if sync.group is None or sync.broken:  # a new epoch first (verl: build_topology)
+        sync.join()
+    body = dict(group_name=job["group"], timeout_s=job["timeout"])
+    with concurrent.futures.ThreadPoolExecutor(len(job["urls"])) as pool:
+        asked = {
+            url: pool.submit(HttpEndpoint(url).update, body, 300)
+            for url in (job["urls"] if dist.get_rank() == 0 else ())
+        }
+        report = sync.update(
+            model.named_parameters(), bucket_bytes=job["bucket"], drive=False
+        )
+        heard = {url: f.result() for url, f in asked.items()}
+    return dict(report.__dict__, heard_here=heard)
+
+
+def delta_undriven_job(rank: int, world: int, job: dict) -> list:
+    """A trainer that does not hear the engines' answers (``drive=False``, verl's way), with
+    digests every ``job["digest_every"]``-th update only: a full update, a delta after an
+    AdamW step, then engine 0 refuses the next delta in its apply step (``job["flag"]``),
+    then three more steps and updates. Records each update's report, the engines' answers and
+    the servers' wrong parameters; from the refused one on, also engine 0's against the
+    weights of the last update it took before (``wrong_kept``)."""
+    model, optimizer, generator, sync = _trainer(world, job)
+    vocab = model.config.vocab_size
+    sync.join()
+    records, kept = [], None
+    for step in range(6):
+        if step:
+            _train_step(model, optimizer, generator, vocab)
+        if step == 2:
+            if rank == 0:
+                open(job["flag"], "w").close()
+            dist.barrier()
+        record = _undriven_update(sync, model, job)
+        weights = _weights(model)
+        record["wrong"] = _wrong(weights, job)
+        if step == 1:
+            kept = weights  # engine 0's last update before it refuses
+        if step in (2, 3):
+            record["wrong_kept"] = _wrong(kept, job, job["urls"][:1])
+        records.append(record)
+    dist.barrier()
+    sync.close()
+    return records
 
 
 def _row(report) -> dict:

@@ -235,6 +235,49 @@ def test_trainer_rank_killed_mid_delta_then_fresh_ranks_update_in_full(delta_ser
     assert records[1]["delta"]["mode"] == "delta", records[1]["delta"]
 
 
+def test_a_trainer_that_does_not_hear_the_engines_never_mixes(delta_servers):
+    """``drive=False`` (verl: the rollout workers send the engines their requests): the
+    trainer commits its snapshot when its rounds succeed, whatever the engines answer. Engine
+    0 refuses a delta in its apply step (update 2; the trainer reports success, as it cannot
+    know): it keeps its old weights and refuses the next delta before any byte moves,
+    naming why, rather than decoding it on a base the trainer does not expect (with digests
+    every 8th update only, nothing else would catch it). The trainer then forms a new
+    epoch: a full update, exact everywhere, and deltas resume."""
+    from delta_cases import delta_undriven_job
+
+    servers, faults, model_dir = delta_servers
+    urls = [s.url for s in servers]
+    flag = os.path.join(faults[0], "refuse_apply.rank0")
+    job = _job("delta-undriven", urls, model_dir, TIMEOUT_S, flag=flag, digest_every=8)
+    records = run_ranks(2, delta_undriven_job, job, timeout=900)[0]
+    modes = [r["delta"]["mode"] for r in records]
+    wrong = [
+        len(r["wrong"][urls[0]]) for r in records
+    ]  # engine 0's, against the trainer
+    # update 3 is refused before its rounds: nothing was sent, its summary says "it failed"
+    assert modes == ["full", "delta", "delta", "full", "full", "delta"], (modes, wrong)
+    for i in (0, 1, 4, 5):
+        assert records[i]["success"], (i, records[i]["message"])
+        assert all(a["success"] for a in records[i]["heard_here"].values()), i
+        assert all(not w for w in records[i]["wrong"].values()), (i, records[i])
+    refused, after = records[2], records[3]
+    assert refused["success"], "the trainer cannot hear the refusal"
+    answer = refused["heard_here"][urls[0]]
+    assert not answer["success"] and "refused before any write" in answer["message"]
+    assert refused["heard_here"][urls[1]]["success"], refused["heard_here"]
+    assert not refused["wrong"][urls[1]] and not refused["wrong_kept"][urls[0]]
+    assert not after["success"], (
+        "a delta was sent onto a base the trainer did not expect"
+    )
+    assert "a full update must come first" in after["message"], after["message"]
+    assert not after["wrong_kept"][urls[0]], after["wrong_kept"]
+    assert refused["update_id"] in after["message"], after["message"]
+    assert after["delta"]["why_full"] == "it failed", after["delta"]
+    assert sum(after["bytes_sent"]) == 0, after["bytes_sent"]
+    assert after["epoch"] + 1 == records[4]["epoch"], [r["epoch"] for r in records]
+    assert "failed" in records[4]["delta"]["why_full"], records[4]["delta"]
+
+
 def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):
     """A megatron-core GPTModel at TP 2 x PP 2 (fused QKV and fc1, padded vocab) updates one
     server with deltas after Adam-sized steps: each update bit-exact, and small. The engine

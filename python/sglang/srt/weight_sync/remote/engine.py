@@ -24,6 +24,9 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
   until an update succeeds, as on the colocated path.
 * leave (``LeaveWeightSyncGroupReqInput``): the groups, the store connection and the
   receiving thread are released.
+* An update of a group that failed or was refused on this rank leaves it ``stale``: the
+  group's next delta update is refused before any byte moves (a trainer that does not hear
+  the engines' answers committed its snapshot anyway), until a join or a full update.
 
 The engine never dies of a request: every exception becomes ``success=False`` naming the
 rank and phase.
@@ -235,6 +238,10 @@ class RemoteEngineSync:
         self.layout = layout if layout is not None else EngineLayout(rank)
         self.members: Dict[str, _Member] = {}
         self.receiving: Optional[Tuple[str, Receive]] = None
+        # per group: why this rank's parameters may differ from what the trainer last
+        # delivered (an update of it failed or was refused here); a delta is refused until
+        # a full update succeeds or a new epoch forms (``stale_problems``)
+        self.stale: Dict[str, str] = {}
         self._control: Optional[ControlGroup] = None
 
     @classmethod
@@ -327,6 +334,7 @@ class RemoteEngineSync:
             group.close()
             return False, problem
         self.members[req.group_name] = _Member(group, store, derived)
+        self.stale.pop(req.group_name, None)  # a new epoch: its first update is full
         logger.info("weight sync: %s joined %s", group.who, membership.legend())
         return True, f"joined {membership.legend()} as {group.who}"
 
@@ -378,6 +386,10 @@ class RemoteEngineSync:
             )
         if problems:
             return False, f"{REFUSED}engine rank {self.rank}: " + "; ".join(problems)
+        earlier = self.receive_of(req)
+        if earlier is not None:
+            # received, never applied nor aborted (a step unanswered)
+            self._mark_stale(req.group_name, earlier, "it was never applied")
         model = worker.model_runner.model
         live = self.layout.live(model, member.derived, block_fp8=True)
         targets, params = live.targets, live.params
@@ -406,7 +418,7 @@ class RemoteEngineSync:
                     f"{who}: asked to take part in update {req.update_id!r}, the trainer runs "
                     f"{header.update_id!r}"
                 )
-            return problems
+            return problems + self.stale_problems(req.group_name, header, who)
 
         receive = Receive(
             member.group,
@@ -445,6 +457,25 @@ class RemoteEngineSync:
         refused = mine is not None and mine.refused
         return ReceiveState.FAILED, (REFUSED if refused else "") + "; ".join(errors)
 
+    def stale_problems(self, name: str, header, who: str) -> List[str]:
+        """A delta update of group ``name`` refused while this rank's parameters may differ
+        from what the trainer last delivered: a trainer that does not hear the engines'
+        answers (``drive=False``: verl's rollout workers send them) commits its snapshot
+        whenever its rounds succeed, so the engine says it. Refused before any byte
+        moves; the trainer's next update forms a new epoch, which starts full."""
+        why = self.stale.get(name)
+        if not header.delta or why is None:
+            return []
+        return [
+            f"{who}: refuses delta update {header.update_id!r}: its parameters may differ "
+            f"from what the trainer last delivered ({why}); a full update must come first"
+        ]
+
+    def _mark_stale(self, name: str, mine: Optional[Receive], why: str) -> None:
+        result = mine.result if mine is not None else None
+        update = result.header.update_id if result is not None else "an update"
+        self.stale[name] = f"{update} of group {name!r} failed here: {why[:300]}"
+
     def receive_of(self, req) -> Optional[Receive]:
         if self.receiving is None or self.receiving[0] != req.group_name:
             return None
@@ -481,12 +512,14 @@ class RemoteEngineSync:
             f"engine rank {self.rank}: agreeing to write the received weights",
         )
         if before:
+            self._mark_stale(req.group_name, mine, "; ".join(before))
             self._done(mine)
             return False, REFUSED + "; ".join(before), False, {}
         why, mixed = commit_to_write(
             self.control, self.rank, req.outcome_channel, req.outcome_id, bound
         )
         if why is not None:
+            self._mark_stale(req.group_name, mine, why)
             self._done(mine)
             return False, why, mixed, {}
         try:
@@ -524,6 +557,7 @@ class RemoteEngineSync:
         )
         figures = dict(zip(REMOTE_FIGURES, table))
         if after:
+            self._mark_stale(req.group_name, mine, "; ".join(after))
             mixed = any(table[-1])
             message = "; ".join(after)
             if mixed:
@@ -544,6 +578,7 @@ class RemoteEngineSync:
             mine_figures[3] / 1e6,
             applied_us / 1e6,
         )
+        self.stale.pop(req.group_name, None)
         return True, "Success", False, figures
 
     def _done(self, mine: Optional[Receive]) -> None:
@@ -558,6 +593,7 @@ class RemoteEngineSync:
         mine = self.receive_of(req)
         if mine is None:
             return
+        self._mark_stale(req.group_name, mine, mine.error or "its receive was aborted")
         mine.group.data.abandon()
         if not mine.thread.is_alive():
             self._done(mine)
