@@ -221,8 +221,12 @@ def format_table(rows: Sequence[Dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def scenario_args(
+    argv: Optional[List[str]], description: str
+) -> Tuple[argparse.Namespace, List[Disaggregated]]:
+    """The command line of this module and of those that model its scenarios further:
+    ``--json``, ``--scenario`` (repeatable; default: all), ``--engines-planned``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--scenario", action="append")
     parser.add_argument(
@@ -233,6 +237,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    return args, chosen
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args, chosen = scenario_args(argv, __doc__.split("\n")[0])
     rows = [run(s, engines_planned=args.engines_planned) for s in chosen]
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0
