@@ -18,7 +18,8 @@ def remote_steps_job(rank: int, world: int, job: dict) -> list:
     """Steps: ("update", seed), ("arm", fault file) creates a fault file (first rank; the
     engine named by it acts on it), ("join", url) lets a (restarted) engine join,
     ("die", seed): trainer rank 1 dies inside its first executor round of that update,
-    ("state", urls): the first rank records those servers' checksums and generation."""
+    ("state", urls): the first rank records those servers' checksums and generation.
+    ``job["delta"]``: the group sends delta updates (``RemoteSync(delta=True)``)."""
     from remote_cases import group_of
     from torch.distributed.device_mesh import init_device_mesh
     from update_cases import as_layout, new_weights
@@ -27,7 +28,7 @@ def remote_steps_job(rank: int, world: int, job: dict) -> list:
     from sglang.srt.weight_sync.remote.trainer import HttpEndpoint
 
     mesh = init_device_mesh("cpu", (world,))
-    sync = group_of(job)
+    sync = group_of(job, delta=job.get("delta", False))
     records = []
     for kind, arg in job["steps"]:
         started = time.monotonic()

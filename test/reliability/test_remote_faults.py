@@ -1,5 +1,6 @@
 """Faults in a weight-sync group with remote engines: an engine killed mid-update, the
-engine restarted and rejoining, a trainer rank killed mid-update.
+engine restarted and rejoining (with delta updates: its first update is full), a trainer
+rank killed mid-update.
 
 Two TP-1 SGLang HTTP servers (each in a process tree of its own) and two trainer ranks
 (FSDP2 fp32 shards). When a process dies mid-update every other process returns an error
@@ -58,7 +59,7 @@ def state(server, model_dir, config, seeds):
     return None
 
 
-def run(cluster, steps, urls, world=2, may_die=()):
+def run(cluster, steps, urls, world=2, may_die=(), delta=False):
     job = dict(
         group="faults",
         port=free_port(),
@@ -67,6 +68,7 @@ def run(cluster, steps, urls, world=2, may_die=()):
         bucket=1 << 20,
         timeout=TIMEOUT_S,
         steps=steps,
+        delta=delta,
     )
     return run_ranks(world, remote_steps_job, job, timeout=900, may_die=may_die)
 
@@ -114,7 +116,9 @@ def test_engine_killed_mid_update_leaves_and_a_restarted_one_rejoins(cluster):
     killed_reply = results[0][1].get("engines", {}).get(a.url, {})
     assert not killed_reply.get("mixed"), killed_reply
 
-    # the engine restarts (a new server) and joins again, without restarting the trainer
+    # the engine restarts (a new server) and joins again, without restarting the trainer;
+    # the trainer sends deltas: the restarted engine's first update is full (a new epoch,
+    # the report says so) and exact, through the same executor as a plain update
     restarted = launch(
         model_dir,
         1,
@@ -123,7 +127,10 @@ def test_engine_killed_mid_update_leaves_and_a_restarted_one_rejoins(cluster):
     )
     cluster["servers"][1] = restarted
     results = run(
-        cluster, [("update", 4), ("join", restarted.url), ("update", 5)], [a.url]
+        cluster,
+        [("update", 4), ("join", restarted.url), ("update", 5)],
+        [a.url],
+        delta=True,
     )
     for records in results:
         before, joined, both = records
@@ -131,6 +138,10 @@ def test_engine_killed_mid_update_leaves_and_a_restarted_one_rejoins(cluster):
         assert joined["epoch"] == 2, joined
         assert both["success"], both["message"]
         assert sorted(both["engines"]) == sorted([a.url, restarted.url]), both
+        assert both["delta"]["mode"] == "full", both["delta"]
+        assert "a new membership epoch (2" in both["delta"]["why_full"], both["delta"]
+        for reply in both["engines"].values():
+            assert reply["bytes_received"] == reply["lower_bound_bytes"], reply
     assert state(a, model_dir, config, [5]) == 5
     assert state(restarted, model_dir, config, [5]) == 5
 
