@@ -386,9 +386,9 @@ class RemoteEngineSync:
             )
         if problems:
             return False, f"{REFUSED}engine rank {self.rank}: " + "; ".join(problems)
+        # an earlier update received, never applied nor aborted (a step left unanswered)
         earlier = self.receive_of(req)
         if earlier is not None:
-            # received, never applied nor aborted (a step unanswered)
             self._mark_stale(req.group_name, earlier, "it was never applied")
         model = worker.model_runner.model
         live = self.layout.live(model, member.derived, block_fp8=True)
