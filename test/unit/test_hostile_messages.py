@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 import uuid
+from re import escape as re_escape
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from sglang.srt.weight_sync.protocol import (
     CUDA_IPC_GLOBALS,
     ChannelError,
     DeliveryError,
+    LayoutFrames,
     PayloadKind,
     decode_header,
     encode_header,
@@ -365,3 +367,75 @@ def test_tensors_only_some_trainer_ranks_delivered_are_named():
         "tensor 'a' was delivered by trainer rank(s) [1] but not by trainer rank(s) [3]",
         "tensor 'b' was delivered by trainer rank(s) [3] but not by trainer rank(s) [1]",
     ]
+
+
+def _split(update_id: str = "u"):
+    """``_good_header`` as the sender sends it: a head and a layout frame (``LayoutFrames``)."""
+    return LayoutFrames().encode(_good_header(update_id)) + [b"x" * 16]
+
+
+def test_a_layout_read_before_is_taken_as_it_was_checked():
+    """The same layout frame in a later update is parsed and checked once: the receiver's
+    memo gives back the lists it checked, and the decoded header equals the one-frame
+    header's; the sender encodes equal fields once (the very same bytes)."""
+    sender, memo = LayoutFrames(), LayoutFrames()
+    first = sender.encode(_good_header("u1"))
+    second = sender.encode(_good_header("u2"))
+    assert first[1] is second[1] and first[0] != second[0]
+    one = decode_header(first + [b"x" * 16], layouts=memo)
+    two = decode_header(second + [b"x" * 16], layouts=memo)
+    assert two["tensors"] is one["tensors"] and two["update_id"] == "u2"
+    plain = decode_header([json.dumps(_good_header("u2")).encode(), b"x" * 16])
+    assert {k: v for k, v in two.items() if k != "data_at"} == {
+        k: v for k, v in plain.items() if k != "data_at"
+    }
+    assert (two["data_at"], plain["data_at"]) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "case, text",
+    [
+        ("no layout frame", "no second frame"),
+        ("unknown head key", "header keys: unknown ['tensors']"),
+        ("unknown layout key", "layout keys: unknown ['update_id']"),
+        ("layout not an object", "is a JSON list, not an object"),
+        ("bad tensors in a layout", "header field 'tensors'"),
+        ("segment without placements", "header field 'segment' is 'seg'"),
+        ("frames", "expected a header, its layout and 1 more"),
+    ],
+)
+def test_malformed_split_headers_are_refused(case, text):
+    """A head and layout frame are checked as the one-frame header is, each on its own
+    keys; a layout that differs from one read before is read in full (a memo that held a
+    good layout lets nothing malformed through)."""
+    memo = LayoutFrames()
+    decode_header(_split(), layouts=memo)  # a good layout kept
+    head, layout, data = _split()
+    h, lay = json.loads(head), json.loads(layout)
+    frames = {
+        "no layout frame": lambda: [head],
+        "unknown head key": lambda: [
+            json.dumps({**h, "tensors": []}).encode(),
+            layout,
+            data,
+        ],
+        "unknown layout key": lambda: [
+            head,
+            json.dumps({**lay, "update_id": "x"}).encode(),
+            data,
+        ],
+        "layout not an object": lambda: [head, b"[1, 2]", data],
+        "bad tensors in a layout": lambda: [
+            head,
+            json.dumps({**lay, "tensors": [["w", [1]]]}).encode(),
+            data,
+        ],
+        "segment without placements": lambda: [
+            json.dumps({**h, "segment": "seg"}).encode(),
+            layout,
+            data,
+        ],
+        "frames": lambda: [head, layout],
+    }[case]()
+    with pytest.raises(DeliveryError, match=re_escape(text)):
+        decode_header(frames, layouts=memo)

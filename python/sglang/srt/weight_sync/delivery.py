@@ -5,11 +5,12 @@ holding one ZeroMQ ``ipc://`` socket per engine TP rank for messages (and one da
 socket for shared-memory segments, below). A channel is an
 identity, not a string: it is resolved (``realpath``) and checked before any
 socket is bound or connected, so every spelling of one directory is one
-channel. A trainer rank PUSHes one two-part message: a JSON header (the update
+channel. A trainer rank PUSHes one message: a JSON header (the update
 id, which trainer rank it is, the map from trainer ranks to engine ranks, each
 tensor's name and ``MeshSpec``; fused local buffers (Megatron-core) travel
 without a spec, and the HF tensors they hold pieces of come with
-``HoldersSpec``s) and its local tensors. CUDA tensors go as CUDA IPC handles
+``HoldersSpec``s; its layout in a frame of its own that both ends keep,
+``protocol.LayoutFrames``) and its local tensors. CUDA tensors go as CUDA IPC handles
 (SGLang's ``MultiprocessingSerializer``), so no payload bytes are copied or
 gathered; the engine unpickles them naming only what rebuilds a CUDA tensor from
 its handle (``protocol.payload_globals``: no fd passing, nothing that connects to
@@ -49,10 +50,11 @@ from sglang.srt.weight_sync.protocol import (
     DeliveryError,
     HeaderBound,
     HeaderTooLarge,
+    LayoutFrames,
     PayloadKind,
     check_timeout,
     decode_header,
-    encode_header,
+    header_fields,
     payload_globals,
     resolve_channel,
     segment_socket_path,
@@ -203,6 +205,7 @@ class ShardSender:
         self._alive: List[torch.Tensor] = []
         self._segment = SegmentWriter()
         self._dtypes = DtypeFile(dtypes_path(self.channel, engine_rank))
+        self._layouts = LayoutFrames()
 
     def send(
         self,
@@ -226,8 +229,10 @@ class ShardSender:
             self._alive = [t if t.is_contiguous() else t.contiguous() for t in tensors]
             frames = [MultiprocessingSerializer.serialize(self._alive)]
         else:
+            wanted = self._dtypes.get()  # one look at the engine's file per payload
             shared = self._share(
-                tensors, [self._wire_dtype(n, t, spec) for n, t, spec in shards]
+                tensors,
+                [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards],
             )
             if shared is not None:
                 frames = []
@@ -235,7 +240,7 @@ class ShardSender:
                 contiguous = [t.contiguous() for t in tensors]
                 inline = [(str(t.dtype), t.shape) for t in contiguous]
                 frames = [_inline_frame(t) for t in contiguous]
-        header = encode_header(
+        header = header_fields(
             update_id,
             trainer_rank,
             rank_map,
@@ -250,13 +255,16 @@ class ShardSender:
             inline,
             shared,
         )
-        self._sock.send_multipart([header, *frames])
+        self._sock.send_multipart([*self._layouts.encode(header), *frames])
 
-    def _wire_dtype(self, name: str, t: torch.Tensor, spec) -> torch.dtype:
+    @staticmethod
+    def _wire_dtype(
+        wanted: Mapping[str, torch.dtype], name: str, t: torch.Tensor, spec
+    ) -> torch.dtype:
         """The dtype a CPU shard travels in: the engine's, where it keeps the tensor in one
         smaller floating dtype (``wire_dtypes``: the cast the engine would make, made once
         in the copy into shared memory), else its own."""
-        want = self._dtypes.get().get(name) if isinstance(spec, MeshSpec) else None
+        want = wanted.get(name) if isinstance(spec, MeshSpec) else None
         if (
             want is not None
             and t.is_floating_point()
@@ -329,6 +337,12 @@ class ShardReceiver:
             collections.OrderedDict()
         )
         self._inboxes: Dict[str, SegmentInbox] = {}  # by channel, beside its socket
+        # the payload layouts read last, checked (``LayoutFrames``), and the tensors' specs
+        # decoded from each (by the layout's identity: one entry per layout kept)
+        self._layouts = LayoutFrames()
+        self._specs_of: Dict[
+            int, Tuple[list, Dict[str, Union[MeshSpec, HoldersSpec]]]
+        ] = {}
         self._consumed: Set[str] = set()
         self._consumed_order: Deque[str] = collections.deque()
 
@@ -411,7 +425,7 @@ class ShardReceiver:
                 )
             frames = sock.recv_multipart()
             try:
-                header = decode_header(frames, bound)
+                header = decode_header(frames, bound, self._layouts)
             except HeaderTooLarge as e:
                 raise self._error(
                     f"a message on channel {channel!r} while waiting for update "
@@ -439,7 +453,7 @@ class ShardReceiver:
                 dropped.append(f"payload of update {header['update_id']!r}")
                 continue
             self._consume(update_id)
-            return self._payload(header, frames[1:], inbox)
+            return self._payload(header, frames[header["data_at"] :], inbox)
 
     def _consume(self, update_id: str) -> None:
         self._consumed.add(update_id)
@@ -514,7 +528,23 @@ class ShardReceiver:
         return tensors
 
     def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
-        """Each tensor's layout: a mesh and placements, or the holders of its pieces."""
+        """Each tensor's layout: a mesh and placements, or the holders of its pieces;
+        decoded once per layout the receiver keeps (``LayoutFrames``)."""
+        tensors = header["tensors"]
+        kept = self._specs_of.get(id(tensors))
+        if kept is not None and kept[0] is tensors:
+            return dict(kept[1])
+        specs = self._decode_specs(header)
+        if self._layouts.holds(
+            tensors
+        ):  # the layout's lists live as long as it is kept
+            self._specs_of = {
+                k: v for k, v in self._specs_of.items() if self._layouts.holds(v[0])
+            }
+            self._specs_of[id(tensors)] = (tensors, specs)
+        return dict(specs)
+
+    def _decode_specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         trainer = header["trainer_rank"]
         specs: Dict[str, Union[MeshSpec, HoldersSpec]] = {}
         described = [

@@ -19,6 +19,7 @@ collectives, ``engine_update`` and ``trainer_flow`` are the two ends.
 from __future__ import annotations
 
 import base64
+import collections
 import enum
 import functools
 import io
@@ -51,6 +52,7 @@ __all__ = (
     "HEADER_DEPTH",
     "HeaderBound",
     "HeaderTooLarge",
+    "LayoutFrames",
     "IPC_PATH_MAX",
     "MAX_TIMEOUT_S",
     "MAX_UPDATE_ID_CHARS",
@@ -68,6 +70,7 @@ __all__ = (
     "decode_header",
     "encode_header",
     "grace_from_env",
+    "header_fields",
     "is_mixed",
     "make_channel",
     "payload_globals",
@@ -355,7 +358,7 @@ class PayloadKind(str, enum.Enum):
     DESCRIBE = "describe"  # no tensors: publish the engine's manifest into the channel
 
 
-def encode_header(
+def header_fields(
     update_id: str,
     trainer_rank: int,
     rank_map: Mapping[int, int],
@@ -366,8 +369,8 @@ def encode_header(
     fingerprint: str,
     inline: Optional[Sequence[Tuple[str, Sequence[int]]]],
     shared: Optional[Tuple[str, Sequence[Tuple[str, Sequence[int], int]]]] = None,
-) -> bytes:
-    """The JSON header of a payload: ``tensors`` and ``pieces`` as (name, wire layout or
+) -> Dict[str, Any]:
+    """The fields of a payload's header: ``tensors`` and ``pieces`` as (name, wire layout or
     None); ``inline``: (dtype, shape) per tensor when they follow as raw frames;
     ``shared``: (segment id, (dtype, shape, offset) per tensor) when they lie in a
     shared-memory segment passed beside the message (``shared_segment``). Each distinct
@@ -375,12 +378,15 @@ def encode_header(
     a mesh lists every trainer rank, so repeating it per tensor would grow the header with
     tensors times ranks."""
     meshes: Dict[str, int] = {}
+    by_id: Dict[int, int] = {}  # tensors of one mesh share its object: encoded once
 
     def interned(wire):
         if wire is None:
             return None
         shape, dtype, mesh, placements = wire
-        index = meshes.setdefault(json.dumps(mesh), len(meshes))
+        index = by_id.get(id(mesh))
+        if index is None:
+            index = by_id[id(mesh)] = meshes.setdefault(json.dumps(mesh), len(meshes))
         return [shape, dtype, index, placements]
 
     header = {
@@ -402,54 +408,130 @@ def encode_header(
             str(shared[0]),
             [[str(d), [int(s) for s in shape], int(o)] for d, shape, o in shared[1]],
         ]
-    return json.dumps(header).encode()
+    return header
 
 
-def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> dict:
+def encode_header(*args, **kwargs) -> bytes:
+    """``header_fields`` as one JSON frame (every field in one object; ``LayoutFrames``
+    sends the same fields as two frames)."""
+    return json.dumps(header_fields(*args, **kwargs)).encode()
+
+
+# The fields of a header that describe the payload's tensors: the same every update of a
+# training run, so ``LayoutFrames`` sends them in a frame of their own, kept by both ends.
+_LAYOUT_KEYS = frozenset(
+    ("tensors", "pieces", "names", "fingerprint", "meshes", "inline", "placements")
+)
+
+
+class LayoutFrames:
+    """One end's memo of payload layouts. A payload's header is a small head (the update,
+    the trainer rank, the kind, the segment) and a layout frame (``_LAYOUT_KEYS``: every
+    tensor's name and layout, and where its bytes lie): a MoE model's layout is megabytes
+    that are the same every update, so the sender encodes it and the receiver parses and
+    checks it only when it changed. Each end keeps its last ``keep`` layouts, by their
+    fields (sender) or bytes (receiver); a receiver without a memo, or a header in one
+    frame (``encode_header``), is read in full."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._sent: List[Tuple[Dict[str, Any], bytes]] = []
+        self._read: collections.OrderedDict[bytes, Dict[str, Any]] = (
+            collections.OrderedDict()
+        )
+
+    def encode(self, fields: Mapping[str, Any]) -> List[bytes]:
+        """``header_fields`` as [head, layout] frames."""
+        head = {k: v for k, v in fields.items() if k not in _LAYOUT_KEYS}
+        layout = {k: v for k, v in fields.items() if k in _LAYOUT_KEYS}
+        shared = head.pop("shared", None)
+        if shared is not None:
+            head["segment"], layout["placements"] = shared
+        head["layout"] = True
+        raw = next((b for f, b in self._sent if f == layout), None)
+        if raw is None:
+            raw = json.dumps(layout).encode()
+            self._sent = [(layout, raw)] + self._sent[: self.keep - 1]
+        return [json.dumps(head).encode(), raw]
+
+    def read(self, raw: bytes) -> Optional[Dict[str, Any]]:
+        """The checked layout of frame ``raw`` when it was read before (else None)."""
+        layout = self._read.get(raw)
+        if layout is not None:
+            self._read.move_to_end(raw)
+        return layout
+
+    def holds(self, tensors: list) -> bool:
+        """Whether ``tensors`` is the tensor list of a layout this receiver keeps."""
+        return any(layout["tensors"] is tensors for layout in self._read.values())
+
+    def keep_read(self, raw: bytes, layout: Dict[str, Any]) -> None:
+        self._read[bytes(raw)] = layout
+        while len(self._read) > self.keep:
+            self._read.popitem(last=False)
+
+
+def decode_header(
+    frames: List[bytes],
+    bound: HeaderBound = HeaderBound(),
+    layouts: Optional[LayoutFrames] = None,
+) -> dict:
     """The checked header of a message (nothing is unpickled here), or DeliveryError
-    saying why it is malformed. Bounded before anything is interpreted: the header's size
-    (``bound``: ``HeaderTooLarge``) and nesting depth are checked before it is parsed,
+    saying why it is malformed. Bounded before anything is interpreted: each JSON frame's
+    size (``bound``: ``HeaderTooLarge``) and nesting depth are checked before it is parsed,
     numbers must be integers within range (no float, NaN or inf), keys are known and
     unique, and every field has its type, so what a peer sends can neither exhaust the
     parser nor reach later code in a shape it does not expect. Tensor layouts come back
-    with their meshes in place (``encode_header`` interns them)."""
+    with their meshes in place (``encode_header`` interns them). The header is one frame,
+    or a head and a layout frame (``LayoutFrames``; a layout read before is taken from
+    ``layouts`` as it was checked then); ``data_at``: the index of the first data frame."""
     if not frames:
         raise DeliveryError("an empty message; expected a header and the shards")
-    raw = frames[0]
-    if len(raw) > bound.bytes:
-        raise HeaderTooLarge(
-            f"a payload header of {len(raw)} bytes; this engine rank reads at most {bound}: "
-            "a payload describes at most the model's tensors (is the trainer updating "
-            "another model?)"
+    head = _parse_json(frames[0], bound, "header")
+    if head.get("layout") is True:
+        if len(frames) < 2:
+            raise DeliveryError(
+                "a header that names a layout frame, and no second frame"
+            )
+        _check_keys(head, _HEAD_REQUIRED, _HEAD_KEYS, "header")
+        layout = layouts.read(frames[1]) if layouts is not None else None
+        if layout is None:
+            fields = _parse_json(frames[1], bound, "header's layout frame")
+            _check_keys(
+                fields, frozenset(("tensors", "pieces")), _LAYOUT_KEYS, "layout"
+            )
+            layout = _checked_layout(fields)
+            if layouts is not None:
+                layouts.keep_read(frames[1], layout)
+        segment, data_at = head.get("segment"), 2
+        if (segment is None) != (layout["placements"] is None):
+            raise DeliveryError(
+                f"header field 'segment' is {segment!r} for a layout "
+                f"{'with' if layout['placements'] is not None else 'without'} placements "
+                "in a segment"
+            )
+    else:
+        _check_keys(head, _REQUIRED_KEYS, _HEADER_KEYS, "header")
+        shared = head.get("shared")
+        _check(
+            shared is None
+            or (
+                _is_list(shared, 2)
+                and len(shared) == 2
+                and _is_str(shared[0], MAX_SEGMENT_ID_CHARS)
+            ),
+            "shared",
+            shared,
+            "null, or [segment id, [dtype, shape, offset] for each tensor]",
         )
-    depth = _nesting_depth(bytes(raw))
-    if depth > HEADER_DEPTH:
-        raise DeliveryError(
-            f"the header nests deeper than {HEADER_DEPTH} levels; a real one nests "
-            "a few levels"
+        segment, data_at = (None if shared is None else shared[0]), 1
+        layout = _checked_layout(
+            {
+                **{k: head[k] for k in _LAYOUT_KEYS & set(head)},
+                "placements": None if shared is None else shared[1],
+            }
         )
-    try:
-        header = json.loads(
-            bytes(raw),
-            parse_float=_no_float,
-            parse_constant=_no_float,
-            parse_int=_bounded_int,
-            object_pairs_hook=_unique_keys,
-        )
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and ours are ValueError
-        raise DeliveryError(f"unreadable header: {e}") from None
-    if not isinstance(header, dict):
-        raise DeliveryError(
-            f"the header is a JSON {type(header).__name__}, not an object"
-        )
-    unknown = sorted(set(header) - _HEADER_KEYS)
-    missing = sorted(_REQUIRED_KEYS - set(header))
-    if unknown or missing:
-        raise DeliveryError(
-            f"header keys: unknown {unknown}, missing {missing}; expected "
-            f"{sorted(_HEADER_KEYS)}"
-        )
-    update_id, trainer = header["update_id"], header["trainer_rank"]
+    update_id, trainer = head["update_id"], head["trainer_rank"]
     _check(
         _is_str(update_id, MAX_UPDATE_ID_CHARS) and update_id,
         "update_id",
@@ -457,7 +539,7 @@ def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> di
         f"a non-empty string of at most {MAX_UPDATE_ID_CHARS} characters",
     )
     _check(_is_rank(trainer), "trainer_rank", trainer, f"a rank in [0, {MAX_RANK})")
-    pairs = header["rank_map"]
+    pairs = head["rank_map"]
     _check(
         _is_list(pairs, MAX_RANK)
         and all(
@@ -469,14 +551,94 @@ def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> di
     )
     rank_map = {k: v for k, v in pairs}
     _check(len(rank_map) == len(pairs), "rank_map", pairs, "each trainer rank once")
-    meshes = header.get("meshes", [])
+    kind = head.get("kind", PayloadKind.SHARDS.value)
+    _check(
+        isinstance(kind, str) and kind in _KINDS,
+        "kind",
+        kind,
+        f"one of {sorted(_KINDS)}",
+    )
+    _check(
+        segment is None or _is_str(segment, MAX_SEGMENT_ID_CHARS),
+        "segment",
+        segment,
+        f"null or a string of at most {MAX_SEGMENT_ID_CHARS} characters",
+    )
+    inline, placements = layout["inline"], layout["placements"]
+    expected = (1 if placements is None else 0) if inline is None else len(inline)
+    if len(frames) - data_at != expected:
+        raise DeliveryError(
+            f"{len(frames)} frame(s); expected a header"
+            + (", its layout" if data_at == 2 else "")
+            + f" and {expected} more"
+        )
+    return {
+        "update_id": update_id,
+        "trainer_rank": trainer,
+        "rank_map": rank_map,
+        "tensors": layout["tensors"],
+        "pieces": layout["pieces"],
+        "kind": PayloadKind(kind),
+        "names": layout["names"],
+        "fingerprint": layout["fingerprint"],
+        "inline": inline,
+        "shared": None if placements is None else [segment, placements],
+        "data_at": data_at,
+    }
+
+
+def _parse_json(raw: bytes, bound: HeaderBound, what: str) -> dict:
+    """A JSON object read from ``raw`` within ``bound`` and ``HEADER_DEPTH`` (integers only,
+    unique keys), or DeliveryError."""
+    if len(raw) > bound.bytes:
+        raise HeaderTooLarge(
+            f"a payload {what} of {len(raw)} bytes; this engine rank reads at most {bound}: "
+            "a payload describes at most the model's tensors (is the trainer updating "
+            "another model?)"
+        )
+    depth = _nesting_depth(bytes(raw))
+    if depth > HEADER_DEPTH:
+        raise DeliveryError(
+            f"the {what} nests deeper than {HEADER_DEPTH} levels; a real one nests "
+            "a few levels"
+        )
+    try:
+        fields = json.loads(
+            bytes(raw),
+            parse_float=_no_float,
+            parse_constant=_no_float,
+            parse_int=_bounded_int,
+            object_pairs_hook=_unique_keys,
+        )
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and ours are ValueError
+        raise DeliveryError(f"unreadable {what}: {e}") from None
+    if not isinstance(fields, dict):
+        raise DeliveryError(
+            f"the {what} is a JSON {type(fields).__name__}, not an object"
+        )
+    return fields
+
+
+def _check_keys(fields: dict, required, known, what: str) -> None:
+    unknown = sorted(set(fields) - known)
+    missing = sorted(required - set(fields))
+    if unknown or missing:
+        raise DeliveryError(
+            f"{what} keys: unknown {unknown}, missing {missing}; expected "
+            f"{sorted(known)}"
+        )
+
+
+def _checked_layout(fields: dict) -> Dict[str, Any]:
+    """The layout fields of a header (``_LAYOUT_KEYS``), checked, meshes in place."""
+    meshes = fields.get("meshes", [])
     _check(
         _is_list(meshes) and all(_is_mesh(m) for m in meshes),
         "meshes",
         meshes,
         "a list of meshes of ranks",
     )
-    tensors, pieces = header["tensors"], header["pieces"]
+    tensors, pieces = fields["tensors"], fields["pieces"]
     _check(
         _is_list(tensors)
         and all(
@@ -497,15 +659,8 @@ def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> di
         pieces,
         'a list of [name, ["holders", shape, dtype, holders]]',
     )
-    kind = header.get("kind", PayloadKind.SHARDS.value)
-    names = header.get("names", [])
-    fingerprint = header.get("fingerprint", "")
-    _check(
-        isinstance(kind, str) and kind in _KINDS,
-        "kind",
-        kind,
-        f"one of {sorted(_KINDS)}",
-    )
+    names = fields.get("names", [])
+    fingerprint = fields.get("fingerprint", "")
     _check(
         _is_list(names) and all(_is_str(n, MAX_NAME_CHARS) for n in names),
         "names",
@@ -513,7 +668,7 @@ def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> di
         "a list of tensor names",
     )
     _check(_is_str(fingerprint, MAX_NAME_CHARS), "fingerprint", fingerprint, "a string")
-    inline = header.get("inline")
+    inline = fields.get("inline")
     _check(
         inline is None
         or (
@@ -531,45 +686,33 @@ def decode_header(frames: List[bytes], bound: HeaderBound = HeaderBound()) -> di
         inline,
         "null or [dtype, shape] for each tensor",
     )
-    shared = header.get("shared")
+    placements = fields.get("placements")
     _check(
-        shared is None
+        placements is None
         or (
             inline is None
-            and _is_list(shared, 2)
-            and len(shared) == 2
-            and _is_str(shared[0], MAX_SEGMENT_ID_CHARS)
-            and _is_list(shared[1])
-            and len(shared[1]) == len(tensors)
+            and _is_list(placements)
+            and len(placements) == len(tensors)
             and all(
                 _is_list(d, 3)
                 and len(d) == 3
                 and _is_str(d[0], MAX_NAME_CHARS)
                 and _is_shape(d[1])
                 and _is_int(d[2], 0, MAX_SIZE)
-                for d in shared[1]
+                for d in placements
             )
         ),
         "shared",
-        shared,
-        "null, or (without inline) [segment id, [dtype, shape, offset] for each tensor]",
+        placements,
+        "null, or (without inline) [dtype, shape, offset] for each tensor",
     )
-    expected = (1 if shared is None else 0) if inline is None else len(inline)
-    if len(frames) - 1 != expected:
-        raise DeliveryError(
-            f"{len(frames)} frame(s); expected a header and {expected} more"
-        )
     return {
-        "update_id": update_id,
-        "trainer_rank": trainer,
-        "rank_map": rank_map,
         "tensors": tensors,
         "pieces": pieces,
-        "kind": PayloadKind(kind),
         "names": names,
         "fingerprint": fingerprint,
         "inline": inline,
-        "shared": shared,
+        "placements": placements,
     }
 
 
@@ -592,6 +735,8 @@ _HEADER_KEYS = _REQUIRED_KEYS | {
     "shared",
     "meshes",
 }
+_HEAD_REQUIRED = frozenset(("update_id", "trainer_rank", "rank_map", "layout"))
+_HEAD_KEYS = _HEAD_REQUIRED | {"kind", "segment"}
 _KINDS = frozenset(k.value for k in PayloadKind)
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
