@@ -5,7 +5,7 @@ pieces of this chunk were written, the rest is whatever ``torch.empty`` returned
 
 import torch
 
-from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers
+from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers, write_regions
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, restrict
 
@@ -43,3 +43,27 @@ def test_nan_or_inf_in_a_delivered_piece_is_found():
     target, buffer = _up_only()
     buffer[6, 1] = float("inf")
     assert nonfinite_buffers([target], {target.name: buffer}) == [target.name]
+
+
+def test_many_regions_are_written_as_one_by_one_casts_would_write_them():
+    """``write_regions`` (one multi-tensor copy) writes every region as ``copy_`` would:
+    fp32 sources cast to a bf16 fused parameter's strided expert slices, a permuted view,
+    and a region received in place left as it is."""
+    g = torch.Generator().manual_seed(0)
+    param = torch.zeros(7, 8, 4, dtype=torch.bfloat16)
+    want = param.clone()
+    views, srcs = [], []
+    for e in range(6):
+        src = torch.randn(4, 4, generator=g)
+        views.append(param[e, 4 * (e % 2) : 4 * (e % 2) + 4])
+        srcs.append(src)
+        want[e, 4 * (e % 2) : 4 * (e % 2) + 4].copy_(src)
+    t = torch.randn(4, 3, generator=g)
+    views.append(param[6, :3].permute(1, 0))
+    srcs.append(t)
+    want[6, :3].permute(1, 0).copy_(t)
+    in_place = param[5, 0]
+    views.append(in_place)
+    srcs.append(in_place)
+    write_regions(views, srcs)
+    assert torch.equal(param, want)

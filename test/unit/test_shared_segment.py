@@ -28,7 +28,7 @@ from sglang.srt.weight_sync.protocol import (
     segment_socket_path,
     socket_path,
 )
-from sglang.srt.weight_sync.shared_segment import ALIGN, layout
+from sglang.srt.weight_sync.shared_segment import ALIGN, SegmentWriter, layout
 from sglang.srt.weight_sync.source_layout import MeshSpec
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 from sglang.srt.weight_sync.wire_dtypes import (
@@ -433,3 +433,28 @@ def test_a_shared_field_decodes_only_as_its_exact_shape(value, inline):
         and len(shared[1]) == 1
         and all(type(o) is int and o >= 0 for _, _, o in shared[1])
     )
+
+
+def test_a_released_segment_hands_out_the_same_views_for_the_same_layout():
+    """After the answer, the same shapes and dtypes get the views handed out last (a MoE
+    model's tens of thousands are not cut again every update); another layout, or an
+    unanswered segment, gets new ones, and what each holds is what was written."""
+    writer = SegmentWriter()
+    try:
+        shapes, dtypes = [(4, 2), (3,)], [torch.float32, torch.bfloat16]
+        first, _ = writer.allocate(shapes, dtypes)
+        writer.release()
+        again, _ = writer.allocate(shapes, dtypes)
+        assert all(a is b for a, b in zip(first, again))
+        fresh, _ = writer.allocate(shapes, dtypes)  # not released: a new segment
+        assert fresh[0] is not first[0]
+        writer.release()
+        other, _ = writer.allocate([(2, 4), (3,)], dtypes)
+        assert other[0].shape == (2, 4)
+        writer.release()
+        values = [torch.arange(8.0).view(2, 4), torch.ones(3)]
+        fd, _ = writer.write(values, dtypes)
+        assert torch.equal(writer._views[0], values[0])
+        assert torch.equal(writer._views[1], values[1].bfloat16())
+    finally:
+        writer.close()

@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.apply import write_region, write_zeros
+from sglang.srt.weight_sync.apply import write_regions, write_zeros
 from sglang.srt.weight_sync.control_plane import (
     PeerLost,
     fresh_group,
@@ -350,7 +350,7 @@ def check_inputs(
     without data (the meta device) is refused, naming both devices. ``params`` None: the
     shards only (the caller makes the parameters from the plan's own targets)."""
     problems: List[str] = []
-    seen = set()
+    seen, checked = set(), set()
     moves = list(plan.local_for(rank)) + [
         m for rnd in plan.rounds for m in rnd if rank in m.group
     ]
@@ -377,9 +377,13 @@ def check_inputs(
                 )
         for d in move.dests:
             if d.rank == rank and params is not None:
-                problems.extend(
-                    _check_param(params, rank, d.param, d.index, d.shape, device)
-                )
+                # once per parameter: a fused MoE parameter takes hundreds of regions
+                key = (d.param, d.index, d.shape)
+                if key not in checked:
+                    checked.add(key)
+                    problems.extend(
+                        _check_param(params, rank, d.param, d.index, d.shape, device)
+                    )
     for z in plan.zero_fills:
         if z.rank == rank and params is not None and z.param not in params:
             problems.append(f"rank {rank}: no parameter {z.param!r}")
@@ -440,11 +444,11 @@ def execute(
         t0 = time.perf_counter()
         try:
             write_zero_fills(plan, rank, params)
-            for move in local:
-                write_region(
-                    _dest_view(params, move.dests[0], move), _src_view(shards, move)
-                )
-                stats.bytes_copied_locally += move.nbytes
+            write_regions(
+                [_dest_view(params, m.dests[0], m) for m in local],
+                [_src_view(shards, m) for m in local],
+            )
+            stats.bytes_copied_locally += sum(m.nbytes for m in local)
         except BaseException:
             if flight is not None:  # no transfer of this update outlives it
                 for work in flight[0]:
@@ -505,8 +509,7 @@ def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) 
     """Write deferred landings into ``params`` (``apply.write_region``, cast on the fly);
     returns the bytes written. The buffers were allocated where they were received (another
     thread, another stream): each is kept for this stream's writes (``record_stream``)."""
-    for landing in landings:
-        _finish_landing(params, landing.buf, landing.move, list(landing.dests))
+    _finish_landings(params, [(x.buf, x.move, x.dests) for x in landings])
     keep_for_stream(landing.buf for landing in landings)
     return sum(landing.nbytes for landing in landings)
 
@@ -567,8 +570,9 @@ def _start_round(
         staging.stats.p2p_ops += 1
     for receiver, packed in packs_out.items():
         flat, views = _pack_buffer(_packed(packed), staging, None)
-        for view, move in views:
-            view.copy_(_src_view(shards, move))  # cast to the engine's dtype on the way
+        write_regions(  # cast to the engine's dtype on the way
+            [view for view, _ in views], [_src_view(shards, m) for _, m in views]
+        )
         ops.append(dist.P2POp(dist.isend, flat, to_global(receiver), group))
         staging.stats.p2p_ops += 1
     for sender, packed in packs_in.items():
@@ -617,8 +621,7 @@ def _finish_round(params, flight, staging, wait_for, deferred=None) -> None:
         deferred.landed([Landing(buf, m, tuple(d)) for buf, m, d in landings])
         return
     t0 = time.perf_counter()
-    for buf, move, mine in landings:
-        _finish_landing(params, buf, move, mine)
+    _finish_landings(params, landings)
     staging.stats.copy_seconds += time.perf_counter() - t0
 
 
@@ -639,9 +642,14 @@ def _landing(params, dest: Dest, move: Move, staging: _Staging) -> torch.Tensor:
     return staging.empty(view.shape, move.dtype)
 
 
-def _finish_landing(params, buf: torch.Tensor, move: Move, dests: List[Dest]) -> None:
-    for dest in dests:
-        write_region(_dest_view(params, dest, move), buf)
+def _finish_landings(params, landings) -> None:
+    """Write each (received buffer, move, this rank's dests) into its parameter regions."""
+    views, bufs = [], []
+    for buf, move, dests in landings:
+        for dest in dests:
+            views.append(_dest_view(params, dest, move))
+            bufs.append(buf)
+    write_regions(views, bufs)
 
 
 def exchange_payloads(
@@ -705,15 +713,20 @@ def rank_rounds(plan: Plan, rank: int) -> List[List[Move]]:
 
 
 def _src_view(shards, move: Move) -> torch.Tensor:
-    return shards[move.holder.buffer][move.src_box().slices()]
+    return shards[move.holder.buffer][move.src_index]
 
 
 def _dest_view(params, dest: Dest, move: Move) -> torch.Tensor:
-    """The parameter region a move lands in, with its dims in the moved region's (HF) order."""
-    view = params[dest.param][dest.index][dest.box(move.region).slices()]
-    if dest.perm is None:
-        return view
-    return view.permute(sorted(range(len(dest.perm)), key=dest.perm.__getitem__))
+    """The parameter region a move lands in, with its dims in the moved region's (HF) order
+    (the move's index tuples: ``Move.dest_index``)."""
+    for d, (index, unperm) in zip(move.dests, move.dest_index):
+        if d is dest:
+            break
+    else:  # an equal dest that is not one of the move's own objects
+        index, unperm = move.dest_index[move.dests.index(dest)]
+    param = params[dest.param]
+    view = (param[dest.index] if dest.index else param)[index]
+    return view if unperm is None else view.permute(unperm)
 
 
 def _check_param(

@@ -133,6 +133,30 @@ class Move:
     src_dtype: torch.dtype
     dtype: torch.dtype
     dests: Tuple[Dest, ...]
+    # The regions as index tuples, worked out once with the move (a plan is cached, and an
+    # update then slices tensors with them instead of computing boxes per region): in the
+    # holder's buffer, and per dest in ``param[index]`` with the permutation that puts the
+    # view's dims back in the region's order (None: already in it).
+    src_index: Tuple[slice, ...] = field(init=False, compare=False, repr=False)
+    dest_index: Tuple[Tuple[Tuple[slice, ...], Optional[Tuple[int, ...]]], ...] = field(
+        init=False, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "src_index", self.src_box().slices())
+        object.__setattr__(
+            self,
+            "dest_index",
+            tuple(
+                (
+                    d.box(self.region).slices(),
+                    None
+                    if d.perm is None
+                    else tuple(sorted(range(len(d.perm)), key=d.perm.__getitem__)),
+                )
+                for d in self.dests
+            ),
+        )
 
     @property
     def src(self) -> int:

@@ -109,6 +109,7 @@ class SegmentWriter:
         self._free = False  # the engine answered the update that read the segment
         self._views: List[torch.Tensor] = []  # what ``allocate`` handed out last
         self.offsets: List[int] = []  # and where
+        self._key: Optional[tuple] = None  # and for which shapes and dtypes
 
     def allocate(
         self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[torch.dtype]
@@ -117,11 +118,16 @@ class SegmentWriter:
         was released and is large enough), and their offsets; held until ``release`` or
         ``close``. A new segment's pages are allocated up front, so every byte counts as
         held whether or not it is written."""
+        key = (list(map(tuple, shapes)), list(dtypes))
+        if self._free and self._map is not None and key == self._key:
+            self._free = False  # the same layout in the same segment: the same views
+            return self._views, self.offsets
         offsets, size = layout(shapes, dtypes)
         if not (self._free and self._map is not None and len(self._map) >= size):
             self.close()
             self._open(max(size, 1))
         self._free = False
+        self._key = key
         views = []
         for shape, dtype, off in zip(shapes, dtypes, offsets):
             n = dtype.itemsize
@@ -147,9 +153,9 @@ class SegmentWriter:
         ``dtypes`` (default: its own) on the way; returns the descriptor and the offsets."""
         dtypes = list(dtypes) if dtypes is not None else [t.dtype for t in tensors]
         views, offsets = self.allocate([tuple(t.shape) for t in tensors], dtypes)
-        for view, t in zip(views, tensors):
-            if view.numel():
-                view.copy_(t)
+        pairs = [(view, t) for view, t in zip(views, tensors) if view.numel()]
+        if pairs:  # one multi-tensor copy: a MoE model's shards are tens of thousands
+            torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
         return self._fd, offsets
 
     @property
@@ -181,7 +187,7 @@ class SegmentWriter:
     def close(self) -> None:
         """Drop the segment (an engine still mapping it keeps its pages until it lets go)."""
         self._bytes = None
-        self._views, self.offsets = [], []
+        self._views, self.offsets, self._key = [], [], None
         if self._map is not None:
             try:
                 self._map.close()
