@@ -541,9 +541,7 @@ def slime_job(rank: int, world: int, job: dict) -> dict:
             if kind == "distributed":
                 if job["companion"]:
                     path["report"] = spied.get("report")
-                    updater._sglang_sync.close()
-                else:
-                    updater.disconnect_rollout_engines()
+                updater.disconnect_rollout_engines()  # patched: leaves SGLang's group
             if rank == 0:
                 path["state"] = _server_state(engine, job["prompts"][seed])
                 if kind == "disk":
