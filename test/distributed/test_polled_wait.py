@@ -10,6 +10,7 @@ GPU: ``test/gpu/test_nccl_timeout.py``.
 """
 
 import os
+import re
 import time
 
 import pytest
@@ -235,29 +236,46 @@ def _failed_updates_leave_nothing(rank: int, world: int) -> dict:
                 failures += 1
 
     failed_update()
-    before, keys_before = held(), store.num_keys()
+    sync.control.barrier(30.0, "every rank made the first group")
+    before, keys_before = held(), sorted(store.list_keys())
     for _ in range(50):
         failed_update()
-    after, keys_after = held(), store.num_keys()
+    sync.control.barrier(30.0, "every rank made the last group")
+    after, keys_after = held(), sorted(store.list_keys())
     sync.control.barrier(30.0, "the end")
     return dict(
         before=before,
         after=after,
         failures=failures,
-        keys_per_update=(keys_after - keys_before) / 50,
+        keys_before=keys_before,
+        keys_after=keys_after,
     )
 
 
-def test_fifty_failed_updates_leave_no_thread_or_group_behind():
+def _numbers_out(keys) -> list:
+    """Store keys with the number of the data group, or of the barrier, each belongs to
+    taken out, sorted."""
+    keys = [re.sub(r"(weight_sync/group/[0-9,]+)/[0-9]+/", r"\1/N/", k) for k in keys]
+    return sorted(re.sub(r"(/barrier/[0-9,]+)/[0-9]+/", r"\1/N/", k) for k in keys)
+
+
+def test_fifty_failed_updates_leave_no_thread_group_or_store_key_behind():
     """Each failed wait abandons its data group at once (aborted, destroyed) and the next
     update makes a new one: after 50 of them the process holds no more threads and torch no
-    more groups than after one. The store keeps each renewed group's rendezvous keys (a
-    few per group: ``keys_per_update``, printed), a known leftover (docs/gpu.md)."""
+    more groups than after one, and the store holds the same keys but for the live group's
+    number (its rendezvous: the previous group's keys go when the next one is made,
+    ``control_plane.fresh_group``; the barrier marks, one per rank, replace each other)."""
     results = run_ranks(2, _failed_updates_leave_nothing)
     assert results[1]["failures"] == 51, results[1]
     for rank, r in enumerate(results):
         assert r["after"] == r["before"], (rank, r)
-    print("store keys per failed update:", results[0]["keys_per_update"])
+    keys_before, keys_after = results[0]["keys_before"], results[0]["keys_after"]
+    assert len(keys_after) == len(keys_before), (keys_before, keys_after)
+    assert _numbers_out(keys_after) == _numbers_out(keys_before), (
+        keys_before,
+        keys_after,
+    )
+    assert any("weight_sync/group/0,1/50/" in k for k in keys_after), keys_after
 
 
 def test_a_peer_killed_mid_update_gives_an_error_within_the_bound():

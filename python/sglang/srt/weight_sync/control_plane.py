@@ -58,6 +58,7 @@ __all__ = (
     "check_bound",
     "check_group_timeout",
     "collective_device",
+    "forget_keys",
     "fresh_group",
     "plan_disagreement",
     "group_timeout_s",
@@ -618,13 +619,20 @@ def fresh_group(
     would meet that group's stale addresses in the store and hang. Here every rank counts
     the groups made over ``ranks`` in the default store: each adds one, and a rank makes its
     next group only after its peers made this one, so every rank reads the same count.
-    ``setup_s``: the bound of its making (``join_group``)."""
+    ``setup_s``: the bound of its making (``join_group``).
+
+    The keys the previous group over ``ranks`` left in the store (gloo's addresses, NCCL's
+    unique id) are deleted once this one is made (``forget_keys``): every rank makes a new
+    group only after the ranks agreed to drop the old one (a failed update's renewal), so no
+    rank reads them again, and renewed groups leave the store no bigger than one group's keys.
+    """
     store = _store()
     tag = ",".join(map(str, ranks))
     made = store.add(f"weight_sync/groups/{tag}", 1)
-    return join_group(
+    number = (made - 1) // len(ranks)
+    group = join_group(
         store,
-        f"weight_sync/group/{tag}/{(made - 1) // len(ranks)}",
+        f"weight_sync/group/{tag}/{number}",
         list(ranks).index(dist.get_rank()),
         len(ranks),
         backend,
@@ -632,6 +640,26 @@ def fresh_group(
         ranks,
         setup_s,
     )
+    if number > 0:
+        forget_keys(store, f"weight_sync/group/{tag}/{number - 1}")
+    return group
+
+
+def forget_keys(store: dist.Store, prefix: str) -> int:
+    """Delete every key of ``store`` under ``prefix`` (the rendezvous of a group every rank
+    left); how many it deleted. Listed through ``store`` itself and matched on ``prefix/``
+    exactly (a ``PrefixStore``'s own listing matches its prefix without the separator: group
+    ``1`` would list group ``10``'s keys). A store that cannot list its keys (a torch without
+    ``list_keys``, a store type without it) is left as it is: 0. Deleting a key a peer
+    deleted first is harmless, so every rank may run it."""
+    try:
+        keys = store.list_keys()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return 0
+    gone = [k for k in keys if k.startswith(f"{prefix}/")]
+    for key in gone:
+        store.delete_key(key)
+    return len(gone)
 
 
 def leave_group(group: Optional[dist.ProcessGroup], destroy: bool = True) -> None:
