@@ -29,6 +29,7 @@ from sglang.srt.weight_sync.control_plane import (
     wait,
 )
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
+from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
 from sglang.srt.weight_sync.staging_budget import keep_for_stream
 
 __all__ = (
@@ -105,6 +106,12 @@ class DataGroup:
     ``set_up`` does both for a plan, so that an owner can run them before it commits to
     write (the engine does), where a failure is still a refusal.
 
+    On NCCL both block the host inside the call that posts the work (communicator init,
+    the pair's connection), before a poll could start: ``warm_up`` and ``connect`` post on
+    a thread of their own, waited for within the bound (``setup_bound.issue_within``); a
+    call still inside NCCL when the bound runs out leaves the group to that thread, which
+    aborts it once the call returns, and the owner drops it as after a failed wait.
+
     Every wait on the group goes through ``wait``: on NCCL it polls the work against the
     bound and aborts the group before it raises (``control_plane.poll``), never
     ``work.wait(timeout=...)``, which would leave the teardown to NCCL's watchdog (the
@@ -178,16 +185,13 @@ class DataGroup:
         self.connected = set()
         self.set_up_for = set()
 
-    def post(self, ops: List[dist.P2POp], phase: str) -> list:
+    def post(
+        self, ops: List[dist.P2POp], phase: str, timeout_s: Optional[float] = None
+    ) -> list:
         """Post ``ops`` as one batch (``batch_isend_irecv``); a failure to post (on gloo, a
         peer whose connection closed: a killed process) abandons the group as a failed wait
-        does."""
-        try:
-            return dist.batch_isend_irecv(ops)
-        except RuntimeError as e:
-            self.lost = f"{phase}: {type(e).__name__}: {e}"
-            self.abandon()
-            raise
+        does. ``timeout_s``: the post may set up NCCL (``issue``), bounded so."""
+        return self.issue(lambda: dist.batch_isend_irecv(ops), timeout_s, phase)
 
     def wait(self, work, timeout_s: Optional[float], phase: str) -> None:
         """Wait for ``work`` of this group at most ``timeout_s`` (None: the group's own
@@ -208,17 +212,56 @@ class DataGroup:
             self.abandon()
             raise
 
+    def issue(self, call, timeout_s: Optional[float], phase: str):
+        """``call()``, which posts works on this group, bounded on NCCL by ``timeout_s``
+        (``setup_bound.issue_within``: its NCCL set-up blocks the host). Still inside NCCL at
+        the bound: ``PeerLost`` naming ``phase``, the group lost, and left to that call's
+        thread, which aborts it once the call returns (nothing here touches it meanwhile).
+        A call that raises (NCCL's init failed; on gloo, a killed peer's closed connection)
+        abandons the group as a failed wait does."""
+        group = self.group
+        try:
+            if not self.polled or timeout_s is None:
+                return call()
+            return issue_within(
+                call,
+                timeout_s,
+                self.device,
+                lambda: leave_group(group, destroy=False),
+                f"weight-sync set-up: {phase}"[:60],
+            )
+        except SetUpStranded as e:
+            self.lost = f"{phase}: {e}; the group is dropped"
+            self.abandoned = True  # its thread aborts it (``abandon`` leaves it alone)
+            self.abandon()
+            raise PeerLost(self.lost) from None
+        except RuntimeError as e:
+            self.lost = f"{phase}: {type(e).__name__}: {e}"
+            self.abandon()
+            raise
+
+    def _deadline(self, timeout_s: Optional[float]) -> Optional[float]:
+        """When a set-up step's bound ends: the NCCL set-up (``issue``) and the wait after it
+        share it on a polled group; elsewhere (gloo) each wait keeps ``timeout_s`` as
+        before, nothing blocking the host ahead of it. None: no deadline."""
+        if not self.polled or timeout_s is None:
+            return None
+        return time.monotonic() + timeout_s
+
     def warm_up(self, timeout_s: Optional[float], phase: str) -> None:
         """Join the group's first collective on every rank (once per group; nothing to join
-        outside a process group)."""
+        outside a process group). On NCCL the communicator is made in it (``issue``)."""
         if self.warm or not dist.is_initialized():
             return
+        deadline = self._deadline(timeout_s)
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.wait(
-            dist.all_reduce(flag, group=self.group, async_op=True),
+        phase = f"{phase} (warming up the data group on {self.device})"
+        work = self.issue(
+            lambda: dist.all_reduce(flag, group=self.group, async_op=True),
             timeout_s,
-            f"{phase} (warming up the data group on {self.device})",
+            f"{phase}: making its communicator",
         )
+        self.wait(work, _left(deadline, timeout_s), phase)
         self.warm = True
 
     def needs_set_up(self, plan: Plan) -> bool:
@@ -261,9 +304,16 @@ class DataGroup:
             buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(op, buf, peer, self.group))
         phase = f"{phase} (connecting the ranks it pairs with)"
-        for work in self.post(ops, phase):
-            self.wait(work, timeout_s, phase)
+        deadline = self._deadline(timeout_s)
+        for work in self.post(ops, phase, timeout_s):
+            self.wait(work, _left(deadline, timeout_s), phase)
         self.connected.update(new)
+
+
+def _left(deadline: Optional[float], timeout_s: Optional[float]) -> Optional[float]:
+    """What is left of a bound ending at ``deadline``; ``timeout_s`` itself when there is
+    no deadline (a wait of its own on gloo: see ``DataGroup._deadline``)."""
+    return timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @dataclass(frozen=True)
