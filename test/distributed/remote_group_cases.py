@@ -257,4 +257,6 @@ def stalled_join_job(rank: int, world: int, job: dict) -> dict:
         remote_group.join_group = join_group
     time.sleep(max(0.0, timeout + 4 - out["seconds"]))  # the stalled rank is back
     out.update(remote_group_job(rank, world, {**job, "epoch": 2}, store))
+    if rank == 0:  # epoch 2 formed: this rank (the store's host) deleted epoch 1's keys
+        out["epoch1_keys"] = [k for k in store.list_keys() if "/epoch1/" in k]
     return out

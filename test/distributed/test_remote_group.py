@@ -123,7 +123,8 @@ def test_a_rank_that_never_reaches_the_rendezvous_fails_every_join_in_time(stall
     in the store, or after it, before making the epoch's groups (gloo's rendezvous, which
     waited for the groups' own timeout of hours: an engine joins in its scheduler loop, so
     serving froze that long). Every other rank's join fails within the join's bound, naming
-    the phase; then every rank joins epoch 2 and an update lands bit for bit."""
+    the phase; then every rank joins epoch 2 and an update lands bit for bit, and the
+    store keeps no key of epoch 1 (``remote.rendezvous.forget_before``)."""
     timeout = 4
     job = _small_job(timeout=timeout, stall=stall)
     results = run_ranks(4, stalled_join_job, job, timeout=300)
@@ -137,6 +138,7 @@ def test_a_rank_that_never_reaches_the_rendezvous_fails_every_join_in_time(stall
         assert "error" not in update, (rank, update)
         if rank >= 2:
             assert not update["wrong"] and update["received"] == update["lower_bound"]
+    assert results[0]["epoch1_keys"] == [], results[0]["epoch1_keys"]
 
 
 def test_the_store_port_is_free_and_outside_the_ephemeral_range():

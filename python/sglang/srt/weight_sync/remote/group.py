@@ -78,7 +78,11 @@ from sglang.srt.weight_sync.remote.protocol import (
     layout_wire,
     read_layout,
 )
-from sglang.srt.weight_sync.remote.rendezvous import meet, prefixed_store
+from sglang.srt.weight_sync.remote.rendezvous import (
+    forget_before,
+    meet,
+    prefixed_store,
+)
 from sglang.srt.weight_sync.source_layout import LayoutError, SourceLayout
 from sglang.srt.weight_sync.target_layout import restrict
 
@@ -211,6 +215,8 @@ class SyncGroup:
             timeout_s,
             f"{self.who}: meeting the {world_size} ranks of epoch {epoch}",
         )
+        if rank == 0:  # every member left its earlier epochs before it came here
+            forget_before(store, epoch_prefix(group_name, 0)[:-1], epoch)
         self._groups: List[dist.ProcessGroup] = []
         try:
             for kind, kind_backend in (("data", backend), ("control", "gloo")):

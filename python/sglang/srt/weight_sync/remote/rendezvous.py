@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.control_plane import PeerLost
+from sglang.srt.weight_sync.control_plane import PeerLost, forget_keys
 
-__all__ = ("free_port", "meet", "open_store", "prefixed_store")
+__all__ = ("forget_before", "free_port", "meet", "open_store", "prefixed_store")
 
 
 def free_port(low: int = 10000, high: Optional[int] = None, tries: int = 400) -> int:
@@ -80,3 +80,20 @@ def meet(
         raise PeerLost(
             f"{phase}: ranks {absent} of {size} did not arrive within {timeout_s:g}s ({e})"
         ) from None
+
+
+def forget_before(store: dist.Store, stem: str, number: int) -> int:
+    """Delete the keys of every ``{stem}{n}/`` with ``n`` below ``number`` (the epochs of a
+    weight-sync group before the one every member just met in: each member left its
+    earlier epochs before it came, so none reads their keys again); how many it deleted.
+    A store that cannot list its keys is left as it is (``control_plane.forget_keys``)."""
+    try:
+        keys = store.list_keys()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return 0
+    earlier = {
+        int(n)
+        for n in (k[len(stem) :].split("/", 1)[0] for k in keys if k.startswith(stem))
+        if n.isdigit() and int(n) < number
+    }
+    return sum(forget_keys(store, f"{stem}{n}") for n in sorted(earlier))
