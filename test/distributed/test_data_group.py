@@ -176,7 +176,7 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
     with ``where`` (``warm_up`` or ``connect``) raising on rank 1 only, as an NCCL init or
     P2P setup that fails there; then the next update, with SGLang's TP state faked as the
     gloo world."""
-    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync import control_plane, engine_update
     from sglang.srt.weight_sync.executor import DataGroup, execute
     from sglang.srt.weight_sync.protocol import REFUSED
     from sglang.srt.weight_sync.sglang_compat import TpState
@@ -184,13 +184,17 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
     engine_update.tp_state = lambda: TpState(rank, world, world, 1, None, None)
     sync = engine_update.EngineWeightSync(rank)
     plan = whole_tensor_plan(0, {1}, world)
+    owner = control_plane if where == "join_group" else DataGroup
     if rank == 1:
-        original = getattr(DataGroup, where)
+        original = getattr(owner, where)
 
-        def broken(self, *args, **kwargs):
+        def broken(*args, **kwargs):
+            # joining: its peers cannot reach it and wait in gloo's connect
+            if where == "join_group":
+                time.sleep(3.0)
             raise RuntimeError(f"injected {where} failure")
 
-        setattr(DataGroup, where, broken)
+        setattr(owner, where, broken)
     started = time.monotonic()
     first, refusal = sync.ready_data_group(plan, None, 2.0)
     out = dict(
@@ -201,7 +205,7 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
         dropped=sync._data is None,
     )
     if rank == 1:
-        setattr(DataGroup, where, original)
+        setattr(owner, where, original)
     data, again = sync.ready_data_group(plan, None, 30.0)
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     shards = {"w": full} if rank == 0 else {}
@@ -218,12 +222,14 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("where", ["warm_up", "connect"])
+@pytest.mark.parametrize("where", ["warm_up", "connect", "join_group"])
 def test_a_set_up_failing_on_one_rank_is_a_refusal_and_the_group_renewed(where):
     """A data group whose warm-up or connection fails on one engine rank (an NCCL
-    communicator or P2P setup that fails there) is a refusal on every rank before the commit
-    vote (``REFUSED``, nothing written, never ``mixed``), naming the rank; every rank drops
-    the group, and the next update makes a new one and lands."""
+    communicator or P2P setup that fails there), or that one rank never makes (its peers
+    wait in gloo's connect: within the update's bound, not the group's timeout of hours), is
+    a refusal on every rank before the commit vote (``REFUSED``, nothing written, never
+    ``mixed``), naming the rank; every rank drops the group, and the next update makes a
+    new one and lands."""
     results = run_ranks(3, _set_up_fails_on_one_rank, where)
     for rank, r in enumerate(results):
         assert r["refused"] and r["dropped"], (rank, r)

@@ -232,7 +232,8 @@ class EngineWeightSync:
         plan that every TP rank agreed on, if any TP rank has none (the first update, or
         one dropped after a failed wait): the ranks agree on that first (one all-reduce on
         the control group), so all of them make it together (``new_group`` with local
-        synchronization, so only they take part). ``ready_data_group`` warms it up and
+        synchronization, so only they take part), within ``bound`` (gloo meets every peer
+        while it is made: ``control_plane.join_group``). ``ready_data_group`` warms it up and
         connects it before the commit vote. ``renew``: whether some rank lacks one, when the ranks
         already agreed on it (``_agree``)."""
         if renew is None:
@@ -246,7 +247,9 @@ class EngineWeightSync:
             timeout_s = check_group_timeout(
                 DATA_GROUP_TIMEOUT_S, f"engine rank {self.rank}: the data group"
             )
-            self._data = DataGroup.over_ranks_of(tp_state().device_group, timeout_s)
+            self._data = DataGroup.over_ranks_of(
+                tp_state().device_group, timeout_s, setup_s=bound
+            )
         return self._data
 
     def ready_data_group(
