@@ -2,7 +2,7 @@
 
 Writes are in place (``copy_`` into the parameter's storage, never a new ``param.data``:
 CUDA graphs hold that storage), cast to the parameter's dtype on the fly. The executor
-lands what it receives through ``write_region``/``write_zeros``; a trainer-side update's
+lands what it receives through ``write_regions``/``write_zeros``; a trainer-side update's
 parameter-shaped buffers are checked and copied by ``check_buffers``/``copy_buffers``.
 After the writes, ``refresh_derived`` refreshes the tensors SGLang's loaders compute from
 parameters (Gemma norms, parameter aliases) and ``run_post_load`` runs the model's
@@ -32,27 +32,16 @@ __all__ = (
     "run_post_load",
     "synchronize",
     "write_quantized",
-    "write_region",
     "write_regions",
     "write_zeros",
 )
 
 
-def write_region(view: torch.Tensor, src: torch.Tensor) -> None:
-    """Write ``src`` into a parameter region ``view`` in place (cast to its dtype); a no-op
-    when ``src`` was received straight into ``view``."""
-    if (
-        view.data_ptr() != src.data_ptr()
-        or view.shape != src.shape
-        or view.stride() != src.stride()
-    ):
-        view.copy_(src)
-
-
 def write_regions(views: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``write_region`` for many regions in one call (torch's multi-tensor copy): a MoE
-    layer's experts are hundreds of small regions, each of which would otherwise cost a
-    dispatch of its own, far more than its bytes."""
+    """Write each ``srcs[i]`` into the parameter region ``views[i]`` in place (cast to its
+    dtype; nothing for a region received straight into it), in one call (torch's
+    multi-tensor copy): a MoE layer's experts are hundreds of small regions, each of which
+    would otherwise cost a dispatch of its own, far more than its bytes."""
     todo = [
         (view, src)
         for view, src in zip(views, srcs)

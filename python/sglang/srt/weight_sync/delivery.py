@@ -337,12 +337,8 @@ class ShardReceiver:
             collections.OrderedDict()
         )
         self._inboxes: Dict[str, SegmentInbox] = {}  # by channel, beside its socket
-        # the payload layouts read last, checked (``LayoutFrames``), and the tensors' specs
-        # decoded from each (by the layout's identity: one entry per layout kept)
+        # the payload layouts read last, checked, with the specs decoded from each
         self._layouts = LayoutFrames()
-        self._specs_of: Dict[
-            int, Tuple[list, Dict[str, Union[MeshSpec, HoldersSpec]]]
-        ] = {}
         self._consumed: Set[str] = set()
         self._consumed_order: Deque[str] = collections.deque()
 
@@ -530,19 +526,10 @@ class ShardReceiver:
     def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         """Each tensor's layout: a mesh and placements, or the holders of its pieces;
         decoded once per layout the receiver keeps (``LayoutFrames``)."""
-        tensors = header["tensors"]
-        kept = self._specs_of.get(id(tensors))
-        if kept is not None and kept[0] is tensors:
-            return dict(kept[1])
-        specs = self._decode_specs(header)
-        if self._layouts.holds(
-            tensors
-        ):  # the layout's lists live as long as it is kept
-            self._specs_of = {
-                k: v for k, v in self._specs_of.items() if self._layouts.holds(v[0])
-            }
-            self._specs_of[id(tensors)] = (tensors, specs)
-        return dict(specs)
+        memo = header["memo"]
+        if "specs" not in memo:
+            memo["specs"] = self._decode_specs(header)
+        return dict(memo["specs"])
 
     def _decode_specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         trainer = header["trainer_rank"]

@@ -556,7 +556,7 @@ def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) 
 
 
 def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) -> int:
-    """Write deferred landings into ``params`` (``apply.write_region``, cast on the fly);
+    """Write deferred landings into ``params`` (``apply.write_regions``, cast on the fly);
     returns the bytes written. The buffers were allocated where they were received (another
     thread, another stream): each is kept for this stream's writes (``record_stream``)."""
     _finish_landings(params, [(x.buf, x.move, x.dests) for x in landings])

@@ -461,10 +461,6 @@ class LayoutFrames:
             self._read.move_to_end(raw)
         return layout
 
-    def holds(self, tensors: list) -> bool:
-        """Whether ``tensors`` is the tensor list of a layout this receiver keeps."""
-        return any(layout["tensors"] is tensors for layout in self._read.values())
-
     def keep_read(self, raw: bytes, layout: Dict[str, Any]) -> None:
         self._read[bytes(raw)] = layout
         while len(self._read) > self.keep:
@@ -484,7 +480,8 @@ def decode_header(
     parser nor reach later code in a shape it does not expect. Tensor layouts come back
     with their meshes in place (``encode_header`` interns them). The header is one frame,
     or a head and a layout frame (``LayoutFrames``; a layout read before is taken from
-    ``layouts`` as it was checked then); ``data_at``: the index of the first data frame."""
+    ``layouts`` as it was checked then); ``data_at``: the index of the first data frame; ``memo``: a dict that lives as long as
+    the layout is kept, for what the receiver derives from it."""
     if not frames:
         raise DeliveryError("an empty message; expected a header and the shards")
     head = _parse_json(frames[0], bound, "header")
@@ -584,6 +581,7 @@ def decode_header(
         "inline": inline,
         "shared": None if placements is None else [segment, placements],
         "data_at": data_at,
+        "memo": layout["memo"],
     }
 
 
@@ -713,6 +711,8 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         "fingerprint": fingerprint,
         "inline": inline,
         "placements": placements,
+        # what a receiver derives from this layout (its specs), kept as long as the layout
+        "memo": {},
     }
 
 
