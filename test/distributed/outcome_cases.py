@@ -25,7 +25,7 @@ def engine_control_after_a_lost_wait(rank: int, world: int) -> dict:
     engine_update.GRACE_S = 1.0  # the closing barrier's bound: timeout_s + 1 s here
     request = SimpleNamespace(timeout_s=1.0, update_id="u")
     sync = engine_update.EngineWeightSync(rank)
-    sync.renew_control()
+    sync.renew_control(10.0)
     first = sync.control
     out = dict(own=first.group is not dist.group.WORLD, name=first.name)
     out["warm"] = first.all_equal(1, 30, "warm")
@@ -46,7 +46,7 @@ def engine_control_after_a_lost_wait(rank: int, world: int) -> dict:
         out["end"] = sync.end(request, True, "Success")
     out["lost"] = first.lost is not None
     dist.barrier()
-    sync.renew_control()
+    sync.renew_control(10.0)
     out["renewed"] = sync.control is not first
     out["renamed"] = sync.control.name
     out["agree"] = sync.control.all_equal(5, 30, "after")

@@ -61,7 +61,7 @@ def _set_up_never_finished(rank: int, world: int) -> dict:
     from sglang.srt.weight_sync.executor import DataGroup, execute
     from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 
-    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 30.0)
+    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0, 30.0)
     data.polled = True  # as on a GPU: set-up on a thread, waits polled
     real, release = dist.all_reduce, threading.Event()
 
@@ -93,7 +93,7 @@ def _set_up_never_finished(rank: int, world: int) -> dict:
         t.join(10)
     out["stranded_after"] = sum(t.is_alive() for t in stranded)
 
-    renewed = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 30.0)
+    renewed = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 1, 30.0)
     plan = whole_tensor_plan(0, {1}, world)
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
@@ -129,3 +129,89 @@ def test_peer_lost_is_what_a_stranded_set_up_raises():
         data.issue(lambda: release.wait(30), 0.2, "rank 3: connecting")
     assert data.abandoned and data.lost.startswith("rank 3: connecting")
     release.set()
+
+
+def _one_rank_missed_a_making(rank: int, world: int) -> dict:
+    """Rank 0 makes the trainer's data group alone (its peer failed before it got there):
+    its making runs out its bound. Then both ranks agree, as ``agree_on_inputs`` does, that
+    one lacks a group and on its number (the highest proposal), make it together and a move
+    lands; the store keeps the keys of that group only. A count kept per rank or in the
+    store would have rank 0 one group ahead from then on: every later making would meet a
+    peer under another name and run out its bound."""
+    from sglang.srt.weight_sync.control_plane import _store
+    from sglang.srt.weight_sync.executor import execute
+    from sglang.srt.weight_sync.trainer_flow import TrainerSync
+
+    sync, out = TrainerSync(), {}
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            sync.ready_data(0, BOUND_S)
+            out["alone"] = "made"
+        except Exception as e:  # noqa: BLE001 - what a lone making raises is asserted
+            out["alone"] = f"{type(e).__name__}: {e}"
+        out["alone_s"] = time.monotonic() - started
+    dist.barrier()
+    agreed = sync.world.agree(
+        [],
+        {},
+        {"no data group": sync.lacks_data},
+        30.0,
+        f"rank {rank}: agreeing on the data group",
+        {"data group number": sync.data_groups_made},
+    )
+    out["raised"] = agreed.raised
+    number = agreed.highest["data group number"]
+    out["number"] = number
+    data = sync.ready_data(number, 30.0)
+    plan = whole_tensor_plan(0, {1}, world)
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
+    execute(plan, rank, {"w": full} if rank == 0 else {}, params, data, 30.0)
+    out["landed"] = all(torch.equal(p, full) for p in params.values())
+    dist.barrier()
+    out["groups_in_store"] = sorted(
+        {
+            k.split("/")[3]
+            for k in _store().list_keys()
+            if k.startswith("weight_sync/group/")
+        }
+    )
+    return out
+
+
+def test_a_rank_that_missed_a_making_takes_its_peers_number_next():
+    ahead, behind = run_ranks(2, _one_rank_missed_a_making)
+    assert ahead["alone"] != "made", ahead
+    assert ahead["alone_s"] < BOUND_S + 5, ahead
+    assert ahead["raised"] == behind["raised"] == ("no data group",)
+    assert ahead["number"] == behind["number"] == 1, (ahead, behind)
+    assert ahead["landed"] and behind["landed"]
+    assert ahead["groups_in_store"] == behind["groups_in_store"] == ["1"], ahead
+
+
+def _control_group_alone(rank: int, world: int) -> dict:
+    """Rank 0 makes an engine-style control group (a gloo group of its own) that rank 1
+    never makes: ``PeerLost`` within its set-up bound, not gloo's hours-long group timeout."""
+    from sglang.srt.weight_sync.control_plane import ControlGroup
+
+    out = {}
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            ControlGroup(None, "engine-0", own=True, setup_s=BOUND_S)
+            out["made"] = "made"
+        except PeerLost as e:
+            out["made"] = str(e)
+        out["seconds"] = time.monotonic() - started
+    dist.barrier()
+    return out
+
+
+def test_a_control_group_a_rank_never_makes_is_peer_lost_within_its_bound():
+    alone, _ = run_ranks(2, _control_group_alone)
+    assert alone["made"].startswith(
+        "making the control group 'engine-0' over ranks [0, 1]: a rank never came within "
+        f"{BOUND_S:g}s"
+    ), alone
+    assert alone["seconds"] < BOUND_S + 3, alone

@@ -42,7 +42,7 @@ def _data_group_ranks(rank: int, world: int) -> dict:
     from sglang.srt.weight_sync.executor import DataGroup, execute
     from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 
-    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0)
     log = _count_collectives()
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     out = dict(
@@ -106,8 +106,8 @@ def _engine_renews_together(rank: int, world: int) -> dict:
 
     engine_update.tp_state = lambda: TpState(rank, world, world, 1, None, None)
     sync = engine_update.EngineWeightSync(rank)
-    first = sync.data_group(30.0)
-    again = sync.data_group(30.0)
+    first = sync.data_group(30.0, sync.agree_on_data_group(30.0))
+    again = sync.data_group(30.0, sync.agree_on_data_group(30.0))
     out = dict(
         kept=again is first,
         timeout=group_timeout_s(first.group),
@@ -115,7 +115,7 @@ def _engine_renews_together(rank: int, world: int) -> dict:
     )
     if rank == 0:  # a failed wait on rank 0 only: it drops its group
         sync.drop_data_group()
-    renewed = sync.data_group(30.0)
+    renewed = sync.data_group(30.0, sync.agree_on_data_group(30.0))
     out["renewed"] = renewed is not first
     flag = torch.ones(1)
     dist.all_reduce(flag, group=renewed.group)
@@ -143,8 +143,10 @@ def _abandoned_groups_leave_nothing(rank: int, world: int) -> dict:
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     plan = whole_tensor_plan(0, {1}, world)
 
+    made = iter(range(1000))
+
     def cycle() -> bool:
-        data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+        data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, next(made))
         shards = {"w": full} if rank == 0 else {}
         params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
         execute(plan, rank, shards, params, data, timeout_s=60)
@@ -196,7 +198,7 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
 
         setattr(owner, where, broken)
     started = time.monotonic()
-    first, refusal = sync.ready_data_group(plan, None, 2.0)
+    first, refusal = sync.ready_data_group(plan, sync.agree_on_data_group(2.0), 2.0)
     out = dict(
         seconds=time.monotonic() - started,
         refused=refusal is not None and refusal.startswith(REFUSED),
@@ -206,7 +208,7 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
     )
     if rank == 1:
         setattr(owner, where, original)
-    data, again = sync.ready_data_group(plan, None, 30.0)
+    data, again = sync.ready_data_group(plan, sync.agree_on_data_group(30.0), 30.0)
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     shards = {"w": full} if rank == 0 else {}
     params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
@@ -215,7 +217,7 @@ def _set_up_fails_on_one_rank(rank: int, world: int, where: str) -> dict:
         second=again,
         renewed=data is not None and data.own,
         landed=all(torch.equal(p, full) for p in params.values()),
-        ready_again=sync.ready_data_group(plan, False, 30.0) == (data, None),
+        ready_again=sync.ready_data_group(plan, None, 30.0) == (data, None),
     )
     del out["group"]
     dist.barrier()
@@ -283,7 +285,7 @@ def _packed_ranks(rank: int, world: int) -> dict:
         )
     )
     the_plan = plan(sources, {0: [], 1: targets})
-    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0)
     shards = dict(full) if rank == 0 else {}
     params = (
         {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in targets} if rank else {}

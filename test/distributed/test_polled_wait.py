@@ -171,7 +171,7 @@ def _withheld_send(rank: int, world: int) -> dict:
     sync = engine_update.EngineWeightSync(rank)
     plan = whole_tensor_plan(0, {1}, world)
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    data, refusal = sync.ready_data_group(plan, None, 30.0)
+    data, refusal = sync.ready_data_group(plan, sync.agree_on_data_group(30.0), 30.0)
     assert refusal is None, refusal
     out = {}
     if rank == 1:
@@ -187,9 +187,9 @@ def _withheld_send(rank: int, world: int) -> dict:
     else:
         time.sleep(4.0)  # the send is withheld past rank 1's bound
         out["abandoned"] = data.abandoned
-    renewed = sync.data_group(30.0)
+    renewed = sync.data_group(30.0, sync.agree_on_data_group(30.0))
     out["renewed"] = renewed is not data and not renewed.abandoned
-    renewed, refusal = sync.ready_data_group(plan, False, 30.0)
+    renewed, refusal = sync.ready_data_group(plan, None, 30.0)
     assert refusal is None, refusal
     params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
     execute(plan, rank, {"w": full} if rank == 0 else {}, params, renewed, 30.0)
@@ -227,7 +227,9 @@ def _failed_updates_leave_nothing(rank: int, world: int) -> dict:
 
     def failed_update() -> None:
         nonlocal failures
-        data, refusal = sync.ready_data_group(plan, None, 30.0)
+        data, refusal = sync.ready_data_group(
+            plan, sync.agree_on_data_group(30.0), 30.0
+        )
         assert refusal is None, refusal
         if rank == 1:
             try:

@@ -44,7 +44,7 @@ def killed_mid_round(rank: int, world: int, backend: str) -> dict:
     if nccl:
         torch.cuda.set_device(device)
     data = DataGroup(
-        fresh_group(list(range(world)), backend, DATA_GROUP_TIMEOUT_S, 60.0),
+        fresh_group(list(range(world)), backend, DATA_GROUP_TIMEOUT_S, 0, 60.0),
         own=True,
     )
     the_plan = whole_tensor_plan(1, {0}, world, (ROWS, 1024))
@@ -78,7 +78,9 @@ def killed_mid_round(rank: int, world: int, backend: str) -> dict:
     out["destroyed"] = data.group not in dist.distributed_c10d._world.pg_map
     time.sleep(watchdog_delay_s() if nccl else 0)
     out["alive_after_s"] = time.monotonic() - started
-    alone = DataGroup(fresh_group([0], backend, DATA_GROUP_TIMEOUT_S, 60.0), own=True)
+    alone = DataGroup(
+        fresh_group([0], backend, DATA_GROUP_TIMEOUT_S, 0, 60.0), own=True
+    )
     x = torch.full((8,), 2.0, device=device)
     alone.wait(
         dist.all_reduce(x, group=alone.group, async_op=True), 60.0, "rank 0 alone"

@@ -181,7 +181,7 @@ def test_the_groups_made_for_updates_have_timeouts_above_every_bound(monkeypatch
     )
     monkeypatch.setattr(engine_update, "DATA_GROUP_TIMEOUT_S", short)
     with pytest.raises(BoundTooLong, match="^engine rank 0: the data group: "):
-        engine_update.EngineWeightSync(0).data_group(30.0, renew=True)
+        engine_update.EngineWeightSync(0).data_group(30.0, 0)
     monkeypatch.setattr(
         remote_group, "meet", lambda *a: pytest.fail("the ranks met for short groups")
     )
@@ -246,7 +246,7 @@ def _one_rank_world(timeout_s: float = 60.0):
 def test_group_timeout_is_read_from_the_group():
     with _one_rank_world(77):
         assert control_plane.group_timeout_s(None) == 77.0
-        data = executor.DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S)
+        data = executor.DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0)
         assert data.group is not dist.group.WORLD
         assert control_plane.group_timeout_s(data.group) == DATA_GROUP_TIMEOUT_S
 

@@ -327,8 +327,8 @@ def test_a_control_group_whose_wait_failed_is_made_anew(monkeypatch):
     made = []
 
     class Group:
-        def __init__(self, group, name, own=False):
-            made.append((group, name, own))
+        def __init__(self, group, name, own=False, setup_s=None):
+            made.append((group, name, own, setup_s))
             self.lost = None
 
     monkeypatch.setattr(engine_update, "ControlGroup", Group)
@@ -338,16 +338,16 @@ def test_a_control_group_whose_wait_failed_is_made_anew(monkeypatch):
         lambda: SimpleNamespace(rank=0, cpu_group="sglang-tp-cpu"),
     )
     sync = engine_update.EngineWeightSync(0)
-    sync.renew_control()
+    sync.renew_control(30.0)
     first = sync.control
-    sync.renew_control()
+    sync.renew_control(30.0)
     assert sync.control is first, "kept while it works"
     first.lost = "a peer did not answer"
-    sync.renew_control()
+    sync.renew_control(40.0)
     assert sync.control is not first
     assert made == [
-        ("sglang-tp-cpu", "engine-0", True),
-        ("sglang-tp-cpu", "engine-1", True),
+        ("sglang-tp-cpu", "engine-0", True, 30.0),
+        ("sglang-tp-cpu", "engine-1", True, 40.0),
     ], "a gloo group of its own, never SGLang's TP group, named apart"
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -231,11 +231,14 @@ def check_group_timeout(timeout_s: float, what: str) -> float:
 @dataclass(frozen=True)
 class Agreement:
     """What ``ControlGroup.agree`` found: every rank's problems (empty: none), the names of
-    the values that differ between ranks, and the names of the flags some rank raised."""
+    the values that differ between ranks, the names of the flags some rank raised, and the
+    highest of each rank's proposals (a count every rank then takes, e.g. ``fresh_group``'s
+    number)."""
 
     problems: Tuple[str, ...]
     unequal: Tuple[str, ...]
     raised: Tuple[str, ...]
+    highest: Mapping[str, int] = field(default_factory=dict)
 
 
 def plan_disagreement(fingerprint: str, who: str) -> PlanDisagreement:
@@ -254,6 +257,9 @@ class ControlGroup:
     enters its barriers in the same order. ``own``: run on a gloo group of its own even
     over a gloo ``group`` (the engine's: a wait given up on SGLang's own TP group would
     leave that group out of step for serving). A wait that fails marks the group ``lost``.
+    ``setup_s``: the bound of making that gloo group (its ranks meet in the store and
+    connect to each other, waiting for the group's own timeout, hours, without one): a rank
+    that never comes is ``PeerLost`` within it on the others.
     """
 
     def __init__(
@@ -263,6 +269,7 @@ class ControlGroup:
         own: bool = False,
         rank: Optional[int] = None,
         store: Optional[dist.Store] = None,
+        setup_s: Optional[float] = None,
     ) -> None:
         self.name = name
         self.ranks: Tuple[int, ...] = (
@@ -270,7 +277,13 @@ class ControlGroup:
             if group is not None
             else tuple(range(dist.get_world_size()))
         )
-        self.group = _gloo_group(group, self.ranks, own)
+        try:
+            self.group = _gloo_group(group, self.ranks, own, setup_s)
+        except RuntimeError as e:  # gloo's rendezvous or connection ran out ``setup_s``
+            raise PeerLost(
+                f"making the control group {name!r} over ranks {list(self.ranks)}: "
+                f"a rank never came within {setup_s:g}s ({type(e).__name__}: {e})"
+            ) from None
         self.own = own
         self.device = collective_device(self.group)
         # this process's rank in the group; a group that spans processes of other worlds
@@ -335,16 +348,19 @@ class ControlGroup:
         flags: Mapping[str, bool],
         timeout_s: Optional[float],
         phase: str,
+        proposals: Optional[Mapping[str, int]] = None,
     ) -> Agreement:
         """Whether any rank has problems, which ``values`` (non-negative, below 2**62) differ
-        between ranks and which ``flags`` some rank raised, in one all-reduce; every rank's
-        problems follow (``share_problems``) only when some rank has one. Every rank passes
-        the same names, in the same order."""
+        between ranks, which ``flags`` some rank raised and the highest of ``proposals``, in
+        one all-reduce; every rank's problems follow (``share_problems``) only when some rank
+        has one. Every rank passes the same names, in the same order."""
         names, raised = list(values), list(flags)
+        proposed = list(proposals or {})
         vector = [int(bool(problems))]
         for name in names:
             vector += [int(values[name]), -int(values[name])]
         vector += [int(bool(flags[name])) for name in raised]
+        vector += [int(proposals[name]) for name in proposed]
         t = torch.tensor(vector, dtype=torch.int64, device=self.device)
         got = self._reduce(t, timeout_s, phase, dist.ReduceOp.MAX).tolist()
         every = tuple(self.share_problems(problems, timeout_s, phase)) if got[0] else ()
@@ -352,10 +368,12 @@ class ControlGroup:
             name for i, name in enumerate(names) if got[1 + 2 * i] != -got[2 + 2 * i]
         )
         base = 1 + 2 * len(names)
+        top = base + len(raised)
         return Agreement(
             every,
             unequal,
             tuple(name for i, name in enumerate(raised) if got[base + i]),
+            {name: got[top + i] for i, name in enumerate(proposed)},
         )
 
     def all_gather_ints(
@@ -610,26 +628,27 @@ def fresh_group(
     ranks: Sequence[int],
     backend: str,
     timeout_s: float,
+    number: int,
     setup_s: Optional[float] = None,
 ) -> dist.ProcessGroup:
-    """A group over ``ranks`` of this world (this rank among them), made by those ranks only,
-    all together, under a name no group over them had before. ``new_group`` names a group
-    after its ranks and how many groups the process holds, a count that falls back when a
-    group is destroyed: the next group would take the destroyed one's name, and its ranks
-    would meet that group's stale addresses in the store and hang. Here every rank counts
-    the groups made over ``ranks`` in the default store: each adds one, and a rank makes its
-    next group only after its peers made this one, so every rank reads the same count.
-    ``setup_s``: the bound of its making (``join_group``).
+    """Group ``number`` over ``ranks`` of this world (this rank among them), made by those
+    ranks only, all together. ``new_group`` names a group after its ranks and how many groups
+    the process holds, a count that falls back when a group is destroyed: the next group
+    would take the destroyed one's name, and its ranks would meet that group's stale
+    addresses in the store and hang. ``number`` names it instead: its owners agree on it
+    (the highest of their proposals, ``ControlGroup.agree``) in the agreement that decides to
+    make it, so a rank that missed an earlier making (it failed before, its peers timed out
+    waiting for it) still takes the same number as its peers, where a count kept per rank
+    or in the store would fall out of step for good. ``setup_s``: the bound of its making
+    (``join_group``).
 
-    The keys the previous group over ``ranks`` left in the store (gloo's addresses, NCCL's
+    The keys earlier groups over ``ranks`` left in the store (gloo's addresses, NCCL's
     unique id) are deleted once this one is made (``forget_keys``): every rank makes a new
     group only after the ranks agreed to drop the old one (a failed update's renewal), so no
     rank reads them again, and renewed groups leave the store no bigger than one group's keys.
     """
     store = _store()
     tag = ",".join(map(str, ranks))
-    made = store.add(f"weight_sync/groups/{tag}", 1)
-    number = (made - 1) // len(ranks)
     group = join_group(
         store,
         f"weight_sync/group/{tag}/{number}",
@@ -640,14 +659,13 @@ def fresh_group(
         ranks,
         setup_s,
     )
-    if number > 0:
-        forget_keys(store, f"weight_sync/group/{tag}/{number - 1}")
+    forget_keys(store, f"weight_sync/group/{tag}", keep=str(number))
     return group
 
 
-def forget_keys(store: dist.Store, prefix: str) -> int:
+def forget_keys(store: dist.Store, prefix: str, keep: Optional[str] = None) -> int:
     """Delete every key of ``store`` under ``prefix`` (the rendezvous of a group every rank
-    left); how many it deleted. Listed through ``store`` itself and matched on ``prefix/``
+    left) but those under ``prefix/keep``; how many it deleted. Listed through ``store`` itself and matched on ``prefix/``
     exactly (a ``PrefixStore``'s own listing matches its prefix without the separator: group
     ``1`` would list group ``10``'s keys). A store that cannot list its keys (a torch without
     ``list_keys``, a store type without it) is left as it is: 0. Deleting a key a peer
@@ -656,7 +674,12 @@ def forget_keys(store: dist.Store, prefix: str) -> int:
         keys = store.list_keys()
     except (AttributeError, NotImplementedError, RuntimeError):
         return 0
-    gone = [k for k in keys if k.startswith(f"{prefix}/")]
+    gone = [
+        k
+        for k in keys
+        if k.startswith(f"{prefix}/")
+        and (keep is None or not k.startswith(f"{prefix}/{keep}/"))
+    ]
     for key in gone:
         store.delete_key(key)
     return len(gone)
@@ -691,22 +714,30 @@ def leave_group(group: Optional[dist.ProcessGroup], destroy: bool = True) -> Non
 
 
 def _gloo_group(
-    group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...], own: bool = False
+    group: Optional[dist.ProcessGroup],
+    ranks: Tuple[int, ...],
+    own: bool = False,
+    setup_s: Optional[float] = None,
 ) -> Optional[dist.ProcessGroup]:
     """``group`` itself when it is gloo alone (and ``own`` is not asked), else a gloo group
     over the same ranks (created by those ranks only, in the same order everywhere: the
-    owners of a ``ControlGroup`` build it at the same point of their flow). Its timeout is
-    above every bound an update waits for, so the bounds here are what ends a wait."""
+    owners of a ``ControlGroup`` build it at the same point of their flow), made within
+    ``setup_s`` when given. Its timeout is above every bound an update waits for, so the
+    bounds here are what ends a wait."""
     if not dist.is_gloo_available() or (
         not own and str(dist.get_backend(group)).lower() == "gloo"
     ):
         return group
-    return dist.new_group(
+    timeout = timedelta(seconds=answer_bound_s(MAX_TIMEOUT_S) + GRACE_S)
+    made = dist.new_group(
         list(ranks),
         backend="gloo",
-        timeout=timedelta(seconds=answer_bound_s(MAX_TIMEOUT_S) + GRACE_S),
+        timeout=timeout if setup_s is None else timedelta(seconds=setup_s),
         use_local_synchronization=True,
     )
+    if setup_s is not None and made is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout, made)
+    return made
 
 
 def _store() -> Optional[dist.Store]:

@@ -49,6 +49,7 @@ from sglang.srt.weight_sync.apply import (
 from sglang.srt.weight_sync.commit_vote import commit_to_write
 from sglang.srt.weight_sync.control_plane import (
     GRACE_S,
+    Agreement,
     ControlGroup,
     PeerLost,
     PlanDisagreement,
@@ -185,6 +186,9 @@ class EngineWeightSync:
         self._control: Optional[ControlGroup] = None
         # how many control groups this rank made: names them apart (barrier marks in the store)
         self._controls_made = 0
+        # how many data groups this rank made or tried to: its proposal for the next one's
+        # number (``_agree``, ``data_group``)
+        self.data_groups_made = 0
 
     @classmethod
     def of(cls, owner) -> EngineWeightSync:
@@ -202,18 +206,26 @@ class EngineWeightSync:
         given up there would leave it out of step). Made on first use by every TP rank at
         the same point of an update; ``renew_control`` replaces it after a failed wait."""
         if self._control is None:
-            self._control = ControlGroup(
-                tp_state().cpu_group, f"engine-{self._controls_made}", own=True
-            )
-            self._controls_made += 1
+            self._make_control(None)
         return self._control
 
-    def renew_control(self) -> None:
+    def _make_control(self, setup_s: Optional[float]) -> None:
+        """The control group, made within ``setup_s`` (``ControlGroup``)."""
+        self._controls_made += 1
+        self._control = ControlGroup(
+            tp_state().cpu_group,
+            f"engine-{self._controls_made - 1}",
+            own=True,
+            setup_s=setup_s,
+        )
+
+    def renew_control(self, setup_s: float) -> None:
         """At the start of every update, on every TP rank: make a new control group if a wait
         on the current one failed (``ControlGroup.lost``). Every TP rank lost it in that same
         update: a rank whose wait failed never uses the group again, so each peer's next wait
         on it fails too, at the latest at the closing barrier (``end``), which every update
-        ends with. So all ranks make the new group together, here."""
+        ends with. So all ranks make the new group together, here, within ``setup_s``: a
+        rank that never comes is ``PeerLost`` on the others, and the next update tries again."""
         if self._control is not None and self._control.lost:
             logger.warning(
                 "engine rank %d: making a new control group with the other TP ranks (a wait "
@@ -222,38 +234,67 @@ class EngineWeightSync:
                 self._control.lost,
             )
             self._control = None
-        self.control  # noqa: B018 - made here, at the same point on every rank
+        if self._control is None:  # made here, at the same point on every rank
+            self._make_control(setup_s)
 
-    def data_group(self, bound: float, renew: Optional[bool] = None) -> DataGroup:
+    def _data_group_terms(self) -> Tuple[Dict[str, bool], Dict[str, int]]:
+        """This rank's part of agreeing on the data group (``ControlGroup.agree``'s flags
+        and proposals): whether it lacks one, and the number it would give the next."""
+        return (
+            {"no data group": self._data is None or self._data.abandoned},
+            {"data group number": self.data_groups_made},
+        )
+
+    @staticmethod
+    def _data_group_number(agreed: Agreement) -> Optional[int]:
+        """The data group the ranks agreed to make (the highest proposal), None: keep."""
+        if "no data group" not in agreed.raised:
+            return None
+        return agreed.highest["data group number"]
+
+    def agree_on_data_group(self, bound: float) -> Optional[int]:
+        """Whether some TP rank lacks a data group and the number of the one to make (one
+        all-reduce), for a caller whose agreement does not carry it (``_agree`` does)."""
+        flags, proposals = self._data_group_terms()
+        agreed = self.control.agree(
+            [],
+            {},
+            flags,
+            bound,
+            f"engine rank {self.rank}: agreeing whether to make the data group",
+            proposals,
+        )
+        return self._data_group_number(agreed)
+
+    def data_group(self, bound: float, number: Optional[int]) -> DataGroup:
         """The data plane's own group over the TP ranks, never SGLang's serving TP group: a
         wait that times out on NCCL aborts its group's communicator, which must not be the
         one serving uses. Made, with the TP device group's backend and the explicit timeout
         ``DATA_GROUP_TIMEOUT_S`` (above every bound), when an update is about to execute a
         plan that every TP rank agreed on, if any TP rank has none (the first update, or
-        one dropped after a failed wait): the ranks agree on that first (one all-reduce on
-        the control group), so all of them make it together (``new_group`` with local
-        synchronization, so only they take part), within ``bound`` (gloo meets every peer
-        while it is made: ``control_plane.join_group``). ``ready_data_group`` warms it up and
-        connects it before the commit vote. ``renew``: whether some rank lacks one, when the ranks
-        already agreed on it (``_agree``)."""
-        if renew is None:
-            renew = self.control.any(
-                self._data is None or self._data.abandoned,
-                bound,
-                f"engine rank {self.rank}: agreeing whether to make the data group",
-            )
-        if renew:
+        one dropped after a failed wait): the ranks agree on that and on the group's
+        ``number`` first (``_agree``), so all of them make it together, only they take part
+        (``control_plane.fresh_group``), within ``bound`` (gloo meets every peer while it is
+        made). None: every rank has one. ``ready_data_group`` warms it up and connects it
+        before the commit vote."""
+        if number is not None:
             self.drop_data_group()
+            self.data_groups_made = number + 1
             timeout_s = check_group_timeout(
                 DATA_GROUP_TIMEOUT_S, f"engine rank {self.rank}: the data group"
             )
             self._data = DataGroup.over_ranks_of(
-                tp_state().device_group, timeout_s, setup_s=bound
+                tp_state().device_group, timeout_s, number, setup_s=bound
+            )
+        if self._data is None:
+            raise RuntimeError(
+                f"engine rank {self.rank}: no data group, and the TP ranks agreed that "
+                "every rank has one"
             )
         return self._data
 
     def ready_data_group(
-        self, plan: Plan, renew: Optional[bool], bound: float
+        self, plan: Plan, number: Optional[int], bound: float
     ) -> Tuple[Optional[DataGroup], Optional[str]]:
         """The data group made, warmed up and connected for ``plan`` (``DataGroup.set_up``),
         before the commit vote, on every TP rank: the group, or the refusal (``REFUSED``,
@@ -263,11 +304,12 @@ class EngineWeightSync:
         nothing was written, and keep a broken group. When a set-up had work (the same on
         every rank: ``DataGroup.needs_set_up``), the ranks agree on how it went (one
         all-reduce), a rank that failed at once waiting for a peer whose wait in the set-up
-        ran out its bound; a group already set up for the plan costs no round trip."""
+        ran out its bound; a group already set up for the plan costs no round trip.
+        ``number``: the data group to make (``data_group``), None: keep this rank's."""
         who = f"engine rank {self.rank}"
         problem, needed = None, True
         try:
-            data = self.data_group(bound, renew)
+            data = self.data_group(bound, number)
             needed = data.needs_set_up(plan)
             if needed:
                 data.set_up(plan, self.rank, bound, who)
@@ -326,7 +368,7 @@ class EngineWeightSync:
 
         derivation = None
         try:
-            self.renew_control()
+            self.renew_control(_timeout(recv_req) + GRACE_S)
             with clock.phase(Phase.DESCRIBE):
                 derived, why_not = self._derived_targets(
                     model_config, _timeout(recv_req) + GRACE_S
@@ -399,7 +441,7 @@ class EngineWeightSync:
             )
         try:
             with clock.phase(Phase.AGREE):
-                refusal, renew = self._agree(
+                refusal, number = self._agree(
                     problems + found.problems, found.plan, bound, received.payload
                 )
         except PeerLost as e:
@@ -409,7 +451,7 @@ class EngineWeightSync:
         data = None
         if found.plan is not None and found.local_step is None:
             with clock.phase(Phase.AGREE):
-                data, refusal = self.ready_data_group(found.plan, renew, bound)
+                data, refusal = self.ready_data_group(found.plan, number, bound)
             if refusal is not None:
                 return False, refusal
         with clock.phase(Phase.AGREE):
@@ -551,37 +593,40 @@ class EngineWeightSync:
         plan: Optional[Plan],
         bound: float,
         payload: Optional[Payload] = None,
-    ) -> Tuple[Optional[str], bool]:
+    ) -> Tuple[Optional[str], Optional[int]]:
         """Every rank's problems on every rank, the delivered tensors and the plan agreed,
         and whether some rank lacks a data group, in one round trip (the problems' text,
         or the names some trainer rank did not deliver, follow only when there are some):
-        the refusal or None, and whether to make the data group."""
+        the refusal or None, and the number of the data group to make (the highest of the
+        ranks' proposals) or None when every rank has one."""
         if problems:
             logger.error(
                 "distributed weight update, rank %d: %s", self.rank, "; ".join(problems)
             )
         who = f"rank {self.rank}"
+        flags, proposals = self._data_group_terms()
         agreed = self.control.agree(
             problems,
             {
                 "delivery": delivery_digest(payload, IGNORED_SUFFIXES),
                 "plan": int(plan.fingerprint[:15], 16) if plan is not None else 0,
             },
-            {"no data group": self._data is None or self._data.abandoned},
+            flags,
             bound,
             f"agreeing on problems, deliveries and the plan with the other TP ranks "
             f"(one is dead or stuck; {self.control.size} ranks)",
+            proposals,
         )
         if agreed.problems:
-            return REFUSED + "; ".join(agreed.problems), False
+            return REFUSED + "; ".join(agreed.problems), None
         try:
             if "delivery" in agreed.unequal:
                 explain_delivery(self.control, payload, bound, who, IGNORED_SUFFIXES)
             if "plan" in agreed.unequal or "delivery" in agreed.unequal:
                 raise plan_disagreement(plan.fingerprint if plan else "0" * 15, who)
         except PlanDisagreement as e:
-            return f"{REFUSED}{e}", False
-        return None, "no data group" in agreed.raised
+            return f"{REFUSED}{e}", None
+        return None, self._data_group_number(agreed)
 
     def _write(
         self,

@@ -153,21 +153,25 @@ class DataGroup:
         cls,
         parent: Optional[dist.ProcessGroup],
         timeout_s: float,
+        number: int,
         setup_s: Optional[float] = None,
     ) -> DataGroup:
         """A new group over ``parent``'s ranks (None: the default group's), with its backend
         and an explicit ``timeout_s``: the data plane's own, so that a wait that times out
         (on NCCL the communicator is then aborted) never poisons ``parent`` (SGLang's
-        serving TP group). Only ``parent``'s ranks take part, all of them together, under a
-        name of its own (``control_plane.fresh_group``); its communicator is never split
-        from the default group's, so a default group bound to a device needs no other rank.
+        serving TP group). Only ``parent``'s ranks take part, all of them together, as group
+        ``number`` over them, the number its owners agreed on (``control_plane.fresh_group``);
+        its communicator is never split from the default group's, so a default group bound to
+        a device needs no other rank.
         ``setup_s``: the bound of its making (``control_plane.join_group``)."""
         ranks = (
             dist.get_process_group_ranks(parent)
             if parent is not None
             else list(range(dist.get_world_size()))
         )
-        group = fresh_group(ranks, str(dist.get_backend(parent)), timeout_s, setup_s)
+        group = fresh_group(
+            ranks, str(dist.get_backend(parent)), timeout_s, number, setup_s
+        )
         return cls(group, own=True)
 
     def abandon(self) -> None:

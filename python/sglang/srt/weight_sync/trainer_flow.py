@@ -157,6 +157,9 @@ class TrainerSync:
         ] = {}  # MegatronRank -> every rank's coordinates
         self._world: Optional[ControlGroup] = None
         self._data: Optional[DataGroup] = None
+        # how many data groups this rank made or tried to: its proposal for the next one's
+        # number (``ready_data``)
+        self.data_groups_made = 0
         self._finalizer = weakref.finalize(self, TrainerSync._close_all, self._channels)
 
     @classmethod
@@ -199,21 +202,24 @@ class TrainerSync:
             raise RuntimeError("the trainer's data group is made by ready_data first")
         return self._data
 
-    def ready_data(self, renew: bool, setup_s: float) -> DataGroup:
+    def ready_data(self, number: Optional[int], setup_s: float) -> DataGroup:
         """The data plane's own group over every trainer rank, never the default group
         (the communicator FSDP computes with: a wait that runs out aborts its group). Made,
         with the default group's backend and ``DATA_GROUP_TIMEOUT_S`` (above every bound),
-        within ``setup_s``, when the trainer ranks agreed that some rank lacks one
-        (``renew``, the same on every rank: ``agree_on_inputs``), so all make it together."""
-        if renew or self._data is None:
+        within ``setup_s``, as group ``number`` when the trainer ranks agreed that some rank
+        lacks one and on that number (the same on every rank: ``agree_on_inputs``), so all
+        make it together; None: every rank has one."""
+        if number is not None:
             if self._data is not None:
                 self._data.abandon()
+                self._data = None
+            self.data_groups_made = number + 1
             timeout_s = check_group_timeout(
                 DATA_GROUP_TIMEOUT_S,
                 f"trainer rank {dist.get_rank()}: the trainer-side data group",
             )
-            self._data = DataGroup.over_ranks_of(None, timeout_s, setup_s)
-        return self._data
+            self._data = DataGroup.over_ranks_of(None, timeout_s, number, setup_s)
+        return self.data
 
     def channel(
         self,
@@ -636,6 +642,7 @@ def agree_on_inputs(
             timeout_s,
             f"trainer rank {rank}: checking that every rank plans alike, from tensors "
             "that fit its plan",
+            {"data group number": sync.data_groups_made},
         )
     if agreed.unequal:
         raise ValueError(
@@ -649,7 +656,14 @@ def agree_on_inputs(
             + "; ".join(agreed.problems)
         )
     with clock.phase(Phase.CONTROL):
-        sync.ready_data("no data group" in agreed.raised, timeout_s)
+        sync.ready_data(
+            (
+                agreed.highest["data group number"]
+                if "no data group" in agreed.raised
+                else None
+            ),
+            timeout_s,
+        )
     return parts
 
 
