@@ -139,7 +139,7 @@ def _one_rank_missed_a_making(rank: int, world: int) -> dict:
     store would have rank 0 one group ahead from then on: every later making would meet a
     peer under another name and run out its bound."""
     from sglang.srt.weight_sync.control_plane import _store
-    from sglang.srt.weight_sync.executor import execute
+    from sglang.srt.weight_sync.executor import DataGroup, execute
     from sglang.srt.weight_sync.trainer_flow import TrainerSync
 
     sync, out = TrainerSync(), {}
@@ -158,7 +158,7 @@ def _one_rank_missed_a_making(rank: int, world: int) -> dict:
         {"no data group": sync.lacks_data},
         30.0,
         f"rank {rank}: agreeing on the data group",
-        {"data group number": sync.data_groups_made},
+        {"data group number": DataGroup.number_proposal(None, sync.data_groups_made)},
     )
     out["raised"] = agreed.raised
     number = agreed.highest["data group number"]

@@ -12,7 +12,7 @@ post-load fixups where the release has no weight-update session to run them (MLA
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -166,10 +166,15 @@ def _all_finite(regions: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(r).all()) for r in regions)
 
 
-def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> List[str]:
+def nonfinite_tensors(
+    tensors: Mapping[str, torch.Tensor], runs: Optional[Sequence[torch.Tensor]] = None
+) -> List[str]:
     """Keys of the floating tensors holding NaN or inf (refused before any write): one
     check of all of them (``_all_finite``), and the tensors are looked at by name only
-    when it fails."""
+    when it fails. ``runs``: 1-d views that cover exactly the bytes of ``tensors`` (a
+    payload's segment, ``Payload.runs``), checked instead when all are finite there."""
+    if runs is not None and _all_finite(r for r in runs if r.is_floating_point()):
+        return []
     floating = {k: t for k, t in tensors.items() if t.is_floating_point()}
     if _all_finite(floating.values()):
         return []

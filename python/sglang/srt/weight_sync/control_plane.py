@@ -60,6 +60,7 @@ __all__ = (
     "collective_device",
     "forget_keys",
     "fresh_group",
+    "group_number_proposal",
     "plan_disagreement",
     "group_timeout_s",
     "poll",
@@ -648,19 +649,45 @@ def fresh_group(
     rank reads them again, and renewed groups leave the store no bigger than one group's keys.
     """
     store = _store()
-    tag = ",".join(map(str, ranks))
-    group = join_group(
-        store,
-        f"weight_sync/group/{tag}/{number}",
-        list(ranks).index(dist.get_rank()),
-        len(ranks),
-        backend,
-        timeout_s,
-        ranks,
-        setup_s,
-    )
+    tag = _ranks_tag(ranks)
+    try:
+        group = join_group(
+            store,
+            f"weight_sync/group/{tag}/{number}",
+            list(ranks).index(dist.get_rank()),
+            len(ranks),
+            backend,
+            timeout_s,
+            ranks,
+            setup_s,
+        )
+    finally:  # made or not, the number is taken: no later group over ``ranks`` reuses it
+        _take_number(store, f"weight_sync/groups/{tag}", number)
     forget_keys(store, f"weight_sync/group/{tag}", keep=str(number))
     return group
+
+
+def group_number_proposal(ranks: Sequence[int], made: int) -> int:
+    """This rank's proposal for the number of the next ``fresh_group`` over ``ranks``: above
+    every number its owner used (``made``, how many it made or tried) and every number any
+    owner in this world took over these ranks (kept in the default store, which a second
+    owner over the same ranks in one process, or a rank that restarted, reads too)."""
+    store = _store()
+    if store is None:
+        return made
+    return max(made, store.add(f"weight_sync/groups/{_ranks_tag(ranks)}", 0))
+
+
+def _take_number(store: dist.Store, key: str, number: int) -> None:
+    """Raise the count at ``key`` to ``number + 1`` unless it is there already (every rank
+    of a group does it; the store swaps the value only while it is the one read)."""
+    taken = store.add(key, 0)
+    while taken <= number:
+        taken = int(store.compare_set(key, str(taken), str(number + 1)))
+
+
+def _ranks_tag(ranks: Sequence[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 def forget_keys(store: dist.Store, prefix: str, keep: Optional[str] = None) -> int:

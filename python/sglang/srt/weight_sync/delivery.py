@@ -97,7 +97,10 @@ class Payload:
     engine-side resharding; "params": parameter-shaped buffers already in this rank's
     layout (trainer-side, one hop), filled from the HF tensors ``names`` and planned
     against the engine manifest ``fingerprint``; "describe": a request to publish the
-    engine's manifest (``manifest.py``)."""
+    engine's manifest (``manifest.py``). ``layout_memo``: a dict that lives as long as the
+    receiver keeps this payload's layout (``protocol.LayoutFrames``): what the engine
+    derives from the layout alone (its source layout, its plan) is kept there, so an update
+    in an unchanged layout (every step of an RL run) does not derive it per tensor again."""
 
     update_id: str
     trainer_rank: int
@@ -107,6 +110,10 @@ class Payload:
     kind: PayloadKind = PayloadKind.SHARDS
     names: Tuple[str, ...] = ()
     fingerprint: str = ""
+    layout_memo: Optional[dict] = None
+    # 1-d views covering exactly the bytes of ``tensors`` when they came in one shared-memory
+    # segment (``shared_segment.MappedSegment.runs``), else None
+    runs: Optional[List[torch.Tensor]] = None
 
 
 def local_shard(
@@ -464,7 +471,7 @@ class ShardReceiver:
         its shared-memory segment (taken from ``inbox``) or unpickled."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
         self._check_addressing(header, names)
-        tensors = self._shards(header, frames, inbox, len(names))
+        tensors, runs = self._shards(header, frames, inbox, len(names))
         return Payload(
             header["update_id"],
             trainer,
@@ -474,6 +481,8 @@ class ShardReceiver:
             header["kind"],
             tuple(header["names"]),
             header["fingerprint"],
+            header["memo"],
+            runs,
         )
 
     def _check_addressing(self, header: dict, names: List[str]) -> None:
@@ -492,14 +501,16 @@ class ShardReceiver:
 
     def _shards(
         self, header: dict, frames: List[bytes], inbox: SegmentInbox, count: int
-    ) -> List[torch.Tensor]:
+    ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
         """The ``count`` shard tensors, mapped from the payload's shared-memory segment,
-        read from inline frames or unpickled from CUDA IPC handles."""
+        read from inline frames or unpickled from CUDA IPC handles; with the segment's runs
+        (``Payload.runs``)."""
         trainer = header["trainer_rank"]
+        runs = None
         try:
             if header["shared"] is not None:
                 segment, placed = header["shared"]
-                tensors = map_tensors(inbox.take(segment), placed)
+                tensors, runs = map_tensors(inbox.take(segment), placed)
             elif header["inline"] is None:
                 tensors = unpickle_handles(
                     frames[0], header["kind"], torch.cuda.is_available()
@@ -521,7 +532,7 @@ class ShardReceiver:
             raise self._error(
                 f"trainer rank {trainer} sent {type(tensors).__name__}, not {count} tensors"
             )
-        return tensors
+        return tensors, runs
 
     def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         """Each tensor's layout: a mesh and placements, or the holders of its pieces;

@@ -63,6 +63,7 @@ from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.engine_trainer_side import LocalStep, local_step
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
 from sglang.srt.weight_sync.fp8_targets import QuantizedParam, staging_buffers
+from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.phase_timing import (
     Count,
     Phase,
@@ -89,7 +90,7 @@ from sglang.srt.weight_sync.sglang_compat import (
     field_names,
     tp_state,
 )
-from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec
+from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec, SourceLayout
 from sglang.srt.weight_sync.target_layout import ParamTarget, restrict
 from sglang.srt.weight_sync.wire_dtypes import (
     cast_problems,
@@ -242,7 +243,11 @@ class EngineWeightSync:
         and proposals): whether it lacks one, and the number it would give the next."""
         return (
             {"no data group": self._data is None or self._data.abandoned},
-            {"data group number": self.data_groups_made},
+            {
+                "data group number": DataGroup.number_proposal(
+                    tp_state().device_group, self.data_groups_made
+                )
+            },
         )
 
     @staticmethod
@@ -538,19 +543,9 @@ class EngineWeightSync:
             kept = self.layout.kept_dtypes(manifest, recv_req.channel)
             sources, shards = _sources(received.payload, targets, kept)
             with clock.phase(Phase.PLAN):
-                needed = {
-                    r: restrict(targets.for_rank(r), sources, targets.aliases)
-                    for r in range(self.control.size)
-                }
                 misses = self.plans.misses
-                # needed follows from the manifest and the sources' names: its fingerprint stands for it
-                plan = self.plans.get(
-                    sources,
-                    needed,
-                    bucket_bytes=recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES,
-                    aliases=targets.aliases,
-                    targets_digest=manifest.fingerprint,
-                    local_ranks=(rank,),
+                plan = self._plan(
+                    received.payload, sources, targets, manifest, recv_req
                 )
                 clock.count(Count.PLAN_COLD, self.plans.misses - misses)
             fp8, named = live.fp8, live.tensors
@@ -572,7 +567,11 @@ class EngineWeightSync:
                 shards,
                 params,
                 quantized=quantized,
-                quantized_targets=tuple(t for t in needed[rank] if t.name in names),
+                quantized_targets=tuple(
+                    t
+                    for t in restrict(targets.for_rank(rank), sources, targets.aliases)
+                    if t.name in names
+                ),
                 fp8_params=fp8_params,
             )
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
@@ -627,6 +626,49 @@ class EngineWeightSync:
         except PlanDisagreement as e:
             return f"{REFUSED}{e}", None
         return None, self._data_group_number(agreed)
+
+    def _plan(
+        self,
+        payload: Payload,
+        sources: SourceLayout,
+        targets: DerivedTargets,
+        manifest: EngineManifest,
+        recv_req,
+    ) -> Plan:
+        """This rank's plan for ``sources`` into ``targets`` (``PlanCache``): a pure function
+        of the layout, the targets, the bucket size and the TP ranks, so kept in the payload's
+        layout memo too, where an unchanged layout finds it without restricting the targets
+        or digesting the sources per tensor again."""
+        bucket_bytes = recv_req.bucket_bytes or DEFAULT_BUCKET_BYTES
+        size = self.control.size
+        memo = payload.layout_memo if payload.layout_memo is not None else {}
+        key = _layout_key(
+            payload,
+            "plan",
+            id(targets),
+            manifest.fingerprint,
+            bucket_bytes,
+            size,
+            self.rank,
+        )
+        known = memo.get(key)
+        if known is not None and known[0] is targets:
+            return known[1]
+        needed = {
+            r: restrict(targets.for_rank(r), sources, targets.aliases)
+            for r in range(size)
+        }
+        # needed follows from the manifest and the sources' names: its fingerprint stands for it
+        plan = self.plans.get(
+            sources,
+            needed,
+            bucket_bytes=bucket_bytes,
+            aliases=targets.aliases,
+            targets_digest=manifest.fingerprint,
+            local_ranks=(self.rank,),
+        )
+        memo[key] = (targets, plan)
+        return plan
 
     def _write(
         self,
@@ -794,6 +836,35 @@ def _sources(
     refuses names and shapes the model does not have, tensors SGLang's loader does not
     copy (quantised, computed: an update cannot write them), and a tensor the trainer
     cast to a dtype the engine does not keep it in (``kept``: ``wire_dtypes``)."""
+    sources = _described(payload, targets)
+    held = {n: s.dtype for n, s in payload.specs.items() if isinstance(s, MeshSpec)}
+    cast = cast_problems(payload.tensors, held, kept or {}, payload.trainer_rank)
+    if cast:
+        raise ValueError(cast[0] + (f" (and {len(cast) - 1} more)" if cast[1:] else ""))
+    bad = nonfinite_tensors(payload.tensors, payload.runs)
+    if bad:
+        raise ValueError(
+            f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
+            "values (refused: an update never writes non-finite weights)"
+        )
+    return sources, payload.tensors
+
+
+def _layout_key(payload: Payload, *rest) -> tuple:
+    """A key of ``payload.layout_memo`` for what follows from the layout, the rank map (it
+    travels in the head) and ``rest``."""
+    return (tuple(sorted(payload.rank_map.items())), *rest)
+
+
+def _described(payload: Payload, targets: DerivedTargets) -> SourceLayout:
+    """The payload's source layout, checked against ``targets``: kept in the payload's
+    layout memo (with the targets it was checked against), so an unchanged layout is
+    described and checked once."""
+    memo = payload.layout_memo if payload.layout_memo is not None else {}
+    key = _layout_key(payload, "sources", id(targets))
+    known = memo.get(key)
+    if known is not None and known[0] is targets:
+        return dict(known[1])
     expected = targets.tensor_shapes()
     sources = {}
     for name, spec in payload.specs.items():
@@ -815,17 +886,8 @@ def _sources(
                 f"tensor {name!r}: dtype {spec.dtype} cannot be cast to the model's floating dtype"
             )
         sources[name] = spec.describe(name, payload.rank_map)
-    held = {n: s.dtype for n, s in payload.specs.items() if isinstance(s, MeshSpec)}
-    cast = cast_problems(payload.tensors, held, kept or {}, payload.trainer_rank)
-    if cast:
-        raise ValueError(cast[0] + (f" (and {len(cast) - 1} more)" if cast[1:] else ""))
-    bad = nonfinite_tensors(payload.tensors)
-    if bad:
-        raise ValueError(
-            f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "
-            "values (refused: an update never writes non-finite weights)"
-        )
-    return sources, payload.tensors
+    memo[key] = (targets, sources)
+    return dict(sources)
 
 
 def _timeout(recv_req) -> float:

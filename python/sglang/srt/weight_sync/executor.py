@@ -24,12 +24,14 @@ from sglang.srt.weight_sync.apply import write_regions, write_zeros
 from sglang.srt.weight_sync.control_plane import (
     PeerLost,
     fresh_group,
+    group_number_proposal,
     leave_group,
     poll,
     wait,
 )
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
+from sglang.srt.weight_sync.source_layout import Holder
 from sglang.srt.weight_sync.staging_budget import keep_for_stream
 
 __all__ = (
@@ -81,6 +83,13 @@ def data_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _ranks_of(parent: Optional[dist.ProcessGroup]) -> List[int]:
+    """``parent``'s ranks in this world (None: the default group's)."""
+    if parent is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(parent)
 
 
 class DataGroup:
@@ -164,15 +173,17 @@ class DataGroup:
         its communicator is never split from the default group's, so a default group bound to
         a device needs no other rank.
         ``setup_s``: the bound of its making (``control_plane.join_group``)."""
-        ranks = (
-            dist.get_process_group_ranks(parent)
-            if parent is not None
-            else list(range(dist.get_world_size()))
-        )
         group = fresh_group(
-            ranks, str(dist.get_backend(parent)), timeout_s, number, setup_s
+            _ranks_of(parent), str(dist.get_backend(parent)), timeout_s, number, setup_s
         )
         return cls(group, own=True)
+
+    @staticmethod
+    def number_proposal(parent: Optional[dist.ProcessGroup], made: int) -> int:
+        """This rank's proposal for the number of the next group over ``parent``'s ranks
+        (``control_plane.group_number_proposal``), its owner having made ``made``: the
+        owners agree on the highest and pass it to ``over_ranks_of``."""
+        return group_number_proposal(_ranks_of(parent), made)
 
     def abandon(self) -> None:
         """Abort the group's communicators after a failed wait and never use it again: its
@@ -403,45 +414,77 @@ def check_inputs(
     device than the data group's ``device`` is fine (staged one round at a time); one
     without data (the meta device) is refused, naming both devices. ``params`` None: the
     shards only (the caller makes the parameters from the plan's own targets)."""
+    needs = plan.memo.get(("inputs", rank))
+    if needs is None:
+        needs = plan.memo[("inputs", rank)] = _InputNeeds.of(plan, rank)
     problems: List[str] = []
-    seen, checked = set(), set()
-    moves = list(plan.local_for(rank)) + [
-        m for rnd in plan.rounds for m in rnd if rank in m.group
-    ]
-    for move in moves:
-        h = move.holder
-        if move.src == rank and (move.tensor, h.buffer) not in seen:
-            seen.add((move.tensor, h.buffer))
-            shard = shards.get(h.buffer)
-            where = f"tensor {move.tensor!r} box {h.box} (local buffer {h.buffer!r})"
-            if shard is None:
-                problems.append(f"rank {rank}: no local shard for {where}")
-            elif tuple(shard.shape) != h.buffer_shape:
-                problems.append(
-                    f"rank {rank}: {where} local shard has shape {tuple(shard.shape)}, expected {h.buffer_shape}"
-                )
-            elif not _castable(shard.dtype, move.dtype):
-                problems.append(
-                    f"rank {rank}: {where} dtype {shard.dtype} cannot be cast to {move.dtype}"
-                )
-            elif shard.device.type == "meta":
-                problems.append(
-                    f"rank {rank}: {where} local shard is on {shard.device}, which holds no data; "
-                    f"the data group moves tensors on {device or 'its device'}"
-                )
-        for d in move.dests:
-            if d.rank == rank and params is not None:
-                # once per parameter: a fused MoE parameter takes hundreds of regions
-                key = (d.param, d.index, d.shape)
-                if key not in checked:
-                    checked.add(key)
-                    problems.extend(
-                        _check_param(params, rank, d.param, d.index, d.shape, device)
-                    )
-    for z in plan.zero_fills:
-        if z.rank == rank and params is not None and z.param not in params:
-            problems.append(f"rank {rank}: no parameter {z.param!r}")
+    castable: Dict[Tuple[torch.dtype, torch.dtype], bool] = {}
+    for move, h in needs.shards:
+        shard = shards.get(h.buffer)
+        if shard is not None and tuple(shard.shape) == h.buffer_shape:
+            pair = (shard.dtype, move.dtype)
+            ok = castable.get(pair)
+            if ok is None:
+                ok = castable[pair] = _castable(*pair)
+            if ok and shard.device.type != "meta":
+                continue
+        where = f"tensor {move.tensor!r} box {h.box} (local buffer {h.buffer!r})"
+        if shard is None:
+            problems.append(f"rank {rank}: no local shard for {where}")
+        elif tuple(shard.shape) != h.buffer_shape:
+            problems.append(
+                f"rank {rank}: {where} local shard has shape {tuple(shard.shape)}, expected {h.buffer_shape}"
+            )
+        elif not _castable(shard.dtype, move.dtype):
+            problems.append(
+                f"rank {rank}: {where} dtype {shard.dtype} cannot be cast to {move.dtype}"
+            )
+        else:
+            problems.append(
+                f"rank {rank}: {where} local shard is on {shard.device}, which holds no data; "
+                f"the data group moves tensors on {device or 'its device'}"
+            )
+    if params is not None:
+        for name, index, shape in needs.params:
+            problems.extend(_check_param(params, rank, name, index, shape, device))
+        problems.extend(
+            f"rank {rank}: no parameter {name!r}"
+            for name in needs.zero_fills
+            if name not in params
+        )
     return sorted(set(problems))
+
+
+@dataclass(frozen=True)
+class _InputNeeds:
+    """What ``check_inputs`` looks at on one rank, from the plan alone: the first move
+    that reads each of its shards (with that shard's holder), each parameter region it
+    lands in (name, index, shape: a fused MoE parameter takes hundreds of regions, one
+    check), and the parameters it zero-fills."""
+
+    shards: Tuple[Tuple[Move, Holder], ...]
+    params: Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...]], ...]
+    zero_fills: Tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int) -> _InputNeeds:
+        shards, seen, params = [], set(), {}
+        moves = list(plan.local_for(rank)) + [
+            m for rnd in plan.rounds for m in rnd if rank in m.group
+        ]
+        for move in moves:
+            h = move.holder
+            if move.src == rank and (move.tensor, h.buffer) not in seen:
+                seen.add((move.tensor, h.buffer))
+                shards.append((move, h))
+            for d in move.dests:
+                if d.rank == rank:
+                    params.setdefault((d.param, d.index, d.shape), None)
+        return cls(
+            tuple(shards),
+            tuple(params),
+            tuple(dict.fromkeys(z.param for z in plan.zero_fills if z.rank == rank)),
+        )
 
 
 def execute(

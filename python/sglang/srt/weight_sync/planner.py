@@ -206,6 +206,9 @@ class Plan:
     bucket_bytes: int
     fingerprint: str
     round_ids: Tuple[int, ...] = ()
+    # what a rank's checks derive from the plan alone (``executor.check_inputs``), made on
+    # first use: a plan runs every update of a run
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def lower_bound_bytes(self, rank: int) -> int:
         """Bytes ``rank`` must receive at the least: needed minus already held."""

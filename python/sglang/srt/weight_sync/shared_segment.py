@@ -29,13 +29,14 @@ import secrets
 import socket
 import stat
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = (
     "ALIGN",
     "SEGMENT_DTYPES",
+    "MappedSegment",
     "Placed",
     "SegmentError",
     "SegmentInbox",
@@ -334,11 +335,21 @@ def placements(entries) -> List[Placed]:
     return out
 
 
-def map_tensors(fd: int, entries) -> List[torch.Tensor]:
+class MappedSegment(NamedTuple):
+    """A segment's tensors, viewed in place, and ``runs``: 1-d views that cover exactly
+    their bytes, tensors of one dtype that lie back to back joined into one (what a check
+    of every element reads in a few operations, not one per tensor)."""
+
+    tensors: List[torch.Tensor]
+    runs: List[torch.Tensor]
+
+
+def map_tensors(fd: int, entries) -> MappedSegment:
     """The tensors ``entries`` ([dtype, shape, offset] each) place in segment ``fd``,
-    viewed in place in one mapping; ``fd`` is closed here whatever happens. The segment must
-    be a memfd sealed against shrinking whose allocated pages cover every placed byte, so
-    that no read of the mapping can fault; the mapping goes with the last tensor."""
+    viewed in place in one mapping (one view each of the mapping in its dtype); ``fd`` is
+    closed here whatever happens. The segment must be a memfd sealed against shrinking
+    whose allocated pages cover every placed byte, so that no read of the mapping can
+    fault; the mapping goes with the last tensor."""
     try:
         placed = placements(entries)
         end = max((p.offset + p.nbytes for p in placed), default=0)
@@ -359,16 +370,44 @@ def map_tensors(fd: int, entries) -> List[torch.Tensor]:
                 f"the header places {end}"
             )
         if end == 0:
-            return [torch.empty(p.shape, dtype=p.dtype) for p in placed]
+            return MappedSegment(
+                [torch.empty(p.shape, dtype=p.dtype) for p in placed], []
+            )
         # writable, so that nothing the engine does with a shard can fault; the segment is
         # the sender's copy for this update, which it overwrites only after the answer
         mapping = mmap.mmap(fd, end, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    return [
-        whole[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
-        if p.nbytes
-        else torch.empty(p.shape, dtype=p.dtype)
-        for p in placed
-    ]
+    typed: Dict[torch.dtype, torch.Tensor] = {}
+    tensors, runs = [], []
+    run: Optional[List[int]] = (
+        None  # [dtype's index, start, end] in the dtype's elements
+    )
+    for p in placed:
+        if not p.nbytes:
+            tensors.append(torch.empty(p.shape, dtype=p.dtype))
+            continue
+        size = p.dtype.itemsize
+        view = typed.get(p.dtype)
+        if view is None:
+            view = typed[p.dtype] = whole[: end - end % size].view(p.dtype)
+        start = p.offset // size
+        tensors.append(view.as_strided(p.shape, _contiguous_strides(p.shape), start))
+        if run is not None and run[0] is view and run[2] == start:
+            run[2] = start + p.nbytes // size
+            continue
+        if run is not None:
+            runs.append(run[0][run[1] : run[2]])
+        run = [view, start, start + p.nbytes // size]
+    if run is not None:
+        runs.append(run[0][run[1] : run[2]])
+    return MappedSegment(tensors, runs)
+
+
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))

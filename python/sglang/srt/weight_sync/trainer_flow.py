@@ -642,7 +642,11 @@ def agree_on_inputs(
             timeout_s,
             f"trainer rank {rank}: checking that every rank plans alike, from tensors "
             "that fit its plan",
-            {"data group number": sync.data_groups_made},
+            {
+                "data group number": DataGroup.number_proposal(
+                    None, sync.data_groups_made
+                )
+            },
         )
     if agreed.unequal:
         raise ValueError(

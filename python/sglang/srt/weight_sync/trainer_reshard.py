@@ -44,7 +44,11 @@ from sglang.srt.weight_sync.planner import (
     sources_digest,
 )
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
-from sglang.srt.weight_sync.source_layout import SourceLayout, SourceTensor
+from sglang.srt.weight_sync.source_layout import (
+    MeshHolders,
+    SourceLayout,
+    SourceTensor,
+)
 from sglang.srt.weight_sync.target_layout import (
     ParamTarget,
     restrict,
@@ -75,10 +79,24 @@ def first_uncovered(
     sources: SourceLayout, engine_groups: Sequence[Sequence[int]]
 ) -> Optional[str]:
     """The first tensor that the trainer ranks beside some engine do not hold in full
-    (then the engine alone cannot reshard it); None when every engine is covered."""
+    (then the engine alone cannot reshard it); None when every engine is covered. Tensors
+    a mesh describes are covered or not by their shared geometry alone (a model's tens of
+    thousands of tensors have a few dozen), so each geometry is checked once."""
     groups = [set(g) for g in engine_groups]
+    by_geometry: Dict[int, bool] = {}
     for name in sorted(sources):
-        if any(uncovered(sources[name], g) for g in groups):
+        source = sources[name]
+        holders = source.holders
+        if not isinstance(holders, MeshHolders):
+            if any(uncovered(source, g) for g in groups):
+                return name
+            continue
+        gap = by_geometry.get(id(holders.geometry))
+        if gap is None:
+            gap = by_geometry[id(holders.geometry)] = any(
+                uncovered(source, g) for g in groups
+            )
+        if gap:
             return name
     return None
 
