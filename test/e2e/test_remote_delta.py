@@ -98,6 +98,7 @@ def _check_figures(record, what):
             classes,
         )
         assert all(0 <= d <= 1 for d in classes.values()), (what, classes)
+        _check_reply(reply, engine, delta["planned"] == "delta", what)
     if delta["mode"] == "full":
         assert sent_as["full"] == delta["wire_bytes"], (what, sent_as)
         assert all(e["density"] == 1 for e in delta["engines"].values()), (what, delta)
@@ -107,6 +108,27 @@ def _check_figures(record, what):
             what,
             delta,
         )
+
+
+def _check_reply(reply, engine, records, what):
+    """An engine's own reply: with delta records, per TP rank the bytes received by what
+    the records carry (summing to what it received), its changes against the senders'
+    count of them, the densities per class of what it received; without, nothing."""
+    mine = reply["delta"]
+    if not records:
+        assert mine == {}, (what, mine)
+        return
+    kinds = zip(
+        mine["bytes_as_delta"], mine["bytes_as_full"], mine["bytes_as_unchanged"]
+    )
+    assert [sum(k) for k in kinds] == reply["bytes_received"], (what, mine, reply)
+    assert len(mine["density"]) == TP, (what, mine)
+    assert sum(mine["changed"]) / sum(mine["elements"]) == engine["density"], what
+    assert sorted(mine["density_by_class"]) == sorted(engine["density_by_class"])
+    for c, per_rank in mine["density_by_class"].items():
+        assert len(per_rank) == TP and all(0 <= d <= 1 for d in per_rank), (what, c)
+    if engine["density"] < 1:  # some region changed little: sent as changes
+        assert sum(mine["bytes_as_delta"]) + sum(mine["bytes_as_unchanged"]) > 0
 
 
 def _check_refused(records, i, urls, fault):
@@ -183,7 +205,10 @@ def test_delta_updates_after_adamw_steps_are_exact_and_small(delta_servers):
         )
         if i in (corrupted, refused):
             _check_refused(records, i, urls, "corrupt" if i == corrupted else "refuse")
+            assert delta["next"] == "full", (what, delta)
+            assert record["update_id"] in delta["next_why_full"], (what, delta)
             continue
+        assert delta["next"] == "delta" and not delta["next_why_full"], (what, delta)
         assert record["success"], (what, record["message"])
         members = sorted(record["engines"])
         assert members == sorted(urls[:1] if i == left else urls), (what, members)
@@ -254,8 +279,11 @@ def test_a_trainer_that_does_not_hear_the_engines_never_mixes(delta_servers):
     wrong = [
         len(r["wrong"][urls[0]]) for r in records
     ]  # engine 0's, against the trainer
-    # update 3 is refused before its rounds: nothing was sent, its summary says "it failed"
-    assert modes == ["full", "delta", "delta", "full", "full", "delta"], (modes, wrong)
+    # update 3 is refused before its rounds: nothing was sent, its summary says so
+    assert modes == ["full", "delta", "delta", "refused", "full", "delta"], (
+        modes,
+        wrong,
+    )
     for i in (0, 1, 4, 5):
         assert records[i]["success"], (i, records[i]["message"])
         assert all(a["success"] for a in records[i]["heard_here"].values()), i
@@ -272,10 +300,16 @@ def test_a_trainer_that_does_not_hear_the_engines_never_mixes(delta_servers):
     assert "a full update must come first" in after["message"], after["message"]
     assert not after["wrong_kept"][urls[0]], after["wrong_kept"]
     assert refused["update_id"] in after["message"], after["message"]
-    assert after["delta"]["why_full"] == "it failed", after["delta"]
+    # it was to be a delta; the next update is full because it was refused, and says so
+    assert after["delta"]["planned"] == "delta", after["delta"]
+    assert after["delta"]["why_full"] == "", after["delta"]
+    assert after["delta"]["next"] == "full", after["delta"]
+    because = f"update {after['update_id']} was refused"
+    assert after["delta"]["next_why_full"].startswith(because), after["delta"]
     assert sum(after["bytes_sent"]) == 0, after["bytes_sent"]
+    assert sum(after["delta"]["wire_bytes"]) == 0, after["delta"]
     assert after["epoch"] + 1 == records[4]["epoch"], [r["epoch"] for r in records]
-    assert "failed" in records[4]["delta"]["why_full"], records[4]["delta"]
+    assert records[4]["delta"]["why_full"].startswith(because), records[4]["delta"]
 
 
 def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):

@@ -235,6 +235,87 @@ def test_figures_per_engine_and_by_what_the_records_carry():
     assert summary["engines"]["e1"]["density_by_class"] == {}
 
 
+def test_the_report_says_what_comes_next():
+    """After each update the report says whether the next one may be a delta: after a
+    commit it may (in the same epoch), after a drop it is full and says why."""
+    from sglang.srt.weight_sync.remote.delta import Snapshot
+
+    snap = Snapshot()
+    assert snap.next_update(1) == {
+        "next": "full",
+        "next_why_full": "no update delivered yet",
+    }
+    snap.commit(1, "plan")
+    assert snap.next_update(1) == {"next": "delta", "next_why_full": ""}
+    assert "a new membership epoch (2" in snap.next_update(2)["next_why_full"]
+    snap.drop("update u2 was refused: engine 'a': digest mismatch")
+    assert snap.next_update(1) == {
+        "next": "full",
+        "next_why_full": "update u2 was refused: engine 'a': digest mismatch",
+    }
+
+
+def _membership(trainers: int, engines):
+    from sglang.srt.weight_sync.remote.protocol import Membership
+
+    return Membership.of("g", 3, "127.0.0.1", 1, "gloo", trainers, engines)
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_an_update_refused_before_any_byte_says_so(planned):
+    """An update the group refused at its agreement (nothing sent, no rank has a result):
+    the report says it was refused, what it was to be, and no bytes or densities."""
+    from sglang.srt.weight_sync.remote.delta import RECEIVER_FIGURES, DeltaFigures
+    from sglang.srt.weight_sync.remote.trainer import DeltaOutcome, _delta_report
+
+    membership = _membership(2, [("a", 2)])
+    mine = DeltaFigures()
+    row = mine.ints() + mine.engine_rows([range(2, 4)])
+    rows = [[v, v] for v in row]  # figures x trainer ranks
+    assert len(rows) == len(DeltaFigures().ints()) + len(RECEIVER_FIGURES)
+    why = "" if planned else "no update delivered yet"
+    outcome = DeltaOutcome(2, membership, None, True, planned)
+    report = _delta_report(rows, outcome, why, {"a": {"success": False}})
+    assert report["mode"] == "refused", report
+    assert report["planned"] == ("delta" if planned else "full"), report
+    assert report["why_full"] == why, report
+    assert report["wire_bytes"] == [0, 0] and report["density"] == 0.0, report
+    assert report["engines"]["a"]["wire_bytes"] == 0, report
+
+
+def test_an_engine_reply_counts_what_it_received():
+    """A receiver counts each record it read (``DeltaFigures.record``): its bytes by what it
+    carries and its changes per tensor class; the reply (``delta_reply``) gives them per
+    TP rank, with the densities."""
+    from sglang.srt.weight_sync.remote.delta import DeltaFigures
+    from sglang.srt.weight_sync.remote.protocol import (
+        DELTA_REPLY_FIGURES,
+        delta_reply,
+    )
+
+    old = torch.zeros(1000, dtype=torch.bfloat16)
+    new = old.clone()
+    new[::100] = 1.0  # 10 of 1000 changed
+    ranks = [DeltaFigures(), DeltaFigures()]
+    ranks[0].record("model.layers.0.mlp.up_proj.weight", encode(old, new), 40)
+    ranks[0].record("model.norm.weight", encode(old, old), 8)
+    ranks[1].record("model.embed_tokens.weight", encode(None, new), 2008)
+    table = [r.reply_ints() for r in ranks]
+    figures = {k: [t[i] for t in table] for i, k in enumerate(DELTA_REPLY_FIGURES)}
+    reply = delta_reply(figures)
+    assert reply["bytes_as_delta"] == [40, 0]
+    assert reply["bytes_as_full"] == [0, 2008]
+    assert reply["bytes_as_unchanged"] == [8, 0]
+    assert reply["changed"] == [10, 1000] and reply["elements"] == [2000, 1000]
+    assert reply["density"] == [10 / 2000, 1.0]
+    assert reply["density_by_class"] == {
+        "embedding": [0.0, 1.0],
+        "mlp": [10 / 1000, 0.0],
+        "norm": [0.0, 0.0],
+    }
+    assert delta_reply({}) == {}
+
+
 @pytest.mark.parametrize("density", [0.001, 0.1])
 def test_large_regions_beside_small_ones(density):
     """A region of at least ``SMALL_REGION`` elements is compared alone, the small ones

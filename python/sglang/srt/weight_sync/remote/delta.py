@@ -29,6 +29,7 @@ import torch
 from sglang.srt.weight_sync.control_plane import GroupRefusal
 from sglang.srt.weight_sync.delta_codec import (
     NO_DIGEST,
+    Encoded,
     Kind,
     decode_into,
     encode_many,
@@ -47,6 +48,7 @@ from sglang.srt.weight_sync.executor import (
 from sglang.srt.weight_sync.planner import Move, Plan
 from sglang.srt.weight_sync.protocol import DeliveryError
 from sglang.srt.weight_sync.remote.protocol import (
+    CLASSES,
     DIGEST_BYTES,
     RECORD_BYTES,
     SIZE_BYTES,
@@ -65,9 +67,6 @@ __all__ = (
     "stage_full",
     "tensor_class",
 )
-
-# the tensor classes whose density a report gives
-CLASSES = ("embedding", "attention", "mlp", "norm", "other")
 
 # what a sender counts per receiver (then per engine): its records' bytes, a full update's
 # bytes for the same regions, the elements changed and compared, then changed and compared
@@ -99,9 +98,10 @@ class DeltaRefusal(GroupRefusal):
 class DeltaFigures:
     """One rank's delta figures for one update (integers, shared among the trainer ranks).
     ``wire_bytes``: the records' bytes (headers included); ``full_bytes``: what a full
-    update sends or receives for the same regions; ``changed``/``elements``: on a sender,
-    per region sent (once, however many receivers), per class in ``by_class``; ``sent_*``:
-    a sender's wire bytes by what its records carry (changes, whole regions, nothing);
+    update sends or receives for the same regions; ``changed``/``elements``: per region
+    sent (once, however many receivers) or received, per class in ``by_class``;
+    ``sent_*``: the wire bytes a sender sent or a receiver received, by what the records
+    carry (changes, whole regions, nothing); ``regions_*``: the records by kind;
     ``by_receiver``: a sender's ``RECEIVER_FIGURES`` per receiving group rank."""
 
     wire_bytes: int = 0
@@ -137,6 +137,33 @@ class DeltaFigures:
                 for i, v in enumerate(self.by_receiver.get(r, ())):
                     row[i] += v
             out += row
+        return out
+
+    def record(self, tensor: str, enc: Encoded, wire: int) -> None:
+        """Count one region's record (a sender: to all its receivers, ``wire`` bytes in
+        all): its bytes by what it carries, its elements changed and compared, overall and
+        in its tensor's class."""
+        self.elements += enc.numel
+        self.changed += enc.changed
+        row = self.by_class.setdefault(tensor_class(tensor), [0, 0])
+        row[0] += enc.changed
+        row[1] += enc.numel
+        if enc.kind == Kind.FULL:
+            self.regions_full += 1
+            self.sent_full += wire
+        elif enc.kind == Kind.UNCHANGED:
+            self.regions_unchanged += 1
+            self.sent_unchanged += wire
+        else:
+            self.regions_delta += 1
+            self.sent_delta += wire
+
+    def reply_ints(self) -> List[int]:
+        """A receiver's ``DELTA_REPLY_FIGURES``, in order (an engine's reply)."""
+        out = [self.sent_delta, self.sent_full, self.sent_unchanged]
+        out += [self.changed, self.elements]
+        for c in CLASSES:
+            out += self.by_class.get(c, [0, 0])
         return out
 
     def received(
@@ -189,13 +216,27 @@ class Snapshot:
     ) -> Tuple[Optional[Mapping[tuple, torch.Tensor]], str]:
         """The regions a delta may apply to in ``epoch`` with the plan ``fingerprint``, or
         None and why the update is full."""
-        if self.epoch is None:
-            return None, self.why_full
-        if self.epoch != epoch:
-            return None, f"a new membership epoch ({epoch}; delivered in {self.epoch})"
+        why = self.why_full_now(epoch)
+        if why:
+            return None, why
         if self.fingerprint != fingerprint:
             return None, "the plan changed (a new layout, engine or dtype)"
         return self.regions, ""
+
+    def why_full_now(self, epoch: int) -> str:
+        """Why an update of ``epoch`` is full before its plan is known ("" when it may be a
+        delta)."""
+        if self.epoch is None:
+            return self.why_full
+        if self.epoch != epoch:
+            return f"a new membership epoch ({epoch}; delivered in {self.epoch})"
+        return ""
+
+    def next_update(self, epoch: int) -> Dict[str, str]:
+        """What the next update of ``epoch`` will be after this one's commit or drop, as a
+        report says it: ``next`` ("delta" or "full") and ``next_why_full``."""
+        why = self.why_full_now(epoch)
+        return {"next": "full" if why else "delta", "next_why_full": why}
 
     def stage(self, move: Move, values: torch.Tensor) -> None:
         self.pending[_key(move)] = values.detach().to(self.device, copy=True)
@@ -356,8 +397,7 @@ def _encode_round(
         check = region_digest(old) if digest and old is not None else NO_DIGEST
         figures.digests_checked += check != NO_DIGEST
         receivers = _receivers(move)
-        head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
-        head += SIZE_BYTES if enc.kind == Kind.GAPS else 0
+        head = _head_bytes(enc, digest)
         for receiver in receivers:
             records.setdefault(receiver, []).append((enc, check))
             figures.received(
@@ -371,23 +411,16 @@ def _encode_round(
         figures.full_bytes += move.nbytes * len(receivers)
         sent = (head + enc.nbytes) * len(receivers)
         figures.wire_bytes += sent
-        figures.elements += enc.numel
-        figures.changed += enc.changed
-        row = figures.by_class.setdefault(tensor_class(move.tensor), [0, 0])
-        row[0] += enc.changed
-        row[1] += enc.numel
-        if enc.kind == Kind.FULL:
-            figures.regions_full += 1
-            figures.sent_full += sent
-        elif enc.kind == Kind.UNCHANGED:
-            figures.regions_unchanged += 1
-            figures.sent_unchanged += sent
-        else:
-            figures.regions_delta += 1
-            figures.sent_delta += sent
+        figures.record(move.tensor, enc, sent)
     out = {r: delta_records(recs, digest) for r, recs in records.items()}
     figures.encode_us += int((time.perf_counter() - t0) * 1e6)
     return out
+
+
+def _head_bytes(enc: Encoded, digest: bool) -> int:
+    """A record's header bytes (``remote.protocol.delta_records``)."""
+    head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
+    return head + (SIZE_BYTES if enc.kind == Kind.GAPS else 0)
 
 
 def _decode_from(
@@ -412,6 +445,7 @@ def _decode_from(
         return []
     landings = []
     for move, (enc, check) in zip(moves, records):
+        figures.record(move.tensor, enc, _head_bytes(enc, digest) + enc.nbytes)
         dests = _my_dests(move, rank)
         where = f"rank {rank}: tensor {move.tensor!r} region {move.region}"
         base = dest_region(params, dests[0], move)

@@ -66,6 +66,7 @@ from sglang.srt.weight_sync.executor import (
 from sglang.srt.weight_sync.fp8_staging import Fp8Staging
 from sglang.srt.weight_sync.manifest import ManifestError
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
+from sglang.srt.weight_sync.remote.delta import DeltaFigures
 from sglang.srt.weight_sync.remote.group import (
     GroupRefusal,
     SyncGroup,
@@ -74,6 +75,7 @@ from sglang.srt.weight_sync.remote.group import (
 )
 from sglang.srt.weight_sync.remote.protocol import (
     DEFAULT_STAGING_BYTES,
+    DELTA_REPLY_FIGURES,
     REMOTE_FIGURES,
     ReceiveState,
     UpdateStep,
@@ -544,6 +546,11 @@ class RemoteEngineSync:
             applied_us,
             result.delta.decode_us if result is not None and result.delta else 0,
         ]
+        # a delta update's figures (zeros when it carried no delta records: every rank
+        # of the engine heard the same header, so all or none of them carry some)
+        records = result is not None and result.header.delta
+        delta = result.delta if records and result.delta else DeltaFigures()
+        mine_figures += delta.reply_ints()
         self._done(mine)
         after = self.control.share_problems(
             [error] if error else [],
@@ -556,6 +563,10 @@ class RemoteEngineSync:
             f"engine rank {self.rank}: sharing the update's figures",
         )
         figures = dict(zip(REMOTE_FIGURES, table))
+        if records:
+            figures["delta"] = dict(
+                zip(DELTA_REPLY_FIGURES, table[len(REMOTE_FIGURES) : -1])
+            )
         if after:
             self._mark_stale(req.group_name, mine, "; ".join(after))
             mixed = any(table[-1])

@@ -55,7 +55,9 @@ from sglang.srt.weight_sync.source_layout import HoldersSpec, LayoutError, MeshS
 
 __all__ = (
     "BACKENDS",
+    "CLASSES",
     "DEFAULT_STAGING_BYTES",
+    "DELTA_REPLY_FIGURES",
     "DIGEST_BYTES",
     "HEADER_LIMIT",
     "LAYOUT_LIMIT",
@@ -71,6 +73,7 @@ __all__ = (
     "UpdateHeader",
     "UpdateStep",
     "delta_records",
+    "delta_reply",
     "epoch_prefix",
     "join_problems",
     "layout_wire",
@@ -121,6 +124,21 @@ REMOTE_FIGURES = (
     "apply_us",
     "decode_us",  # a delta update's decoding, inside receive_us
 )
+
+# the tensor classes whose density a delta update's report and reply give
+CLASSES = ("embedding", "attention", "mlp", "norm", "other")
+
+# Per engine TP rank in a delta update's reply (its ``delta``; empty for an update sent
+# without delta records): the bytes of the records received by what they carry (changes,
+# whole regions, nothing: headers only), the elements changed among those compared, then
+# changed and compared per tensor class (``CLASSES``).
+DELTA_REPLY_FIGURES = (
+    "bytes_as_delta",
+    "bytes_as_full",
+    "bytes_as_unchanged",
+    "changed",
+    "elements",
+) + tuple(f"{c}_{what}" for c in CLASSES for what in ("changed", "elements"))
 
 
 class UpdateStep(str, enum.Enum):
@@ -492,8 +510,9 @@ def remote_reply(
 ) -> dict:
     """What ``Engine.update_weights_remote`` and the HTTP route return: upstream's
     ``success``/``message``, ``mixed``, the update id, the figures of every engine TP rank
-    (``REMOTE_FIGURES``) and, measured by the tokenizer manager, the seconds receiving
-    (generation went on) and paused (generation waited for the writes)."""
+    (``REMOTE_FIGURES``), a delta update's figures (``delta_reply``) and, measured by the
+    tokenizer manager, the seconds receiving (generation went on) and paused (generation
+    waited for the writes)."""
     body = {
         "success": success,
         "message": message,
@@ -504,4 +523,34 @@ def remote_reply(
     }
     for key in REMOTE_FIGURES:
         body[key] = list(getattr(output, key, []) or [])
+    body["delta"] = delta_reply(getattr(output, "delta", None) or {})
     return body
+
+
+def delta_reply(figures: Mapping[str, List[int]]) -> Dict[str, object]:
+    """A delta update's part of an engine's reply from its ``DELTA_REPLY_FIGURES`` per TP
+    rank (empty: the update carried no delta records): per TP rank the bytes received as
+    changes, whole regions and unchanged regions' headers, the elements changed and
+    compared, the density, and the density per tensor class (classes it received)."""
+    if not figures:
+        return {}
+    ranks = len(figures["changed"])
+    out: Dict[str, object] = {
+        key: list(figures[key]) for key in DELTA_REPLY_FIGURES[:5]
+    }
+    out["density"] = [
+        _ratio(figures["changed"][r], figures["elements"][r]) for r in range(ranks)
+    ]
+    out["density_by_class"] = {
+        c: [
+            _ratio(figures[f"{c}_changed"][r], figures[f"{c}_elements"][r])
+            for r in range(ranks)
+        ]
+        for c in CLASSES
+        if any(figures[f"{c}_elements"])
+    }
+    return out
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

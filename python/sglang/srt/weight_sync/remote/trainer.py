@@ -433,6 +433,9 @@ class RemoteSync:
         update_id = f"{self.group_name}-e{membership.epoch}-u{self.updates}"
         part = TrainerPart(specs, local)
         replies = {}
+        # the first update of an epoch (or after a failure) is a plain full one; the
+        # snapshot is the same on every trainer rank, so each decides alike
+        planned = self.delta and self.snapshot.epoch == membership.epoch
         if self.rank == 0:
             part.wire, digest = SyncGroup.wire_of(specs)
             part.header = UpdateHeader(
@@ -441,11 +444,8 @@ class RemoteSync:
                 len(part.wire),
                 bucket_bytes,
                 len(specs),
-                # the first update of an epoch (or after a failure) is a plain full one
-                delta=self.delta and self.snapshot.epoch == membership.epoch,
-                digest=self.delta
-                and self.snapshot.epoch == membership.epoch
-                and self.updates % self.digest_every == 0,
+                delta=planned,
+                digest=planned and self.updates % self.digest_every == 0,
             )
             if drive:
                 body = dict(
@@ -460,7 +460,7 @@ class RemoteSync:
                     m.name: self._pool.submit(self.engines[m.name].update, body, None)
                     for m in membership.engines
                 }
-        problem, sent, staged, result = None, 0, 0, None
+        problem, sent, staged, result, refused = None, 0, 0, None, False
         try:
             result = group.run_update(
                 part,
@@ -469,7 +469,9 @@ class RemoteSync:
                 snapshot=self.snapshot,
             )
             sent, staged = result.stats.bytes_sent, result.stats.peak_staging_bytes
-        except (GroupRefusal, PeerLost, ExecutionError) as e:
+        except GroupRefusal as e:  # every member refused it before any byte moved
+            problem, refused = f"trainer rank {self.rank}: {e}", True
+        except (PeerLost, ExecutionError) as e:
             problem = f"trainer rank {self.rank}: {e}"
         except RuntimeError as e:  # a peer's connection closed mid-round (gloo), named
             problem = f"trainer rank {self.rank}: {type(e).__name__}: {e}"
@@ -489,7 +491,9 @@ class RemoteSync:
                 range(m.offset, m.offset + m.tp_size) for m in membership.engines
             ]
             figures = self.world.share_figures(
-                [sent, staged] + mine.ints() + mine.engine_rows(engine_ranks),
+                [sent, staged, int(refused)]
+                + mine.ints()
+                + mine.engine_rows(engine_ranks),
                 timeout_s,
                 f"trainer rank {self.rank}: sharing the bytes every trainer rank sent",
             )
@@ -524,14 +528,24 @@ class RemoteSync:
             left=list(self.left),
         )
         if self.delta:
+            why_planned = (
+                "" if planned else self.snapshot.why_full_now(membership.epoch)
+            )
             report.delta = _delta_report(
-                figures[2:], self.trainers, membership, result, answers
+                figures[3:],
+                DeltaOutcome(
+                    self.trainers, membership, result, any(figures[2]), planned
+                ),
+                why_planned,
+                answers,
             )
         if self.snapshot is not None:
             if report.success:
                 self.snapshot.commit(membership.epoch, result.plan.fingerprint)
             else:
-                self.snapshot.drop(f"update {update_id} failed: {report.message[:300]}")
+                what = "was refused" if any(figures[2]) else "failed"
+                self.snapshot.drop(f"update {update_id} {what}: {report.message[:300]}")
+            report.delta.update(self.snapshot.next_update(membership.epoch))
         if problems or failed:
             self._broken(report.message)
         logger.info(
@@ -558,12 +572,30 @@ class RemoteSync:
         ]
 
 
+@dataclass(frozen=True)
+class DeltaOutcome:
+    """What ``_delta_report`` needs of one update besides the figures: the trainer ranks,
+    the epoch's members, this rank's ``UpdateResult`` (None when its rounds did not run
+    or failed), whether the group refused the update before any byte moved (the same on
+    every trainer rank: the refusal is agreed), and whether it was planned as a delta."""
+
+    trainers: int
+    membership: Membership
+    result: object
+    refused: bool
+    planned_delta: bool
+
+
 def _delta_report(
-    rows: List[List[int]], trainers: int, membership: Membership, result, answers
+    rows: List[List[int]], outcome: DeltaOutcome, why_planned: str, answers
 ) -> Dict[str, object]:
     """``RemoteReport.delta`` from the shared figures (``DeltaFigures.ints`` then
     ``engine_rows`` of every trainer rank, a figures x ranks table): ``delta_summary``,
-    each engine's with the seconds its TP ranks spent decoding (from its reply)."""
+    each engine's with the seconds its TP ranks spent decoding (from its reply).
+    ``mode`` says what travelled: ``delta``, ``full``, or ``refused`` (nothing: the group
+    refused the update before any byte moved); ``planned`` what the update was to be;
+    ``why_full`` why it was (to be) full. A rank whose rounds failed reports the plan's."""
+    trainers, membership, result = outcome.trainers, outcome.membership, outcome.result
     scalars = len(DeltaFigures().ints())
     per_rank = [
         DeltaFigures.from_ints([row[r] for row in rows[:scalars]])
@@ -574,12 +606,16 @@ def _delta_report(
         m.name: [sum(rows[scalars + i * width + k][:trainers]) for k in range(width)]
         for i, m in enumerate(membership.engines)
     }
+    ran = result is not None and not outcome.refused
     summary = delta_summary(
         per_rank,
-        result.why_full if result is not None else "it failed",
-        result.header.digest if result is not None else False,
+        result.why_full if ran else why_planned,
+        result.header.digest if ran else False,
         engines,
     )
+    summary["planned"] = "delta" if outcome.planned_delta else "full"
+    if outcome.refused:
+        summary["mode"] = "refused"
     for name, engine in summary["engines"].items():
         decode_us = (answers.get(name) or {}).get("decode_us") or []
         engine["decode_seconds"] = [us / 1e6 for us in decode_us]
