@@ -127,8 +127,10 @@ def areal_side_by_side_job(rank: int, world: int, job: dict) -> dict:
         )
     dist.barrier()
 
-    # with the companion patch: every rank sends its own shard
+    # with the companion patch: every rank sends its own shard; with its delta switch,
+    # the first update of the group is full and the next ones send what changed
     os.environ["AREAL_SGLANG_WEIGHT_SYNC"] = "1"
+    os.environ["AREAL_SGLANG_WEIGHT_SYNC_DELTA"] = "1" if job.get("delta") else "0"
     self = StandIn(fsdp_model(job["seed"]), client, fsdp_engine_methods(job["patched"]))
     meta = WeightUpdateMeta(
         type="xccl",
@@ -136,10 +138,19 @@ def areal_side_by_side_job(rank: int, world: int, job: dict) -> dict:
         nccl_group_name="areal-remote",
     )
     self._init_weight_update_from_distributed(meta)
+    sync = self.weight_sync
+    reports = []
+    update = sync.update
+
+    def recorded(*args, **kwargs):  # the patch's update, its report kept
+        reports.append(update(*args, **kwargs))
+        return reports[-1]
+
+    sync.update = recorded
     started = time.monotonic()
     self._update_weights_from_distributed(meta)
     out["ours_s"] = time.monotonic() - started
-    sync = self.weight_sync
+    out["patched_report"] = dict(reports[0].__dict__)
     dist.barrier()
     if rank == 0:
         out["state"] = server_state([job["url"]], job["prompts"][job["seed"]])

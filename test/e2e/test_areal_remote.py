@@ -9,7 +9,10 @@ path (``full_tensor()`` on every rank, the first rank's broadcast into
 ``init_weights_update_group``'s group) updates it with other weights first. After each,
 the server's parameters equal the weights bit for bit and greedy generation equals HF's; the
 engine rank receives exactly its parameters' bytes and the two trainer ranks send within
-10% of each other; seconds and bytes of both are printed.
+10% of each other; seconds and bytes of both are printed. With the patch's delta switch
+(``AREAL_SGLANG_WEIGHT_SYNC_DELTA=1``) that first update of the group is full and the same
+weights sent again are a delta of nothing: record headers only, which the engine's reply
+counts as unchanged regions.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def test_areal_companion_patch_beside_its_broadcast(tmp_path):
         patched=_patched_source(tmp_path / "src"),
         name_resolve=str(tmp_path / "name_resolve"),
         fileroot=str(tmp_path / "files"),
+        delta=True,
     )
     with http_server(model_dir, 1, log_dir=str(tmp_path)) as server:
         job["url"] = server.url
@@ -74,16 +78,26 @@ def test_areal_companion_patch_beside_its_broadcast(tmp_path):
         "AReaL + weight-sync group",
         tp=1,
     )
+    patched = first["patched_report"]
+    [full] = patched["engines"].values()
+    assert patched["success"] and patched["delta"]["mode"] == "full", patched["delta"]
+    assert full["bytes_received"] == full["lower_bound_bytes"], full
+    # the same weights again, with AREAL_SGLANG_WEIGHT_SYNC_DELTA=1: a delta of nothing
     report = first["report"]
     assert report["success"], report["message"]
     [reply] = report["engines"].values()
-    assert reply["bytes_received"] == reply["lower_bound_bytes"], reply
-    sent = report["bytes_sent"]
+    delta = report["delta"]
+    assert delta["mode"] == "delta" and delta["density"] == 0, delta
+    assert reply["bytes_received"] == [sum(delta["wire_bytes"])], (reply, delta)
+    assert sum(delta["wire_bytes"]) < 0.01 * sum(delta["full_bytes"]), delta
+    assert reply["delta"]["bytes_as_unchanged"] == reply["bytes_received"], reply
+    sent = patched["bytes_sent"]
     assert max(sent) <= 1.1 * min(sent), sent
     b = first["broadcast"]
     print(
         f"AReaL 1.0.4, FSDP2 2 fp32 ranks -> SGLang TP 1: released xccl: full_tensor {b['gather_s']:.3f}s + "
         f"broadcast {b['update_s']:.3f}s, rank 0 sent {b['bytes']} bytes; weight-sync group: "
-        f"{first['ours_s']:.3f}s, trainer ranks sent {sent}, engine rank received {reply['bytes_received']} "
-        f"(= lower bound), paused {reply['pause_seconds']}s"
+        f"{first['ours_s']:.3f}s, trainer ranks sent {sent}, engine rank received {full['bytes_received']} "
+        f"(= lower bound), paused {full['pause_seconds']}s; the same weights by delta: "
+        f"{reply['bytes_received']} bytes"
     )
