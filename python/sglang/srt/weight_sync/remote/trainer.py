@@ -133,12 +133,15 @@ def named_specs(
 class RemoteReport:
     """One update as every trainer rank reports it. ``engines``: each engine's reply (its
     per-TP-rank ``bytes_received``, ``lower_bound_bytes``, ``receive_us``, ``apply_us``,
-    the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``: per trainer
-    rank, in the engines' dtypes (a delta update's: its records); ``seconds``: the update's
-    wall time on the first rank; ``delta`` (``delta=True``): ``remote.delta.delta_summary``:
-    full or delta and why, bytes on the wire against a full update's and by what the records
-    carry (``sent_as``), encoding seconds per trainer rank, densities overall and per tensor
-    class, and per engine its bytes, densities and decoding seconds per TP rank."""
+    ``decode_us``, a delta update's own figures under ``delta``: ``remote.protocol.
+    delta_reply``, the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``:
+    per trainer rank, in the engines' dtypes (a delta update's: its records); ``seconds``:
+    the update's wall time on the first rank; ``delta`` (``delta=True``):
+    ``remote.delta.delta_summary``: what travelled (delta, full, or refused before any
+    byte), what was planned and why full, bytes on the wire against a full update's and by
+    what the records carry (``sent_as``), encoding seconds per trainer rank, densities
+    overall and per tensor class, per engine its bytes, densities and decoding seconds per
+    TP rank, and whether the next update may be a delta (``next``, ``next_why_full``)."""
 
     success: bool
     message: str
