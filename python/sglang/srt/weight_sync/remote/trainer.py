@@ -73,6 +73,7 @@ from sglang.srt.weight_sync.remote.group import (
     GroupRefusal,
     SyncGroup,
     TrainerPart,
+    UpdateResult,
 )
 from sglang.srt.weight_sync.remote.protocol import (
     Membership,
@@ -584,7 +585,7 @@ class DeltaOutcome:
 
     trainers: int
     membership: Membership
-    result: object
+    result: Optional[UpdateResult]
     refused: bool
     planned_delta: bool
 
