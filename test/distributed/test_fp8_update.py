@@ -144,6 +144,13 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines):
     world = trainers + sum(tp for _, tp in engines)
     results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
     sent = sum(r["sent"] for r in results[:trainers])
+    # what every trainer rank heard at join: each engine's block-FP8 weights over its TP
+    # ranks (with them a delta=True group sends full updates: remote.delta.delta_blocked)
+    quantized = iter(r["quantized"] for r in results[trainers:])
+    heard = {name: sum(next(quantized) for _ in range(tp)) for name, tp in engines}
+    assert all(heard.values()), heard
+    for r in results[:trainers]:
+        assert r["block_fp8"] == heard, (r["block_fp8"], heard)
     received = 0
     for rank, r in enumerate(results[trainers:], start=trainers):
         assert r["quantized"] == 4 * 2 and r["released"], r

@@ -62,11 +62,12 @@ def _trainer(rank: int, job: dict, group, weights, update_id: str):
             len(specs),
             delta=job.get("delta", False),
         )
+    heard = dict(group.block_fp8)  # each engine's block-FP8 weights, as heard at join
     try:
         result = group.run_update(part, 60)
     except Exception as e:  # noqa: BLE001 - the test reads the message
-        return {"error": f"{type(e).__name__}: {e}"}
-    return {"sent": result.stats.bytes_sent}
+        return {"error": f"{type(e).__name__}: {e}", "block_fp8": heard}
+    return {"sent": result.stats.bytes_sent, "block_fp8": heard}
 
 
 def _engine_rank(tp: int, tp_rank: int, loads: dict, shapes) -> Tuple:
@@ -124,7 +125,9 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         layer.quant_method = type("Fp8LinearMethod", (), {})()
         layer.use_intel_amx_backend = True
     first = tp_rank == 0
-    group.exchange_layouts(live.manifest if first else None, None, 60)
+    group.exchange_layouts(
+        live.manifest if first else None, None, 60, live.block_fp8_weights
+    )
     fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
     before = {n: checksum(p) for n, p in model.named_parameters()}
     staging = Staging(job["staging"], 60, group.who)

@@ -255,6 +255,17 @@ def test_the_report_says_what_comes_next():
     }
 
 
+def test_a_group_with_a_block_fp8_engine_takes_no_delta():
+    """An engine keeping block-FP8 weights refuses every delta; the trainer, which heard
+    each engine's count at join, plans full updates for the group and names the engine."""
+    from sglang.srt.weight_sync.remote.delta import delta_blocked
+
+    assert delta_blocked({}) == "" and delta_blocked({"a": 0, "b": 0}) == ""
+    why = delta_blocked({"b": 16, "a": 0})
+    assert why.startswith("engine 'b' keeps block-FP8 weights (16 over its TP ranks)")
+    assert "and 1 more engines" in delta_blocked({"c": 8, "b": 16})
+
+
 def _membership(trainers: int, engines):
     from sglang.srt.weight_sync.remote.protocol import Membership
 

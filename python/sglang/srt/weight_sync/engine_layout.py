@@ -48,6 +48,11 @@ class LiveLayout:
     fp8: Optional[EngineBlockFp8] = None
     tensors: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
+    @property
+    def block_fp8_weights(self) -> int:
+        """How many of this rank's weights are block-FP8 (0 for other engines)."""
+        return len(self.fp8.own.quantized) if self.fp8 is not None else 0
+
 
 class EngineLayout:
     """One engine TP rank's targets (derived, then with live dtypes), their manifest, the

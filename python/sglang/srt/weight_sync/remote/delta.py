@@ -62,6 +62,7 @@ __all__ = (
     "RECEIVER_FIGURES",
     "DeltaRefusal",
     "Snapshot",
+    "delta_blocked",
     "delta_summary",
     "execute_delta",
     "stage_full",
@@ -256,6 +257,21 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.regions.values())
+
+
+def delta_blocked(block_fp8: Mapping[str, int]) -> str:
+    """Why no update of a group may be a delta ("" when one may), from each engine's count
+    of block-FP8 weights (``SyncGroup.block_fp8``): such an engine refuses every delta (its
+    staging holds the unquantized values only for the pause, and no delta is taken after
+    quantization), so the trainer sends full updates rather than one refused in two."""
+    held = sorted(name for name, count in block_fp8.items() if count)
+    if not held:
+        return ""
+    more = f" (and {len(held) - 1} more engines)" if len(held) > 1 else ""
+    return (
+        f"engine {held[0]!r}{more} keeps block-FP8 weights ({block_fp8[held[0]]} over its "
+        "TP ranks): no delta is taken after quantization, so every update is full"
+    )
 
 
 def _receivers(move: Move) -> List[int]:

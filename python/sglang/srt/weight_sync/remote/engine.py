@@ -278,7 +278,7 @@ class RemoteEngineSync:
         self.leave_group(req.group_name)
         bound = req.timeout_s + GRACE_S
         layout = self.layout
-        derived, problem = None, None
+        derived, problem, fp8_weights = None, None, 0
         try:
             derived = layout.derived(
                 runner.model_config,
@@ -289,7 +289,8 @@ class RemoteEngineSync:
                 ),
             )
             checked = layout.provenance_problems(runner.model, derived)
-            manifest = layout.live(runner.model, derived, block_fp8=True).manifest
+            live = layout.live(runner.model, derived, block_fp8=True)
+            manifest, fp8_weights = live.manifest, live.block_fp8_weights
             problem = "; ".join(checked) or None
         except Exception as e:  # noqa: BLE001 - published to every member, then refused
             logger.exception("engine rank %d: deriving its targets failed", self.rank)
@@ -328,6 +329,7 @@ class RemoteEngineSync:
                 manifest if self.rank == 0 else None,
                 problem if self.rank == 0 else None,
                 bound,
+                fp8_weights,  # the trainer sends an engine with any full updates only
             )
         except Exception as e:  # noqa: BLE001 - every member hears the same refusal
             group.close()

@@ -243,6 +243,9 @@ class SyncGroup:
             store=prefixed_store(store, prefix),
         )
         self.manifests: Dict[str, EngineManifest] = {}
+        # per engine, its block-FP8 weights over its TP ranks (``exchange_layouts``): an
+        # engine with any refuses delta updates, so the trainer sends it full ones
+        self.block_fp8: Dict[str, int] = {}
         self._layouts = _Layouts()
 
     @staticmethod
@@ -292,11 +295,13 @@ class SyncGroup:
         mine: Optional[EngineManifest],
         problem: Optional[str],
         timeout_s: float,
+        block_fp8: int = 0,
     ) -> Dict[str, EngineManifest]:
         """Every engine's layout, on every member: each engine's first TP rank publishes its
-        manifest (``mine``) or why it has none (``problem``). ``ManifestError`` names every
-        engine that published none, and engines of one group that serve different models
-        (other tensors or aliases)."""
+        manifest (``mine``) or why it has none (``problem``), and every engine rank the
+        number of its block-FP8 weights (``block_fp8``; summed per engine in
+        ``self.block_fp8``). ``ManifestError`` names every engine that published none, and
+        engines of one group that serve different models (other tensors or aliases)."""
         text = (
             problem.encode() if problem else (mine.to_json().encode() if mine else b"")
         )
@@ -305,11 +310,14 @@ class SyncGroup:
             fingerprint_int(mine.fingerprint) if mine is not None and not problem else 0
         )
         phase = f"{self.who}: hearing every engine's layout"
-        rows = self.control.all_gather_ints([kind, fp, len(text)], timeout_s, phase)
+        rows = self.control.all_gather_ints(
+            [kind, fp, len(text), block_fp8], timeout_s, phase
+        )
         heard: Dict[int, EngineManifest] = {}
         problems: List[str] = []
         for member in self.membership.engines:
-            kind, fp, size = rows[member.offset]
+            self.block_fp8[member.name] = sum(rows[r][3] for r in member.ranks)
+            kind, fp, size, _ = rows[member.offset]
             if kind == 1 and fp in heard:
                 self.manifests[member.name] = heard[fp]
                 continue

@@ -23,7 +23,8 @@ trainer's own process group.
   (``remote.delta.Snapshot``, host memory) and sends each region as what changed since
   (``delta_codec``); the snapshot advances only when every engine answered success, and
   the first update of an epoch, or after any failure, is full (``RemoteReport.delta``
-  says which and why). Every ``digest_every``-th update the engines check that they hold
+  says which and why), and so is every update of a group with a block-FP8 engine
+  (``remote.delta.delta_blocked``). Every ``digest_every``-th update the engines check that they hold
   what the trainer delivered; one that does not refuses, and the next update is full.
 * ``leave`` lets one engine go (it releases its groups); ``close`` lets all go and stops
   the store.
@@ -61,6 +62,7 @@ from sglang.srt.weight_sync.remote.delta import (
     RECEIVER_FIGURES,
     DeltaFigures,
     Snapshot,
+    delta_blocked,
     delta_summary,
 )
 from sglang.srt.weight_sync.remote.endpoints import (
@@ -437,9 +439,11 @@ class RemoteSync:
         update_id = f"{self.group_name}-e{membership.epoch}-u{self.updates}"
         part = TrainerPart(specs, local)
         replies = {}
-        # the first update of an epoch (or after a failure) is a plain full one; the
-        # snapshot is the same on every trainer rank, so each decides alike
-        planned = self.delta and self.snapshot.epoch == membership.epoch
+        # the first update of an epoch (or after a failure) is a plain full one, and every
+        # update of a group with a block-FP8 engine; the snapshot and the layouts are the
+        # same on every trainer rank, so each decides alike
+        blocked = delta_blocked(group.block_fp8) if self.delta else ""
+        planned = self.delta and not blocked and self.snapshot.epoch == membership.epoch
         if self.rank == 0:
             part.wire, digest = SyncGroup.wire_of(specs)
             part.header = UpdateHeader(
@@ -533,7 +537,9 @@ class RemoteSync:
         )
         if self.delta:
             why_planned = (
-                "" if planned else self.snapshot.why_full_now(membership.epoch)
+                ""
+                if planned
+                else blocked or self.snapshot.why_full_now(membership.epoch)
             )
             report.delta = _delta_report(
                 figures[3:],
@@ -549,7 +555,10 @@ class RemoteSync:
             else:
                 what = "was refused" if any(figures[2]) else "failed"
                 self.snapshot.drop(f"update {update_id} {what}: {report.message[:300]}")
-            report.delta.update(self.snapshot.next_update(membership.epoch))
+            after = self.snapshot.next_update(membership.epoch)
+            report.delta.update(
+                {"next": "full", "next_why_full": blocked} if blocked else after
+            )
         if problems or failed:
             self._broken(report.message)
         logger.info(
@@ -613,7 +622,7 @@ def _delta_report(
     ran = result is not None and not outcome.refused
     summary = delta_summary(
         per_rank,
-        result.why_full if ran else why_planned,
+        why_planned or (result.why_full if ran else ""),
         result.header.digest if ran else False,
         engines,
     )
