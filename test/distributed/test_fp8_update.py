@@ -115,30 +115,45 @@ def test_engine_transform_of_other_ranks_equals_their_own(checkpoints):
         )
 
 
-# (trainer ranks, engines as (name, TP)): remote engines in one weight-sync group; at 3
-# trainer ranks every 256-row tensor's shards cut 128-blocks, which meet in the engine's staging
-REMOTE = ((2, (("e0", 1), ("e1", 2))), (3, (("e0", 2),)))
+# (trainer ranks, engines as (name, TP), bucket): remote engines in one weight-sync group. The
+# blocks a trainer rank holds whole travel quantized (``fp8_wire``), the others in bf16 and meet
+# in the engine's staging: at 2 trainer ranks every block lies whole on one; at 3 every
+# 256-row tensor's shards cut 128-blocks (both kinds travel). At ONE_WINDOW no round boundary
+# cuts a block; at REMOTE_BUCKET (windows of 512 KiB, the pause's writes streaming through
+# staging smaller than the share) a window edge that cuts a block leaves it in bf16
 REMOTE_BUCKET = 1 << 20  # the least bucket a remote update takes
+ONE_WINDOW = 1 << 25  # a window larger than the model: one round per kind
+REMOTE = (
+    (2, (("e0", 1), ("e1", 2)), ONE_WINDOW),
+    (3, (("e0", 2),), ONE_WINDOW),
+    (3, (("e0", 2),), REMOTE_BUCKET),
+)
 REMOTE_STAGING = 1 << 18  # less than each rank's share: the pause's writes stream it in
 
 
 @pytest.mark.parametrize(
-    "trainers,engines",
+    "trainers,engines,bucket",
     REMOTE,
-    ids=[f"trainers{t}-" + "-".join(f"tp{n}" for _, n in e) for t, e in REMOTE],
+    ids=[
+        f"trainers{t}-" + "-".join(f"tp{n}" for _, n in e) + f"-{b >> 20}MiB"
+        for t, e, b in REMOTE
+    ],
 )
-def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines):
+def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bucket):
     """Remote block-FP8 engines in a weight-sync group (``remote.engine``: receive into the
-    engine's staging while serving, then the pause writes it, the FP8 weights' pieces into
-    bf16 staging, and quantizes each block in place): every parameter equals SGLang's load
-    of the reference-quantized checkpoint, each rank received exactly its lower bound (the
-    staged weights in bf16 plus the unquantized parameters), and the trainer sent that."""
+    engine's staging while serving, then the pause writes it): blocks lying whole on one
+    trainer rank are quantized there and land as e4m3 and scales, the others' bf16 pieces are
+    written into bf16 staging and quantized in place. Every parameter equals SGLang's load of
+    the reference-quantized checkpoint; each rank received exactly what its plan says, which
+    is the quantized lower bound counted block by block from the trainer's shards
+    (``quantized_lower_bound``) where no round boundary cuts a block, and above it by the
+    blocks a window edge cuts; the trainer sent what the engines received."""
     bf16, loads = checkpoints
     job = dict(
         port=free_port(),
         trainers=trainers,
         engines=[list(e) for e in engines],
-        bucket=REMOTE_BUCKET,
+        bucket=bucket,
         staging=REMOTE_STAGING,
     )
     world = trainers + sum(tp for _, tp in engines)
@@ -159,14 +174,28 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines):
             n.endswith(("attn.k_scale", "attn.v_scale")) for n in r["not_written"]
         ), r
         assert not r["unchanged"], r
-        assert (
-            r["received"]
-            == r["lower_bound"]
-            == r["staged_bytes"] + r["unquantized_bytes"]
-        ), r
-        # the share streamed through staging smaller than it (a round, at most about half a
-        # bucket, is admitted into empty staging whatever its size)
-        assert r["staging_peak"] < r["received"], r
+        bf16_way = (
+            r["staged_bytes"] + r["unquantized_bytes"]
+        )  # every FP8 weight in bf16
+        assert r["received"] == r["lower_bound"], r
+        if bucket == ONE_WINDOW:
+            assert r["received"] == r["quantized_bound"], r
+        else:
+            assert r["quantized_bound"] <= r["received"], r
+            # the share streamed through staging smaller than it (a round, at most about
+            # half a bucket, is admitted into empty staging whatever its size)
+            assert r["staging_peak"] < r["received"], r
+        fp8_in_bf16 = r["received"] - r["quantized_received"] - r["unquantized_bytes"]
+        if trainers == 2:  # every block whole on one trainer rank
+            assert r["blocks_at_sender"] > 0 and r["received"] < 0.6 * bf16_way, r
+            if bucket == ONE_WINDOW:
+                assert fp8_in_bf16 == 0, r
+        elif (
+            r["quantized_bound"] < bf16_way
+        ):  # a shard holds some blocks whole: both kinds
+            assert r["blocks_at_sender"] > 0 and fp8_in_bf16 > 0, r
+        else:  # the MoE's 256-row tensors cut at 86 and 172: no block whole anywhere
+            assert r["blocks_at_sender"] == 0 and r["received"] == bf16_way, r
         received += r["received"]
     assert sent == received, (sent, received)
 

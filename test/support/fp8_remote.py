@@ -95,11 +95,13 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     every parameter equals SGLang's load (``loads[(TP, rank)]["checksums"]``)."""
     import tiny_models
     from fp8_cases import checksum
+    from fp8_sender_cases import quantized_lower_bound
 
     from sglang.srt.weight_sync.remote.engine import Receive, Staging, write_staged
     from sglang.srt.weight_sync.remote.group import SyncGroup
     from sglang.srt.weight_sync.remote.protocol import Membership
     from sglang.srt.weight_sync.remote.rendezvous import open_store
+    from sglang.srt.weight_sync.source_layout import MeshSpec
 
     membership = Membership.of(
         GROUP, 1, "127.0.0.1", job["port"], "gloo", job["trainers"], job["engines"]
@@ -151,6 +153,19 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         return {"error": receiving.error, "unchanged": now == before}
     receiving.thread.join(60)
     result = receiving.result
+    at_sender = [
+        q
+        for rnd in (result.fp8.quantized if result.fp8 is not None else ())
+        for q in rnd
+        if rank in {d.rank for d in q.move.dests}
+    ]
+    targets = live.targets.for_rank(tp_rank)
+    sources = {
+        n: MeshSpec.sharded(
+            s, torch.bfloat16, 0, list(range(job["trainers"]))
+        ).describe(n)
+        for n, s in shapes.items()
+    }
     expected = loads[(member.tp_size, tp_rank)]["checksums"]
     now = dict(model.named_parameters())
     written = set(live.params) | {q.scale for q in fp8.quantized}
@@ -161,7 +176,13 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         "unchanged": sorted(n for n in written if checksum(now[n]) == before[n]),
         "quantized": len(fp8.quantized),
         "received": result.stats.bytes_received,
-        "lower_bound": result.plan.lower_bound_bytes(rank),
+        "lower_bound": result.lower_bound_bytes(rank),
+        # counted block by block from the trainer's shards, independently of the plan
+        "quantized_bound": quantized_lower_bound(
+            sources, targets, fp8.quantized, {t.name: t.dtype.itemsize for t in targets}
+        ),
+        "blocks_at_sender": sum(q.blocks for q in at_sender),
+        "quantized_received": sum(q.nbytes for q in at_sender),
         "staged_bytes": staged,
         "released": not fp8.staged,
         "unquantized_bytes": sum(

@@ -66,3 +66,33 @@ def test_the_receiver_quantizes_the_pieces_less_what_came_quantized():
         (Box((128, 0), (256, 256)), (256, 0))
     ]
     assert sender.engine_targets([target], 2) == [target]  # nothing came to rank 2
+
+
+def test_quantized_blocks_on_the_wire_are_sized_and_checked_by_the_receiver():
+    """``fp8_wire``: a payload is cut back into its moves by the sizes both ends plan (another
+    size refused, naming the sender), and a NaN in a sender's block reaches the engine's
+    staging as a non-finite scale, which refuses the update before any write."""
+    import pytest
+
+    from sglang.srt.weight_sync.executor import ExecutionError
+    from sglang.srt.weight_sync.fp8_wire import QuantizedLanding, _split
+    from sglang.srt.weight_sync.remote.engine import Staging
+
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    q = QuantizedMove(_move(Box((0, 0), (128, 256)), (256, 256)))
+    r = QuantizedMove(_move(Box((128, 0), (128, 256)), (256, 256)))
+    raw = torch.cat([quantize_for_wire(x[:128]), quantize_for_wire(x[128:])])
+    first, second = _split(raw, [q, r], 1, 0)
+    assert first.quantized is q and torch.equal(first.buf, raw[: q.nbytes])
+    assert second.nbytes == r.nbytes
+    with pytest.raises(
+        ExecutionError, match="from rank 0: 65551 bytes, the plan expects 65552"
+    ):
+        _split(raw[:-1], [q, r], 1, 0)
+    staging = Staging(1 << 20, 1.0, "engine rank 1")
+    staging.landed([first])
+    assert not staging.nonfinite
+    x[5, 200] = float("nan")
+    staging.landed([QuantizedLanding(quantize_for_wire(x[:128]), q, 1)])
+    assert staging.nonfinite and staging.held == 2 * q.nbytes

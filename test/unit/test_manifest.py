@@ -140,3 +140,30 @@ def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
     assert (
         layout.live(model, rederived).manifest is not changed
     )  # another derivation: made anew
+
+
+def test_block_fp8_weights_travel_with_their_block_and_are_bounded(tmp_path):
+    """Version 2: the engine's block-FP8 weights and their block, so that a sender can
+    quantize the blocks it holds whole; a manifest without any keeps version 1's content."""
+    from sglang.srt.weight_sync.fp8_wire import quantized_of
+
+    targets, plain = _manifest()
+    assert "block_fp8" not in plain.to_json()
+    name = "model.layers.0.mlp.down_proj.weight"
+    fp8 = EngineManifest.of(targets, {name: (128, 128)})
+    assert fp8.fingerprint != plain.fingerprint
+    write_manifest(str(tmp_path), 0, fp8)
+    back = read_manifest(str(tmp_path), 0)
+    assert back.block_fp8 == {name: (128, 128)} and back.fingerprint == fp8.fingerprint
+    (q,) = quantized_of(back, 1)
+    (t,) = [t for t in targets.for_rank(1) if t.name == name]
+    assert (q.weight, q.scale, q.shape, q.block, q.staged_dtype) == (
+        name,
+        name + "_scale_inv",
+        t.shape,
+        (128, 128),
+        t.dtype,
+    )
+    bad = EngineManifest.of(targets, {name: (0, 128)})
+    with pytest.raises(ManifestError, match="block_fp8 'model.layers.0.mlp.down_proj"):
+        EngineManifest.from_json(bad.to_json())

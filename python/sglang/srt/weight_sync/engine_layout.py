@@ -133,9 +133,11 @@ class EngineLayout:
                 )
             params[target.name] = param.data
         dtype_of = {n: p.dtype for n, p in params.items()}
+        blocks = {}
         if fp8 is not None:
             dtype_of.update((q.weight, q.staged_dtype) for q in fp8.own.quantized)
-        targets, manifest = self._with_live_dtypes(derived, dtype_of)
+            blocks = {q.weight: q.block for q in fp8.own.quantized}
+        targets, manifest = self._with_live_dtypes(derived, dtype_of, blocks)
         return LiveLayout(targets, params, manifest, fp8, named)
 
     def block_fp8(
@@ -161,11 +163,14 @@ class EngineLayout:
         return list(self._refusals[1])
 
     def _with_live_dtypes(
-        self, derived: DerivedTargets, dtype_of: Dict[str, torch.dtype]
+        self,
+        derived: DerivedTargets,
+        dtype_of: Dict[str, torch.dtype],
+        blocks: Dict[str, Tuple[int, int]],
     ) -> Tuple[DerivedTargets, EngineManifest]:
-        """``derived`` with the live dtypes, and its manifest: kept while both stay the same
-        (every update of a run), as making the manifest encodes and hashes every rank's
-        targets."""
+        """``derived`` with the live dtypes, and its manifest (with the block-FP8 weights'
+        ``blocks``, fixed by ``derived``): kept while both stay the same (every update of a
+        run), as making the manifest encodes and hashes every rank's targets."""
         dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
         if (
             self._live is None
@@ -173,7 +178,8 @@ class EngineLayout:
             or self._live[1] != dtypes
         ):
             targets = dataclasses.replace(derived, dtype_of=dtype_of)
-            self._live = (derived, dtypes, targets, EngineManifest.of(targets))
+            manifest = EngineManifest.of(targets, blocks)
+            self._live = (derived, dtypes, targets, manifest)
         return self._live[2], self._live[3]
 
     def kept_dtypes(

@@ -115,6 +115,20 @@ class SenderFp8Plan:
             if d.rank == rank
         )
 
+    def lower_bound_bytes(self, rank: int) -> int:
+        """The least ``rank`` receives with the blocks this plan's moves carry whole sent
+        quantized: the plan's lower bound less, per block-FP8 region received quantized, its
+        staged bytes over its e4m3 bytes and scales. A bucket split that cuts a block leaves
+        it in the staged dtype, here as on the wire."""
+        saved = sum(
+            q.move.nbytes - q.nbytes
+            for rnd in self.quantized
+            for q in rnd
+            for d in q.move.dests
+            if d.rank == rank
+        )
+        return self.plan.lower_bound_bytes(rank) - saved
+
     def sent_bytes(self, rank: int) -> int:
         """Bytes ``rank`` sends (one copy per receiver)."""
         moves = [(m.nbytes, m) for rnd in self.plan.rounds for m in rnd] + [

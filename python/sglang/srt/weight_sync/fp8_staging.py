@@ -9,22 +9,36 @@ the update before any byte moves (a piece that cuts a 128-block, a delta update,
 decodes against the live values the staging does not hold), and after the pause wrote
 every region, quantizes the delivered blocks into the e4m3 weights and float32 scales in
 place through ``apply.write_quantized`` (the one apply step the colocated paths use too),
-then lets the buffers go.
+then lets the buffers go. Blocks a trainer rank quantized (``fp8_wire``) are written
+straight into the e4m3 weights and scales (``land``) and left out of that step.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 
 from sglang.srt.weight_sync.apply import write_quantized
+from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
 from sglang.srt.weight_sync.fp8_targets import (
     EngineBlockFp8,
     QuantizedParam,
     staging_buffers,
 )
 from sglang.srt.weight_sync.target_layout import ParamTarget, restrict
+
+if TYPE_CHECKING:  # fp8_wire imports the executor, which the staging never runs
+    from sglang.srt.weight_sync.fp8_wire import QuantizedLanding
 
 __all__ = ("Fp8Staging",)
 
@@ -95,15 +109,25 @@ class Fp8Staging:
             self.staged = staging_buffers(self.quantized, self.device)
         return {**params, **self.staged}
 
-    def quantize(self) -> int:
+    def land(self, landings: Sequence[QuantizedLanding]) -> int:
+        """Write blocks their senders quantized (``fp8_wire``) straight into the live e4m3
+        weights and scales, in the pause; the bytes they held."""
+        return sum(x.land(self.live) for x in landings)
+
+    def quantize(
+        self, sender: Optional[SenderFp8Plan] = None, rank: Optional[int] = None
+    ) -> int:
         """Quantize every delivered block from staging into the live weights and scales, in
-        place (``apply.write_quantized``); the e4m3 bytes written. Called once every region
-        of the update was written into the staging."""
+        place (``apply.write_quantized``), but those ``sender`` sent quantized to ``rank``
+        (its group rank; ``land`` wrote them); the e4m3 bytes written. Called once every
+        region of the update was written into the staging."""
         if self.delivered is None:
             raise RuntimeError(
                 f"{self.who}: block-FP8 staging quantized before the update was heard"
             )
         delivered = restrict(self.targets, self.delivered, self.aliases)
+        if sender is not None:
+            delivered = sender.engine_targets(delivered, rank)
         written = write_quantized(self.quantized, delivered, self.staged, self.live)
         self.staged = {}  # the caller's params still hold them until its pause ends
         return written

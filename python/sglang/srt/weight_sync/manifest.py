@@ -11,6 +11,10 @@ never write the wrong bytes.
 
 Encoding is generic over the allow-listed dataclasses (``ParamTarget``,
 ``Piece``, ``Box``), so new fields on them travel without a format change.
+Version 2 adds ``block_fp8``: the engine's block-FP8 weights (the same names on every TP
+rank, each staged in its target's dtype) and their block size, so that a sender can quantize
+the blocks it holds whole (``fp8_sender``); absent from an engine without one, whose
+fingerprint is then what version 1 gave.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -45,7 +49,8 @@ __all__ = (
     "write_manifest",
 )
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+MAX_BLOCK = 1 << 16  # the largest block side a manifest may name
 _TYPES = {cls.__name__: cls for cls in (ParamTarget, Piece, Box)}
 
 
@@ -62,12 +67,18 @@ class EngineManifest:
     aliases: Mapping[str, str]
     tensor_shapes: Mapping[str, Tuple[int, ...]]
     fingerprint: str = ""
+    # block-FP8 weight -> its (rows, columns) block: staged in the targets' dtype, quantized
+    # into e4m3 and float32 ``weight_scale_inv`` where each block's elements meet
+    block_fp8: Mapping[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def of(targets: ModelTargets) -> EngineManifest:
+    def of(
+        targets: ModelTargets,
+        block_fp8: Optional[Mapping[str, Tuple[int, int]]] = None,
+    ) -> EngineManifest:
         ranks = [targets.for_rank(r) for r in range(targets.parallel.tp_size)]
         return EngineManifest.of_ranks(
-            targets.parallel, ranks, targets.aliases, targets.tensor_shapes()
+            targets.parallel, ranks, targets.aliases, targets.tensor_shapes(), block_fp8
         )
 
     @staticmethod
@@ -76,17 +87,22 @@ class EngineManifest:
         ranks,
         aliases: Mapping[str, str],
         tensor_shapes: Mapping[str, Tuple[int, ...]],
+        block_fp8: Optional[Mapping[str, Tuple[int, int]]] = None,
     ) -> EngineManifest:
         """From every TP rank's targets as the engine holds them (dtype overrides applied)."""
         m = EngineManifest(
-            parallel, tuple(tuple(r) for r in ranks), dict(aliases), dict(tensor_shapes)
+            parallel,
+            tuple(tuple(r) for r in ranks),
+            dict(aliases),
+            dict(tensor_shapes),
+            block_fp8={n: tuple(b) for n, b in (block_fp8 or {}).items()},
         )
         with paused_gc():
             return dataclasses.replace(m, fingerprint=_digest(m._body()))
 
     def _body(self) -> dict:
         p = self.parallel
-        return {
+        body = {
             "parallel": [p.tp_size, p.attn_tp_size, p.moe_ep_size],
             "ranks": [[_encode(t) for t in rank] for rank in self.ranks],
             "aliases": dict(sorted(self.aliases.items())),
@@ -94,6 +110,9 @@ class EngineManifest:
                 n: list(s) for n, s in sorted(self.tensor_shapes.items())
             },
         }
+        if self.block_fp8:
+            body["block_fp8"] = {n: list(b) for n, b in sorted(self.block_fp8.items())}
+        return body
 
     def to_json(self) -> str:
         return json.dumps(
@@ -117,6 +136,8 @@ class EngineManifest:
                 f"manifest version {data.get('version')!r}, this trainer reads {MANIFEST_VERSION}"
             )
         body = {k: data[k] for k in ("parallel", "ranks", "aliases", "tensor_shapes")}
+        if "block_fp8" in data:
+            body["block_fp8"] = data["block_fp8"]
         if _digest(body) != data["fingerprint"]:
             raise ManifestError(
                 "manifest content does not match its fingerprint (partial or corrupted file)"
@@ -128,7 +149,26 @@ class EngineManifest:
             dict(body["aliases"]),
             {n: tuple(s) for n, s in body["tensor_shapes"].items()},
             data["fingerprint"],
+            _blocks(body.get("block_fp8", {})),
         )
+
+
+def _blocks(raw) -> Dict[str, Tuple[int, int]]:
+    """The ``block_fp8`` entry read back: weight name -> two block sides in 1..MAX_BLOCK."""
+    if not isinstance(raw, dict):
+        raise ManifestError(f"block_fp8 is a {type(raw).__name__}, expected a mapping")
+    out = {}
+    for name, block in raw.items():
+        if not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(type(b) is int and 0 < b <= MAX_BLOCK for b in block)
+        ):
+            raise ManifestError(
+                f"block_fp8 {name!r}: block {block!r}, expected two sides in 1..{MAX_BLOCK}"
+            )
+        out[name] = (block[0], block[1])
+    return out
 
 
 def manifest_path(channel: str, engine_rank: int) -> str:

@@ -18,7 +18,8 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
   commits as the colocated path does (``commit_vote.commit_to_write``: engine rank 0
   records the update's outcome in the directory the tokenizer manager names, so an update
   the tokenizer manager gave up on is never written), writes the staged regions into the live parameters (and streams the rest when the
-  staging was too small to hold the rank's share), refreshes what SGLang derives from
+  staging was too small to hold the rank's share; blocks a trainer rank quantized land as
+  e4m3 and scales, ``fp8_wire``), refreshes what SGLang derives from
   them, and reports the figures. A failure before the first write leaves the old weights
   serving; after it, the reply says ``mixed`` and the tokenizer manager refuses generation
   until an update succeeds, as on the colocated path.
@@ -39,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -64,6 +65,7 @@ from sglang.srt.weight_sync.executor import (
     write_zero_fills,
 )
 from sglang.srt.weight_sync.fp8_staging import Fp8Staging
+from sglang.srt.weight_sync.fp8_wire import QuantizedLanding
 from sglang.srt.weight_sync.manifest import ManifestError
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
 from sglang.srt.weight_sync.remote.delta import DeltaFigures
@@ -129,9 +131,9 @@ class Staging(Deferred):
                     )
                 self.full = False
 
-    def landed(self, landings: List[Landing]) -> None:
+    def landed(self, landings: List[Union[Landing, QuantizedLanding]]) -> None:
         bad = not self.nonfinite and bool(
-            nonfinite_tensors({str(i): x.buf for i, x in enumerate(landings)})
+            nonfinite_tensors({str(i): _values(x) for i, x in enumerate(landings)})
         )
         with self.cond:
             self.nonfinite = self.nonfinite or bad
@@ -542,7 +544,7 @@ class RemoteEngineSync:
         result = mine.result
         mine_figures = [
             result.stats.bytes_received if result else 0,
-            result.plan.lower_bound_bytes(mine.group.rank) if result else 0,
+            result.lower_bound_bytes(mine.group.rank) if result else 0,
             mine.staging.peak,
             int(mine.seconds * 1e6),
             applied_us,
@@ -627,15 +629,27 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
             )
         if not landings:
             break
-        mine.staging.written(write_landings(params, landings))
+        plain = [x for x in landings if isinstance(x, Landing)]
+        written = write_landings(params, plain) if plain else 0
+        quantized = [x for x in landings if isinstance(x, QuantizedLanding)]
+        if quantized:  # e4m3 and scales, straight into the live weights
+            written += mine.fp8.land(quantized)
+        mine.staging.written(written)
         wrote = True
     if mine.error is not None:
         raise RuntimeError(mine.error)
     plan = mine.result.plan
     write_zero_fills(plan, mine.group.rank, params)
     if wrote and mine.fp8 is not None:
-        mine.fp8.quantize()  # every element of every block has met in staging
+        # every element of every block not sent quantized has met in staging
+        mine.fp8.quantize(mine.result.fp8, mine.group.rank)
     return wrote or bool(plan.zero_fills)
+
+
+def _values(x: Union[Landing, QuantizedLanding]) -> torch.Tensor:
+    """What a landing's NaN/inf check reads: its region, or the scales of quantized blocks
+    (a non-finite value in a block makes its scale non-finite)."""
+    return x.scales if isinstance(x, QuantizedLanding) else x.buf
 
 
 def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:

@@ -26,6 +26,11 @@ the same steps on every rank (``run_update``), each bounded by the update's time
 6. the executor moves the data: trainer ranks send their own regions, cast to the
    engine's dtype, straight to the engine ranks that need them; engine ranks receive
    into staging (``executor.Deferred``) that the engine writes later, in a short pause.
+   Where an engine's manifest names block-FP8 weights (``EngineManifest.block_fp8``),
+   every rank cuts the same plan (``fp8_wire.cut_for_engines``): the blocks a trainer
+   rank holds whole travel quantized, e4m3 and scales (``fp8_wire.run_quantized``, after
+   the rest of the plan ran), and the engine quantizes only the rest (a delta update,
+   which FP8 engines refuse, is not cut).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ from sglang.srt.weight_sync.executor import (
     check_inputs,
     execute,
 )
+from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
+from sglang.srt.weight_sync.fp8_wire import cut_for_engines, run_quantized
 from sglang.srt.weight_sync.manifest import (
     EngineManifest,
     ManifestError,
@@ -125,6 +132,14 @@ class UpdateResult:
     # a delta update's figures (``remote.delta``), and why it was full ("" when not)
     delta: Optional[DeltaFigures] = None
     why_full: str = ""
+    # the blocks sent quantized (``plan`` is then what is left of the plan)
+    fp8: Optional[SenderFp8Plan] = None
+
+    def lower_bound_bytes(self, rank: int) -> int:
+        """The least ``rank`` receives: the plan's, less what quantized blocks save."""
+        if self.fp8 is not None:
+            return self.fp8.lower_bound_bytes(rank)
+        return self.plan.lower_bound_bytes(rank)
 
 
 def source_layout(specs: Mapping[str, Spec]) -> SourceLayout:
@@ -173,7 +188,7 @@ class _Layouts:
     specs: Dict[str, Tuple[Mapping[str, Spec], SourceLayout]] = field(
         default_factory=dict
     )
-    plans: Dict[str, Plan] = field(default_factory=dict)
+    plans: Dict[str, Tuple[Plan, Optional[SenderFp8Plan]]] = field(default_factory=dict)
 
     def keep(self, table: dict, key: str, value, most: int) -> None:
         if len(table) >= most:
@@ -411,11 +426,13 @@ class SyncGroup:
 
     def plan(
         self, header: UpdateHeader, specs: Mapping[str, Spec], sources: SourceLayout
-    ) -> Plan:
-        """Step 3: this rank's moves (cached by the update's inputs)."""
+    ) -> Tuple[Plan, Optional[SenderFp8Plan]]:
+        """Step 3: this rank's moves (cached by the update's inputs), and for block-FP8
+        engines the blocks sent quantized (the plan then without them; not for a delta)."""
         fingerprint = self.inputs_digest(header)
-        plan = self._layouts.plans.get(fingerprint)
-        if plan is None:
+        key = f"{fingerprint}/delta" if header.delta else fingerprint
+        found = self._layouts.plans.get(key)
+        if found is None:
             aliases = (
                 next(iter(self.manifests.values())).aliases if self.manifests else {}
             )
@@ -428,8 +445,16 @@ class SyncGroup:
                 aliases=aliases,
                 fingerprint=fingerprint,
             )
-            self._layouts.keep(self._layouts.plans, fingerprint, plan, PLANS_KEPT)
-        return plan
+            fp8 = None
+            if not header.delta:
+                engines = [
+                    (self.manifests[m.name], m.offset) for m in self.membership.engines
+                ]
+                shapes = {n: tuple(t.shape) for n, t in sources.items()}
+                fp8 = cut_for_engines(plan, engines, shapes)
+            found = (plan if fp8 is None else fp8.plan, fp8)
+            self._layouts.keep(self._layouts.plans, key, found, PLANS_KEPT)
+        return found
 
     def receivers(self, names, aliases: Mapping[str, str]) -> Receivers:
         """Every engine rank's targets among the HF tensors ``names``: one class per
@@ -500,14 +525,14 @@ class SyncGroup:
         ``delta`` runs the rounds as delta records (``remote.delta``: a trainer rank encodes
         against its ``snapshot``, an engine rank decodes against ``params``)."""
         problems: List[str] = []
-        plan, device = None, self.data.device
+        plan, fp8, device = None, None, self.data.device
         local = part.local if part is not None else {}
         try:
             header, specs, sources = self.hear_update(part, timeout_s)
             if check is not None:
                 problems += check(header, specs)
             if not problems:
-                plan = self.plan(header, specs, sources)
+                plan, fp8 = self.plan(header, specs, sources)
                 problems += [
                     f"{self.who}: {p}"
                     for p in check_inputs(plan, self.rank, local, params or {}, device)
@@ -524,13 +549,15 @@ class SyncGroup:
                 )
             else:
                 stats = execute(*args, checked=True)
+                if fp8 is not None:
+                    run_quantized(fp8, *args[1:], stats)
                 if snapshot is not None:
                     delta, why_full = stage_full(
                         plan, self.rank, local, snapshot, self.membership.epoch
                     )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None
-        return UpdateResult(header, plan, stats, delta, why_full)
+        return UpdateResult(header, plan, stats, delta, why_full, fp8)
 
     @staticmethod
     def wire_of(specs: Mapping[str, Spec]) -> Tuple[bytes, str]:
