@@ -120,6 +120,11 @@ def run_quantized(
     (``params``: its e4m3 weights and scales; with ``deferred``: handed over as
     ``QuantizedLanding``s instead). Adds the bytes and operations to ``stats``."""
     phase = f"rank {rank}: sender-quantized blocks"
+    # a pair whose every move of the plan came quantized has not met yet: NCCL connects a
+    # pair in its first batch, blocking the host, so connect it here, bounded (``connect``)
+    data.connect(
+        [[q.move for q in rnd] for rnd in sender.quantized], rank, timeout_s, phase
+    )
     local = [q for q in sender.local if q.move.src == rank]
     if local:
         _hand(
