@@ -13,7 +13,8 @@ must carry whole blocks of its HF tensor to whole blocks of ``P.weight``. A TP s
 fused layout) that cuts a block is refused by name (``BlockProblem``), as SGLang refuses it
 when it builds the layer.
 
-First milestone: blocks meet on the engine rank; the wire carries the unquantized dtype.
+Blocks that lie whole on one trainer rank can be quantized there instead (``fp8_sender``,
+run for remote engines by ``fp8_wire``); every other block meets on the engine rank.
 """
 
 from __future__ import annotations
@@ -306,8 +307,9 @@ def block_sites(
     """Count where the blocks of ``rank``'s FP8 weights (``mine``, its staged ``targets``)
     can meet, from the source layout (``SourceLayout``: name -> holders): a block lies whole in
     a holder's box or it does not. Per piece and distinct holder box, by interval arithmetic
-    (no loop over blocks). What the sender-side milestone will route; today every block is
-    quantized on the receiving rank."""
+    (no loop over blocks). The blocks ``fp8_sender`` cuts for their sender (remote engines:
+    ``fp8_wire``), less any a round boundary cuts; the colocated paths quantize all of them on
+    the receiving rank."""
     quantized = {q.weight for q in mine.quantized}
     at_sender = local = total = 0
     for t in targets:
