@@ -211,7 +211,9 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
     def params():
         return {"p": torch.zeros(6, 4, device=DEVICE)} if rank == 0 else {}
 
-    data = DataGroup.over_ranks_of(None, group_timeout_s, 0)
+    data = DataGroup.over_ranks_of(
+        None, group_timeout_s, DataGroup.number_proposal(None, 0)
+    )
     execute(the_plan, rank, shards, params(), group=data, timeout_s=60.0)
     if rank == 0:
         t0 = time.monotonic()
@@ -229,7 +231,9 @@ def test_a_timed_out_wait_on_the_data_group_spares_the_process_and_serving(world
     flag = torch.ones(1, device=DEVICE)
     dist.all_reduce(flag)
     assert flag.item() == world_size(), "the default group no longer reduces"
-    fresh = DataGroup.over_ranks_of(None, group_timeout_s, 1)
+    fresh = DataGroup.over_ranks_of(
+        None, group_timeout_s, DataGroup.number_proposal(None, 0)
+    )
     assert fresh.group is not data.group
     landed = params()
     execute(the_plan, rank, shards, landed, group=fresh, timeout_s=60.0)

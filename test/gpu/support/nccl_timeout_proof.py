@@ -90,7 +90,9 @@ def main(out: str, old: bool) -> int:
         group = dist.new_group([0], backend="nccl")
         data = None
     else:
-        data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0, 60.0)
+        data = DataGroup.over_ranks_of(
+            None, DATA_GROUP_TIMEOUT_S, DataGroup.number_proposal(None, 0), 60.0
+        )
         group = data.group
         data.warm_up(60.0, "proof: warming up")
     torch.cuda.synchronize()
@@ -124,7 +126,9 @@ def main(out: str, old: bool) -> int:
     result["serving"] = serving.item() == 1.0
     _write(out, result)
     if not old:
-        renewed = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 1, 60.0)
+        renewed = DataGroup.over_ranks_of(
+            None, DATA_GROUP_TIMEOUT_S, DataGroup.number_proposal(None, 0), 60.0
+        )
         x = torch.full((1024,), 3.0, device="cuda")
         renewed.wait(
             dist.all_reduce(x, group=renewed.group, async_op=True),

@@ -757,10 +757,13 @@ def exchange_payloads(
     timeout_s: Optional[float],
     phase: str,
 ) -> Dict[int, torch.Tensor]:
-    """Byte payloads whose sizes only the sender knows (a delta update's records): every
-    buffer of ``outgoing`` (receiver -> 1-d uint8, non-empty) to its receiver, one from
-    each rank of ``incoming``, in two batches of point-to-point operations: the sizes
-    (one int64 each), then the payloads. Both ends list the same pairs (the same plan)."""
+    """Byte payloads whose sizes only the sender knows (a delta update's records, blocks
+    quantized at the sender): every buffer of ``outgoing`` (receiver -> 1-d uint8,
+    non-empty) to its receiver, one from each rank of ``incoming``, in two batches of
+    point-to-point operations: the sizes (one int64 each), then the payloads. Both ends
+    list the same pairs (the same plan). Posted and waited as the rounds of ``execute``
+    are (``DataGroup.post``, ``DataGroup.wait``): NCCL's set-up within ``timeout_s``, a
+    wait that runs out polled and the group abandoned before ``PeerLost`` leaves."""
 
     def to_global(r: int) -> int:
         return r if data.group is None else dist.get_global_rank(data.group, r)
@@ -773,8 +776,11 @@ def exchange_payloads(
             dist.P2POp(dist.irecv, buf, to_global(peer), data.group)
             for peer, buf in pairs_in
         ]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            wait(work, timeout_s, f"{phase} ({what})")
+        if not ops:
+            return
+        step = f"{phase} ({what})"
+        for work in data.post(ops, step, timeout_s):
+            data.wait(work, timeout_s, step)
 
     out = {p: b.to(data.device).contiguous() for p, b in sorted(outgoing.items())}
     sizes_out = [
