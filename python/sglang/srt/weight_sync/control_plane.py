@@ -692,9 +692,9 @@ def _ranks_tag(ranks: Sequence[int]) -> str:
 
 def forget_keys(store: dist.Store, prefix: str, keep: Optional[str] = None) -> int:
     """Delete every key of ``store`` under ``prefix`` (the rendezvous of a group every rank
-    left) but those under ``prefix/keep``; how many it deleted. Listed through ``store`` itself and matched on ``prefix/``
-    exactly (a ``PrefixStore``'s own listing matches its prefix without the separator: group
-    ``1`` would list group ``10``'s keys). A store that cannot list its keys (a torch without
+    left) but those under ``prefix/keep``; how many it deleted. Listed through ``store``
+    itself and matched on ``prefix/`` exactly (a ``PrefixStore``'s own listing matches its
+    prefix without the separator: group ``1`` would list group ``10``'s keys). A store that cannot list its keys (a torch without
     ``list_keys``, a store type without it) is left as it is: 0. Deleting a key a peer
     deleted first is harmless, so every rank may run it."""
     try:

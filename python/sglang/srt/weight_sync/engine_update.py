@@ -241,11 +241,12 @@ class EngineWeightSync:
     def _data_group_terms(self) -> Tuple[Dict[str, bool], Dict[str, int]]:
         """This rank's part of agreeing on the data group (``ControlGroup.agree``'s flags
         and proposals): whether it lacks one, and the number it would give the next."""
+        lacks = self._data is None or self._data.abandoned
         return (
-            {"no data group": self._data is None or self._data.abandoned},
+            {"no data group": lacks},
             {
                 "data group number": DataGroup.number_proposal(
-                    tp_state().device_group, self.data_groups_made
+                    tp_state().device_group, self.data_groups_made, lacks
                 )
             },
         )

@@ -179,11 +179,16 @@ class DataGroup:
         return cls(group, own=True)
 
     @staticmethod
-    def number_proposal(parent: Optional[dist.ProcessGroup], made: int) -> int:
+    def number_proposal(
+        parent: Optional[dist.ProcessGroup], made: int, lacks: bool = True
+    ) -> int:
         """This rank's proposal for the number of the next group over ``parent``'s ranks
         (``control_plane.group_number_proposal``), its owner having made ``made``: the
-        owners agree on the highest and pass it to ``over_ranks_of``."""
-        return group_number_proposal(_ranks_of(parent), made)
+        owners agree on the highest and pass it to ``over_ranks_of``. An owner that has a
+        usable group (``lacks`` False) proposes ``made`` without reading the store: a
+        group is made only when some rank lacks one, and that rank's proposal reads the
+        store's floor, so the highest still covers it (no store round trip per update)."""
+        return group_number_proposal(_ranks_of(parent), made) if lacks else made
 
     def abandon(self) -> None:
         """Abort the group's communicators after a failed wait and never use it again: its

@@ -644,7 +644,7 @@ def agree_on_inputs(
             "that fit its plan",
             {
                 "data group number": DataGroup.number_proposal(
-                    None, sync.data_groups_made
+                    None, sync.data_groups_made, sync.lacks_data
                 )
             },
         )
