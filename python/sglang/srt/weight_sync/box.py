@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ("Box",)
+__all__ = ("Box", "contiguous_strides")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +126,12 @@ class Box:
             + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
             + "]"
         )
+
+
+def contiguous_strides(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``sizes`` (a view made by ``as_strided``)."""
+    strides, step = [], 1
+    for s in reversed(sizes):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))

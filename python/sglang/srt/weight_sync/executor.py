@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.weight_sync.apply import write_regions, write_zeros
+from sglang.srt.weight_sync.box import contiguous_strides
 from sglang.srt.weight_sync.control_plane import (
     PeerLost,
     fresh_group,
@@ -29,6 +30,7 @@ from sglang.srt.weight_sync.control_plane import (
     poll,
     wait,
 )
+from sglang.srt.weight_sync.copy_program import CopyProgram
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
 from sglang.srt.weight_sync.source_layout import Holder
@@ -307,11 +309,14 @@ class DataGroup:
         rank: int,
         timeout_s: Optional[float],
         phase: str,
+        pairs: Optional[Set[Tuple[int, int]]] = None,
     ) -> None:
         """One byte over each (sender, receiver) pair of ``rounds`` (``rank``'s moves of a
         plan) that involves ``rank`` and that no batch of this group has carried: both ranks
-        of a pair run the same plan, so each posts its side exactly once."""
-        pairs = {(m.src, r) for moves in rounds for m in moves for r in _receivers(m)}
+        of a pair run the same plan, so each posts its side exactly once. ``pairs``: those
+        of ``rounds``, when the caller has them (``_pairs``)."""
+        if pairs is None:
+            pairs = _pairs(rounds)
         new = sorted(p for p in pairs - self.connected if rank in p and p[0] != p[1])
         if not new or not dist.is_initialized():
             return
@@ -386,13 +391,13 @@ class _Staging:
         buf.copy_(view)
         return buf
 
-    def send_buffer(self, shards, move: Move) -> torch.Tensor:
+    def send_buffer(self, shards, move: Move, regions: _Regions) -> torch.Tensor:
         """The region ``move`` sends, staged once per round however many ranks it goes to."""
         key = (move.tensor, move.holder.buffer, move.region, move.dtype)
         buf = self.sent.get(key)
         if buf is None:
             buf = self.sent[key] = self.ready_to_send(
-                _src_view(shards, move), move.dtype
+                regions.src(shards, move), move.dtype
             )
         return buf
 
@@ -523,34 +528,47 @@ def execute(
 
     stats = ExecutionStats()
     staging = _Staging(stats, data.device)
+    regions = _Regions.of(plan, rank)
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
-    rounds = _rounds(plan, rank)
-    data.connect(rounds, rank, timeout_s, f"rank {rank}: executor")
+    rounds = regions.rounds
+    data.connect(rounds, rank, timeout_s, f"rank {rank}: executor", regions.pairs)
 
     flight = None
-    local = plan.local_for(rank)
+    local = regions.local
     if deferred is not None:
         # nothing is written here: local regions are handed over like received ones
         if local:
             deferred.landed(
-                [Landing(_src_view(shards, m).clone(), m, m.dests[:1]) for m in local]
+                [Landing(regions.src(shards, m).clone(), m, m.dests[:1]) for m in local]
             )
-        stats.bytes_copied_locally += sum(m.nbytes for m in local)
+        stats.bytes_copied_locally += regions.local_bytes
     else:
         # the first round's transfers run while this rank makes its local copies
         if rounds:
             flight = _start_round(
-                rank, rounds[0], shards, params, data, staging, to_global
+                rank,
+                regions.route(0),
+                shards,
+                params,
+                data,
+                staging,
+                to_global,
+                regions,
             )
         t0 = time.perf_counter()
         try:
             write_zero_fills(plan, rank, params)
-            write_regions(
-                [_dest_view(params, m.dests[0], m) for m in local],
-                [_src_view(shards, m) for m in local],
+            regions.copy(
+                "local",
+                [params[m.dests[0].param] for m in local],
+                [shards[m.holder.buffer] for m in local],
+                lambda: (
+                    [regions.dest(params, m.dests[0], m) for m in local],
+                    [regions.src(shards, m) for m in local],
+                ),
             )
-            stats.bytes_copied_locally += sum(m.nbytes for m in local)
+            stats.bytes_copied_locally += regions.local_bytes
         except BaseException:
             if flight is not None:  # no transfer of this update outlives it
                 for work in flight[0]:
@@ -565,26 +583,24 @@ def execute(
             raise
         stats.copy_seconds += time.perf_counter() - t0
 
-    for mine in rounds:
+    for i in range(len(rounds)):
+        route = regions.route(i)
         if flight is None:
             flight = _start_round(
-                rank, mine, shards, params, data, staging, to_global, deferred
+                rank, route, shards, params, data, staging, to_global, regions, deferred
             )
         stats.rounds += 1
-        stats.largest_round_bytes = max(
-            stats.largest_round_bytes,
-            sum(m.nbytes for m in mine if m.src == rank or _my_dests(m, rank)),
+        stats.largest_round_bytes = max(stats.largest_round_bytes, route.nbytes)
+        phase = (
+            f"rank {rank}: executor round {stats.rounds} with ranks {list(route.peers)}"
         )
-        peers = sorted(
-            ({m.src for m in mine} | {d.rank for m in mine for d in m.dests}) - {rank}
-        )
-        phase = f"rank {rank}: executor round {stats.rounds} with ranks {peers}"
         _finish_round(
             params,
             flight,
             staging,
             lambda work: data.wait(work, timeout_s, phase),
             deferred,
+            regions,
         )
         flight = None
         staging.release_all()
@@ -623,67 +639,65 @@ PACK_BELOW = 256 << 10
 
 
 def _start_round(
-    rank, moves, shards, params, data: DataGroup, staging, to_global, deferred=None
-) -> Tuple[list, List[Tuple[torch.Tensor, Move, List[Dest]]]]:
-    """Start one round's moves as one batch of point-to-point operations (a move with
-    several receivers is sent to each, in receiver order, the same on both ends); returns
-    the pending work and where the received regions land (with ``deferred``: staging the
-    owner keeps, reserved first). Moves below ``PACK_BELOW`` from one sender to one
-    receiver (and no other) travel packed in one buffer, after the round's other moves
-    between them, in the order ``_packed`` gives both ends; the receiver lands views of it.
-    Each move is staged at most once on a rank, so staging stays within the plan's cap."""
+    rank,
+    route,
+    shards,
+    params,
+    data: DataGroup,
+    staging,
+    to_global,
+    regions,
+    deferred=None,
+) -> Tuple[list, List[Tuple[torch.Tensor, Move, Tuple[Dest, ...]]]]:
+    """Start one round's moves (``route``: this rank's part of it) as one batch of
+    point-to-point operations (a move with several receivers is sent to each, in receiver
+    order, the same on both ends); returns the pending work and where the received regions
+    land (with ``deferred``: staging the owner keeps, reserved first). Moves below
+    ``PACK_BELOW`` from one sender to one receiver (and no other) travel packed in one
+    buffer, after the round's other moves between them, in the order ``_packed`` gives
+    both ends; the receiver lands views of it. Each move is staged at most once on a rank,
+    so staging stays within the plan's cap."""
     ops: List[dist.P2POp] = []
-    landings: List[Tuple[torch.Tensor, Move, List[Dest]]] = []
+    landings: List[Tuple[torch.Tensor, Move, Tuple[Dest, ...]]] = []
     group = data.group
     if deferred is not None:
-        deferred.reserve(sum(m.nbytes for m in moves if _my_dests(m, rank)))
-    packs_out: Dict[int, List[Move]] = {}  # receiver -> the small moves sent to it
-    packs_in: Dict[int, List[Move]] = {}  # sender -> the small moves received from it
-    for move in moves:
-        receivers = _receivers(move)
-        # one receiver only: a move sent to several is staged once (``send_buffer``), which
-        # keeps every rank's staging within the plan's cap on the bytes it moves in a round
-        small = move.nbytes < PACK_BELOW and len(receivers) == 1
-        if len(receivers) > 1:
-            staging.stats.broadcasts += 1
-        if move.src == rank:
-            for receiver in receivers:
-                if small:
-                    packs_out.setdefault(receiver, []).append(move)
-                    continue
-                buf = staging.send_buffer(shards, move)
-                ops.append(dist.P2POp(dist.isend, buf, to_global(receiver), group))
-                staging.stats.p2p_ops += 1
-            staging.stats.bytes_sent += move.nbytes * len(receivers)
-        mine = _my_dests(move, rank)
-        if not mine:
-            continue
-        staging.stats.bytes_received += move.nbytes
-        if small:
-            packs_in.setdefault(move.src, []).append(move)
+        deferred.reserve(route.received)
+    stats = staging.stats
+    stats.broadcasts += route.broadcasts
+    stats.bytes_sent += route.sent
+    stats.bytes_received += route.received
+    for move, peer, mine in route.ops:
+        if not mine:  # a send (a move with several receivers is staged once)
+            buf = staging.send_buffer(shards, move, regions)
+            ops.append(dist.P2POp(dist.isend, buf, to_global(peer), group))
             continue
         buf = (
-            _landing(params, mine[0], move, staging)
+            _landing(params, mine[0], move, staging, regions)
             if deferred is None
             else torch.empty(move.region.sizes, dtype=move.dtype, device=staging.device)
         )
-        ops.append(dist.P2POp(dist.irecv, buf, to_global(move.src), group))
+        ops.append(dist.P2POp(dist.irecv, buf, to_global(peer), group))
         landings.append((buf, move, mine))
-        staging.stats.p2p_ops += 1
-    for receiver, packed in packs_out.items():
-        flat, views = _pack_buffer(_packed(packed), staging, None)
-        write_regions(  # cast to the engine's dtype on the way
-            [view for view, _ in views], [_src_view(shards, m) for _, m in views]
+    for receiver, pack in route.packs_out:
+        flat, bases = pack.buffer(staging, None)
+        regions.copy(  # cast to the engine's dtype on the way
+            id(pack),
+            bases,
+            [shards[m.holder.buffer] for m in pack.moves],
+            lambda: (pack.views(bases), [regions.src(shards, m) for m in pack.moves]),
         )
         ops.append(dist.P2POp(dist.isend, flat, to_global(receiver), group))
-        staging.stats.p2p_ops += 1
-    for sender, packed in packs_in.items():
-        flat, views = _pack_buffer(_packed(packed), staging, deferred)
+    packs: List[Tuple[_Pack, List[torch.Tensor]]] = []
+    for sender, pack in route.packs_in:
+        flat, bases = pack.buffer(staging, deferred)
         ops.append(dist.P2POp(dist.irecv, flat, to_global(sender), group))
-        landings.extend((view, move, _my_dests(move, rank)) for view, move in views)
-        staging.stats.p2p_ops += 1
+        if deferred is None:
+            packs.append((pack, bases))
+        else:
+            landings.extend(zip(pack.views(bases), pack.moves, pack.dests))
+    stats.p2p_ops += len(ops)
     works = data.post(ops, f"rank {rank}: executor, posting a round") if ops else []
-    return works, landings
+    return works, landings, packs
 
 
 def _packed(moves: List[Move]) -> List[Move]:
@@ -693,28 +707,245 @@ def _packed(moves: List[Move]) -> List[Move]:
     return sorted(moves, key=lambda m: -m.dtype.itemsize)
 
 
-def _pack_buffer(
-    moves: List[Move], staging: _Staging, deferred
-) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, Move]]]:
-    """One flat byte buffer for ``moves`` (staging the executor counts, or, with
-    ``deferred``, memory the owner keeps) and each move's region as a view of it."""
-    total = sum(m.nbytes for m in moves)
-    if deferred is None:
-        flat = staging.empty((total,), torch.uint8)
-    else:
-        flat = torch.empty((total,), dtype=torch.uint8, device=staging.device)
-    views, offset = [], 0
-    for move in moves:
-        view = flat[offset : offset + move.nbytes].view(move.dtype)
-        views.append((view.view(move.region.sizes), move))
-        offset += move.nbytes
-    return flat, views
+@dataclass(frozen=True)
+class _Pack:
+    """Small moves between one sender and one receiver in one flat byte buffer
+    (``_packed``'s order): where each region lies in it, worked out once per plan."""
+
+    moves: Tuple[Move, ...]
+    dests: Tuple[
+        Tuple[Dest, ...], ...
+    ]  # the receiver's dests of each (empty on the sender)
+    nbytes: int
+    # per move: its dtype, the region's sizes and contiguous strides, and its offset in
+    # elements of that dtype
+    places: Tuple[Tuple[torch.dtype, Tuple[int, ...], Tuple[int, ...], int], ...]
+
+    @classmethod
+    def of(cls, moves: List[Move], rank: int) -> _Pack:
+        ordered = _packed(moves)
+        places, offset = [], 0
+        for m in ordered:
+            sizes = tuple(m.region.sizes)
+            places.append(
+                (m.dtype, sizes, contiguous_strides(sizes), offset // m.dtype.itemsize)
+            )
+            offset += m.nbytes
+        return cls(
+            tuple(ordered),
+            tuple(tuple(_my_dests(m, rank)) for m in ordered),
+            offset,
+            tuple(places),
+        )
+
+    def buffer(
+        self, staging: _Staging, deferred
+    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """One flat byte buffer (staging the executor counts, or, with ``deferred``, memory
+        the owner keeps) and, per move, the buffer viewed in the move's dtype."""
+        total = self.nbytes
+        if deferred is None:
+            flat = staging.empty((total,), torch.uint8)
+        else:
+            flat = torch.empty((total,), dtype=torch.uint8, device=staging.device)
+        typed: Dict[torch.dtype, torch.Tensor] = {}
+        bases = []
+        for dtype, _, _, _ in self.places:
+            base = typed.get(dtype)
+            if base is None:
+                size = dtype.itemsize
+                base = typed[dtype] = flat[: total - total % size].view(dtype)
+            bases.append(base)
+        return flat, bases
+
+    def views(self, bases: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Each move's region in the buffer (``bases``: ``buffer``'s), one ``as_strided``
+        each."""
+        return [
+            base.as_strided(sizes, strides, offset)
+            for base, (_, sizes, strides, offset) in zip(bases, self.places)
+        ]
+
+    def land(self, regions: _Regions, params, bases: List[torch.Tensor]) -> None:
+        """Write the received buffer (``bases``) into this rank's parameter regions."""
+        pairs = [(j, d) for j, dests in enumerate(self.dests) for d in dests]
+
+        def views():
+            src = self.views(bases)
+            return (
+                [regions.dest(params, d, self.moves[j]) for j, d in pairs],
+                [src[j] for j, _ in pairs],
+            )
+
+        regions.copy(
+            id(self),
+            [params[d.param] for _, d in pairs],
+            [bases[j] for j, _ in pairs],
+            views,
+        )
 
 
-def _finish_round(params, flight, staging, wait_for, deferred=None) -> None:
+@dataclass(frozen=True)
+class _Route:
+    """One rank's part of one round, worked out once per plan: its point-to-point moves in
+    the order both ends post them (``ops``: move, peer, this rank's dests; no dests: a
+    send), its packs each way, what it sends and receives (bytes in the destination dtype)
+    and the ranks it meets."""
+
+    ops: Tuple[Tuple[Move, int, Tuple[Dest, ...]], ...]
+    packs_out: Tuple[Tuple[int, _Pack], ...]
+    packs_in: Tuple[Tuple[int, _Pack], ...]
+    sent: int
+    received: int
+    broadcasts: int
+    nbytes: int  # of the moves it sends or receives
+    peers: Tuple[int, ...]
+
+    @classmethod
+    def of(cls, moves: List[Move], rank: int) -> _Route:
+        ops: List[Tuple[Move, int, Tuple[Dest, ...]]] = []
+        packs_out: Dict[int, List[Move]] = {}  # receiver -> the small moves sent to it
+        packs_in: Dict[
+            int, List[Move]
+        ] = {}  # sender -> the small moves received from it
+        sent = received = broadcasts = nbytes = 0
+        for move in moves:
+            receivers = _receivers(move)
+            # one receiver only: a move sent to several is staged once (``send_buffer``),
+            # which keeps every rank's staging within the plan's cap on the bytes it moves
+            small = move.nbytes < PACK_BELOW and len(receivers) == 1
+            if len(receivers) > 1:
+                broadcasts += 1
+            mine = tuple(_my_dests(move, rank))
+            if move.src == rank or mine:
+                nbytes += move.nbytes
+            if move.src == rank:
+                for receiver in receivers:
+                    if small:
+                        packs_out.setdefault(receiver, []).append(move)
+                    else:
+                        ops.append((move, receiver, ()))
+                sent += move.nbytes * len(receivers)
+            if not mine:
+                continue
+            received += move.nbytes
+            if small:
+                packs_in.setdefault(move.src, []).append(move)
+            else:
+                ops.append((move, move.src, mine))
+        peers = {m.src for m in moves} | {d.rank for m in moves for d in m.dests}
+        return cls(
+            tuple(ops),
+            tuple((r, _Pack.of(p, rank)) for r, p in packs_out.items()),
+            tuple((r, _Pack.of(p, rank)) for r, p in packs_in.items()),
+            sent,
+            received,
+            broadcasts,
+            nbytes,
+            tuple(sorted(peers - {rank})),
+        )
+
+
+class _Regions:
+    """What ``execute`` derives from a plan for one rank, once per plan (kept in its
+    ``memo``; a plan runs every update of a run): its rounds and their routes, its local
+    copies, and the views of every region its moves read and write. A view is made by
+    slicing the first time (``Move.src_index``, ``Move.dest_index``) and then by one
+    ``as_strided`` from its sizes, strides and offset in its base, for as long as the
+    base has the same shape and strides (a shared-memory segment mapped anew each update,
+    the same parameters): a MoE plan has tens of thousands of regions, and slicing one
+    costs several times that."""
+
+    def __init__(self, plan: Plan, rank: int) -> None:
+        self.rank = rank
+        self.rounds = _rounds(plan, rank)
+        self.pairs = _pairs(self.rounds)
+        self.local = plan.local_for(rank)
+        self.local_bytes = sum(m.nbytes for m in self.local)
+        self._routes: List[Optional[_Route]] = [None] * len(self.rounds)
+        self._specs: Dict[tuple, tuple] = {}
+        self._programs: Dict[object, Optional[CopyProgram]] = {}
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int) -> _Regions:
+        key = ("regions", rank)
+        found = plan.memo.get(key)
+        if found is None:
+            found = plan.memo[key] = cls(plan, rank)
+        return found
+
+    def route(self, i: int) -> _Route:
+        found = self._routes[i]
+        if found is None:
+            found = self._routes[i] = _Route.of(self.rounds[i], self.rank)
+        return found
+
+    def copy(self, key, dst_bases, src_bases, views) -> None:
+        """Copy regions of ``src_bases`` into regions of ``dst_bases`` (``apply.
+        write_regions`` of ``views()``: destination and source views), through the
+        ``CopyProgram`` kept under ``key`` while the tensors lie as they did when it was
+        made; made from this update's views otherwise."""
+        program = self._programs.get(key)
+        if program is not None and program.run(dst_bases, src_bases):
+            return
+        dst, src = views()
+        if key not in self._programs or program is not None:
+            self._programs[key] = CopyProgram.compile(dst, src, dst_bases, src_bases)
+        write_regions(dst, src)
+
+    def src(self, shards, move: Move) -> torch.Tensor:
+        """``_src_view``."""
+        base = shards[move.holder.buffer]
+        key = id(move)
+        spec = self._specs.get(key)
+        if spec is not None and spec[0] == base.shape and spec[1] == base.stride():
+            return base.as_strided(spec[2], spec[3], base.storage_offset() + spec[4])
+        return self._keep(key, base, base[move.src_index])
+
+    def dest(self, params, dest: Dest, move: Move) -> torch.Tensor:
+        """``_dest_view``."""
+        for i, d in enumerate(move.dests):
+            if d is dest:
+                break
+        else:  # an equal dest that is not one of the move's own objects
+            return _dest_view(params, dest, move)
+        base = params[dest.param]
+        key = (id(move), i)
+        spec = self._specs.get(key)
+        if spec is not None and spec[0] == base.shape and spec[1] == base.stride():
+            return base.as_strided(spec[2], spec[3], base.storage_offset() + spec[4])
+        return self._keep(key, base, _dest_view(params, dest, move))
+
+    def _keep(self, key, base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """Keep how ``view`` lies in ``base`` (a plain strided tensor only: a subclass may
+        slice otherwise)."""
+        if type(base) in _PLAIN and view.untyped_storage().data_ptr() == (
+            base.untyped_storage().data_ptr()
+        ):
+            self._specs[key] = (
+                base.shape,
+                base.stride(),
+                tuple(view.shape),
+                view.stride(),
+                view.storage_offset() - base.storage_offset(),
+            )
+        return view
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _pairs(rounds: List[List[Move]]) -> Set[Tuple[int, int]]:
+    """Every (sender, receiver) pair of ``rounds``."""
+    return {(m.src, r) for moves in rounds for m in moves for r in _receivers(m)}
+
+
+def _finish_round(
+    params, flight, staging, wait_for, deferred=None, regions=None
+) -> None:
     """Wait for a started round's work, then land what it received (with ``deferred``:
     hand it over)."""
-    works, landings = flight
+    works, landings, packs = flight
     t0 = time.perf_counter()
     for work in works:
         wait_for(work)
@@ -723,7 +954,9 @@ def _finish_round(params, flight, staging, wait_for, deferred=None) -> None:
         deferred.landed([Landing(buf, m, tuple(d)) for buf, m, d in landings])
         return
     t0 = time.perf_counter()
-    _finish_landings(params, landings)
+    _finish_landings(params, landings, regions)
+    for pack, bases in packs:
+        pack.land(regions, params, bases)
     staging.stats.copy_seconds += time.perf_counter() - t0
 
 
@@ -735,21 +968,24 @@ def _my_dests(move: Move, rank: int) -> List[Dest]:
     return [d for d in move.dests if d.rank == rank]
 
 
-def _landing(params, dest: Dest, move: Move, staging: _Staging) -> torch.Tensor:
+def _landing(
+    params, dest: Dest, move: Move, staging: _Staging, regions: _Regions
+) -> torch.Tensor:
     """Receive straight into the parameter when the region is contiguous there and on the
     group's device; otherwise into staging on that device."""
-    view = _dest_view(params, dest, move)
+    view = regions.dest(params, dest, move)
     if view.is_contiguous() and view.device == staging.device:
         return view
     return staging.empty(view.shape, move.dtype)
 
 
-def _finish_landings(params, landings) -> None:
+def _finish_landings(params, landings, regions: Optional[_Regions] = None) -> None:
     """Write each (received buffer, move, this rank's dests) into its parameter regions."""
+    view_of = _dest_view if regions is None else regions.dest
     views, bufs = [], []
     for buf, move, dests in landings:
         for dest in dests:
-            views.append(_dest_view(params, dest, move))
+            views.append(view_of(params, dest, move))
             bufs.append(buf)
     write_regions(views, bufs)
 

@@ -33,6 +33,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.weight_sync.box import contiguous_strides
+
 __all__ = (
     "ALIGN",
     "SEGMENT_DTYPES",
@@ -393,7 +395,7 @@ def map_tensors(fd: int, entries) -> MappedSegment:
         if view is None:
             view = typed[p.dtype] = whole[: end - end % size].view(p.dtype)
         start = p.offset // size
-        tensors.append(view.as_strided(p.shape, _contiguous_strides(p.shape), start))
+        tensors.append(view.as_strided(p.shape, contiguous_strides(p.shape), start))
         if run is not None and run[0] is view and run[2] == start:
             run[2] = start + p.nbytes // size
             continue
@@ -403,11 +405,3 @@ def map_tensors(fd: int, entries) -> MappedSegment:
     if run is not None:
         runs.append(run[0][run[1] : run[2]])
     return MappedSegment(tensors, runs)
-
-
-def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    strides, step = [], 1
-    for s in reversed(shape):
-        strides.append(step)
-        step *= max(s, 1)
-    return tuple(reversed(strides))

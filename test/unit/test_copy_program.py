@@ -1,0 +1,121 @@
+"""``copy_program.CopyProgram``: many region copies joined into a few strided ones, the
+same bytes written as one copy per region, and only while the tensors lie as they did."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang.srt.weight_sync.apply import write_regions
+from sglang.srt.weight_sync.copy_program import CopyProgram
+
+
+def _experts(n_experts: int, rows: int, cols: int, dtype=torch.bfloat16):
+    """A MoE layer as a trainer rank's segment holds it (each expert's gate, up, down back to
+    back, one tensor each) and the engine's fused parameters they land in: gate and up in
+    ``w13[e]``, down in ``w2[e]`` (a column slice: not contiguous there)."""
+    seg = torch.arange(n_experts * 3 * rows * cols, dtype=torch.float32).to(dtype)
+    tensors, off = [], 0
+    for _ in range(n_experts * 3):
+        tensors.append(seg[off : off + rows * cols].view(rows, cols))
+        off += rows * cols
+    w13 = torch.zeros(n_experts, 2 * rows, cols, dtype=dtype)
+    w2 = torch.zeros(n_experts, rows, 2 * cols, dtype=dtype)
+    dst, src, dst_bases, src_bases = [], [], [], []
+    for e in range(n_experts):
+        gate, up, down = tensors[3 * e : 3 * e + 3]
+        for view, base, t in (
+            (w13[e, :rows], w13, gate),
+            (w13[e, rows:], w13, up),
+            (w2[e, :, cols:], w2, down),
+        ):
+            dst.append(view)
+            dst_bases.append(base)
+            src.append(t)
+            src_bases.append(t)
+    return seg, (w13, w2), dst, src, dst_bases, src_bases
+
+
+def test_a_moe_layers_experts_become_a_few_copies_with_the_same_bytes():
+    seg, params, dst, src, dst_bases, src_bases = _experts(64, 4, 8)
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    assert program is not None and program.regions == 3 * 64
+    # gate and up of each expert are back to back on both ends and their 64 runs lie
+    # evenly: one strided copy; the downs (column slices of w2) lie evenly too: one more
+    assert len(program.copies) == 2, [c.sizes for c in program.copies]
+    expected = [torch.zeros_like(p) for p in params]
+    write_regions(_views_like(dst, params, expected), src)
+    assert program.run(dst_bases, src_bases)
+    for got, want in zip(params, expected):
+        assert torch.equal(got, want)
+
+
+def _views_like(dst, params, others):
+    """``dst``'s views, taken in ``others`` (tensors shaped as ``params``) instead."""
+    out = []
+    for v in dst:
+        for p, o in zip(params, others):
+            if v.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+                out.append(o.as_strided(v.shape, v.stride(), v.storage_offset()))
+    return out
+
+
+def test_a_new_segment_laid_out_the_same_is_copied_by_the_same_program():
+    """Each update maps its segment anew: other storage, same offsets."""
+    seg, params, dst, src, dst_bases, src_bases = _experts(8, 2, 4)
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    fresh = (seg + 1).clone()
+    moved = [
+        fresh.as_strided(t.shape, t.stride(), t.storage_offset()) for t in src_bases
+    ]
+    assert program.run(dst_bases, moved)
+    w13, w2 = params
+    assert torch.equal(w13[3, :2], moved[9]) and torch.equal(w13[3, 2:], moved[10])
+    assert torch.equal(w2[3, :, 4:], moved[11])
+
+
+def test_tensors_that_lie_otherwise_are_refused_and_nothing_is_copied():
+    seg, params, dst, src, dst_bases, src_bases = _experts(4, 2, 4)
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    before = [p.clone() for p in params]
+    shifted = list(src_bases)
+    shifted[5] = seg[1 : 1 + 8].view(2, 4)  # one shard one element further on
+    assert not program.run(dst_bases, shifted)
+    two = list(src_bases)
+    two[7] = src_bases[7].clone()  # one shard in a storage of its own
+    assert not program.run(dst_bases, two)
+    assert not program.run(dst_bases[:-1], src_bases[:-1])
+    for p, b in zip(params, before):
+        assert torch.equal(p, b), "a refused program wrote"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    length=st.integers(1, 6),
+    src_gap=st.integers(0, 5),
+    dst_gap=st.integers(0, 5),
+    order=st.randoms(use_true_random=False),
+    cast=st.booleans(),
+)
+def test_any_evenly_or_unevenly_spaced_regions_copy_exactly(
+    n, length, src_gap, dst_gap, order, cast
+):
+    """Regions of ``length`` elements ``src_gap``/``dst_gap`` apart, in any order, some
+    dropped: the program writes exactly what one copy per region writes."""
+    src_base = torch.randn(n * (length + src_gap) + 3, dtype=torch.float32)
+    dtype = torch.bfloat16 if cast else torch.float32
+    dst_a = torch.zeros(n * (length + dst_gap) + 3, dtype=dtype)
+    dst_b = dst_a.clone()
+    idx = [i for i in range(n) if order.random() < 0.8]
+    order.shuffle(idx)
+    src = [src_base[i * (length + src_gap) :][:length] for i in idx]
+    dst_views_a = [dst_a[i * (length + dst_gap) :][:length] for i in idx]
+    dst_views_b = [dst_b[i * (length + dst_gap) :][:length] for i in idx]
+    program = CopyProgram.compile(
+        dst_views_a, src, [dst_a] * len(idx), [src_base] * len(idx)
+    )
+    assert program is not None
+    assert program.run([dst_a] * len(idx), [src_base] * len(idx))
+    write_regions(dst_views_b, src)
+    assert torch.equal(dst_a, dst_b)
+    assert len(program.copies) <= max(1, len(idx))
