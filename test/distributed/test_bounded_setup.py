@@ -215,3 +215,30 @@ def test_a_control_group_a_rank_never_makes_is_peer_lost_within_its_bound():
         f"{BOUND_S:g}s"
     ), alone
     assert alone["seconds"] < BOUND_S + 3, alone
+
+
+def test_a_made_group_forgets_earlier_groups_keys_never_a_later_ones():
+    """Once group ``n`` is made, each rank deletes the keys groups before it left. A peer
+    whose first use of group ``n`` failed at once (an unreachable NCCL root) is already
+    writing its address for group ``n + 1`` while a slower rank is still here: deleting
+    every other number's keys, as this did, took that address away, and both ranks then
+    waited out the next making's bound (the flaky ``never_finishes`` case above)."""
+    from sglang.srt.weight_sync.control_plane import forget_keys
+
+    store = dist.HashStore()
+    prefix = "weight_sync/group/0,1"
+    for key in ("0/rank_0", "0/rank_1", "1/rank_0", "2/rank_1", "10/rank_0", "x"):
+        store.set(f"{prefix}/{key}", "addr")
+    store.set("weight_sync/group/0,1,2/0/rank_0", "another group's")
+    assert forget_keys(store, prefix, below=1) == 2
+    assert sorted(store.list_keys()) == sorted(
+        [
+            f"{prefix}/1/rank_0",
+            f"{prefix}/2/rank_1",
+            f"{prefix}/10/rank_0",
+            f"{prefix}/x",
+            "weight_sync/group/0,1,2/0/rank_0",
+        ]
+    )
+    assert forget_keys(store, prefix) == 4  # a rendezvous every rank left: all of it
+    assert store.list_keys() == ["weight_sync/group/0,1,2/0/rank_0"]

@@ -647,6 +647,8 @@ def fresh_group(
     unique id) are deleted once this one is made (``forget_keys``): every rank makes a new
     group only after the ranks agreed to drop the old one (a failed update's renewal), so no
     rank reads them again, and renewed groups leave the store no bigger than one group's keys.
+    Only keys of lower numbers: a peer that already left this group (its first use failed
+    at once) may be writing its address for the next one while this rank is still here.
     """
     store = _store()
     tag = _ranks_tag(ranks)
@@ -663,7 +665,7 @@ def fresh_group(
         )
     finally:  # made or not, the number is taken: no later group over ``ranks`` reuses it
         _take_number(store, f"weight_sync/groups/{tag}", number)
-    forget_keys(store, f"weight_sync/group/{tag}", keep=str(number))
+    forget_keys(store, f"weight_sync/group/{tag}", below=number)
     return group
 
 
@@ -690,26 +692,34 @@ def _ranks_tag(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def forget_keys(store: dist.Store, prefix: str, keep: Optional[str] = None) -> int:
+def forget_keys(store: dist.Store, prefix: str, below: Optional[int] = None) -> int:
     """Delete every key of ``store`` under ``prefix`` (the rendezvous of a group every rank
-    left) but those under ``prefix/keep``; how many it deleted. Listed through ``store``
-    itself and matched on ``prefix/`` exactly (a ``PrefixStore``'s own listing matches its
-    prefix without the separator: group ``1`` would list group ``10``'s keys). A store that cannot list its keys (a torch without
-    ``list_keys``, a store type without it) is left as it is: 0. Deleting a key a peer
-    deleted first is harmless, so every rank may run it."""
+    left); with ``below``, only those under ``prefix/<n>/`` for a number ``n < below`` (the
+    groups before group ``below``: never a later one's, which a faster peer may be making
+    already). Returns how many it deleted. Listed through ``store`` itself and matched on
+    ``prefix/`` exactly (a ``PrefixStore``'s own listing matches its prefix without the
+    separator: group ``1`` would list group ``10``'s keys). A store that cannot list its
+    keys (a torch without ``list_keys``, a store type without it) is left as it is: 0.
+    Deleting a key a peer deleted first is harmless, so every rank may run it."""
     try:
         keys = store.list_keys()
     except (AttributeError, NotImplementedError, RuntimeError):
         return 0
     gone = [
-        k
-        for k in keys
-        if k.startswith(f"{prefix}/")
-        and (keep is None or not k.startswith(f"{prefix}/{keep}/"))
+        k for k in keys if k.startswith(f"{prefix}/") and _earlier(k, prefix, below)
     ]
     for key in gone:
         store.delete_key(key)
     return len(gone)
+
+
+def _earlier(key: str, prefix: str, below: Optional[int]) -> bool:
+    """Whether ``key`` (under ``prefix/``) is a key of a group numbered below ``below``
+    (every key when ``below`` is None; a key not under a number is kept)."""
+    if below is None:
+        return True
+    number = key[len(prefix) + 1 :].split("/", 1)[0]
+    return number.isdigit() and int(number) < below
 
 
 def leave_group(group: Optional[dist.ProcessGroup], destroy: bool = True) -> None:
