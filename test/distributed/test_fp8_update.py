@@ -160,7 +160,7 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
     results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
     sent = sum(r["sent"] for r in results[:trainers])
     # what every trainer rank heard at join: each engine's block-FP8 weights over its TP
-    # ranks (with them a delta=True group sends full updates: remote.delta.delta_blocked)
+    # ranks (a delta report names them)
     quantized = iter(r["quantized"] for r in results[trainers:])
     heard = {name: sum(next(quantized) for _ in range(tp)) for name, tp in engines}
     assert all(heard.values()), heard
@@ -201,8 +201,6 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
 
 
 REFUSED = {
-    # a delta update decodes against the live values, which an FP8 engine keeps quantized
-    "delta": "delta update of block-FP8 weight 'model.layers.",
     # derived state SGLang's post-load step cannot redo (``sglang_compat.update_refusals``)
     "amx": "model.layers.0.self_attn.qkv_proj: SGLang's CPU AMX post-load step packed",
 }
@@ -269,3 +267,94 @@ def test_blocks_quantized_at_the_sender_equal_sglang_load(
         if trainers < 3:  # every block whole on one rank: e4m3 and scales on the wire
             assert r["blocks_at_sender"] > 0, r
             assert r["received"] < 0.6 * r["staged_bound"] + r["unquantized_received"]
+
+
+# (kind, density): each update after the trainer changed that share of its elements. A delta
+# update of the same weights as the full update after it must leave every parameter (e4m3
+# weights, scales, unquantized tensors) as that full update writes it; densities as the
+# bf16 cast sees after AdamW steps at lr 1e-6 and 1e-5 (results.md "Delta updates"), 3%,
+# and 1.0: every element changed (every block's scale too)
+DELTA_UPDATES = (
+    ("full", 0.0),
+    ("delta", 0.001),
+    ("full", 0.0),
+    ("delta", 0.01),
+    ("full", 0.0),
+    ("delta", 0.03),
+    ("full", 0.0),
+    ("delta", 1.0),
+    ("full", 0.0),
+)
+# (trainer ranks, engines): at 2 every block lies whole on one trainer rank (all its delta
+# is taken after quantization); at 3 both kinds travel (the pieces the engine quantizes go
+# whole); TP 1 and TP 2 engines of different layouts in one group
+DELTA_CASES = ((2, (("e0", 1), ("e1", 2))), (3, (("e0", 1), ("e1", 2))))
+
+
+@pytest.mark.parametrize(
+    "trainers,engines",
+    DELTA_CASES,
+    ids=[f"trainers{t}-" + "-".join(f"tp{n}" for _, n in e) for t, e in DELTA_CASES],
+)
+def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engines):
+    """Delta updates of remote block-FP8 engines of different layouts in one group
+    (``remote.delta``): the blocks a trainer rank quantizes travel as the bytes of their
+    e4m3 values and scales that changed since the last delivery, the pieces an engine
+    quantizes from its staging travel whole. After each delta update every parameter of
+    every engine rank equals what the full update of the same weights writes next, and
+    the delta changed them (the first equals SGLang's load); the engines receive what the
+    trainer sent, below the full update's bytes at low density, at most 1% above it at
+    any."""
+    bf16, loads = checkpoints
+    job = dict(
+        port=free_port(),
+        trainers=trainers,
+        engines=[list(e) for e in engines],
+        bucket=ONE_WINDOW,
+        staging=REMOTE_STAGING,
+        updates=[list(u) for u in DELTA_UPDATES],
+    )
+    world = trainers + sum(tp for _, tp in engines)
+    results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=600)
+    tops = results[:trainers]
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    rows = []
+    staged_whole = 0
+    for i, (kind, density) in enumerate(DELTA_UPDATES):
+        figures = [t["steps"][i]["figures"] for t in tops]
+        sent = sum(t["steps"][i]["sent"] for t in tops)
+        got = [r["steps"][i] for r in results[trainers:]]
+        assert sent == sum(g["received"] for g in got), (i, sent)
+        wire = sum(f["wire_bytes"] for f in figures)
+        full = sum(f["full_bytes"] for f in figures)
+        assert wire == sent, (i, wire, sent)
+        if kind == "full":
+            assert wire == full, (i, wire, full)
+            continue
+        # each engine rank counted the records it decoded as the trainer counted them
+        assert sum(g["wire_bytes"] for g in got) == wire, i
+        assert sum(g["full_bytes"] for g in got) == full, i
+        assert all(not t["steps"][i]["why_full"] for t in tops), i
+        whole = sum(f["sent_staged"] for f in figures)
+        staged_whole += whole
+        for rank, r in enumerate(results[trainers:], start=trainers):
+            after, then = r["steps"][i]["checksums"], r["steps"][i + 1]["checksums"]
+            assert after == then, (
+                f"update {i}: rank {rank}: a delta left "
+                f"{sorted(n for n in after if after[n] != then[n])[:6]} unlike a full update"
+            )
+            earlier = r["steps"][i - 1]["checksums"]
+            assert after != earlier, f"update {i}: rank {rank}: nothing changed"
+        assert wire <= 1.01 * full, (i, wire, full)
+        if density <= 0.03:  # what could be a delta (not sent whole) mostly is not sent
+            assert wire - whole < 0.5 * (full - whole), (i, density, wire, whole, full)
+        rows.append(
+            f"  density {density}: {wire} of {full} bytes ({whole} sent whole for the "
+            f"engines' staging), per engine rank "
+            f"{[(g['wire_bytes'], g['full_bytes']) for g in got]}"
+        )
+    for rank, r in enumerate(results[trainers:], start=trainers):
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+    # the pieces no trainer rank holds whole: at 2 ranks none, at 3 some (sent whole)
+    assert (staged_whole > 0) == (trainers == 3), staged_whole
+    print(f"FP8 delta, {trainers} trainer ranks -> TP 1 + TP 2:\n" + "\n".join(rows))

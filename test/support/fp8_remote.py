@@ -8,9 +8,11 @@ own steps on it: ``EngineLayout.live`` (the block-FP8 transform, the manifest it
 through the group), ``Fp8Staging`` (the staged weights, its refusals in the update's
 check), ``remote.engine.Receive`` into its ``Staging`` and ``write_staged`` (the pause's
 writes, then the quantization). Afterwards every parameter must have the checksum of
-SGLang's own load of the reference-quantized checkpoint. ``job["delta"]`` makes the update a
-delta one, ``job["amx"]`` marks a layer as SGLang's CPU AMX post-load step leaves it: both
-must be refused before a byte moves.
+SGLang's own load of the reference-quantized checkpoint. ``job["amx"]`` marks a layer as
+SGLang's CPU AMX post-load step leaves it: refused before a byte moves. ``job["updates"]``
+runs several updates, full or delta, each after the trainer changed a share of its weights
+(``_step_weights``): the trainer ranks keep a ``remote.delta.Snapshot``, and every engine
+rank records its parameters' checksums and bytes after each.
 """
 
 from __future__ import annotations
@@ -38,36 +40,69 @@ def module_of(tensors: Dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def _trainer(rank: int, job: dict, group, weights, update_id: str):
+def _step_weights(weights, step: int, density: float):
+    """The trainer's weights for update ``step``: ``density`` of each tensor's elements
+    scaled by a random factor near 1 (the same on every rank; 0: unchanged)."""
+    if not density:
+        return weights
+    g = torch.Generator().manual_seed(100 + step)
+    out = {}
+    for n, t in sorted(weights.items()):
+        mask = torch.rand(t.shape, generator=g) < density
+        noise = 1 + 0.1 * torch.randn(t.shape, generator=g)
+        out[n] = torch.where(mask, t.float() * noise, t.float()).to(t.dtype)
+    return out
+
+
+def _trainer(rank: int, job: dict, group, weights) -> dict:
+    """Every update of ``job["updates"]`` ((kind, density) each; one full update when
+    absent) from this trainer rank, keeping a ``remote.delta.Snapshot`` committed after
+    each success: what it sent, and each update's delta figures."""
+    from sglang.srt.weight_sync.remote.delta import Snapshot
     from sglang.srt.weight_sync.remote.group import SyncGroup, TrainerPart
     from sglang.srt.weight_sync.remote.protocol import UpdateHeader
     from sglang.srt.weight_sync.source_layout import MeshSpec
 
     ranks = list(range(job["trainers"]))
-    specs = {
-        n: MeshSpec.sharded(t.shape, t.dtype, 0, ranks) for n, t in weights.items()
-    }
-    local = {
-        n: weights[n][spec.describe(n).box_of(rank).slices()].clone()
-        for n, spec in specs.items()
-    }
-    part = TrainerPart(specs, local)
-    if rank == 0:
-        part.wire, digest = SyncGroup.wire_of(specs)
-        part.header = UpdateHeader(
-            update_id,
-            digest,
-            len(part.wire),
-            job["bucket"],
-            len(specs),
-            delta=job.get("delta", False),
-        )
     heard = dict(group.block_fp8)  # each engine's block-FP8 weights, as heard at join
-    try:
-        result = group.run_update(part, 60)
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return {"error": f"{type(e).__name__}: {e}", "block_fp8": heard}
-    return {"sent": result.stats.bytes_sent, "block_fp8": heard}
+    snapshot = Snapshot() if "updates" in job else None
+    steps = []
+    for i, (kind, density) in enumerate(job.get("updates", [("full", 0.0)])):
+        weights = _step_weights(weights, i, density)
+        specs = {
+            n: MeshSpec.sharded(t.shape, t.dtype, 0, ranks) for n, t in weights.items()
+        }
+        local = {
+            n: weights[n][spec.describe(n).box_of(rank).slices()].clone()
+            for n, spec in specs.items()
+        }
+        part = TrainerPart(specs, local)
+        if rank == 0:
+            part.wire, digest = SyncGroup.wire_of(specs)
+            delta = kind == "delta"
+            part.header = UpdateHeader(
+                f"fp8-u{i + 1}",
+                digest,
+                len(part.wire),
+                job["bucket"],
+                len(specs),
+                delta=delta,
+                digest=delta,
+            )
+        try:
+            result = group.run_update(part, 60, snapshot=snapshot)
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            return {"error": f"{type(e).__name__}: {e}", "block_fp8": heard}
+        if snapshot is not None:
+            snapshot.commit(group.membership.epoch, result.plan.fingerprint)
+        steps.append(
+            {
+                "sent": result.stats.bytes_sent,
+                "why_full": result.why_full,
+                "figures": result.delta.__dict__ if result.delta else {},
+            }
+        )
+    return {"sent": steps[0]["sent"], "block_fp8": heard, "steps": steps}
 
 
 def _engine_rank(tp: int, tp_rank: int, loads: dict, shapes) -> Tuple:
@@ -114,7 +149,7 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     shapes = {n: tuple(t.shape) for n, t in weights.items()}
     if member is None:
         group.exchange_layouts(None, None, 60)
-        out = _trainer(rank, job, group, weights, "fp8-u1")
+        out = _trainer(rank, job, group, weights)
         group.close()
         return out
     del weights  # an engine rank holds nothing of the trainer's
@@ -130,29 +165,47 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     group.exchange_layouts(
         live.manifest if first else None, None, 60, live.block_fp8_weights
     )
-    fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
     before = {n: checksum(p) for n, p in model.named_parameters()}
-    staging = Staging(job["staging"], 60, group.who)
-    receiving = Receive(
-        group,
-        staging,
-        lambda header, specs: layout.refusals(model) + fp8.check(specs, header.delta),
-        live.params,  # checked against the plan only, as the engine does
-        60,
-        fp8,
-    )
-    try:
-        with torch.no_grad():  # the pause: drains the staging while receiving goes on
-            params = fp8.params(live.params)
-            staged = sum(t.numel() * t.element_size() for t in fp8.staged.values())
-            write_staged(receiving, params, 60)
-    except RuntimeError:
+    steps = []
+    for _ in job.get("updates", [("full", 0.0)]):
+        # each update as the engine takes it: a staging of its own, received while
+        # serving, written in the pause
+        fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
+        staging = Staging(job["staging"], 60, group.who)
+        receiving = Receive(
+            group,
+            staging,
+            lambda header, specs, fp8=fp8: layout.refusals(model) + fp8.check(specs),
+            live.params,  # checked against the plan only, as the engine does
+            60,
+            fp8,
+        )
+        try:
+            with (
+                torch.no_grad()
+            ):  # the pause: drains the staging while receiving goes on
+                params = fp8.params(live.params)
+                staged = sum(t.numel() * t.element_size() for t in fp8.staged.values())
+                write_staged(receiving, params, 60)
+        except RuntimeError:
+            receiving.thread.join(60)
+            now = {n: checksum(p) for n, p in model.named_parameters()}
+            group.close()
+            return {"error": receiving.error, "unchanged": now == before}
         receiving.thread.join(60)
-        now = {n: checksum(p) for n, p in model.named_parameters()}
-        group.close()
-        return {"error": receiving.error, "unchanged": now == before}
-    receiving.thread.join(60)
-    result = receiving.result
+        delta = receiving.result.delta
+        steps.append(
+            {
+                "checksums": {n: checksum(p) for n, p in model.named_parameters()},
+                "received": receiving.result.stats.bytes_received,
+                "wire_bytes": delta.wire_bytes if delta else 0,
+                "full_bytes": delta.full_bytes if delta else 0,
+                "regions_unchanged": delta.regions_unchanged if delta else 0,
+            }
+        )
+        if len(steps) == 1:
+            result, first_staging, first_fp8 = receiving.result, staging, fp8
+
     at_sender = [
         q
         for rnd in (result.fp8.quantized if result.fp8 is not None else ())
@@ -170,8 +223,10 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     now = dict(model.named_parameters())
     written = set(live.params) | {q.scale for q in fp8.quantized}
     group.close()
+    staging, fp8 = first_staging, first_fp8
     return {
-        "differ": sorted(n for n in written if checksum(now[n]) != expected[n]),
+        "steps": steps,
+        "differ": sorted(n for n in written if steps[0]["checksums"][n] != expected[n]),
         "not_written": sorted(set(now) - written),
         "unchanged": sorted(n for n in written if checksum(now[n]) == before[n]),
         "quantized": len(fp8.quantized),

@@ -255,15 +255,27 @@ def test_the_report_says_what_comes_next():
     }
 
 
-def test_a_group_with_a_block_fp8_engine_takes_no_delta():
-    """An engine keeping block-FP8 weights refuses every delta; the trainer, which heard
-    each engine's count at join, plans full updates for the group and names the engine."""
-    from sglang.srt.weight_sync.remote.delta import delta_blocked
+def test_figures_carry_what_went_whole_for_block_fp8_staging():
+    """The regions sent whole because a block-FP8 engine quantizes them from staging it
+    lets go (``engine_quantized``) are counted per class, shared among the trainer ranks as
+    integers and read back, and a report names them; a report without any says nothing."""
+    from sglang.srt.weight_sync.remote.delta import DeltaFigures, delta_summary
 
-    assert delta_blocked({}) == "" and delta_blocked({"a": 0, "b": 0}) == ""
-    why = delta_blocked({"b": 16, "a": 0})
-    assert why.startswith("engine 'b' keeps block-FP8 weights (16 over its TP ranks)")
-    assert "and 1 more engines" in delta_blocked({"c": 8, "b": 16})
+    figures = DeltaFigures(wire_bytes=10)
+    figures.staged("model.layers.0.mlp.down_proj.weight", 300)
+    figures.staged("model.layers.0.self_attn.o_proj.weight", 40)
+    figures.staged("model.layers.1.mlp.up_proj.weight", 5)
+    back = DeltaFigures.from_ints(figures.ints())
+    assert back.sent_staged == 345 and back.regions_staged == 3
+    assert (
+        back.staged_by_class["mlp"] == 305 and back.staged_by_class["attention"] == 40
+    )
+    assert back.wire_bytes == 10
+    summary = delta_summary([back, DeltaFigures()], "", True)["engine_quantized"]
+    assert summary["bytes"] == [345, 0] and summary["regions"] == 3
+    assert summary["bytes_by_class"] == {"attention": 40, "mlp": 305}
+    assert "staging" in summary["why"]
+    assert delta_summary([DeltaFigures()], "", True)["engine_quantized"] == {}
 
 
 def _membership(trainers: int, engines):

@@ -11,6 +11,7 @@ from sglang.srt.weight_sync.fp8_sender import (
     SenderFp8Plan,
     land_quantized,
     quantize_for_wire,
+    read_quantized,
     whole_blocks,
 )
 from sglang.srt.weight_sync.planner import Dest, Move
@@ -53,6 +54,16 @@ def test_a_quantized_move_lands_the_reference_quantizers_bits():
     ref_q, ref_s = quantize_block_fp8(x)
     assert torch.equal(weight[128:].view(torch.uint8), ref_q[128:].view(torch.uint8))
     assert torch.equal(scale[1:], ref_s[1:]) and not scale[0].any()
+    # read back (the base a delta of quantized blocks applies to): the same bytes
+    params = {"p.weight": weight, "p.weight_scale_inv": scale}
+    assert torch.equal(read_quantized(q, 1, params), buf)
+    moved = QuantizedMove(_move(Box((0, 0), (256, 300)), (384, 300), (128, 0)))
+    assert torch.equal(read_quantized(moved, 1, params), buf)  # its dest's place
+    scale[2, 1] = 7.0  # a scale changed behind the sender's back is read as it is now
+    got = read_quantized(q, 1, params)
+    at = 256 * 300 + 4 * (1 * 3 + 1)
+    assert torch.equal(got[at : at + 4].view(torch.float32), torch.tensor([7.0]))
+    assert torch.equal(got[:at], buf[:at]) and torch.equal(got[at + 4 :], buf[at + 4 :])
 
 
 def test_the_receiver_quantizes_the_pieces_less_what_came_quantized():

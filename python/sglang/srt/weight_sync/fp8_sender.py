@@ -41,6 +41,7 @@ __all__ = (
     "SenderFp8Plan",
     "land_quantized",
     "quantize_for_wire",
+    "read_quantized",
     "sender_quantized",
     "whole_blocks",
 )
@@ -248,3 +249,21 @@ def land_quantized(
         scales[_grid(box, q.block)[1]].copy_(scale)
         written += numel
     return written
+
+
+def read_quantized(
+    q: QuantizedMove, rank: int, params: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``land_quantized`` read backwards: what ``rank``'s first e4m3 weight and scales that
+    ``q`` lands in hold now, as one uint8 buffer in ``quantize_for_wire``'s order (a delta
+    of quantized blocks applies to it). ``KeyError`` when ``params`` lacks one of them."""
+    d = next(d for d in q.move.dests if d.rank == rank)
+    box = d.box(q.move.region)
+    weight = params[d.param][d.index][box.slices()]
+    scales = params[d.param + SCALE_SUFFIX][d.index][_grid(box, q.block)[1]]
+    return torch.cat(
+        [
+            weight.contiguous().view(torch.uint8).reshape(-1),
+            scales.contiguous().view(torch.uint8).reshape(-1),
+        ]
+    )

@@ -5,12 +5,16 @@ a short pause. For its block-FP8 weights (``fp8_targets``) the plan's destinatio
 buffers in the unquantized dtype, not the e4m3 parameters: ``Fp8Staging`` holds them for
 the pause only (the regions wait in the engine's own staging while it serves; the plan is
 checked against the live weights, whose shapes the staged buffers have), says what refuses
-the update before any byte moves (a piece that cuts a 128-block, a delta update, which
-decodes against the live values the staging does not hold), and after the pause wrote
+the update before any byte moves (a piece that cuts a 128-block), and after the pause wrote
 every region, quantizes the delivered blocks into the e4m3 weights and float32 scales in
 place through ``apply.write_quantized`` (the one apply step the colocated paths use too),
 then lets the buffers go. Blocks a trainer rank quantized (``fp8_wire``) are written
 straight into the e4m3 weights and scales (``land``) and left out of that step.
+
+Because the buffers live for one pause only, a delta update (``remote.delta``) has no base
+for the pieces quantized here: the trainer sends them whole in every update, and takes
+the delta of the blocks it quantized after quantization, against the live e4m3 weights and
+scales (``live``, which the receiving reads).
 """
 
 from __future__ import annotations
@@ -88,19 +92,11 @@ class Fp8Staging:
             who,
         )
 
-    def check(self, names: Iterable[str], delta: bool) -> List[str]:
+    def check(self, names: Iterable[str]) -> List[str]:
         """What refuses this update before any byte moves; records the HF tensors it
-        delivers (``names``), whose blocks ``quantize`` writes."""
+        delivers (``names``), whose blocks ``quantize`` writes (a delta update's too)."""
         self.delivered = tuple(sorted(names))
-        problems = [f"{self.who}: {p}" for p in self.fp8.own.problems]
-        if delta:
-            problems.append(
-                f"{self.who}: a delta update of block-FP8 weight "
-                f"{self.quantized[0].weight!r} (and {len(self.quantized) - 1} more): its "
-                "regions decode against the unquantized values, which an FP8 engine does not "
-                "keep (send this update full)"
-            )
-        return problems
+        return [f"{self.who}: {p}" for p in self.fp8.own.problems]
 
     def params(self, params: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``params`` with the staged buffers (made on first use: in the pause) in place of

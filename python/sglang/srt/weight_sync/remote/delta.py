@@ -16,13 +16,23 @@ Exact or full: the trainer stages the new values and ``Snapshot.commit`` keeps t
 once every engine answered success; anything else (``Snapshot.drop``) makes the next
 update full, and says why. An engine whose base differs from the trainer's digest refuses
 the update before writing anything (``DeltaRefusal``).
+
+Block-FP8 engines: the delta is taken after quantization. The blocks a trainer rank holds
+whole travel quantized (``fp8_sender``): the snapshot keeps the uint8 buffer it last sent
+(e4m3 bytes, then float32 scales) and each update encodes the new buffer against it byte by
+byte, after the plan's rounds (``_quantized_rounds``, the same rounds as ``fp8_wire``);
+the engine reads its base from its live e4m3 weight and ``weight_scale_inv``
+(``fp8_sender.read_quantized``) and lands the result as ``fp8_wire.QuantizedLanding``.
+The pieces an engine quantizes from bf16 staging (blocks no trainer rank holds whole) have
+no base there: the engine keeps no bf16 copy between updates (``fp8_staging``), so they
+travel whole in every update (``engine_quantized``), and the report counts them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +55,14 @@ from sglang.srt.weight_sync.executor import (
     rank_rounds,
     source_region,
 )
+from sglang.srt.weight_sync.fp8_sender import (
+    QuantizedMove,
+    SenderFp8Plan,
+    quantize_for_wire,
+    read_quantized,
+)
+from sglang.srt.weight_sync.fp8_wire import QuantizedLanding, quantized_of
+from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import Move, Plan
 from sglang.srt.weight_sync.protocol import DeliveryError
 from sglang.srt.weight_sync.remote.protocol import (
@@ -62,8 +80,8 @@ __all__ = (
     "RECEIVER_FIGURES",
     "DeltaRefusal",
     "Snapshot",
-    "delta_blocked",
     "delta_summary",
+    "engine_quantized",
     "execute_delta",
     "stage_full",
     "tensor_class",
@@ -118,15 +136,27 @@ class DeltaFigures:
     sent_delta: int = 0
     sent_full: int = 0
     sent_unchanged: int = 0
+    sent_staged: int = 0
+    regions_staged: int = 0
     by_class: Dict[str, List[int]] = field(default_factory=dict)
     by_receiver: Dict[int, List[int]] = field(default_factory=dict)
+    staged_by_class: Dict[str, int] = field(default_factory=dict)
 
     def ints(self) -> List[int]:
-        """The scalar figures and ``by_class`` as one list (``from_ints`` reads it back)."""
+        """The scalar figures, ``by_class`` and ``staged_by_class`` as one list
+        (``from_ints`` reads it back)."""
         out = [getattr(self, name) for name in _scalars()]
         for c in CLASSES:
             out += self.by_class.get(c, [0, 0])
-        return out
+        return out + [self.staged_by_class.get(c, 0) for c in CLASSES]
+
+    def staged(self, tensor: str, wire: int) -> None:
+        """Count a region sent whole because an engine quantizes it from its staging
+        (``engine_quantized``): ``wire`` bytes to all its receivers."""
+        self.sent_staged += wire
+        self.regions_staged += 1
+        c = tensor_class(tensor)
+        self.staged_by_class[c] = self.staged_by_class.get(c, 0) + wire
 
     def engine_rows(self, engines: Sequence[Sequence[int]]) -> List[int]:
         """``by_receiver`` summed over each engine's group ranks, one ``RECEIVER_FIGURES``
@@ -185,6 +215,8 @@ class DeltaFigures:
         figures.by_class = {
             c: [rest[2 * i], rest[2 * i + 1]] for i, c in enumerate(CLASSES)
         }
+        rest = rest[2 * len(CLASSES) :]
+        figures.staged_by_class = {c: rest[i] for i, c in enumerate(CLASSES)}
         return figures
 
 
@@ -192,7 +224,7 @@ def _scalars() -> List[str]:
     return [
         f.name
         for f in fields(DeltaFigures)
-        if f.name not in ("by_class", "by_receiver")
+        if f.name not in ("by_class", "by_receiver", "staged_by_class")
     ]
 
 
@@ -240,7 +272,11 @@ class Snapshot:
         return {"next": "full" if why else "delta", "next_why_full": why}
 
     def stage(self, move: Move, values: torch.Tensor) -> None:
-        self.pending[_key(move)] = values.detach().to(self.device, copy=True)
+        self.stage_values(_key(move), values)
+
+    def stage_values(self, key: tuple, values: torch.Tensor) -> None:
+        """Stage the values delivered for region ``key`` (kept at ``commit``)."""
+        self.pending[key] = values.detach().to(self.device, copy=True)
 
     def commit(self, epoch: int, fingerprint: str) -> None:
         """Every engine answered success: what was staged is what they hold."""
@@ -259,19 +295,30 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.regions.values())
 
 
-def delta_blocked(block_fp8: Mapping[str, int]) -> str:
-    """Why no update of a group may be a delta ("" when one may), from each engine's count
-    of block-FP8 weights (``SyncGroup.block_fp8``): such an engine refuses every delta (its
-    staging holds the unquantized values only for the pause, and no delta is taken after
-    quantization), so the trainer sends full updates rather than one refused in two."""
-    held = sorted(name for name, count in block_fp8.items() if count)
-    if not held:
-        return ""
-    more = f" (and {len(held) - 1} more engines)" if len(held) > 1 else ""
-    return (
-        f"engine {held[0]!r}{more} keeps block-FP8 weights ({block_fp8[held[0]]} over its "
-        "TP ranks): no delta is taken after quantization, so every update is full"
+def engine_quantized(
+    engines: Sequence[Tuple[EngineManifest, int]],
+) -> FrozenSet[Tuple[int, str]]:
+    """(group rank, weight) of every block-FP8 weight of ``engines`` (each its manifest and
+    first group rank): the pieces of them that travel in the staged dtype meet and are
+    quantized in the engine's staging, which it lets go after each update, so they have no
+    base to apply a delta to and travel whole in every update."""
+    return frozenset(
+        (offset + t, q.weight)
+        for manifest, offset in engines
+        if manifest.block_fp8
+        for t in range(manifest.parallel.tp_size)
+        for q in quantized_of(manifest, t)
     )
+
+
+def _staged(move: Move, staged: FrozenSet[Tuple[int, str]]) -> bool:
+    """Whether ``move`` lands in an engine's block-FP8 staging (``engine_quantized``)."""
+    return bool(staged) and any((d.rank, d.param) in staged for d in move.dests)
+
+
+def _qkey(q: QuantizedMove) -> tuple:
+    """A sender-quantized region's key in a ``Snapshot`` (its e4m3 bytes and scales)."""
+    return (q.move.tensor, q.move.holder.buffer, q.move.region, "e4m3+scales")
 
 
 def _receivers(move: Move) -> List[int]:
@@ -293,12 +340,16 @@ def execute_delta(
     snapshot: Optional[Snapshot],
     epoch: int,
     digest: bool,
+    fp8: Optional[SenderFp8Plan] = None,
+    staged: FrozenSet[Tuple[int, str]] = frozenset(),
 ) -> Tuple[ExecutionStats, DeltaFigures, str]:
     """Run ``plan``'s rounds as ``rank`` with delta records (see the module's text): a
     sender encodes against ``snapshot`` (and stages the new values in it), a receiver
-    decodes against ``params`` into ``deferred``. Returns the executor's figures (bytes
-    as they travelled), the delta figures and why the update was full ("" for a delta).
-    ``DeltaRefusal`` after the last round when a base did not match or decode."""
+    decodes against ``params`` into ``deferred``; then ``fp8``'s sender-quantized blocks
+    likewise (``_quantized_rounds``). Moves into block-FP8 staging (``staged``) travel
+    whole. Returns the executor's figures (bytes as they travelled), the delta figures and
+    why the update was full ("" for a delta). ``DeltaRefusal`` after the last round when
+    a base did not match or decode."""
     phase = f"rank {rank}: delta executor"
     stats, figures = ExecutionStats(), DeltaFigures()
     data.warm_up(timeout_s, phase)
@@ -317,7 +368,9 @@ def execute_delta(
     for number, mine in enumerate(rounds, 1):
         sends = [m for m in mine if m.src == rank]
         recvs = [m for m in mine if _my_dests(m, rank)]
-        outgoing = _encode_round(sends, shards, bases, snapshot, digest, figures)
+        outgoing = _encode_round(
+            sends, shards, bases, snapshot, digest, figures, staged
+        )
         stats.bytes_sent += sum(b.numel() for b in outgoing.values())
         if deferred is not None and recvs:
             deferred.reserve(sum(m.nbytes for m in recvs))
@@ -347,6 +400,20 @@ def execute_delta(
             figures.decode_us += int((time.perf_counter() - t0) * 1e6)
             if deferred is not None:
                 deferred.landed(landings)
+    if fp8 is not None:
+        _quantized_rounds(
+            fp8,
+            rank,
+            shards,
+            params,
+            data,
+            timeout_s,
+            deferred,
+            stats,
+            figures,
+            problems,
+            (bases, snapshot, digest),
+        )
     if problems:
         raise DeltaRefusal(
             f"rank {rank}: the delta update is refused before any write: "
@@ -356,39 +423,141 @@ def execute_delta(
     return stats, figures, why_full if bases is None else ""
 
 
+def _quantized_rounds(
+    sender: SenderFp8Plan,
+    rank: int,
+    shards: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    data: DataGroup,
+    timeout_s: Optional[float],
+    deferred: Optional[Deferred],
+    stats: ExecutionStats,
+    figures: DeltaFigures,
+    problems: List[str],
+    against: tuple,
+) -> None:
+    """``sender``'s quantized blocks as delta records, round by round as ``fp8_wire.
+    run_quantized`` runs them: a sender quantizes its regions and encodes each uint8 buffer
+    (e4m3 bytes, then scales) against the one it last delivered (``against``: the bases,
+    the snapshot to stage in, whether records carry digests); a receiver decodes against
+    its live e4m3 weights and scales (``read_quantized``) into ``QuantizedLanding``s."""
+    bases, snapshot, digest = against
+    phase = f"rank {rank}: delta of sender-quantized blocks"
+    data.connect(
+        [[q.move for q in rnd] for rnd in sender.quantized], rank, timeout_s, phase
+    )
+    local = [q for q in sender.local if q.move.src == rank]
+    if local and deferred is not None:  # a rank's own blocks: copied whole, never sent
+        deferred.landed(
+            [QuantizedLanding(_quantize(shards, q, data), q, rank) for q in local]
+        )
+    for number, moves in enumerate(sender.quantized, 1):
+        sends = [q for q in moves if q.move.src == rank]
+        recvs = [q for q in moves if _my_dests(q.move, rank)]
+        if not sends and not recvs:
+            continue
+        outgoing: Dict[int, torch.Tensor] = {}
+        if sends:
+            t0 = time.perf_counter()
+            news = [_quantize(shards, q, data) for q in sends]
+            olds = [bases.get(_qkey(q)) if bases is not None else None for q in sends]
+            for q, new in zip(sends, news):
+                if snapshot is not None:
+                    snapshot.stage_values(_qkey(q), new)
+            outgoing = _records(
+                [(q.move, q.nbytes) for q in sends], news, olds, digest, figures
+            )
+            figures.encode_us += int((time.perf_counter() - t0) * 1e6)
+        stats.bytes_sent += sum(b.numel() for b in outgoing.values())
+        if deferred is not None and recvs:
+            deferred.reserve(sum(q.nbytes for q in recvs))
+        senders = sorted({q.move.src for q in recvs})
+        peers = sorted(set(outgoing) | set(senders))
+        got = exchange_payloads(
+            data,
+            rank,
+            outgoing,
+            senders,
+            timeout_s,
+            f"{phase}, round {number} with {peers}",
+        )
+        stats.p2p_ops += 2 * (len(outgoing) + len(got))
+        if not recvs:
+            continue
+        t0 = time.perf_counter()
+        landings: List[QuantizedLanding] = []
+        for src, raw in sorted(got.items()):
+            stats.bytes_received += raw.numel()
+            figures.wire_bytes += raw.numel()
+            mine = [q for q in recvs if q.move.src == src]
+            figures.full_bytes += sum(q.nbytes for q in mine)
+            landings += _decode_quantized(
+                src, raw, mine, rank, params, digest, problems, figures
+            )
+        figures.decode_us += int((time.perf_counter() - t0) * 1e6)
+        if deferred is not None:
+            deferred.landed(landings)
+
+
+def _quantize(shards, q: QuantizedMove, data: Optional[DataGroup]) -> torch.Tensor:
+    """The sender's end of ``q``: its region in the staged dtype, quantized as the engine
+    would (``quantize_for_wire``: e4m3 bytes then float32 scales, one uint8 buffer), on
+    ``data``'s device (where ``fp8_wire`` quantizes)."""
+    device = data.device if data is not None else None
+    region = source_region(shards, q.move).to(device=device, dtype=q.move.dtype)
+    return quantize_for_wire(region, q.block)
+
+
 def stage_full(
     plan: Plan,
     rank: int,
     shards: Mapping[str, torch.Tensor],
     snapshot: Snapshot,
     epoch: int,
+    fp8: Optional[SenderFp8Plan] = None,
+    staged: FrozenSet[Tuple[int, str]] = frozenset(),
+    data: Optional[DataGroup] = None,
 ) -> Tuple[DeltaFigures, str]:
-    """After a full update's rounds (``executor.execute``: every byte at its lower bound), the
-    engine-dtype values this rank sent, staged in ``snapshot``; the figures of a full
-    update and why it was full."""
+    """After a full update's rounds (``executor.execute``, then ``fp8_wire.run_quantized``
+    for ``fp8``: every byte at its lower bound), the engine-dtype values this rank sent,
+    staged in ``snapshot`` (the quantized blocks quantized again, on ``data``'s device as
+    ``run_quantized`` did: what the engine holds; the moves into block-FP8 staging,
+    ``staged``, never: they always travel whole); the figures of a full update and why it
+    was full."""
     figures = DeltaFigures()
     t0 = time.perf_counter()
     for mine in rank_rounds(plan, rank):
         for move in mine:
             if move.src != rank:
                 continue
-            snapshot.stage(move, source_region(shards, move).to(move.dtype))
-            sent = move.nbytes * len(_receivers(move))
-            figures.wire_bytes += sent
-            figures.full_bytes += sent
-            figures.sent_full += sent
-            n = move.region.numel
-            for receiver in _receivers(move):
-                figures.received(receiver, move.tensor, move.nbytes, move.nbytes, n, n)
-            figures.elements += move.region.numel
-            figures.changed += move.region.numel
-            figures.regions_full += 1
-            row = figures.by_class.setdefault(tensor_class(move.tensor), [0, 0])
-            row[0] += move.region.numel
-            row[1] += move.region.numel
+            if not _staged(move, staged):
+                snapshot.stage(move, source_region(shards, move).to(move.dtype))
+            else:
+                figures.staged(move.tensor, move.nbytes * len(_receivers(move)))
+            _count_full(figures, move, move.nbytes, move.region.numel)
+    for q in (q for rnd in (fp8.quantized if fp8 else ()) for q in rnd):
+        if q.move.src == rank:
+            snapshot.stage_values(_qkey(q), _quantize(shards, q, data))
+            _count_full(figures, q.move, q.nbytes, q.nbytes)
     figures.encode_us = int((time.perf_counter() - t0) * 1e6)
     _, why = snapshot.bases(epoch, plan.fingerprint)
     return figures, why or "the trainer sent a full update"
+
+
+def _count_full(figures: DeltaFigures, move: Move, nbytes: int, numel: int) -> None:
+    """Count one region a full update sent whole to each of its receivers."""
+    sent = nbytes * len(_receivers(move))
+    figures.wire_bytes += sent
+    figures.full_bytes += sent
+    figures.sent_full += sent
+    for receiver in _receivers(move):
+        figures.received(receiver, move.tensor, nbytes, nbytes, numel, numel)
+    figures.elements += numel
+    figures.changed += numel
+    figures.regions_full += 1
+    row = figures.by_class.setdefault(tensor_class(move.tensor), [0, 0])
+    row[0] += numel
+    row[1] += numel
 
 
 def _encode_round(
@@ -398,18 +567,40 @@ def _encode_round(
     snapshot: Optional[Snapshot],
     digest: bool,
     figures: DeltaFigures,
+    staged: FrozenSet[Tuple[int, str]] = frozenset(),
 ) -> Dict[int, torch.Tensor]:
-    """The round's records from this rank, one buffer per receiver; the new values staged."""
+    """The round's records from this rank, one buffer per receiver; the new values staged
+    (but those of moves into block-FP8 staging: sent whole, ``engine_quantized``)."""
     if not sends:
         return {}
     t0 = time.perf_counter()
     news = [source_region(shards, m).to(m.dtype).contiguous() for m in sends]
-    olds = [bases.get(_key(m)) if bases is not None else None for m in sends]
+    whole = [_staged(m, staged) for m in sends]
+    olds = [
+        bases.get(_key(m)) if bases is not None and not w else None
+        for m, w in zip(sends, whole)
+    ]
+    for move, new, w in zip(sends, news, whole):
+        if snapshot is not None and not w:
+            snapshot.stage(move, new)
+    out = _records([(m, m.nbytes) for m in sends], news, olds, digest, figures, whole)
+    figures.encode_us += int((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def _records(
+    sends: List[Tuple[Move, int]],
+    news: List[torch.Tensor],
+    olds: List[Optional[torch.Tensor]],
+    digest: bool,
+    figures: DeltaFigures,
+    whole: Optional[List[bool]] = None,
+) -> Dict[int, torch.Tensor]:
+    """Each region (its move and a full update's bytes of it) encoded against its base,
+    as one buffer of records per receiver, counted in ``figures``."""
     encoded = encode_many(list(zip(olds, news)))
     records: Dict[int, List] = {}
-    for move, new, old, enc in zip(sends, news, olds, encoded):
-        if snapshot is not None:
-            snapshot.stage(move, new)
+    for i, ((move, full), old, enc) in enumerate(zip(sends, olds, encoded)):
         check = region_digest(old) if digest and old is not None else NO_DIGEST
         figures.digests_checked += check != NO_DIGEST
         receivers = _receivers(move)
@@ -417,20 +608,15 @@ def _encode_round(
         for receiver in receivers:
             records.setdefault(receiver, []).append((enc, check))
             figures.received(
-                receiver,
-                move.tensor,
-                head + enc.nbytes,
-                move.nbytes,
-                enc.changed,
-                enc.numel,
+                receiver, move.tensor, head + enc.nbytes, full, enc.changed, enc.numel
             )
-        figures.full_bytes += move.nbytes * len(receivers)
+        figures.full_bytes += full * len(receivers)
         sent = (head + enc.nbytes) * len(receivers)
         figures.wire_bytes += sent
         figures.record(move.tensor, enc, sent)
-    out = {r: delta_records(recs, digest) for r, recs in records.items()}
-    figures.encode_us += int((time.perf_counter() - t0) * 1e6)
-    return out
+        if whole is not None and whole[i]:
+            figures.staged(move.tensor, sent)
+    return {r: delta_records(recs, digest) for r, recs in records.items()}
 
 
 def _head_bytes(enc: Encoded, digest: bool) -> int:
@@ -477,22 +663,75 @@ def _decode_from(
             )
             continue
         old = base.clone(memory_format=torch.contiguous_format)
-        if check != NO_DIGEST:
-            figures.digests_checked += 1
-            if region_digest(old) != check:
-                problems.append(
-                    f"{where}: digest mismatch: the parameter differs from what the "
-                    "trainer last delivered (changed behind its back)"
-                )
-                continue
-        if enc.kind == Kind.UNCHANGED:
+        if _applied(enc, check, old, where, problems, figures):
+            landings.append(Landing(old, move, dests))
+    return landings
+
+
+def _applied(
+    enc: Encoded,
+    check: int,
+    old: torch.Tensor,
+    where: str,
+    problems: List[str],
+    figures: DeltaFigures,
+) -> bool:
+    """Decode ``enc`` into ``old`` (a copy of the receiver's base) after checking the
+    base's digest; whether there is anything to land (a problem is named instead)."""
+    if check != NO_DIGEST:
+        figures.digests_checked += 1
+        if region_digest(old) != check:
+            problems.append(
+                f"{where}: digest mismatch: the parameter differs from what the "
+                "trainer last delivered (changed behind its back)"
+            )
+            return False
+    if enc.kind == Kind.UNCHANGED:
+        return False
+    try:
+        decode_into(enc, old)
+    except ValueError as e:
+        problems.append(f"{where}: {e}")
+        return False
+    return True
+
+
+def _decode_quantized(
+    src: int,
+    raw: torch.Tensor,
+    moves: List[QuantizedMove],
+    rank: int,
+    params: Mapping[str, torch.Tensor],
+    digest: bool,
+    problems: List[str],
+    figures: DeltaFigures,
+) -> List[QuantizedLanding]:
+    """The landings of one sender's records of quantized blocks (``moves``: theirs, in
+    round order), each decoded against what ``rank``'s e4m3 weight and scales hold."""
+    who = f"rank {rank}: sender-quantized blocks from rank {src}"
+    try:
+        records = read_delta_records(raw, [(q.nbytes, 1) for q in moves], digest, who)
+    except DeliveryError as e:
+        problems.append(str(e))
+        return []
+    landings = []
+    for q, (enc, check) in zip(moves, records):
+        figures.record(q.move.tensor, enc, _head_bytes(enc, digest) + enc.nbytes)
+        where = (
+            f"rank {rank}: block-FP8 tensor {q.move.tensor!r} region {q.move.region}"
+        )
+        if enc.kind == Kind.FULL and check == NO_DIGEST:
+            buf = torch.empty(q.nbytes, dtype=torch.uint8, device=raw.device)
+            decode_into(enc, buf)
+            landings.append(QuantizedLanding(buf, q, rank))
             continue
         try:
-            decode_into(enc, old)
-        except ValueError as e:
-            problems.append(f"{where}: {e}")
+            old = read_quantized(q, rank, params)
+        except KeyError as e:
+            problems.append(f"{where}: no e4m3 weight or scales {e} to apply it to")
             continue
-        landings.append(Landing(old, move, dests))
+        if _applied(enc, check, old, where, problems, figures):
+            landings.append(QuantizedLanding(old, q, rank))
     return landings
 
 
@@ -536,6 +775,24 @@ def delta_summary(
         "engines": {
             name: _engine_summary(row) for name, row in (engines or {}).items()
         },
+        "engine_quantized": _staged_summary(per_rank),
+    }
+
+
+def _staged_summary(per_rank: List[DeltaFigures]) -> Dict[str, object]:
+    """What a delta update sent whole because block-FP8 engines quantize it from staging
+    they do not keep (``engine_quantized``): bytes per trainer rank, regions, bytes per
+    tensor class, and why ({} when nothing was)."""
+    regions = sum(f.regions_staged for f in per_rank)
+    if not regions:
+        return {}
+    by_class = {c: sum(f.staged_by_class.get(c, 0) for f in per_rank) for c in CLASSES}
+    return {
+        "bytes": [f.sent_staged for f in per_rank],
+        "regions": regions,
+        "bytes_by_class": {c: n for c, n in by_class.items() if n},
+        "why": "blocks no trainer rank holds whole meet in a block-FP8 engine's bf16 "
+        "staging, which it lets go after each update: no base for a delta, sent whole",
     }
 
 

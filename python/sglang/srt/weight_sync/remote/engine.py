@@ -177,6 +177,8 @@ class Receive:
         fp8: Optional[Fp8Staging] = None,
     ):
         self.group, self.staging, self.fp8 = group, staging, fp8
+        if fp8 is not None:  # a delta of quantized blocks reads their e4m3 and scales
+            params = {**params, **fp8.live}
         self.result: Optional[UpdateResult] = None
         self.error: Optional[str] = None
         self.refused = False
@@ -331,7 +333,7 @@ class RemoteEngineSync:
                 manifest if self.rank == 0 else None,
                 problem if self.rank == 0 else None,
                 bound,
-                fp8_weights,  # the trainer sends an engine with any full updates only
+                fp8_weights,  # a delta report names the engines that have any
             )
         except Exception as e:  # noqa: BLE001 - every member hears the same refusal
             group.close()
@@ -417,8 +419,8 @@ class RemoteEngineSync:
                 who,
             )
             problems += refusals
-            if fp8 is not None:  # block FP8: pieces cutting a block, delta updates
-                problems += fp8.check(specs, header.delta)
+            if fp8 is not None:  # block FP8: pieces cutting a block
+                problems += fp8.check(specs)
             if req.update_id is not None and req.update_id != header.update_id:
                 problems.append(
                     f"{who}: asked to take part in update {req.update_id!r}, the trainer runs "

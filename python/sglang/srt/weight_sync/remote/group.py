@@ -29,8 +29,9 @@ the same steps on every rank (``run_update``), each bounded by the update's time
    Where an engine's manifest names block-FP8 weights (``EngineManifest.block_fp8``),
    every rank cuts the same plan (``fp8_wire.cut_for_engines``): the blocks a trainer
    rank holds whole travel quantized, e4m3 and scales (``fp8_wire.run_quantized``, after
-   the rest of the plan ran), and the engine quantizes only the rest (a delta update,
-   which FP8 engines refuse, is not cut).
+   the rest of the plan ran), and the engine quantizes only the rest. A delta update is
+   cut the same way (``remote.delta``: the quantized blocks' delta is taken after
+   quantization; the pieces the engine quantizes travel whole).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.remote.delta import (
     DeltaFigures,
     Snapshot,
+    engine_quantized,
     execute_delta,
     stage_full,
 )
@@ -258,8 +260,8 @@ class SyncGroup:
             store=prefixed_store(store, prefix),
         )
         self.manifests: Dict[str, EngineManifest] = {}
-        # per engine, its block-FP8 weights over its TP ranks (``exchange_layouts``): an
-        # engine with any refuses delta updates, so the trainer sends it full ones
+        # per engine, its block-FP8 weights over its TP ranks (``exchange_layouts``), which
+        # a delta report names
         self.block_fp8: Dict[str, int] = {}
         self._layouts = _Layouts()
 
@@ -428,9 +430,9 @@ class SyncGroup:
         self, header: UpdateHeader, specs: Mapping[str, Spec], sources: SourceLayout
     ) -> Tuple[Plan, Optional[SenderFp8Plan]]:
         """Step 3: this rank's moves (cached by the update's inputs), and for block-FP8
-        engines the blocks sent quantized (the plan then without them; not for a delta)."""
+        engines the blocks sent quantized (the plan then without them)."""
         fingerprint = self.inputs_digest(header)
-        key = f"{fingerprint}/delta" if header.delta else fingerprint
+        key = fingerprint  # a delta update runs the same plan as a full one
         found = self._layouts.plans.get(key)
         if found is None:
             aliases = (
@@ -445,16 +447,15 @@ class SyncGroup:
                 aliases=aliases,
                 fingerprint=fingerprint,
             )
-            fp8 = None
-            if not header.delta:
-                engines = [
-                    (self.manifests[m.name], m.offset) for m in self.membership.engines
-                ]
-                shapes = {n: tuple(t.shape) for n, t in sources.items()}
-                fp8 = cut_for_engines(plan, engines, shapes)
+            shapes = {n: tuple(t.shape) for n, t in sources.items()}
+            fp8 = cut_for_engines(plan, self._engines(), shapes)
             found = (plan if fp8 is None else fp8.plan, fp8)
             self._layouts.keep(self._layouts.plans, key, found, PLANS_KEPT)
         return found
+
+    def _engines(self) -> List[Tuple[EngineManifest, int]]:
+        """Every engine's manifest and first group rank."""
+        return [(self.manifests[m.name], m.offset) for m in self.membership.engines]
 
     def receivers(self, names, aliases: Mapping[str, str]) -> Receivers:
         """Every engine rank's targets among the HF tensors ``names``: one class per
@@ -542,10 +543,17 @@ class SyncGroup:
         self.agree(problems, plan, timeout_s)
         delta, why_full = None, ""
         args = (plan, self.rank, local, params or {}, self.data, timeout_s, deferred)
+        # block-FP8 pieces the engines quantize from staging: whole in every update
+        staged = engine_quantized(self._engines()) if fp8 is not None else frozenset()
         try:
             if header.delta:
                 stats, delta, why_full = execute_delta(
-                    *args, snapshot, self.membership.epoch, header.digest
+                    *args,
+                    snapshot,
+                    self.membership.epoch,
+                    header.digest,
+                    fp8,
+                    staged,
                 )
             else:
                 stats = execute(*args, checked=True)
@@ -553,7 +561,14 @@ class SyncGroup:
                     run_quantized(fp8, *args[1:], stats)
                 if snapshot is not None:
                     delta, why_full = stage_full(
-                        plan, self.rank, local, snapshot, self.membership.epoch
+                        plan,
+                        self.rank,
+                        local,
+                        snapshot,
+                        self.membership.epoch,
+                        fp8,
+                        staged,
+                        self.data,
                     )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None

@@ -23,9 +23,11 @@ trainer's own process group.
   (``remote.delta.Snapshot``, host memory) and sends each region as what changed since
   (``delta_codec``); the snapshot advances only when every engine answered success, and
   the first update of an epoch, or after any failure, is full (``RemoteReport.delta``
-  says which and why), and so is every update of a group with a block-FP8 engine
-  (``remote.delta.delta_blocked``). Every ``digest_every``-th update the engines check that they hold
-  what the trainer delivered; one that does not refuses, and the next update is full.
+  says which and why). For a block-FP8 engine the delta of the blocks a trainer rank
+  quantizes is taken after quantization (e4m3 bytes and scales); the pieces the engine
+  quantizes itself travel whole (``RemoteReport.delta["engine_quantized"]``). Every
+  ``digest_every``-th update the engines check that they hold what the trainer
+  delivered; one that does not refuses, and the next update is full.
 * ``leave`` lets one engine go (it releases its groups); ``close`` lets all go and stops
   the store.
 """
@@ -62,7 +64,6 @@ from sglang.srt.weight_sync.remote.delta import (
     RECEIVER_FIGURES,
     DeltaFigures,
     Snapshot,
-    delta_blocked,
     delta_summary,
 )
 from sglang.srt.weight_sync.remote.endpoints import (
@@ -439,11 +440,9 @@ class RemoteSync:
         update_id = f"{self.group_name}-e{membership.epoch}-u{self.updates}"
         part = TrainerPart(specs, local)
         replies = {}
-        # the first update of an epoch (or after a failure) is a plain full one, and every
-        # update of a group with a block-FP8 engine; the snapshot and the layouts are the
-        # same on every trainer rank, so each decides alike
-        blocked = delta_blocked(group.block_fp8) if self.delta else ""
-        planned = self.delta and not blocked and self.snapshot.epoch == membership.epoch
+        # the first update of an epoch (or after a failure) is a plain full one; the
+        # snapshot is the same on every trainer rank, so each decides alike
+        planned = self.delta and self.snapshot.epoch == membership.epoch
         if self.rank == 0:
             part.wire, digest = SyncGroup.wire_of(specs)
             part.header = UpdateHeader(
@@ -537,9 +536,7 @@ class RemoteSync:
         )
         if self.delta:
             why_planned = (
-                ""
-                if planned
-                else blocked or self.snapshot.why_full_now(membership.epoch)
+                "" if planned else self.snapshot.why_full_now(membership.epoch)
             )
             report.delta = _delta_report(
                 figures[3:],
@@ -555,10 +552,11 @@ class RemoteSync:
             else:
                 what = "was refused" if any(figures[2]) else "failed"
                 self.snapshot.drop(f"update {update_id} {what}: {report.message[:300]}")
-            after = self.snapshot.next_update(membership.epoch)
-            report.delta.update(
-                {"next": "full", "next_why_full": blocked} if blocked else after
-            )
+            report.delta.update(self.snapshot.next_update(membership.epoch))
+            # each block-FP8 engine's weights over its TP ranks, as heard at join
+            report.delta["block_fp8"] = {
+                name: n for name, n in group.block_fp8.items() if n
+            }
         if problems or failed:
             self._broken(report.message)
         logger.info(
