@@ -42,15 +42,19 @@ def _wrong(weights: dict, job: dict, urls=None) -> dict:
         return {}
     urls = job["urls"] if urls is None else urls
     config = AutoConfig.from_pretrained(job["model_dir"])
-    expected = expected_checksums(config, weights, job["tp"], 1)
+    # each server's TP size: ``job["tp"]``, or its own in ``job["tp_of"]`` (mixed layouts)
+    tps = {url: job.get("tp_of", {}).get(url, job["tp"]) for url in urls}
+    expected = {
+        tp: expected_checksums(config, weights, tp, 1) for tp in set(tps.values())
+    }
     out = {}
     for url, state in zip(urls, server_state(urls, [[1, 2, 3]])):
-        got = state["checksums"]
+        got, want = state["checksums"], expected[tps[url]]
         out[url] = sorted(
             f"rank {r}: {n}"
-            for r in range(job["tp"])
-            for n in expected[r]
-            if got[r][n] != expected[r][n]
+            for r in range(tps[url])
+            for n in want[r]
+            if got[r][n] != want[r][n]
         )
     return out
 

@@ -361,3 +361,52 @@ def test_megatron_tp2_pp2_delta_updates_are_exact(delta_servers):
             for r in records
         )
     )
+
+
+def test_engines_of_different_layouts_in_one_group_take_exact_deltas(
+    delta_servers, tmp_path
+):
+    """One group of a TP 2 and a TP 1 server (each engine its own plan class): after a
+    full update and three AdamW steps, each delta leaves every parameter of both engines
+    bit for bit what a full update writes, and each engine received the records of its
+    own regions: fewer bytes than its full update, at most 5% of them at a density of at
+    most 3%."""
+    from servers import launch
+
+    servers, _, model_dir = delta_servers
+    single = launch(model_dir, 1, log_dir=str(tmp_path))
+    try:
+        urls = [servers[0].url, single.url]
+        steps = [("full", None)] + [("train", 1e-5)] * 3
+        job = _job(
+            "delta-mixed", urls, model_dir, TIMEOUT_S, steps=steps, tp_of={urls[1]: 1}
+        )
+        records = run_ranks(4, delta_trainer_job, job, timeout=900)[0]
+    finally:
+        single.kill()
+    rows = []
+    for i, record in enumerate(records):
+        what = f"mixed-layout update {i}"
+        delta = record["delta"]
+        assert record["success"], (what, record["message"])
+        assert sorted(record["engines"]) == sorted(urls), what
+        assert all(not record["wrong"][u] for u in urls), (what, record["wrong"])
+        assert delta["mode"] == ("full" if i == 0 else "delta"), (what, delta)
+        per_engine = {}
+        for url, tp in zip(urls, (TP, 1)):
+            engine, reply = delta["engines"][url], record["engines"][url]
+            assert len(reply["bytes_received"]) == tp, (what, url, reply)
+            assert engine["wire_bytes"] == sum(reply["bytes_received"]), (what, url)
+            assert engine["full_bytes"] == sum(reply["lower_bound_bytes"]), (what, url)
+            wire, full = engine["wire_bytes"], engine["full_bytes"]
+            if i == 0:
+                assert wire == full, (what, url, wire, full)
+            else:
+                assert wire <= 1.01 * full, (what, url, wire, full)
+                if engine["density"] <= 0.03:
+                    assert wire <= 0.05 * full, (what, url, engine["density"], wire)
+            per_engine[f"TP {tp}"] = (
+                f"{wire}/{full} bytes, density {engine['density']:.4f}"
+            )
+        rows.append(f"  {what}: {delta['mode']}: {per_engine}")
+    print("delta updates, FSDP 4 fp32 -> TP 2 + TP 1 in one group:\n" + "\n".join(rows))
