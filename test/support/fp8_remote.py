@@ -12,7 +12,9 @@ SGLang's own load of the reference-quantized checkpoint. ``job["amx"]`` marks a 
 SGLang's CPU AMX post-load step leaves it: refused before a byte moves. ``job["updates"]``
 runs several updates, full or delta, each after the trainer changed a share of its weights
 (``_step_weights``): the trainer ranks keep a ``remote.delta.Snapshot``, and every engine
-rank records its parameters' checksums and bytes after each.
+rank records its parameters' checksums and bytes after each; ("corrupt", density) is a
+delta update after each engine rank changed one e4m3 byte of a weight behind the trainer's
+back.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _trainer(rank: int, job: dict, group, weights) -> dict:
         part = TrainerPart(specs, local)
         if rank == 0:
             part.wire, digest = SyncGroup.wire_of(specs)
-            delta = kind == "delta"
+            delta = kind in ("delta", "corrupt")
             part.header = UpdateHeader(
                 f"fp8-u{i + 1}",
                 digest,
@@ -124,6 +126,12 @@ def _engine_rank(tp: int, tp_rank: int, loads: dict, shapes) -> Tuple:
     return model, layout, layout.live(model, derived, block_fp8=True)
 
 
+def _differ(step: dict, live, fp8, load: dict) -> list:
+    """The parameters an update wrote (``step``'s checksums) unlike SGLang's ``load``."""
+    written = set(live.params) | {q.scale for q in fp8.quantized}
+    return sorted(n for n in written if step["checksums"][n] != load["checksums"][n])
+
+
 def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> dict:
     """One update from ``job["trainers"]`` BF16 trainer ranks to block-FP8 engines
     ``job["engines"]`` ((name, TP) each); per rank what it sent, or received and whether
@@ -165,9 +173,12 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     group.exchange_layouts(
         live.manifest if first else None, None, 60, live.block_fp8_weights
     )
-    before = {n: checksum(p) for n, p in model.named_parameters()}
     steps = []
-    for _ in job.get("updates", [("full", 0.0)]):
+    for kind, _ in job.get("updates", [("full", 0.0)]):
+        if kind == "corrupt":  # one e4m3 byte changed behind the trainer's back
+            weight = live.params[min(q.weight for q in live.fp8.own.quantized)]
+            weight.view(torch.uint8).view(-1)[0] ^= 1
+        before = {n: checksum(p) for n, p in model.named_parameters()}
         # each update as the engine takes it: a staging of its own, received while
         # serving, written in the pause
         fp8 = Fp8Staging.of(live, tp_rank, torch.device("cpu"), group.who)
@@ -191,7 +202,11 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
             receiving.thread.join(60)
             now = {n: checksum(p) for n, p in model.named_parameters()}
             group.close()
-            return {"error": receiving.error, "unchanged": now == before}
+            out = {"error": receiving.error, "unchanged": now == before, "steps": steps}
+            if steps:  # the updates before this one: the first against SGLang's load
+                load = loads[(member.tp_size, tp_rank)]
+                out["differ"] = _differ(steps[0], live, fp8, load)
+            return out
         receiving.thread.join(60)
         delta = receiving.result.delta
         steps.append(
@@ -219,14 +234,13 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         ).describe(n)
         for n, s in shapes.items()
     }
-    expected = loads[(member.tp_size, tp_rank)]["checksums"]
     now = dict(model.named_parameters())
     written = set(live.params) | {q.scale for q in fp8.quantized}
     group.close()
     staging, fp8 = first_staging, first_fp8
     return {
         "steps": steps,
-        "differ": sorted(n for n in written if steps[0]["checksums"][n] != expected[n]),
+        "differ": _differ(steps[0], live, fp8, loads[(member.tp_size, tp_rank)]),
         "not_written": sorted(set(now) - written),
         "unchanged": sorted(n for n in written if checksum(now[n]) == before[n]),
         "quantized": len(fp8.quantized),
