@@ -234,7 +234,8 @@ def _key(move: Move) -> tuple:
 
 class Snapshot:
     """A trainer rank's engine-dtype values of its regions as last delivered (``device``:
-    host memory by default), for one membership epoch and one plan."""
+    host memory by default), for one membership epoch and one plan; for the blocks it
+    quantizes for a block-FP8 engine, their e4m3 bytes and scales (``_qkey``)."""
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = torch.device(device)
@@ -401,19 +402,9 @@ def execute_delta(
             if deferred is not None:
                 deferred.landed(landings)
     if fp8 is not None:
-        _quantized_rounds(
-            fp8,
-            rank,
-            shards,
-            params,
-            data,
-            timeout_s,
-            deferred,
-            stats,
-            figures,
-            problems,
-            (bases, snapshot, digest),
-        )
+        side = _Side(rank, shards, params, data, timeout_s, deferred)
+        against = (bases, snapshot, digest)
+        _quantized_rounds(fp8, side, stats, figures, problems, against)
     if problems:
         raise DeltaRefusal(
             f"rank {rank}: the delta update is refused before any write: "
@@ -423,14 +414,22 @@ def execute_delta(
     return stats, figures, why_full if bases is None else ""
 
 
+@dataclass(frozen=True)
+class _Side:
+    """One rank's end of a delta update: its own shards (a sender), its live parameters
+    and staging (a receiver), the data group and the bound of its waits."""
+
+    rank: int
+    shards: Mapping[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor]
+    data: DataGroup
+    timeout_s: Optional[float]
+    deferred: Optional[Deferred]
+
+
 def _quantized_rounds(
     sender: SenderFp8Plan,
-    rank: int,
-    shards: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    data: DataGroup,
-    timeout_s: Optional[float],
-    deferred: Optional[Deferred],
+    side: _Side,
     stats: ExecutionStats,
     figures: DeltaFigures,
     problems: List[str],
@@ -442,6 +441,8 @@ def _quantized_rounds(
     the snapshot to stage in, whether records carry digests); a receiver decodes against
     its live e4m3 weights and scales (``read_quantized``) into ``QuantizedLanding``s."""
     bases, snapshot, digest = against
+    rank, shards, data, deferred = side.rank, side.shards, side.data, side.deferred
+    params, timeout_s = side.params, side.timeout_s
     phase = f"rank {rank}: delta of sender-quantized blocks"
     data.connect(
         [[q.move for q in rnd] for rnd in sender.quantized], rank, timeout_s, phase
