@@ -318,9 +318,116 @@ def _trainer_side(model, derived, layout, full, expected) -> dict:
     with torch.no_grad():
         after_update(model)
     now = dict(model.named_parameters())
+    regions = _trainer_side_regions(
+        model, targets, manifest, params, fp8, full, expected
+    )
     return {
         "problems": problems,
         "differ": sorted(n for n, t in now.items() if checksum(t) != expected[n]),
+        "regions": regions,
+    }
+
+
+def _trainer_side_regions(
+    model, targets, manifest, params, fp8, full, expected
+) -> dict:
+    """The engine step again, every block-FP8 weight in regions (``Fp8Region``) as the
+    trainer-side path hands them when its senders quantize: every other piece quantized
+    by the reference quantizer (e4m3 then scales), the rest in bf16, no parameter-shaped
+    buffer; weights and scales scrambled first. Then payloads that do not match the plan
+    by name, each refused before anything is written (problems by case)."""
+    import dataclasses
+
+    from sglang.srt.weight_sync.delivery import Payload
+    from sglang.srt.weight_sync.engine_trainer_side import local_step
+    from sglang.srt.weight_sync.fp8_sender import quantize_for_wire
+    from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind, PayloadKind
+    from sglang.srt.weight_sync.sglang_compat import after_update
+
+    live = dict(model.named_parameters())
+    blocks = {q.weight: q.block for q in fp8.own.quantized}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
+                p.copy_(torch.randn(p.shape).to(p.dtype))
+    names = tuple(sorted(full))
+    tensors, regions = {}, []
+    for t in targets.for_rank(0):
+        if t.name not in blocks:
+            buffer = torch.empty(t.shape, dtype=t.dtype)
+            for piece in t.pieces:
+                buffer[piece.index][piece.dest_box().slices()] = piece.region(
+                    full[piece.tensor]
+                )
+            tensors[t.name] = buffer
+            continue
+        for i, piece in enumerate(t.pieces):
+            box, key = piece.dest_box(), f"fp8-region/{len(regions)}"
+            data = piece.region(full[piece.tensor]).to(t.dtype)
+            kind = Fp8RegionKind.STAGED
+            if i % 2 == 0 and piece.perm is None:
+                kind, data = (
+                    Fp8RegionKind.QUANTIZED,
+                    quantize_for_wire(data, blocks[t.name]),
+                )
+            regions.append(
+                Fp8Region(
+                    key,
+                    kind,
+                    t.name,
+                    piece.index,
+                    box.offsets,
+                    box.sizes,
+                    blocks[t.name],
+                )
+            )
+            tensors[key] = data.contiguous()
+
+    def step(regions, tensors):
+        payload = Payload(
+            "u",
+            0,
+            {0: 0},
+            tensors,
+            {},
+            PayloadKind.PARAMS,
+            names,
+            manifest.fingerprint,
+            fp8_regions=tuple(regions),
+        )
+        return local_step(payload, targets, manifest, params, 0, "", fp8, live)
+
+    first = regions[0]
+    plain = next(n for n in tensors if not n.startswith("fp8-region/"))
+    staged = next(r for r in regions if r.kind == Fp8RegionKind.STAGED)
+    refused = {
+        "block": [dataclasses.replace(first, block=(64, 64))] + regions[1:],
+        "not_fp8": [dataclasses.replace(first, param=plain)] + regions[1:],
+        "overlap": regions + [dataclasses.replace(first, key="fp8-region/x")],
+        "missing": [r for r in regions if r is not staged],
+        "size": [dataclasses.replace(first, sizes=(128,) * len(first.sizes))]
+        + regions[1:],
+    }
+    problems = {}
+    for case, wrong in refused.items():
+        extra = {"fp8-region/x": tensors[first.key]} if case == "overlap" else {}
+        kept = {
+            n: b
+            for n, b in {**tensors, **extra}.items()
+            if not n.startswith("fp8-region/") or n in {r.key for r in wrong}
+        }
+        problems[case] = step(wrong, kept).problems
+    good = step(regions, tensors)
+    if not good.problems:
+        with torch.no_grad():
+            good.run()
+            after_update(model)
+    now = dict(model.named_parameters())
+    return {
+        "problems": good.problems,
+        "differ": sorted(n for n, t in now.items() if checksum(t) != expected[n]),
+        "kinds": sorted({r.kind.value for r in regions}),
+        "refused": problems,
     }
 
 
@@ -376,6 +483,10 @@ def update_rank(
     receives what its engine rank needs). Its FP8 parameters start as garbage; after the update
     (in ``batches`` of tensors: ``batches_of``) every parameter's checksum must equal
     SGLang's own load (``loads[(tp, k % tp)]``)."""
+    if world != tp:  # the trainer-side one-hop path, as the runtime runs it
+        from fp8_sender_cases import trainer_side_rank
+
+        return trainer_side_rank(rank, world, tp, bf16, loads, bucket, batches)
     import tiny_models
     import torch.distributed as dist
 

@@ -15,11 +15,12 @@ by block, independently of the cut.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Mapping, Tuple
 
 import torch
 
-__all__ = ("quantized_lower_bound", "sender_side_update")
+__all__ = ("quantized_lower_bound", "sender_side_update", "trainer_side_rank")
 
 
 def _blocks(box, block=(128, 128)):
@@ -173,3 +174,155 @@ def sender_side_update(
         }
     out["sent"] = sum(cut.sent_bytes(r) for r in ranks)
     return out
+
+
+def trainer_side_rank(
+    rank: int, world: int, tp: int, bf16: str, loads: dict, bucket: int, batches: int
+) -> dict:
+    """Rank ``rank`` of ``world`` FSDP2 trainer ranks on the trainer-side one-hop path, as
+    the runtime runs it: ``TrainerPlans.reshard_to_engines`` against the block-FP8 engines'
+    manifest (engine TP ``tp``, one engine per ``tp`` trainer ranks: rank k beside engine
+    rank k % ``tp``), the payload's header through the protocol's encoding and checked
+    decoding, then the engine rank's own step (``engine_trainer_side.local_step``) into
+    garbage parameters. Returns ``fp8_cases.update_rank``'s figures, and the bytes handed
+    to the engine rank against the quantized lower bound of its layout (``handed_bound``:
+    counted block by block from the trainer's shards; ``handed_bf16``: every weight in its
+    staged dtype, as before sender quantization)."""
+    import dataclasses
+    import json
+
+    import tiny_models
+    import torch.distributed as dist
+    from fp8_cases import batches_of, checksum, fsdp_shards
+
+    from sglang.srt.weight_sync.delivery import Payload
+    from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
+    from sglang.srt.weight_sync.engine_trainer_side import local_step
+    from sglang.srt.weight_sync.fp8_targets import engine_block_fp8
+    from sglang.srt.weight_sync.manifest import EngineManifest
+    from sglang.srt.weight_sync.protocol import (
+        Fp8RegionKind,
+        PayloadKind,
+        decode_header,
+        header_fields,
+    )
+    from sglang.srt.weight_sync.target_layout import EngineParallel, restrict
+    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
+
+    full = tiny_models.load_checkpoint(bf16)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    layout, local = fsdp_shards(full, world)
+    del full  # the reference lives in ``loads``: no rank keeps a full tensor past here
+    derived = DerivedTargets.of_ranks(
+        EngineParallel(tp), [loads[(tp, r)]["derived"] for r in range(tp)], shapes, {}
+    )
+    mine = rank % tp
+    live = loads[(tp, mine)]["live"]
+    meta = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in live.items()}
+    fp8 = engine_block_fp8(derived, meta, mine)
+    assert fp8 is not None and not fp8.own.problems
+    dtype_of = {n: d for n, (_, d) in live.items()}
+    dtype_of.update((q.weight, q.staged_dtype) for q in fp8.own.quantized)
+    targets = dataclasses.replace(fp8.targets, dtype_of=dtype_of)
+    blocks = {q.weight: q.block for q in fp8.own.quantized}
+    manifest = EngineManifest.of(targets, blocks)
+    groups = [list(range(j * tp, (j + 1) * tp)) for j in range(world // tp)]
+    written = {t.name for t in targets.for_rank(mine)} | {
+        q.scale for q in fp8.own.quantized
+    }
+    garbage = torch.Generator().manual_seed(rank)
+    params = {
+        n: torch.randn(live[n][0], generator=garbage).to(live[n][1])
+        for n in sorted(written)
+    }
+    plans = TrainerPlans()
+    figures = dict(
+        received=0,
+        lower_bound=0,
+        planned=0,
+        peak=0,
+        bf16_lower_bound=0,
+        handed=0,
+        handed_bound=0,
+        handed_bf16=0,
+        quantized_regions=0,
+        staged_regions=0,
+        fp8_buffers=0,
+    )
+    for names in batches_of(layout, batches):
+        sources = {n: layout[n] for n in names}
+        for part in chunks(manifest, names, 1 << 40):
+            result = plans.reshard_to_engines(
+                sources,
+                {n: local[n] for n in names},
+                manifest,
+                groups,
+                rank,
+                bucket,
+                part,
+            )
+            regions = result.fp8_regions
+            tensors = [(n, t) for n, t in result.buffers.items()]
+            tensors += [(e.key, buf) for e, buf in regions]
+            wire = header_fields(
+                "u",
+                rank,
+                {rank: mine},
+                [(n, None) for n, _ in tensors],
+                [],
+                PayloadKind.PARAMS,
+                sorted(sources),
+                manifest.fingerprint,
+                None,
+                fp8_regions=[e for e, _ in regions],
+            )
+            header = decode_header([json.dumps(wire).encode(), b""])
+            payload = Payload(
+                "u",
+                rank,
+                {rank: mine},
+                dict(tensors),
+                {},
+                PayloadKind.PARAMS,
+                tuple(header["names"]),
+                header["fingerprint"],
+                fp8_regions=header["fp8_regions"],
+            )
+            step = local_step(payload, targets, manifest, params, mine, "", fp8, params)
+            assert not step.problems, step.problems
+            step.run()
+            own = [
+                t for t in restrict(targets.for_rank(mine), names, {}) if t.name in part
+            ]
+            element_bytes = {t.name: t.dtype.itemsize for t in own}
+            sender = result.sender
+            figures["received"] += result.stats.bytes_received
+            figures["lower_bound"] += result.lower_bound_bytes(rank)
+            figures["planned"] += sender.received_bytes(rank)
+            figures["peak"] = max(figures["peak"], result.stats.peak_staging_bytes)
+            figures["bf16_lower_bound"] += result.plan.lower_bound_bytes(rank)
+            figures["handed"] += result.handed_bytes()
+            figures["handed_bound"] += quantized_lower_bound(
+                sources, own, fp8.own.quantized, element_bytes
+            )
+            figures["handed_bf16"] += sum(
+                p.box.numel * element_bytes[t.name] for t in own for p in t.pieces
+            )
+            kinds = [e.kind for e, _ in regions]
+            figures["quantized_regions"] += kinds.count(Fp8RegionKind.QUANTIZED)
+            figures["staged_regions"] += kinds.count(Fp8RegionKind.STAGED)
+            figures["fp8_buffers"] += sum(1 for n in result.buffers if n in blocks)
+    dist.barrier()
+    expected = loads[(tp, mine)]["checksums"]
+    return {
+        "differ": sorted(n for n, t in params.items() if checksum(t) != expected[n]),
+        "compared": len(params),
+        "not_written": sorted(set(live) - written),
+        "quantized": len(fp8.own.quantized),
+        "fp8_live": sum(1 for _, d in live.values() if d == torch.float8_e4m3fn),
+        # the per-rank planner's bound (``rank_plan``): half the cap plus a row, received
+        # and sent per round
+        "staging_bound": bucket
+        + 2 * max(t.element_size() * math.prod(t.shape[1:]) for t in local.values()),
+        **figures,
+    }

@@ -198,3 +198,49 @@ def test_a_negative_size_in_the_header_drops_the_message():
         "malformed message: header field 'inline' is [['torch.float32', [-1]]]"
         in message
     )
+
+
+def test_a_params_payload_carries_its_fp8_regions_inline_and_shared():
+    """A trainer-side payload into a block-FP8 engine: a parameter buffer, an e4m3 region
+    (bytes, then scales) and a bf16 region, listed in the header; the same regions and
+    bytes arrive, inline on the first update and through shared memory on the next."""
+    from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind, PayloadKind
+
+    regions = (
+        Fp8Region(
+            "fp8-region/0", Fp8RegionKind.QUANTIZED, "w", (), (0, 0), (2, 4), (2, 2)
+        ),
+        Fp8Region(
+            "fp8-region/1", Fp8RegionKind.STAGED, "w", (), (2, 0), (2, 4), (2, 2)
+        ),
+    )
+    tensors = {
+        "b": torch.arange(4, dtype=torch.bfloat16),
+        "fp8-region/0": torch.arange(8 + 4 * 2, dtype=torch.uint8),
+        "fp8-region/1": torch.ones(2, 4, dtype=torch.bfloat16),
+    }
+    channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
+    sender = ShardSender(channel, engine_rank=0)
+    try:
+        for update in ("u1", "u2"):
+            sender.send(
+                update,
+                0,
+                {0: 0},
+                [(n, t, None) for n, t in tensors.items()],
+                kind=PayloadKind.PARAMS,
+                names=["w", "b"],
+                fingerprint="f" * 16,
+                fp8_regions=regions,
+            )
+            payload = receiver.receive(channel, update, timeout_s=30)
+            assert payload.fp8_regions == regions
+            for name, t in tensors.items():
+                got = payload.tensors[name]
+                assert got.dtype == t.dtype and torch.equal(got, t), (update, name)
+            shared = payload.runs is not None
+            sender.release()
+        assert shared  # the second update came through the segment
+    finally:
+        sender.close()
+        receiver.close()

@@ -27,6 +27,8 @@ from sglang.srt.weight_sync.protocol import (
     CUDA_IPC_GLOBALS,
     ChannelError,
     DeliveryError,
+    Fp8Region,
+    Fp8RegionKind,
     LayoutFrames,
     PayloadKind,
     decode_header,
@@ -122,6 +124,71 @@ def test_header_fields_are_checked_by_type_and_range(field, value, text):
     with pytest.raises(DeliveryError, match="header") as e:
         decode_header([json.dumps(header).encode(), b"x" * 16])
     assert text in str(e.value)
+
+
+def _params_header(regions) -> dict:
+    """A "params" payload of one e4m3 region (16 x 16 of a 128-block weight) and one staged."""
+    return json.loads(
+        encode_header(
+            "u",
+            0,
+            {0: 0},
+            [("fp8-region/0", None), ("fp8-region/1", None)],
+            [],
+            PayloadKind.PARAMS,
+            ["w"],
+            "f" * 16,
+            [("torch.uint8", [16 * 16 + 4]), ("torch.bfloat16", [16, 16])],
+            fp8_regions=regions,
+        )
+    )
+
+
+REGIONS = [
+    Fp8Region(
+        "fp8-region/0", Fp8RegionKind.QUANTIZED, "w", (), (0, 0), (16, 16), (128, 128)
+    ),
+    Fp8Region(
+        "fp8-region/1", Fp8RegionKind.STAGED, "w", (1,), (0, 0), (16, 16), (128, 128)
+    ),
+]
+
+
+def test_fp8_regions_decode_as_they_were_encoded():
+    header = decode_header([json.dumps(_params_header(REGIONS)).encode(), b"", b""])
+    assert header["fp8_regions"] == tuple(REGIONS)
+    assert REGIONS[0].quantized_bytes == 16 * 16 + 4
+
+
+@pytest.mark.parametrize(
+    "regions,text",
+    [
+        ([["fp8-region/0", "e5m2", "w", [], [0, 0], [16, 16], [128, 128]]], "kind"),
+        ([["fp8-region/9", "e4m3", "w", [], [0, 0], [16, 16], [128, 128]]], "once"),
+        ([["fp8-region/0", "e4m3", "w", [], [0], [16], [128, 128]]], "fp8_regions"),
+        (
+            [["fp8-region/0", "e4m3", "w", [], [0, 0], [16, 16], [0, 128]]],
+            "fp8_regions",
+        ),
+        (
+            [["fp8-region/0", "e4m3", "w", [], [0, -1], [16, 16], [128, 128]]],
+            "fp8_regions",
+        ),
+        ([["fp8-region/0", "e4m3", "w", [], [0, 0], [16, 16], [128, 128]]] * 2, "once"),
+        ({"fp8-region/0": 1}, "fp8_regions"),
+    ],
+)
+def test_fp8_regions_are_checked_by_type_range_and_key(regions, text):
+    header = dict(_params_header(REGIONS), fp8_regions=regions)
+    with pytest.raises(DeliveryError, match="header field 'fp8_regions'") as e:
+        decode_header([json.dumps(header).encode(), b"", b""])
+    assert text in str(e.value)
+
+
+def test_fp8_regions_only_in_a_params_payload():
+    header = dict(_params_header(REGIONS), kind=PayloadKind.SHARDS.value)
+    with pytest.raises(DeliveryError, match='none outside a "params" payload'):
+        decode_header([json.dumps(header).encode(), b"", b""])
 
 
 @pytest.mark.parametrize(

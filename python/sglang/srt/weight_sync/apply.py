@@ -31,6 +31,7 @@ __all__ = (
     "release_cached_memory",
     "run_post_load",
     "synchronize",
+    "quantize_region",
     "write_quantized",
     "write_regions",
     "write_zeros",
@@ -71,22 +72,37 @@ def write_quantized(
         if q is None:
             continue
         source, weight, scale = staged[t.name], params[q.weight], params[q.scale]
-        bn, bk = q.block
         for p in t.pieces:
             box = p.dest_box()
-            (r0, c0), (r1, c1) = box.offsets[-2:], box.ends[-2:]
-            lead = p.index + tuple(
-                slice(o, e) for o, e in zip(box.offsets[:-2], box.ends[:-2])
-            )
-            region = lead + (slice(r0, r1), slice(c0, c1))
-            grid = lead + (slice(r0 // bn, -(-r1 // bn)), slice(c0 // bk, -(-c1 // bk)))
-            for src, dst, sc in zip(
-                _matrices(source[region]),
-                _matrices(weight[region]),
-                _matrices(scale[grid]),
-            ):
-                quantize_blocks_into(src, dst, sc, q.block)
-                written += dst.numel()
+            src = source[tuple(p.index) + box.slices()]
+            written += quantize_region(src, weight, scale, p.index, box, q.block)
+    return written
+
+
+def quantize_region(
+    src: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    index: Tuple[int, ...],
+    box: Box,
+    block: Tuple[int, int],
+) -> int:
+    """Quantize ``src`` (the whole blocks ``box`` of ``weight[index]``, in the staged dtype)
+    into the e4m3 ``weight`` and its float32 block ``scale``, in place; the e4m3 bytes
+    written."""
+    bn, bk = block
+    (r0, c0), (r1, c1) = box.offsets[-2:], box.ends[-2:]
+    lead = tuple(index) + tuple(
+        slice(o, e) for o, e in zip(box.offsets[:-2], box.ends[:-2])
+    )
+    region = lead + (slice(r0, r1), slice(c0, c1))
+    grid = lead + (slice(r0 // bn, -(-r1 // bn)), slice(c0 // bk, -(-c1 // bk)))
+    written = 0
+    for s, dst, sc in zip(
+        _matrices(src), _matrices(weight[region]), _matrices(scale[grid])
+    ):
+        quantize_blocks_into(s, dst, sc, block)
+        written += dst.numel()
     return written
 
 

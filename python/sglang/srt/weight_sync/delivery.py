@@ -48,6 +48,7 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     ChannelError,
     DeliveryError,
+    Fp8Region,
     HeaderBound,
     HeaderTooLarge,
     LayoutFrames,
@@ -114,6 +115,8 @@ class Payload:
     # 1-d views covering exactly the bytes of ``tensors`` when they came in one shared-memory
     # segment (``shared_segment.MappedSegment.runs``), else None
     runs: Optional[List[torch.Tensor]] = None
+    # "params": regions of block-FP8 weights, each in its tensor of ``tensors`` (by key)
+    fp8_regions: Tuple[Fp8Region, ...] = ()
 
 
 def local_shard(
@@ -224,10 +227,12 @@ class ShardSender:
         kind: PayloadKind = PayloadKind.SHARDS,
         names: Sequence[str] = (),
         fingerprint: str = "",
+        fp8_regions: Sequence[Fp8Region] = (),
     ) -> None:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
-        "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
+        "params" payload); ``kind``, ``names``, ``fingerprint``, ``fp8_regions``: see
+        ``Payload``."""
         tensors = [t.detach() for _, t, _ in shards]
         inline = shared = None
         self._alive = []
@@ -261,6 +266,7 @@ class ShardSender:
             fingerprint,
             inline,
             shared,
+            fp8_regions,
         )
         self._sock.send_multipart([*self._layouts.encode(header), *frames])
 
@@ -483,6 +489,7 @@ class ShardReceiver:
             header["fingerprint"],
             header["memo"],
             runs,
+            header["fp8_regions"],
         )
 
     def _check_addressing(self, header: dict, names: List[str]) -> None:

@@ -39,7 +39,9 @@ from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 __all__ = (
     "QuantizedMove",
     "SenderFp8Plan",
+    "land_box",
     "land_quantized",
+    "left_to_quantize",
     "quantize_for_wire",
     "read_quantized",
     "sender_quantized",
@@ -234,20 +236,18 @@ def land_quantized(
 ) -> int:
     """The receiver's end: write ``buf`` (``quantize_for_wire``'s) into each of ``rank``'s
     e4m3 weights and scales that ``q`` lands in, in place; the e4m3 bytes written."""
-    region = q.move.region
-    numel = region.numel
-    grid, _ = _grid(region, q.block)
-    weight = buf[:numel].view(FP8_DTYPE).reshape(region.sizes)
-    scale = buf[numel:].view(torch.float32).reshape(grid)
     written = 0
     for d in q.move.dests:
         if d.rank != rank:
             continue
-        box = d.box(region)
-        params[d.param][d.index][box.slices()].copy_(weight)
-        scales = params[d.param + SCALE_SUFFIX][d.index]
-        scales[_grid(box, q.block)[1]].copy_(scale)
-        written += numel
+        written += land_box(
+            buf,
+            params[d.param],
+            params[d.param + SCALE_SUFFIX],
+            d.index,
+            d.box(q.move.region),
+            q.block,
+        )
     return written
 
 
@@ -267,3 +267,51 @@ def read_quantized(
             scales.contiguous().view(torch.uint8).reshape(-1),
         ]
     )
+
+
+def land_box(
+    buf: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    index: Tuple[int, ...],
+    box: Box,
+    block: Tuple[int, int] = BLOCK,
+) -> int:
+    """Write ``buf`` (``quantize_for_wire``'s bytes of the whole blocks ``box`` of
+    ``weight[index]``) into the e4m3 ``weight`` and its float32 block ``scale``, in place;
+    the e4m3 bytes written."""
+    numel = box.numel
+    grid, slices = _grid(box, block)
+    weight[index][box.slices()].copy_(buf[:numel].view(FP8_DTYPE).reshape(box.sizes))
+    scale[index][slices].copy_(buf[numel:].view(torch.float32).reshape(grid))
+    return numel
+
+
+def left_to_quantize(
+    target: ParamTarget, landed: Sequence[Tuple[Tuple[int, ...], Box]]
+) -> Tuple[Piece, ...]:
+    """``target``'s pieces less the ``landed`` (index, box of the parameter) that came
+    quantized: what its receiver still quantizes from staging (whole blocks, as both are)."""
+    pieces: List[Piece] = []
+    for p in target.pieces:
+        if p.perm is not None:  # never sent quantized (``sender_quantized``)
+            pieces.append(p)
+            continue
+        dest = p.dest_box()
+        left = [dest]
+        for index, box in landed:
+            if index == p.index:
+                left = [rest for b in left for rest in b.subtract(box)]
+        if left == [dest]:
+            pieces.append(p)
+            continue
+        for b in left:
+            hf = Box(
+                tuple(
+                    o + (x - d)
+                    for o, x, d in zip(p.box.offsets, b.offsets, dest.offsets)
+                ),
+                b.sizes,
+            )
+            pieces.append(_sub_piece(p, hf))
+    return tuple(pieces)

@@ -46,6 +46,7 @@ from sglang.srt.weight_sync.planner import Plan
 __all__ = (
     "QuantizedLanding",
     "cut_for_engines",
+    "cut_for_groups",
     "quantized_of",
     "run_quantized",
 )
@@ -102,6 +103,23 @@ def cut_for_engines(
             quantized[offset + t] = quantized_of(manifest, t)
     if not quantized:
         return None
+    return sender_quantized(plan, quantized, shapes)
+
+
+def cut_for_groups(
+    plan: Plan,
+    manifest: EngineManifest,
+    groups: Sequence[Sequence[int]],
+    shapes: Mapping[str, Tuple[int, ...]],
+) -> Optional[SenderFp8Plan]:
+    """``cut_for_engines`` where one engine's TP ranks are received for by any ranks:
+    ``groups[j][t]`` needs what TP rank t needs (trainer-side resharding: the trainer rank
+    beside each engine rank); None when the engine has no block-FP8 weight."""
+    if not manifest.block_fp8:
+        return None
+    quantized = {
+        rank: quantized_of(manifest, t) for g in groups for t, rank in enumerate(g)
+    }
     return sender_quantized(plan, quantized, shapes)
 
 

@@ -61,6 +61,8 @@ __all__ = (
     "MAX_RANK",
     "PayloadKind",
     "REFUSED",
+    "Fp8Region",
+    "Fp8RegionKind",
     "WEIGHTS_RELEASED",
     "answer_bound_s",
     "as_tensor_request",
@@ -358,6 +360,90 @@ class PayloadKind(str, enum.Enum):
     DESCRIBE = "describe"  # no tensors: publish the engine's manifest into the channel
 
 
+class Fp8RegionKind(str, enum.Enum):
+    """How a ``Fp8Region`` of a block-FP8 weight travels in a "params" payload."""
+
+    QUANTIZED = (
+        "e4m3"  # quantized by the trainer: e4m3 bytes, then float32 scales (uint8)
+    )
+    STAGED = "staged"  # in the weight's staged dtype, shaped as the region: the engine quantizes
+
+
+@dataclass(frozen=True)
+class Fp8Region:
+    """Whole blocks of one block-FP8 weight in a "params" payload (``trainer_reshard``):
+    its tensor ``key`` carries ``param[index][offsets : offsets + sizes]`` as ``kind``
+    says. The header lists them (``fp8_regions``); an engine before this field refuses such
+    a header by its unknown key, before reading any tensor."""
+
+    key: str
+    kind: Fp8RegionKind
+    param: str
+    index: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    block: Tuple[int, int]
+
+    @property
+    def blocks(self) -> int:
+        """Its block grid's size (a ragged last block counts)."""
+        n = math.prod(self.sizes[:-2])
+        for size, b in zip(self.sizes[-2:], self.block):
+            n *= -(-size // b)
+        return n
+
+    @property
+    def quantized_bytes(self) -> int:
+        """A QUANTIZED region's tensor size: one byte per element, four per block."""
+        return math.prod(self.sizes) + 4 * self.blocks
+
+    def to_wire(self) -> list:
+        return [
+            self.key,
+            self.kind.value,
+            self.param,
+            list(self.index),
+            list(self.offsets),
+            list(self.sizes),
+            list(self.block),
+        ]
+
+    @staticmethod
+    def from_wire(w) -> Fp8Region:
+        key, kind, param, index, offsets, sizes, block = w
+        return Fp8Region(
+            key,
+            Fp8RegionKind(kind),
+            param,
+            tuple(index),
+            tuple(offsets),
+            tuple(sizes),
+            tuple(block),
+        )
+
+
+_REGION_KINDS = frozenset(k.value for k in Fp8RegionKind)
+
+
+def _is_region_wire(w) -> bool:
+    """A ``Fp8Region.to_wire``: names, a kind, an index, a box of two dims or more, a block."""
+    return (
+        _is_list(w, 7)
+        and len(w) == 7
+        and _is_str(w[0], MAX_NAME_CHARS)
+        and isinstance(w[1], str)
+        and w[1] in _REGION_KINDS
+        and _is_str(w[2], MAX_NAME_CHARS)
+        and _is_shape(w[3])
+        and _is_shape(w[4])
+        and _is_shape(w[5])
+        and len(w[4]) == len(w[5]) >= 2
+        and _is_list(w[6], 2)
+        and len(w[6]) == 2
+        and all(_is_int(b, 1, MAX_SIZE) for b in w[6])
+    )
+
+
 def header_fields(
     update_id: str,
     trainer_rank: int,
@@ -369,11 +455,13 @@ def header_fields(
     fingerprint: str,
     inline: Optional[Sequence[Tuple[str, Sequence[int]]]],
     shared: Optional[Tuple[str, Sequence[Tuple[str, Sequence[int], int]]]] = None,
+    fp8_regions: Sequence[Fp8Region] = (),
 ) -> Dict[str, Any]:
     """The fields of a payload's header: ``tensors`` and ``pieces`` as (name, wire layout or
     None); ``inline``: (dtype, shape) per tensor when they follow as raw frames;
     ``shared``: (segment id, (dtype, shape, offset) per tensor) when they lie in a
-    shared-memory segment passed beside the message (``shared_segment``). Each distinct
+    shared-memory segment passed beside the message (``shared_segment``); ``fp8_regions``:
+    the block-FP8 regions a "params" payload carries (``Fp8Region``). Each distinct
     device mesh is written once, in ``meshes``, and a tensor's layout names it by index:
     a mesh lists every trainer rank, so repeating it per tensor would grow the header with
     tensors times ranks."""
@@ -401,6 +489,8 @@ def header_fields(
     }
     if meshes:
         header["meshes"] = [json.loads(m) for m in meshes]
+    if fp8_regions:
+        header["fp8_regions"] = [q.to_wire() for q in fp8_regions]
     if inline is not None:
         header["inline"] = [[str(d), [int(s) for s in shape]] for d, shape in inline]
     if shared is not None:
@@ -420,7 +510,16 @@ def encode_header(*args, **kwargs) -> bytes:
 # The fields of a header that describe the payload's tensors: the same every update of a
 # training run, so ``LayoutFrames`` sends them in a frame of their own, kept by both ends.
 _LAYOUT_KEYS = frozenset(
-    ("tensors", "pieces", "names", "fingerprint", "meshes", "inline", "placements")
+    (
+        "tensors",
+        "pieces",
+        "names",
+        "fingerprint",
+        "meshes",
+        "inline",
+        "placements",
+        "fp8_regions",
+    )
 )
 
 
@@ -556,6 +655,12 @@ def decode_header(
         f"one of {sorted(_KINDS)}",
     )
     _check(
+        not layout["fp8_regions"] or kind == PayloadKind.PARAMS.value,
+        "fp8_regions",
+        f"{len(layout['fp8_regions'])} entries in a {kind!r} payload",
+        'none outside a "params" payload',
+    )
+    _check(
         segment is None or _is_str(segment, MAX_SEGMENT_ID_CHARS),
         "segment",
         segment,
@@ -578,6 +683,7 @@ def decode_header(
         "kind": PayloadKind(kind),
         "names": layout["names"],
         "fingerprint": layout["fingerprint"],
+        "fp8_regions": layout["fp8_regions"],
         "inline": inline,
         "shared": None if placements is None else [segment, placements],
         "data_at": data_at,
@@ -684,6 +790,18 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         inline,
         "null or [dtype, shape] for each tensor",
     )
+    regions = fields.get("fp8_regions", [])
+    keys = {n for n, _ in tensors}
+    _check(
+        _is_list(regions)
+        and all(_is_region_wire(q) for q in regions)
+        and len({q[0] for q in regions}) == len(regions)
+        and all(q[0] in keys for q in regions),
+        "fp8_regions",
+        regions,
+        "a list of [tensor key, kind, parameter, index, offsets, sizes, [rows, columns]], each "
+        "naming one of the payload's tensors once",
+    )
     placements = fields.get("placements")
     _check(
         placements is None
@@ -711,6 +829,7 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         "fingerprint": fingerprint,
         "inline": inline,
         "placements": placements,
+        "fp8_regions": tuple(Fp8Region.from_wire(q) for q in regions),
         # what a receiver derives from this layout (its specs), kept as long as the layout
         "memo": {},
     }
@@ -734,6 +853,7 @@ _HEADER_KEYS = _REQUIRED_KEYS | {
     "inline",
     "shared",
     "meshes",
+    "fp8_regions",
 }
 _HEAD_REQUIRED = frozenset(("update_id", "trainer_rank", "rank_map", "layout"))
 _HEAD_KEYS = _HEAD_REQUIRED | {"kind", "segment"}

@@ -78,7 +78,12 @@ from sglang.srt.weight_sync.source_layout import (
     MeshSpec,
     SourceLayout,
 )
-from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks, first_uncovered
+from sglang.srt.weight_sync.trainer_reshard import (
+    TrainerPlans,
+    TrainerSideResult,
+    chunks,
+    first_uncovered,
+)
 
 __all__ = (
     "ControlRequest",
@@ -376,7 +381,9 @@ class UpdateReport:
     """One update as this trainer rank saw it. Bytes are payload bytes this rank received
     from other trainer ranks (trainer-side mode; in the engine's dtype) and the lower
     bound for it (needed - held); engine-side moves are counted by the engine (message).
-    ``peak_buffer_bytes``: the largest chunk of parameter buffers held for the engine;
+    ``peak_buffer_bytes``: the largest chunk of parameter buffers held for the engine
+    (with the block-FP8 regions that came quantized); ``handed_bytes``: what this rank
+    handed the engine rank beside it in all (trainer-side);
     ``shared_bytes``: the shared memory this rank keeps for the engine rank beside it
     (``shared_segment``: CPU payloads only).
     ``phases``: where this rank's seconds went (``phase_timing``: seconds by phase, and
@@ -391,6 +398,7 @@ class UpdateReport:
     lower_bound_bytes: int = 0
     peak_staging_bytes: int = 0
     peak_buffer_bytes: int = 0
+    handed_bytes: int = 0
     chunks: int = 0
     described: bool = False
     shared_bytes: int = 0
@@ -548,7 +556,7 @@ def sources_flow(
         with clock.phase(Phase.DELIVER):
             _count_chunk(report, result, rank)
             report.update_id = chan.next_update_id()
-            _send_chunk(chan, report.update_id, rank, result.buffers, names)
+            _send_chunk(chan, report.update_id, rank, result, names)
         del result  # the sender keeps the buffers alive until the engine answers
         report.success, report.message = yield ControlRequest(
             report.update_id,
@@ -575,28 +583,32 @@ def _count_chunk(report: UpdateReport, result, rank: int) -> None:
     report.peak_staging_bytes = max(
         report.peak_staging_bytes, result.stats.peak_staging_bytes
     )
-    report.peak_buffer_bytes = max(
-        report.peak_buffer_bytes, sum(b.nbytes for b in result.buffers.values())
-    )
+    handed = result.handed_bytes()
+    report.handed_bytes += handed
+    report.peak_buffer_bytes = max(report.peak_buffer_bytes, handed)
 
 
 def _send_chunk(
     chan: TrainerChannel,
     update_id: str,
     rank: int,
-    buffers: Mapping[str, torch.Tensor],
+    result: TrainerSideResult,
     names: List[str],
 ) -> None:
-    """Hand one chunk's parameter-shaped buffers to the engine rank beside this rank."""
-    _cuda_ipc_ready(buffers.values())
+    """Hand one chunk's parameter-shaped buffers, and its block-FP8 weights' regions
+    (``TrainerSideResult.fp8_regions``), to the engine rank beside this rank."""
+    tensors = [(n, t, None) for n, t in result.buffers.items()]
+    tensors += [(r.key, t, None) for r, t in result.fp8_regions]
+    _cuda_ipc_ready([t for _, t, _ in tensors])
     chan.sender.send(
         update_id,
         rank,
         chan.rank_map,
-        [(n, t, None) for n, t in buffers.items()],
+        tensors,
         kind=PayloadKind.PARAMS,
         names=names,
         fingerprint=chan.manifest.fingerprint,
+        fp8_regions=[r for r, _ in result.fp8_regions],
     )
 
 

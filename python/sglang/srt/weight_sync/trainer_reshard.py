@@ -8,12 +8,19 @@ needs, in that rank's parameter shapes and dtypes. The executor moves only the
 bytes each rank lacks, cast at the sender to the engine's dtype, into
 parameter-shaped buffers; the trainer hands those to the engine rank beside it,
 which only copies them into its parameters (no second round of communication).
+
+Into a block-FP8 engine the blocks one trainer rank holds whole travel quantized
+(``fp8_wire.cut_for_groups``, ``run_quantized``: e4m3 and float32 scales) between the
+trainer ranks and on to the engine rank (``Fp8Region`` entries of the payload,
+landed straight into its e4m3 weight and scales); the blocks left are staged here in
+the weight's staged dtype and handed as regions of it, which the engine quantizes. No
+parameter-shaped buffer of a block-FP8 weight is handed.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import (
     Callable,
     Dict,
@@ -31,9 +38,16 @@ import torch
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import (
     DataGroup,
+    Deferred,
     ExecutionStats,
     check_inputs,
     execute,
+)
+from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
+from sglang.srt.weight_sync.fp8_wire import (
+    QuantizedLanding,
+    cut_for_groups,
+    run_quantized,
 )
 from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_rank
 from sglang.srt.weight_sync.phase_timing import Count, Phase, PhaseClock
@@ -43,6 +57,7 @@ from sglang.srt.weight_sync.planner import (
     resolve_aliases,
     sources_digest,
 )
+from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import (
     MeshHolders,
@@ -56,11 +71,13 @@ from sglang.srt.weight_sync.target_layout import (
 )
 
 __all__ = (
+    "REGION_KEY",
     "TrainerPlans",
     "TrainerSideResult",
     "chunk_digest",
     "chunks",
     "first_uncovered",
+    "fp8_regions",
     "uncovered",
 )
 
@@ -131,16 +148,84 @@ def _nbytes(t: ParamTarget) -> int:
     return n
 
 
+# the payload key of the i-th block-FP8 region handed (``Fp8Region.key``)
+REGION_KEY = "fp8-region/{}"
+
+
 @dataclass
 class TrainerSideResult:
-    """This trainer rank's parameter-shaped buffers for the engine rank beside it."""
+    """This trainer rank's parameter-shaped buffers for the engine rank beside it, and its
+    block-FP8 weights' regions (``fp8_regions``: each with the tensor that carries it; the
+    blocks that came quantized, then the rest in the staged dtype); ``sender``: the plan's
+    cut for sender quantization (None: no block-FP8 weight)."""
 
     buffers: Dict[str, torch.Tensor]
     stats: ExecutionStats
     plan: Plan
+    sender: Optional[SenderFp8Plan] = None
+    fp8_regions: List[Tuple[Fp8Region, torch.Tensor]] = field(default_factory=list)
 
     def lower_bound_bytes(self, rank: int) -> int:
+        if self.sender is not None:
+            return self.sender.lower_bound_bytes(rank)
         return self.plan.lower_bound_bytes(rank)
+
+    def handed_bytes(self) -> int:
+        """Bytes handed to the engine rank: the buffers and the block-FP8 regions."""
+        return sum(b.nbytes for b in self.buffers.values()) + sum(
+            t.nbytes for _, t in self.fp8_regions
+        )
+
+
+def fp8_regions(
+    landings: Sequence[QuantizedLanding],
+    staged: Sequence[ParamTarget],
+    buffers: Mapping[str, torch.Tensor],
+    blocks: Mapping[str, Tuple[int, int]],
+) -> List[Tuple[Fp8Region, torch.Tensor]]:
+    """What the engine rank gets of its block-FP8 weights: each landing's region of a
+    weight (e4m3 then scales, as received), then each piece of ``staged`` (the blocks left
+    to quantize, filled in ``buffers``) copied out in the staged dtype, region-shaped."""
+    out: List[Tuple[Fp8Region, torch.Tensor]] = []
+    for x in landings:
+        move = x.quantized.move
+        for d in move.dests:
+            if d.rank == x.rank:
+                box = d.box(move.region)
+                region = Fp8Region(
+                    REGION_KEY.format(len(out)),
+                    Fp8RegionKind.QUANTIZED,
+                    d.param,
+                    d.index,
+                    box.offsets,
+                    box.sizes,
+                    x.quantized.block,
+                )
+                out.append((region, x.buf))
+    for t in staged:
+        for p in t.pieces:
+            box = p.dest_box()
+            region = Fp8Region(
+                REGION_KEY.format(len(out)),
+                Fp8RegionKind.STAGED,
+                t.name,
+                p.index,
+                box.offsets,
+                box.sizes,
+                blocks[t.name],
+            )
+            out.append((region, buffers[t.name][p.index][box.slices()].contiguous()))
+    return out
+
+
+class _Kept(Deferred):
+    """Keeps the quantized regions a rank receives, for its engine rank to land."""
+
+    def __init__(self) -> None:
+        self.landings: List[QuantizedLanding] = []
+
+    def landed(self, landings) -> None:
+        self.landings += landings
 
 
 class TrainerPlans:
@@ -155,6 +240,8 @@ class TrainerPlans:
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
         self._plans: Dict[str, Plan] = {}
+        # the same keys: each plan's cut for sender quantization (None: no block-FP8 weight)
+        self._senders: Dict[str, Optional[SenderFp8Plan]] = {}
         self._digest: Optional[Tuple[SourceLayout, str]] = None
         self._targets: Optional[tuple] = None
         self.misses = 0  # plans made (not found in the cache) so far
@@ -181,22 +268,31 @@ class TrainerPlans:
         inputs that every rank can compare.
         """
         params = tuple(params)
-        digest = self.inputs_digest(sources, manifest, engine_groups, bucket_bytes)
-        key = hashlib.sha256(repr((digest, params, rank)).encode()).hexdigest()
+        digest, key = self._key(
+            sources, manifest, engine_groups, bucket_bytes, params, rank
+        )
         plan = self._plans.get(key)
         if plan is None:
             self.misses += 1
+            resolved = self._class_targets(sources, manifest)[0]
             receivers = self.chunk_receivers(sources, manifest, engine_groups, params)
             plan = plan_for_rank(
-                self._class_targets(sources, manifest)[0],
+                resolved,
                 receivers,
                 rank,
                 bucket_bytes=bucket_bytes,
                 fingerprint=chunk_digest(digest, params),
             )
             if len(self._plans) >= self.capacity:
+                self._senders.pop(next(iter(self._plans)), None)
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
+            self._senders[key] = cut_for_groups(
+                plan,
+                manifest,
+                engine_groups,
+                {n: s.shape for n, s in resolved.items()},
+            )
         mine = next(
             (i for g in engine_groups for i, r in enumerate(g) if r == rank), None
         )
@@ -204,6 +300,37 @@ class TrainerPlans:
             {} if mine is None else self._class_targets(sources, manifest)[1][mine]
         )
         return plan, [by_name[n] for n in params if n in by_name]
+
+    def sender_cut(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        bucket_bytes: int,
+        params: Iterable[str],
+        rank: int,
+    ) -> Optional[SenderFp8Plan]:
+        """``plan_to_engines``'s plan cut for sender quantization (``fp8_wire.
+        cut_for_groups``), None when the engine has no block-FP8 weight; cached with it."""
+        params = tuple(params)
+        self.plan_to_engines(
+            sources, manifest, engine_groups, bucket_bytes, params, rank
+        )
+        _, key = self._key(sources, manifest, engine_groups, bucket_bytes, params, rank)
+        return self._senders[key]
+
+    def _key(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        bucket_bytes: int,
+        params: Tuple[str, ...],
+        rank: int,
+    ) -> Tuple[str, str]:
+        """The update's inputs digest, and the key of ``rank``'s plan of chunk ``params``."""
+        digest = self.inputs_digest(sources, manifest, engine_groups, bucket_bytes)
+        return digest, hashlib.sha256(repr((digest, params, rank)).encode()).hexdigest()
 
     def chunk_receivers(
         self,
@@ -318,34 +445,68 @@ class TrainerPlans:
         ``timeout_s`` for its peers. ``data``: the owner's data plane over the default group
         (None: one for this chunk). ``clock``: the update's phases, which this adds to.
         ``alloc``: where the buffers go (the sender's shared memory, so that the executor
-        writes straight into what the engine reads), when it has room for them.
-        ``checked``: every rank's ``shard_problems`` were agreed on (none), so the executor
+        writes straight into what the engine reads), when it has room for them; not used
+        into a block-FP8 engine (its regions, made after the rounds, go with the buffers).
+        Into one, the plan is cut for sender quantization (``sender_cut``) and the
+        result carries the block-FP8 weights' regions (``fp8_regions``). ``checked``: every rank's ``shard_problems`` were agreed on (none), so the executor
         does not check the shards again."""
         clock = clock if clock is not None else PhaseClock()
+        params = tuple(params)
         with clock.phase(Phase.PLAN):
             misses = self.misses
             plan, targets = self.plan_to_engines(
                 sources, manifest, engine_groups, bucket_bytes, params, rank
             )
+            sender = self.sender_cut(
+                sources, manifest, engine_groups, bucket_bytes, params, rank
+            )
             clock.count(Count.PLAN_COLD, self.misses - misses)
         data = data if data is not None else DataGroup(None)
+        staged: List[ParamTarget] = []
+        if (
+            sender is not None
+        ):  # a block-FP8 weight's blocks left to quantize, staged here
+            fp8 = [t for t in targets if t.name in manifest.block_fp8]
+            staged = sender.engine_targets(fp8, rank)
+            targets = [t for t in targets if t.name not in manifest.block_fp8]
         with clock.phase(Phase.EXECUTE):
-            buffers = alloc(targets) if alloc is not None else None
+            # the regions are not in the sender's shared memory: ``ShardSender.send`` copies
+            # the whole payload into it (a buffer in it would be remapped under the copy)
+            shared = alloc is not None and sender is None
+            buffers = alloc(targets) if shared else None
             if buffers is None:
                 buffers = {
                     t.name: torch.empty(t.shape, dtype=t.dtype, device=data.device)
                     for t in targets
                 }
+            staging = {
+                t.name: torch.empty(t.shape, dtype=t.dtype, device=data.device)
+                for t in staged
+            }
+            run = plan if sender is None else sender.plan
             stats = execute(
-                plan, rank, local, buffers, data, timeout_s, checked=checked
+                run,
+                rank,
+                local,
+                {**buffers, **staging},
+                data,
+                timeout_s,
+                checked=checked,
             )
+            regions: List[Tuple[Fp8Region, torch.Tensor]] = []
+            if sender is not None:
+                kept = _Kept()
+                run_quantized(sender, rank, local, {}, data, timeout_s, kept, stats)
+                regions = fp8_regions(
+                    kept.landings, staged, staging, manifest.block_fp8
+                )
             clock.add(Phase.APPLY, stats.copy_seconds)
         clock.count(Count.ROUNDS, stats.rounds)
         clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
         clock.count(
             Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
         )
-        return TrainerSideResult(buffers, stats, plan)
+        return TrainerSideResult(buffers, stats, plan, sender, regions)
 
 
 def chunk_digest(digest: str, params: Tuple[str, ...]) -> str:
