@@ -186,8 +186,9 @@ def trainer_side_rank(
     decoding, then the engine rank's own step (``engine_trainer_side.local_step``) into
     garbage parameters. Returns ``fp8_cases.update_rank``'s figures, and the bytes handed
     to the engine rank against the quantized lower bound of its layout (``handed_bound``:
-    counted block by block from the trainer's shards; ``handed_bf16``: every weight in its
-    staged dtype, as before sender quantization)."""
+    counted block by block from the trainer's shards, each unquantized parameter's
+    buffer whole; ``handed_bf16``: every parameter's buffer whole in its staged dtype, as
+    before sender quantization)."""
     import dataclasses
     import json
 
@@ -302,11 +303,18 @@ def trainer_side_rank(
             figures["peak"] = max(figures["peak"], result.stats.peak_staging_bytes)
             figures["bf16_lower_bound"] += result.plan.lower_bound_bytes(rank)
             figures["handed"] += result.handed_bytes()
-            figures["handed_bound"] += quantized_lower_bound(
-                sources, own, fp8.own.quantized, element_bytes
+            # the unquantized parameters go as parameter-shaped buffers, as before
+            plain = sum(
+                math.prod(t.shape) * element_bytes[t.name]
+                for t in own
+                if t.name not in blocks
+            )
+            fp8_own = [t for t in own if t.name in blocks]
+            figures["handed_bound"] += plain + quantized_lower_bound(
+                sources, fp8_own, fp8.own.quantized, element_bytes
             )
             figures["handed_bf16"] += sum(
-                p.box.numel * element_bytes[t.name] for t in own for p in t.pieces
+                math.prod(t.shape) * element_bytes[t.name] for t in own
             )
             kinds = [e.kind for e, _ in regions]
             figures["quantized_regions"] += kinds.count(Fp8RegionKind.QUANTIZED)
