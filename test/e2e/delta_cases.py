@@ -155,7 +155,7 @@ def delta_death_job(rank: int, world: int, job: dict) -> dict:
         def die(*args, **kwargs):
             os._exit(0)  # killed in the middle of sending its delta records
 
-        delta.exchange_payloads = die
+        delta.exchange_round = die
     started = time.monotonic()
     try:
         report = sync.update(model.named_parameters(), bucket_bytes=job["bucket"])

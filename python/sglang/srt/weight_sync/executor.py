@@ -46,6 +46,7 @@ __all__ = (
     "data_device",
     "dest_region",
     "exchange_payloads",
+    "exchange_round",
     "execute",
     "rank_rounds",
     "source_region",
@@ -1039,6 +1040,28 @@ def exchange_payloads(
     }
     run(list(out.items()), list(bufs.items()), "the payloads")
     return bufs
+
+
+def exchange_round(
+    data: DataGroup,
+    rank: int,
+    outgoing: Mapping[int, torch.Tensor],
+    senders: Sequence[int],
+    timeout_s: Optional[float],
+    phase: str,
+    stats: ExecutionStats,
+) -> Dict[int, torch.Tensor]:
+    """One round of byte payloads (``exchange_payloads``): ``outgoing`` to their receivers
+    and one from each of ``senders``, the phase naming the round's peers; its wait and its
+    point-to-point operations counted in ``stats``."""
+    peers = sorted(set(outgoing) | set(senders))
+    t0 = time.perf_counter()
+    got = exchange_payloads(
+        data, rank, outgoing, senders, timeout_s, f"{phase} with ranks {peers}"
+    )
+    stats.wait_seconds += time.perf_counter() - t0
+    stats.p2p_ops += 2 * (len(outgoing) + len(got))
+    return got
 
 
 def source_region(shards, move: Move) -> torch.Tensor:

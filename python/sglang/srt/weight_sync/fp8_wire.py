@@ -29,7 +29,7 @@ from sglang.srt.weight_sync.executor import (
     Deferred,
     ExecutionError,
     ExecutionStats,
-    exchange_payloads,
+    exchange_round,
     source_region,
 )
 from sglang.srt.weight_sync.fp8_sender import (
@@ -165,18 +165,9 @@ def run_quantized(
         if deferred is not None and recvs:
             deferred.reserve(sum(q.nbytes for q in recvs))
         senders = sorted({q.move.src for q in recvs})
-        peers = sorted(set(outgoing) | set(senders))
-        t0 = time.perf_counter()
-        got = exchange_payloads(
-            data,
-            rank,
-            outgoing,
-            senders,
-            timeout_s,
-            f"{phase}, round {number} with {peers}",
+        got = exchange_round(
+            data, rank, outgoing, senders, timeout_s, f"{phase}, round {number}", stats
         )
-        stats.wait_seconds += time.perf_counter() - t0
-        stats.p2p_ops += 2 * (len(outgoing) + len(got))
         landings: List[QuantizedLanding] = []
         for src, raw in sorted(got.items()):
             stats.bytes_received += raw.numel()

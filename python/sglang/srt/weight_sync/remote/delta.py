@@ -51,7 +51,7 @@ from sglang.srt.weight_sync.executor import (
     ExecutionStats,
     Landing,
     dest_region,
-    exchange_payloads,
+    exchange_round,
     rank_rounds,
     source_region,
 )
@@ -376,17 +376,10 @@ def execute_delta(
         if deferred is not None and recvs:
             deferred.reserve(sum(m.nbytes for m in recvs))
         senders = sorted({m.src for m in recvs})
-        peers = sorted(set(outgoing) | set(senders))
-        got = exchange_payloads(
-            data,
-            rank,
-            outgoing,
-            senders,
-            timeout_s,
-            f"{phase} round {number} with ranks {peers}",
+        got = exchange_round(
+            data, rank, outgoing, senders, timeout_s, f"{phase} round {number}", stats
         )
         stats.rounds += 1
-        stats.p2p_ops += 2 * (len(outgoing) + len(got))
         if recvs:
             t0 = time.perf_counter()
             landings = []
@@ -473,16 +466,9 @@ def _quantized_rounds(
         if deferred is not None and recvs:
             deferred.reserve(sum(q.nbytes for q in recvs))
         senders = sorted({q.move.src for q in recvs})
-        peers = sorted(set(outgoing) | set(senders))
-        got = exchange_payloads(
-            data,
-            rank,
-            outgoing,
-            senders,
-            timeout_s,
-            f"{phase}, round {number} with {peers}",
+        got = exchange_round(
+            data, rank, outgoing, senders, timeout_s, f"{phase}, round {number}", stats
         )
-        stats.p2p_ops += 2 * (len(outgoing) + len(got))
         if not recvs:
             continue
         t0 = time.perf_counter()
