@@ -239,9 +239,8 @@ class TrainerPlans:
 
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
-        self._plans: Dict[str, Plan] = {}
-        # the same keys: each plan's cut for sender quantization (None: no block-FP8 weight)
-        self._senders: Dict[str, Optional[SenderFp8Plan]] = {}
+        # each plan and its cut for sender quantization (None: no block-FP8 weight)
+        self._plans: Dict[str, Tuple[Plan, Optional[SenderFp8Plan]]] = {}
         self._digest: Optional[Tuple[SourceLayout, str]] = None
         self._targets: Optional[tuple] = None
         self.misses = 0  # plans made (not found in the cache) so far
@@ -268,11 +267,28 @@ class TrainerPlans:
         inputs that every rank can compare.
         """
         params = tuple(params)
+        plan, _ = self._entry(
+            sources, manifest, engine_groups, bucket_bytes, params, rank
+        )
+        return plan, self._own_targets(sources, manifest, engine_groups, params, rank)
+
+    def _entry(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        bucket_bytes: int,
+        params: Tuple[str, ...],
+        rank: int,
+    ) -> Tuple[Plan, Optional[SenderFp8Plan]]:
+        """``rank``'s plan of chunk ``params`` and its cut for sender quantization
+        (``fp8_wire.cut_for_groups``; None when the engine has no block-FP8 weight), made
+        once and cached together."""
         digest, key = self._key(
             sources, manifest, engine_groups, bucket_bytes, params, rank
         )
-        plan = self._plans.get(key)
-        if plan is None:
+        found = self._plans.get(key)
+        if found is None:
             self.misses += 1
             resolved = self._class_targets(sources, manifest)[0]
             receivers = self.chunk_receivers(sources, manifest, engine_groups, params)
@@ -284,40 +300,34 @@ class TrainerPlans:
                 fingerprint=chunk_digest(digest, params),
             )
             if len(self._plans) >= self.capacity:
-                self._senders.pop(next(iter(self._plans)), None)
                 self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = plan
-            self._senders[key] = cut_for_groups(
+            found = self._plans[key] = (
                 plan,
-                manifest,
-                engine_groups,
-                {n: s.shape for n, s in resolved.items()},
+                cut_for_groups(
+                    plan,
+                    manifest,
+                    engine_groups,
+                    {n: s.shape for n, s in resolved.items()},
+                ),
             )
+        return found
+
+    def _own_targets(
+        self,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        engine_groups: Sequence[Sequence[int]],
+        params: Tuple[str, ...],
+        rank: int,
+    ) -> List[ParamTarget]:
+        """The targets among ``params`` of the engine rank beside trainer ``rank``."""
         mine = next(
             (i for g in engine_groups for i, r in enumerate(g) if r == rank), None
         )
         by_name = (
             {} if mine is None else self._class_targets(sources, manifest)[1][mine]
         )
-        return plan, [by_name[n] for n in params if n in by_name]
-
-    def sender_cut(
-        self,
-        sources: SourceLayout,
-        manifest: EngineManifest,
-        engine_groups: Sequence[Sequence[int]],
-        bucket_bytes: int,
-        params: Iterable[str],
-        rank: int,
-    ) -> Optional[SenderFp8Plan]:
-        """``plan_to_engines``'s plan cut for sender quantization (``fp8_wire.
-        cut_for_groups``), None when the engine has no block-FP8 weight; cached with it."""
-        params = tuple(params)
-        self.plan_to_engines(
-            sources, manifest, engine_groups, bucket_bytes, params, rank
-        )
-        _, key = self._key(sources, manifest, engine_groups, bucket_bytes, params, rank)
-        return self._senders[key]
+        return [by_name[n] for n in params if n in by_name]
 
     def _key(
         self,
@@ -447,19 +457,17 @@ class TrainerPlans:
         ``alloc``: where the buffers go (the sender's shared memory, so that the executor
         writes straight into what the engine reads), when it has room for them; not used
         into a block-FP8 engine (its regions, made after the rounds, go with the buffers).
-        Into one, the plan is cut for sender quantization (``sender_cut``) and the
+        Into one, the plan is cut for sender quantization (cached with it) and the
         result carries the block-FP8 weights' regions (``fp8_regions``). ``checked``: every rank's ``shard_problems`` were agreed on (none), so the executor
         does not check the shards again."""
         clock = clock if clock is not None else PhaseClock()
         params = tuple(params)
         with clock.phase(Phase.PLAN):
             misses = self.misses
-            plan, targets = self.plan_to_engines(
+            plan, sender = self._entry(
                 sources, manifest, engine_groups, bucket_bytes, params, rank
             )
-            sender = self.sender_cut(
-                sources, manifest, engine_groups, bucket_bytes, params, rank
-            )
+            targets = self._own_targets(sources, manifest, engine_groups, params, rank)
             clock.count(Count.PLAN_COLD, self.misses - misses)
         data = data if data is not None else DataGroup(None)
         staged: List[ParamTarget] = []
