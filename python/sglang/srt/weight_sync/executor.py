@@ -1052,15 +1052,17 @@ def exchange_round(
     stats: ExecutionStats,
 ) -> Dict[int, torch.Tensor]:
     """One round of byte payloads (``exchange_payloads``): ``outgoing`` to their receivers
-    and one from each of ``senders``, the phase naming the round's peers; its wait and its
-    point-to-point operations counted in ``stats``."""
+    and one from each of ``senders``, the phase naming the round's peers; its bytes each
+    way, its wait and its point-to-point operations counted in ``stats``."""
     peers = sorted(set(outgoing) | set(senders))
+    stats.bytes_sent += sum(b.numel() for b in outgoing.values())
     t0 = time.perf_counter()
     got = exchange_payloads(
         data, rank, outgoing, senders, timeout_s, f"{phase} with ranks {peers}"
     )
     stats.wait_seconds += time.perf_counter() - t0
     stats.p2p_ops += 2 * (len(outgoing) + len(got))
+    stats.bytes_received += sum(b.numel() for b in got.values())
     return got
 
 

@@ -161,7 +161,6 @@ def run_quantized(
         t0 = time.perf_counter()
         outgoing = _payloads(sends, shards, data.device)
         stats.copy_seconds += time.perf_counter() - t0
-        stats.bytes_sent += sum(b.numel() for b in outgoing.values())
         if deferred is not None and recvs:
             deferred.reserve(sum(q.nbytes for q in recvs))
         senders = sorted({q.move.src for q in recvs})
@@ -170,7 +169,6 @@ def run_quantized(
         )
         landings: List[QuantizedLanding] = []
         for src, raw in sorted(got.items()):
-            stats.bytes_received += raw.numel()
             landings += _split(raw, [q for q in recvs if q.move.src == src], rank, src)
         _hand(landings, params, deferred)
 

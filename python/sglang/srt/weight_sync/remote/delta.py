@@ -372,7 +372,6 @@ def execute_delta(
         outgoing = _encode_round(
             sends, shards, bases, snapshot, digest, figures, staged
         )
-        stats.bytes_sent += sum(b.numel() for b in outgoing.values())
         if deferred is not None and recvs:
             deferred.reserve(sum(m.nbytes for m in recvs))
         senders = sorted({m.src for m in recvs})
@@ -384,7 +383,6 @@ def execute_delta(
             t0 = time.perf_counter()
             landings = []
             for src, raw in got.items():
-                stats.bytes_received += raw.numel()
                 figures.wire_bytes += raw.numel()
                 moves = [m for m in recvs if m.src == src]
                 figures.full_bytes += sum(m.nbytes for m in moves)
@@ -462,7 +460,6 @@ def _quantized_rounds(
                 [(q.move, q.nbytes) for q in sends], news, olds, digest, figures
             )
             figures.encode_us += int((time.perf_counter() - t0) * 1e6)
-        stats.bytes_sent += sum(b.numel() for b in outgoing.values())
         if deferred is not None and recvs:
             deferred.reserve(sum(q.nbytes for q in recvs))
         senders = sorted({q.move.src for q in recvs})
@@ -474,7 +471,6 @@ def _quantized_rounds(
         t0 = time.perf_counter()
         landings: List[QuantizedLanding] = []
         for src, raw in sorted(got.items()):
-            stats.bytes_received += raw.numel()
             figures.wire_bytes += raw.numel()
             mine = [q for q in recvs if q.move.src == src]
             figures.full_bytes += sum(q.nbytes for q in mine)
