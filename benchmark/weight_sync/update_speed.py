@@ -152,11 +152,13 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 
 def _local_shards(shapes, mesh, rank: int, step: int):
-    """FSDP2-style ``Shard(0)`` fp32 DTensors, each rank making only its own rows."""
+    """FSDP2-style ``Shard(0)`` fp32 DTensors, each rank making only its own rows, in the
+    order the model's checkpoint lists them (``shapes``' order: a layer's experts in
+    number order), as a trainer hands its state dict over."""
     from torch.distributed.tensor import DTensor, Shard
 
     out = []
-    for i, (name, shape) in enumerate(sorted(shapes.items())):
+    for i, (name, shape) in enumerate(shapes.items()):
         rows = -(-shape[0] // WORLD)
         lo, hi = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
         g = torch.Generator().manual_seed(step * 100003 + i * 17 + rank)

@@ -22,6 +22,7 @@ from sglang.srt.weight_sync.planner import (
     Plan,
     Topology,
     box_index,
+    name_order,
     plan,
 )
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
@@ -275,3 +276,57 @@ def test_uncovered_box_names_tensor_box_and_rank():
         CoverageError, match=r"tensor 'w' box \[4:8, 0:4\] \(for p on rank 1\)"
     ):
         plan_for_rank(src, Receivers.of(need), 1)
+
+
+def test_name_order_sorts_numbers_as_numbers_and_is_total():
+    names = [
+        "layers.10.experts.2",
+        "layers.2.experts.10",
+        "layers.2.experts.9",
+        "x01",
+        "x1",
+    ]
+    assert sorted(names, key=name_order) == [
+        "layers.2.experts.9",
+        "layers.2.experts.10",
+        "layers.10.experts.2",
+        "x01",
+        "x1",
+    ]
+    assert name_order("x01") != name_order("x1")
+
+
+def test_both_planners_move_a_fused_weights_pieces_in_the_order_they_lie():
+    """A fused expert weight whose pieces were recorded in name order (experts 0, 1, 10,
+    11, 2, ...): both planners list each rank's moves into it in the order the experts lie
+    in it, so that the copies of consecutive experts join (``copy_program``)."""
+    experts = 12
+    src = {
+        f"e.{i}.w": describe_mesh(
+            f"e.{i}.w", (4, 3), torch.float32, [0, 1], (Shard(0),)
+        )
+        for i in range(experts)
+    }
+    pieces = tuple(
+        Piece(n, Box.full((4, 3)), (int(n.split(".")[1]),), (0, 0)) for n in sorted(src)
+    )
+    assert [p.index[0] for p in pieces][:4] == [0, 1, 10, 11]
+    need = {
+        r: [ParamTarget("w13", (experts, 4, 3), torch.bfloat16, pieces)] for r in (0, 1)
+    }
+
+    def order(p, rank):
+        local = [m.dests[0].index[0] for m in p.local if m.dests[0].rank == rank]
+        received = [
+            d.index[0]
+            for rnd in p.rounds
+            for m in rnd
+            for d in m.dests
+            if d.rank == rank
+        ]
+        return local, received
+
+    for rank in (0, 1):
+        for p in (plan(src, need), plan_for_rank(src, Receivers.of(need), rank)):
+            local, received = order(p, rank)
+            assert local == list(range(experts)) and received == list(range(experts))

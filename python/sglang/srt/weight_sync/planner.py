@@ -26,6 +26,7 @@ import functools
 import hashlib
 import heapq
 import operator
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -59,6 +60,8 @@ __all__ = (
     "holder_boxes",
     "inputs_fingerprint",
     "landing",
+    "landing_order",
+    "name_order",
     "plan",
     "resolve_aliases",
     "sources_digest",
@@ -68,6 +71,18 @@ __all__ = (
 
 class CoverageError(ValueError):
     """A target region no source rank holds."""
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def name_order(name: str) -> Tuple:
+    """A tensor name's place in the order plans list moves in: numbers as numbers
+    ("experts.2" before "experts.10"), the order a model holds its layers and experts in,
+    so that consecutive moves lie back to back on both ends and their copies join
+    (``copy_program``). The name itself breaks ties ("x01" and "x1"): a total order."""
+    parts = _DIGITS.split(name)
+    return (tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,6 +543,12 @@ def _plan(
     )
 
 
+def landing_order(piece: Piece) -> Tuple:
+    """Pieces in the order they lie in their parameter (a fused expert weight's experts
+    one after another), whatever order the loader recorded them in."""
+    return (piece.index, piece.offsets)
+
+
 class _Assignment:
     """Who sends each element, built piece by piece: local copies (``local``, for the
     listed ranks), remote regions with their destinations (``remote``, keyed by tensor,
@@ -554,7 +575,7 @@ class _Assignment:
             self.zero_fills.extend(
                 ZeroFill(rank, target.name, box) for box in target.zeros
             )
-            for piece in target.pieces:
+            for piece in sorted(target.pieces, key=landing_order):
                 self.assign_piece(rank, target, piece, listed)
 
     def _holders(

@@ -14,7 +14,8 @@ identically from the same inputs, with no counter shared across ranks:
   the closest holders (same device, then node) one picked by a hash of the receiver
   and the tensor, so DP replicas share the sending without a global load count;
 * **when**: every tensor the receivers need has a fixed place in one canonical byte
-  order (sorted names, rows in the widest dtype involved); a move runs in the round of
+  order (names sorted with numbers as numbers, ``planner.name_order``; rows in the
+  widest dtype involved); a move runs in the round of
   the window of ``bucket_bytes / 2`` bytes its rows fall in (split at window edges).
   A rank so receives at most half the cap (plus a row) per round; the executor casts
   each region it sends once per round, whatever the fan-out, so its send staging is
@@ -50,6 +51,8 @@ from sglang.srt.weight_sync.planner import (
     Topology,
     ZeroFill,
     landing,
+    landing_order,
+    name_order,
     resolve_aliases,
     sources_digest,
     targets_key,
@@ -159,12 +162,12 @@ class _Planner:
                     )
         self.needs_raw = needs
         self.need_index: Dict[str, _NeedIndex] = {}
-        # The canonical byte order that numbers rounds: needed tensors by name, rows in
-        # the widest dtype a row travels or is held in.
+        # The canonical byte order that numbers rounds: needed tensors by name (numbers
+        # as numbers), rows in the widest dtype a row travels or is held in.
         self.base: Dict[str, int] = {}
         self.row_bytes: Dict[str, int] = {}
         offset = 0
-        for name in sorted(needs):
+        for name in sorted(needs, key=name_order):
             src = sources.get(name)
             if src is None:
                 c, t, _ = needs[name][0]
@@ -313,7 +316,15 @@ def _order(m: Move) -> tuple:
     """One order for the moves of a round on every rank: gloo and NCCL match the
     point-to-point messages between two ranks in the order they are posted."""
     d = m.dests[0]
-    return (m.tensor, m.region.offsets, m.region.sizes, m.src, d.rank, d.param, d.index)
+    return (
+        name_order(m.tensor),
+        m.region.offsets,
+        m.region.sizes,
+        m.src,
+        d.rank,
+        d.param,
+        d.index,
+    )
 
 
 def plan_for_rank(
@@ -345,7 +356,7 @@ def plan_for_rank(
 
     for target in receivers.of_rank(rank):  # what this rank receives
         zero_fills.extend(ZeroFill(rank, target.name, z) for z in target.zeros)
-        for piece in target.pieces:
+        for piece in sorted(target.pieces, key=landing_order):
             needed += piece.box.numel * target.dtype.itemsize
             dest = pl.dest(rank, target, piece)
             for region, box, src in pl.served(target, piece, rank):
