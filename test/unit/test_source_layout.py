@@ -274,3 +274,41 @@ def test_nested_rank_meshes_flatten_row_major_and_ragged_ones_are_refused():
     for ragged in ([[0, 1], [2]], [[0, 1], 2], [0, [1]], [[0, 1], ["2", 3]]):
         with pytest.raises(LayoutError, match="ragged rank mesh"):
             _flatten(ragged)
+
+
+def test_tensors_of_one_layout_share_a_spec_and_its_description():
+    """``MeshRanks.spec_of`` hands one ``MeshSpec`` per layout (shape, dtype, mesh,
+    placements), and ``describe_specs`` describes each once: the same holders as one
+    ``describe`` per tensor, each under its own name."""
+    from types import SimpleNamespace
+
+    from sglang.srt.weight_sync.source_layout import MeshRanks, describe_specs
+
+    mesh_a = SimpleNamespace(mesh=torch.tensor([0, 1]))
+    mesh_b = SimpleNamespace(mesh=torch.tensor([1, 0]))
+
+    def dtensor(shape, mesh, placements, dtype=torch.float32):
+        return SimpleNamespace(
+            shape=torch.Size(shape),
+            dtype=dtype,
+            device_mesh=mesh,
+            placements=placements,
+        )
+
+    ranks = MeshRanks()
+    tensors = {
+        "e0": dtensor((8, 4), mesh_a, (Shard(0),)),
+        "e1": dtensor((8, 4), mesh_a, (Shard(0),)),
+        "rows": dtensor((8, 4), mesh_a, (Shard(1),)),
+        "other_mesh": dtensor((8, 4), mesh_b, (Shard(0),)),
+        "other_shape": dtensor((6, 4), mesh_a, (Shard(0),)),
+        "other_dtype": dtensor((8, 4), mesh_a, (Shard(0),), torch.bfloat16),
+    }
+    specs = {n: ranks.spec_of(t) for n, t in tensors.items()}
+    assert specs["e0"] is specs["e1"]
+    assert len({id(s) for s in specs.values()}) == 5
+    described = describe_specs(specs.items())
+    assert described == {n: s.describe(n) for n, s in specs.items()}
+    assert [h.buffer for h in described["e1"].holders] == ["e1", "e1"]
+    assert described["e1"].holders.geometry is described["e0"].holders.geometry
+    assert described["other_mesh"].box_of(1) == described["e0"].box_of(0)

@@ -42,6 +42,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, U
 
 import torch
 import zmq
+from torch.distributed.tensor import DTensor
 
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.protocol import (
@@ -126,10 +127,11 @@ def local_shard(
 ) -> Tuple[torch.Tensor, MeshSpec]:
     """A DTensor's local shard and layout (never ``full_tensor()``), or a plain tensor
     with its explicit spec. ``ranks``: see ``MeshSpec.of_dtensor``."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(tensor, DTensor):
-        with torch.no_grad():  # the local tensor itself, not an autograd view of it
+        if torch.is_grad_enabled():
+            with torch.no_grad():  # the local tensor itself, not an autograd view of it
+                local = tensor.to_local()
+        else:  # callers with many tensors enter no_grad once
             local = tensor.to_local()
         return local, MeshSpec.of_dtensor(tensor, ranks)
     if spec is None:
@@ -137,6 +139,14 @@ def local_shard(
             "a plain tensor needs an explicit MeshSpec (sharded or full)"
         )
     return tensor, spec
+
+
+def _wire_of(spec: Union[MeshSpec, HoldersSpec], wires: Dict[int, tuple]) -> tuple:
+    """``spec.to_wire()``, once per spec object in ``wires`` (which keeps it)."""
+    known = wires.get(id(spec))
+    if known is None or known[0] is not spec:
+        known = wires[id(spec)] = (spec, spec.to_wire())
+    return known[1]
 
 
 # dtypes a CPU payload may carry inline, by the name the header gives them: those of a segment
@@ -233,31 +243,38 @@ class ShardSender:
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
         "params" payload); ``kind``, ``names``, ``fingerprint``, ``fp8_regions``: see
         ``Payload``."""
-        tensors = [t.detach() for _, t, _ in shards]
+        tensors = [t for _, t, _ in shards]
         inline = shared = None
         self._alive = []
         if any(t.is_cuda for t in tensors):
             # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
-            self._alive = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+            self._alive = [
+                t.detach() if t.is_contiguous() else t.detach().contiguous()
+                for t in tensors
+            ]
             frames = [MultiprocessingSerializer.serialize(self._alive)]
         else:
             wanted = self._dtypes.get()  # one look at the engine's file per payload
-            shared = self._share(
-                tensors,
-                [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards],
-            )
+            with torch.no_grad():  # copies of the values, never part of a graph
+                shared = self._share(
+                    tensors,
+                    [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards],
+                )
             if shared is not None:
                 frames = []
             else:
-                contiguous = [t.contiguous() for t in tensors]
+                contiguous = [t.detach().contiguous() for t in tensors]
                 inline = [(str(t.dtype), t.shape) for t in contiguous]
                 frames = [_inline_frame(t) for t in contiguous]
+        wires: Dict[
+            int, tuple
+        ] = {}  # tensors sharing a MeshSpec object share its wire form
         header = header_fields(
             update_id,
             trainer_rank,
             rank_map,
             [
-                (name, None if spec is None else spec.to_wire())
+                (name, None if spec is None else _wire_of(spec, wires))
                 for name, _, spec in shards
             ],
             [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -44,6 +44,7 @@ __all__ = (
     "SourceLayout",
     "SourceTensor",
     "describe_mesh",
+    "describe_specs",
 )
 
 NestedRanks = Union[int, Sequence["NestedRanks"]]
@@ -340,6 +341,28 @@ def describe_mesh(
     )
 
 
+def describe_specs(
+    specs: Iterable[Tuple[str, Union[MeshSpec, HoldersSpec]]],
+    rank_map: Optional[Mapping[int, int]] = None,
+) -> SourceLayout:
+    """Each spec's ``describe``, a ``MeshSpec`` object described once: the tensors that
+    share one (``MeshRanks.spec_of``) differ only in their names."""
+    out: SourceLayout = {}
+    described: Dict[int, Tuple[MeshSpec, SourceTensor]] = {}
+    for name, spec in specs:
+        known = described.get(id(spec))
+        if known is None or known[0] is not spec:
+            out[name] = spec.describe(name, rank_map)
+            if isinstance(out[name].holders, MeshHolders):
+                described[id(spec)] = (spec, out[name])
+            continue
+        first = known[1]
+        out[name] = SourceTensor(
+            name, first.shape, first.dtype, MeshHolders(first.holders.geometry, name)
+        )
+    return out
+
+
 class MeshRanks:
     """A device mesh's global ranks in mesh order (``DeviceMesh.mesh.tolist()``), each mesh
     read once: torch computes ``DeviceMesh.mesh`` anew on every access (2.13 through its
@@ -349,12 +372,25 @@ class MeshRanks:
 
     def __init__(self) -> None:
         self._read: Dict[int, Tuple[object, NestedRanks]] = {}
+        self._specs: Dict[tuple, MeshSpec] = {}
 
     def __call__(self, mesh) -> NestedRanks:
         known = self._read.get(id(mesh))
         if known is None or known[0] is not mesh:
             known = self._read[id(mesh)] = (mesh, mesh.mesh.tolist())
         return known[1]
+
+    def spec_of(self, tensor: DTensor) -> MeshSpec:
+        """``MeshSpec.of_dtensor``, one object per layout: the experts of a MoE model share
+        a few, and ``describe_specs`` then describes each layout once."""
+        mesh = tensor.device_mesh
+        key = (tensor.shape, tensor.dtype, id(mesh), tensor.placements)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = MeshSpec(
+                tuple(tensor.shape), tensor.dtype, self(mesh), tuple(tensor.placements)
+            )
+        return spec
 
 
 @dataclass(frozen=True)
@@ -373,11 +409,12 @@ class MeshSpec:
     def of_dtensor(tensor: DTensor, ranks: Optional[MeshRanks] = None) -> MeshSpec:
         """A DTensor's layout from its mesh and placements; its data is never touched.
         ``ranks``: the mesh ranks read so far, for many DTensors on few meshes."""
-        mesh = tensor.device_mesh
+        if ranks is not None:
+            return ranks.spec_of(tensor)
         return MeshSpec(
             tuple(tensor.shape),
             tensor.dtype,
-            ranks(mesh) if ranks is not None else mesh.mesh.tolist(),
+            tensor.device_mesh.mesh.tolist(),
             tuple(tensor.placements),
         )
 

@@ -77,6 +77,7 @@ from sglang.srt.weight_sync.source_layout import (
     MeshRanks,
     MeshSpec,
     SourceLayout,
+    describe_specs,
 )
 from sglang.srt.weight_sync.trainer_reshard import (
     TrainerPlans,
@@ -301,16 +302,19 @@ def _engine_groups(every: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...
 def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
     """Local shard and layout of each tensor: DTensors keep their own mesh; a plain
     tensor is the full tensor, held by every trainer rank."""
+    from torch.distributed.tensor import DTensor
+
     everyone = list(range(dist.get_world_size()))
     out, ranks = [], MeshRanks()
-    for name, tensor in named_tensors:
-        spec = (
-            None
-            if _is_dtensor(tensor)
-            else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
-        )
-        local, spec = local_shard(tensor, spec, ranks)
-        out.append((name, local, spec))
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            spec = (
+                None
+                if isinstance(tensor, DTensor)
+                else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+            )
+            local, spec = local_shard(tensor, spec, ranks)
+            out.append((name, local, spec))
     return out
 
 
@@ -351,12 +355,6 @@ def _cuda_ipc_ready(tensors) -> None:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA IPC names GPUs by UUID (breaks CPU tensors, so GPU only)
-
-
-def _is_dtensor(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 @dataclass(frozen=True)
@@ -472,7 +470,7 @@ def update_flow(
         chan = sync.channel(group_ranks, group, timeout_s)
     with clock.phase(Phase.DESCRIBE):
         shards = prepare_shards(named_tensors)
-        sources = {name: spec.describe(name) for name, _, spec in shards}
+        sources = describe_specs((name, spec) for name, _, spec in shards)
     return (
         yield from sources_flow(
             sync,

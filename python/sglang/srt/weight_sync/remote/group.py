@@ -92,7 +92,11 @@ from sglang.srt.weight_sync.remote.rendezvous import (
     meet,
     prefixed_store,
 )
-from sglang.srt.weight_sync.source_layout import LayoutError, SourceLayout
+from sglang.srt.weight_sync.source_layout import (
+    LayoutError,
+    SourceLayout,
+    describe_specs,
+)
 from sglang.srt.weight_sync.target_layout import restrict
 
 __all__ = (
@@ -146,7 +150,7 @@ class UpdateResult:
 
 def source_layout(specs: Mapping[str, Spec]) -> SourceLayout:
     """The layout the specs describe (trainer ranks are the group's first ranks)."""
-    return {name: spec.describe(name) for name, spec in specs.items()}
+    return describe_specs(specs.items())
 
 
 def check_specs_against(

@@ -113,23 +113,24 @@ def named_specs(
     which SGLang's loaders skip, are left out."""
     specs: Dict[str, Spec] = {}
     local: Dict[str, torch.Tensor] = {}
-    everyone, ranks = list(range(trainers)), MeshRanks()
-    for name, tensor in named_tensors:
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
-        if name in specs:
-            raise ValueError(f"tensor {name!r} is named twice in one update")
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor
 
-        spec = (
-            None
-            if isinstance(tensor, DTensor)
-            else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
-        )
-        shard, specs[name] = local_shard(tensor, spec, ranks)
-        local[name] = (
-            shard.detach()
-        )  # a plain tensor's detach: a DTensor's costs a dispatch
+    everyone, ranks = list(range(trainers)), MeshRanks()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name in specs:
+                raise ValueError(f"tensor {name!r} is named twice in one update")
+            spec = (
+                None
+                if isinstance(tensor, DTensor)
+                else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+            )
+            shard, specs[name] = local_shard(tensor, spec, ranks)
+            local[name] = (
+                shard.detach()
+            )  # a plain tensor's detach: a DTensor's costs a dispatch
     return specs, local
 
 
