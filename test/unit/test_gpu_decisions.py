@@ -325,6 +325,31 @@ def test_a_shard_without_data_is_refused_naming_the_tensor_and_both_devices():
     assert torch.equal(params["p"], torch.ones(4, 3))
 
 
+def test_a_parameter_shorter_than_the_plans_indices_is_refused_before_any_write():
+    """The pieces of a fused parameter are checked once per parameter, with the largest
+    index they land at: a parameter with fewer experts than the plan writes is refused."""
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+    names = [f"e{i}" for i in range(3)]
+    src = {n: MeshSpec.full((4, 3), torch.float32, [0]).describe(n) for n in names}
+    pieces = tuple(
+        Piece(n, Box((0, 0), (4, 3)), (i,), (0, 0)) for i, n in enumerate(names)
+    )
+    p = plan(src, {0: [ParamTarget("w", (3, 4, 3), torch.float32, pieces)]})
+    shards = {n: torch.ones(4, 3) for n in names}
+    assert executor.check_inputs(p, 0, shards, {"w": torch.zeros(3, 4, 3)}) == []
+    short = torch.zeros(2, 4, 3)
+    problems = executor.check_inputs(p, 0, shards, {"w": short})
+    assert problems == [
+        "rank 0: parameter 'w' has shape (2, 4, 3), plan expects (4, 3) after indices "
+        "up to (2,)"
+    ]
+    assert torch.equal(short, torch.zeros(2, 4, 3))
+
+
 # ------------------------------------------------------------------ one host sync per finite check
 
 

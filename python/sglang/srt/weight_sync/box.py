@@ -8,6 +8,7 @@ geometry lives here once and nowhere else.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import prod
 from typing import List, Optional, Sequence, Tuple
@@ -128,8 +129,14 @@ class Box:
         )
 
 
-def contiguous_strides(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
-    """The strides of a contiguous tensor of ``sizes`` (a view made by ``as_strided``)."""
+def contiguous_strides(sizes: Sequence[int]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``sizes`` (a view made by ``as_strided``):
+    remembered per shape, as every tensor of every update asks and a model has few."""
+    return _contiguous_strides(tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
     strides, step = [], 1
     for s in reversed(sizes):
         strides.append(step)

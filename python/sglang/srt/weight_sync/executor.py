@@ -469,9 +469,10 @@ def check_inputs(
 @dataclass(frozen=True)
 class _InputNeeds:
     """What ``check_inputs`` looks at on one rank, from the plan alone: the first move
-    that reads each of its shards (with that shard's holder), each parameter region it
-    lands in (name, index, shape: a fused MoE parameter takes hundreds of regions, one
-    check), and the parameters it zero-fills."""
+    that reads each of its shards (with that shard's holder), each parameter it lands
+    in by the shape after its index (name, the largest index along each indexed dim,
+    shape: a fused MoE parameter takes hundreds of regions, one check), and the
+    parameters it zero-fills."""
 
     shards: Tuple[Tuple[Move, Holder], ...]
     params: Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...]], ...]
@@ -479,7 +480,8 @@ class _InputNeeds:
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> _InputNeeds:
-        shards, seen, params = [], set(), {}
+        shards, seen = [], set()
+        params: Dict[Tuple[str, int, Tuple[int, ...]], Tuple[int, ...]] = {}
         moves = list(plan.local_for(rank)) + [
             m for rnd in plan.rounds for m in rnd if rank in m.group
         ]
@@ -490,10 +492,14 @@ class _InputNeeds:
                 shards.append((move, h))
             for d in move.dests:
                 if d.rank == rank:
-                    params.setdefault((d.param, d.index, d.shape), None)
+                    key = (d.param, len(d.index), d.shape)
+                    top = params.get(key)
+                    params[key] = (
+                        d.index if top is None else tuple(map(max, top, d.index))
+                    )
         return cls(
             tuple(shards),
-            tuple(params),
+            tuple((name, top, shape) for (name, _, shape), top in params.items()),
             tuple(dict.fromkeys(z.param for z in plan.zero_fills if z.rank == rank)),
         )
 
@@ -1109,9 +1115,12 @@ def _check_param(
     param = params.get(name)
     if param is None:
         return [f"rank {rank}: no parameter {name!r}"]
-    if tuple(param.shape[len(index) :]) != shape:
+    if tuple(param.shape[len(index) :]) != shape or any(
+        i >= n for i, n in zip(index, param.shape)
+    ):
         return [
-            f"rank {rank}: parameter {name!r} has shape {tuple(param.shape)}, plan expects {shape} after index {index}"
+            f"rank {rank}: parameter {name!r} has shape {tuple(param.shape)}, plan expects {shape} "
+            f"after indices up to {index}"
         ]
     if param.device.type == "meta":
         return [
