@@ -260,3 +260,43 @@ def stalled_join_job(rank: int, world: int, job: dict) -> dict:
     if rank == 0:  # epoch 2 formed: this rank (the store's host) deleted epoch 1's keys
         out["epoch1_keys"] = [k for k in store.list_keys() if "/epoch1/" in k]
     return out
+
+
+def silent_engines_job(rank: int, world: int, job: dict) -> dict:
+    """Trainer ranks whose only engine does not answer its health check (as one busy or
+    gone would): the join raises ``RemoteSyncError`` on every trainer rank, naming the
+    engine, where it used to form a group of no engine whose updates reported success."""
+    from sglang.srt.weight_sync.remote import (
+        EngineEndpoint,
+        RemoteSync,
+        RemoteSyncError,
+    )
+
+    asked = []
+
+    class Silent(EngineEndpoint):
+        name = "http://silent:1"
+
+        def tp_size(self) -> int:
+            return 1
+
+        def alive(self, timeout_s: float) -> bool:
+            asked.append(timeout_s)
+            return False
+
+    sync = RemoteSync(
+        GROUP,
+        "127.0.0.1",
+        job["port"],
+        [Silent()] if rank == 0 else [],
+        backend="gloo",
+        timeout_s=job["timeout"],
+    )
+    try:
+        sync.join()
+        error = None
+    except RemoteSyncError as e:
+        error = str(e)
+    finally:
+        sync.close()
+    return {"error": error, "asked": asked, "left": sync.left}

@@ -17,6 +17,7 @@ from ranks import run_ranks
 from remote_group_cases import (
     dying_engine_job,
     remote_group_job,
+    silent_engines_job,
     stalled_join_job,
     weights_of,
 )
@@ -160,3 +161,16 @@ def test_the_store_port_is_free_and_outside_the_ephemeral_range():
             RuntimeError, match=f"no free port in \\[{port}, {port + 1}\\)"
         ):
             free_port(port, port + 1)
+
+
+def test_a_group_whose_engines_all_fail_their_health_check_is_not_formed():
+    """The first rank asks each engine's health within the join's own bound (SGLang
+    answers ``/health`` by generating a token, slow on a busy engine); when none answers,
+    every trainer rank's join raises, naming the engine: an update reaching no engine is
+    never reported as a success."""
+    results = run_ranks(2, silent_engines_job, dict(port=free_port(), timeout=7.0))
+    for rank, r in enumerate(results):
+        assert r["error"] and "no engine to update" in r["error"], (rank, r)
+        assert "'http://silent:1'" in r["error"] and "7s" in r["error"], r
+        assert r["left"] == ["http://silent:1"], r
+    assert results[0]["asked"] == [7.0] and results[1]["asked"] == []

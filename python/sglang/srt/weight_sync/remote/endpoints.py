@@ -56,7 +56,8 @@ class EngineEndpoint:
     def tp_size(self) -> int:
         raise NotImplementedError
 
-    def alive(self) -> bool:
+    def alive(self, timeout_s: float) -> bool:
+        """Whether the engine answers within ``timeout_s``."""
         return True
 
     def join(self, body: dict, timeout_s: float) -> dict:
@@ -97,11 +98,15 @@ class HttpEndpoint(EngineEndpoint):
             self._tp = int(info["tp_size"])
         return self._tp
 
-    def alive(self) -> bool:
+    def alive(self, timeout_s: float) -> bool:
+        """``/health`` answers 200 (SGLang generates one token for it: a busy engine takes
+        a while, so the caller's bound applies, not a shorter one of its own)."""
         import requests
 
         try:
-            return requests.get(f"{self.url}/health", timeout=10).status_code == 200
+            return (
+                requests.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+            )
         except requests.RequestException:
             return False
 

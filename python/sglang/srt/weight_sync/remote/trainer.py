@@ -288,9 +288,17 @@ class RemoteSync:
         membership, gone = None, []
         if self.rank == 0:
             present = []
-            for name, engine in list(self.engines.items()):
-                if engine.alive():
-                    present.append((name, engine.tp_size()))
+            probes = {
+                name: self._pool.submit(engine.alive, timeout_s)
+                for name, engine in self.engines.items()
+            }  # side by side: one bound for all
+            for name, probe in probes.items():
+                try:
+                    up = probe.result(timeout_s + GRACE_S)
+                except Exception:  # noqa: BLE001 - an engine that cannot say is gone
+                    up = False
+                if up:
+                    present.append((name, self.engines[name].tp_size()))
                 else:
                     gone.append(name)
                     del self.engines[name]
@@ -316,6 +324,12 @@ class RemoteSync:
                 name,
             )
         self.left = sorted(set(self.left) | set(gone))
+        if not membership.engines:  # an update that reaches no engine is no success
+            raise RemoteSyncError(
+                f"weight-sync group {self.group_name!r}: no engine to update "
+                f"(did not answer within {timeout_s:g}s: {sorted(gone)}); add one with "
+                "join([engine])"
+            )
         return membership
 
     def leave(self, name: str, timeout_s: Optional[float] = None) -> None:
