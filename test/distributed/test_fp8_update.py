@@ -70,7 +70,16 @@ def test_fp8_params_equal_sglang_load_of_reference_checkpoint(
         ), r
         assert r["received"] == r["lower_bound"] == r["planned"], r
         if world == tp:
+            # engine-side resharding (``fp8_wire.ColocatedFp8``): every block lies whole
+            # in one trainer shard, so it travels e4m3 and scales from that engine rank
+            # (or is quantized where it lies): the quantized lower bound counted block by
+            # block, and no block left to quantize from staging
             assert r["peak"] <= BUCKET, r
+            assert r["received"] == r["counted"], r
+            assert r["blocks_quantized_here"] == 0 == r["fp8_staging_bytes"], r
+            if world > 1:
+                assert r["blocks_received_quantized"] > 0, r
+                assert r["received"] < 0.6 * r["bf16_lower_bound"], r
             continue
         # trainer-side, one hop (``trainer_reshard``): the blocks a trainer rank holds whole
         # travel quantized between the trainer ranks and on to the engine rank, the rest
@@ -97,6 +106,39 @@ def test_fp8_params_equal_sglang_load_of_reference_checkpoint(
             assert r["handed"] < 0.6 * r["handed_bf16"], r
         else:  # rows 86 and 172 cut blocks: both kinds travel where some lie whole
             assert r["staged_regions"] > 0, r
+
+
+# block FP8 at engine TP 4 (a tiny Qwen3, head_dim apart from the hidden size): every TP split
+# a multiple of 128 (q, k, v, gate and up rows, o and down columns: 512 / 4); FSDP 4 chunks of
+# the 640-row o and down cut rows 160, 320 and 480, inside blocks (their first and last
+# blocks lie whole on ranks 0 and 3), while every 512-row tensor's chunks are whole blocks
+TP4_SPEC = dict(
+    hidden_size=640,
+    head_dim=64,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    intermediate_size=512,
+)
+
+
+def test_fp8_engine_tp4_engine_side_with_blocks_cut_by_shards(tmp_path_factory):
+    """Engine TP 4 in block FP8, engine-side resharding from 4 FSDP2 ranks: both kinds
+    travel, e4m3 and scales for the blocks one trainer shard holds whole, bf16 for the blocks
+    the shards cut (quantized on the engine rank from staging); every parameter equals
+    SGLang's load of the reference checkpoint, and the bytes received equal the quantized
+    lower bound counted block by block."""
+    work = tmp_path_factory.mktemp("fp8-tp4")
+    bf16, _ = tiny_models.make_tiny_model("qwen3", work / "bf16", seed=3, **TP4_SPEC)
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
+    loads = sglang_fp8_load(fp8, bf16, [(4, r) for r in range(4)], work)
+    results = run_ranks(4, update_rank, 4, str(bf16), loads, 1 << 30)
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == 4 * 2, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert r["received"] == r["lower_bound"] == r["counted"], r
+        assert r["blocks_received_quantized"] > 0, r
+        assert r["blocks_quantized_here"] > 0 and r["fp8_staging_bytes"] > 0, r
+        assert r["received"] < r["bf16_lower_bound"], r
 
 
 def test_engine_end_on_sglang_live_fp8_model(checkpoints):

@@ -25,6 +25,7 @@ OUT``) and also derives each rank's targets from the BF16 checkpoint (the pieces
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
@@ -489,10 +490,11 @@ def update_rank(
         return trainer_side_rank(rank, world, tp, bf16, loads, bucket, batches)
     import tiny_models
     import torch.distributed as dist
+    from fp8_sender_cases import RANK_FIGURES, quantized_lower_bound
 
-    from sglang.srt.weight_sync.apply import write_quantized
-    from sglang.srt.weight_sync.executor import execute
-    from sglang.srt.weight_sync.fp8_targets import block_fp8_targets, staging_buffers
+    from sglang.srt.weight_sync.fp8_sender import sender_quantized
+    from sglang.srt.weight_sync.fp8_targets import block_fp8_targets
+    from sglang.srt.weight_sync.fp8_wire import ColocatedFp8
     from sglang.srt.weight_sync.planner import plan
     from sglang.srt.weight_sync.target_layout import restrict
 
@@ -514,25 +516,60 @@ def update_rank(
         shape, dtype = live[name]
         garbage = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
         params[name] = garbage.to(dtype)
-    figures = dict(received=0, lower_bound=0, planned=0, peak=0)
+    fp8_params = {q.weight: params[q.weight] for q in mine.quantized}
+    fp8_params.update((q.scale, params[q.scale]) for q in mine.quantized)
+    element_bytes = {t.name: t.dtype.itemsize for t in mine.targets}
+    figures = dict.fromkeys(
+        RANK_FIGURES
+        + ("counted", "blocks_received_quantized", "blocks_quantized_here"),
+        0,
+    )
+    staging_bytes = 0
     for names in batches_of(layout, batches):
-        # fresh staging per update, as the engine makes it: what a batch did not deliver is
-        # garbage there, and must not be quantized
-        staged = staging_buffers(mine.quantized, torch.device("cpu"))
-        for buffer in staged.values():
-            buffer.fill_(float("nan"))
-        destinations = {**params, **staged}
+        # the engine's own step (``engine_update``): a plan for this rank, cut for sender
+        # quantization, the blocks left staged fresh per update (NaN: a block read from
+        # staging that this update did not deliver shows)
         wanted = {k: restrict(t.targets, names, {}) for k, t in transformed.items()}
         sources = {n: layout[n] for n in names}
-        p = plan(sources, wanted, bucket_bytes=bucket)
-        stats = execute(p, rank, {n: local[n] for n in names}, destinations)
-        write_quantized(mine.quantized, wanted[rank], staged, params)
+        p = plan(sources, wanted, bucket_bytes=bucket, local_ranks=(rank,))
+        cut = sender_quantized(
+            p, {k: t.quantized for k, t in transformed.items()}, shapes
+        )
+        step = ColocatedFp8.of(
+            cut, rank, mine.quantized, wanted[rank], fp8_params, torch.device("cpu")
+        )
+        for buffer in step.staged.values():
+            buffer.fill_(float("nan"))
+        destinations = step.destinations(params)
+        problems = step.check(p, rank, {n: local[n] for n in names}, destinations)
+        assert not problems, problems
+        stats = step.run(rank, {n: local[n] for n in names}, destinations, None, 60)
+        step.quantize_left()
         figures["received"] += stats.bytes_received
-        figures["lower_bound"] += p.lower_bound_bytes(rank)
-        figures["planned"] += p.received_bytes(rank)
+        figures["lower_bound"] += cut.lower_bound_bytes(rank)
+        figures["planned"] += cut.received_bytes(rank)
+        figures["bf16_lower_bound"] += p.lower_bound_bytes(rank)
+        figures["counted"] += quantized_lower_bound(
+            sources, wanted[rank], mine.quantized, element_bytes, rank
+        )
         figures["peak"] = max(figures["peak"], stats.peak_staging_bytes)
-    staging_bytes = sum(s.numel() * s.element_size() for s in staged.values())
-    del staged
+        figures["blocks_received_quantized"] += sum(
+            q.blocks
+            for rnd in cut.quantized
+            for q in rnd
+            if rank in {d.rank for d in q.move.dests}
+        )
+        figures["blocks_quantized_here"] += sum(
+            math.prod(-(-n // 128) for n in piece.box.sizes[-2:])
+            * math.prod(piece.box.sizes[:-2])
+            for t in step.left
+            for piece in t.pieces
+        )
+        staging_bytes = max(
+            staging_bytes,
+            sum(s.numel() * s.element_size() for s in step.staged.values()),
+        )
+        del step, destinations
     dist.barrier()
     expected = loads[(tp, rank % tp)]["checksums"]
     return {

@@ -20,7 +20,15 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
-__all__ = ("quantized_lower_bound", "sender_side_update", "trainer_side_rank")
+__all__ = (
+    "RANK_FIGURES",
+    "quantized_lower_bound",
+    "sender_side_update",
+    "trainer_side_rank",
+)
+
+# the byte and staging figures every update rank of ``test_fp8_update`` returns
+RANK_FIGURES = ("received", "lower_bound", "planned", "peak", "bf16_lower_bound")
 
 
 def _blocks(box, block=(128, 128)):
@@ -37,21 +45,30 @@ def _blocks(box, block=(128, 128)):
             )
 
 
-def quantized_lower_bound(sources, targets, quantized, element_bytes) -> int:
-    """The least bytes an engine rank that holds nothing of the trainer's must receive when
-    every block lying whole on one trainer rank travels quantized (one byte per element, a
-    float32 scale per block) and every other element in its target's dtype."""
+def quantized_lower_bound(sources, targets, quantized, element_bytes, rank=None) -> int:
+    """The least bytes an engine rank must receive when every block lying whole on one
+    trainer rank travels quantized (one byte per element, a float32 scale per block) and
+    every other element in its target's dtype. ``rank``: the trainer rank beside it
+    (engine-side resharding), whose own elements it copies instead; None: it holds none."""
     names = {q.weight for q in quantized}
+
+    def held(box, holders) -> int:
+        own = (h.box.intersect(box) for h in holders if h.rank == rank)
+        return sum(b.numel for b in own if b is not None)
+
     total = 0
     for t in targets:
         for p in t.pieces:
+            holders = sources[p.tensor].holders
             if t.name not in names:
-                total += p.box.numel * element_bytes[t.name]
+                total += (p.box.numel - held(p.box, holders)) * element_bytes[t.name]
                 continue
-            holders = [h.box for h in sources[p.tensor].holders]
             for b in _blocks(p.box):
-                whole = any(h.contains(b) for h in holders)
-                total += b.numel + 4 if whole else b.numel * element_bytes[t.name]
+                whole = [h for h in holders if h.box.contains(b)]
+                if whole:
+                    total += 0 if whole[0].rank == rank else b.numel + 4
+                else:
+                    total += (b.numel - held(b, holders)) * element_bytes[t.name]
     return total
 
 
@@ -237,18 +254,17 @@ def trainer_side_rank(
         for n in sorted(written)
     }
     plans = TrainerPlans()
-    figures = dict(
-        received=0,
-        lower_bound=0,
-        planned=0,
-        peak=0,
-        bf16_lower_bound=0,
-        handed=0,
-        handed_bound=0,
-        handed_bf16=0,
-        quantized_regions=0,
-        staged_regions=0,
-        fp8_buffers=0,
+    figures = dict.fromkeys(
+        RANK_FIGURES
+        + (
+            "handed",
+            "handed_bound",
+            "handed_bf16",
+            "quantized_regions",
+            "staged_regions",
+            "fp8_buffers",
+        ),
+        0,
     )
     for names in batches_of(layout, batches):
         sources = {n: layout[n] for n in names}

@@ -44,7 +44,6 @@ from sglang.srt.weight_sync.apply import (
     refresh_derived,
     release_cached_memory,
     synchronize,
-    write_quantized,
 )
 from sglang.srt.weight_sync.commit_vote import commit_to_write
 from sglang.srt.weight_sync.control_plane import (
@@ -62,7 +61,8 @@ from sglang.srt.weight_sync.derive import DerivedTargets
 from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.engine_trainer_side import LocalStep, local_step
 from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
-from sglang.srt.weight_sync.fp8_targets import QuantizedParam, staging_buffers
+from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
+from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, cut_for_groups
 from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.phase_timing import (
     Count,
@@ -91,7 +91,7 @@ from sglang.srt.weight_sync.sglang_compat import (
     tp_state,
 )
 from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec, SourceLayout
-from sglang.srt.weight_sync.target_layout import ParamTarget, restrict
+from sglang.srt.weight_sync.target_layout import restrict
 from sglang.srt.weight_sync.wire_dtypes import (
     cast_problems,
 )
@@ -163,11 +163,9 @@ class _Validated:
     shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     local_step: Optional[LocalStep] = None
-    # block-FP8 weights: what the plan stages (this update's pieces of them: ``quantized_targets``),
-    # and the live weights and scales it quantizes into
-    quantized: Tuple[QuantizedParam, ...] = ()
-    quantized_targets: Tuple[ParamTarget, ...] = ()
-    fp8_params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # block-FP8 weights: the plan cut for sender quantization, the staging of the blocks
+    # left, the live e4m3 weights and scales (``params`` holds the staging instead)
+    fp8: Optional[ColocatedFp8] = None
 
 
 class EngineWeightSync:
@@ -190,6 +188,8 @@ class EngineWeightSync:
         # how many data groups this rank made or tried to: its proposal for the next one's
         # number (``_agree``, ``data_group``)
         self.data_groups_made = 0
+        # block-FP8 engines: each cached plan's cut for sender quantization, by fingerprint
+        self._cuts: Dict[str, SenderFp8Plan] = {}
 
     @classmethod
     def of(cls, owner) -> EngineWeightSync:
@@ -554,26 +554,32 @@ class EngineWeightSync:
                 return _Validated(
                     check_inputs(plan, rank, shards, params), plan, shards, params
                 )
-            # block FP8: the plan lands each weight's pieces in staging, quantized after it ran
+            # block FP8: the blocks a sending rank holds whole travel quantized and land in
+            # the e4m3 weights; the rest meet in bf16 staging, quantized after the plan ran
             quantized = fp8.own.quantized
-            staged = staging_buffers(quantized, next(iter(params.values())).device)
             fp8_params = {q.weight: params[q.weight] for q in quantized}
             fp8_params.update((q.scale, named[q.scale].data) for q in quantized)
-            params = {**params, **staged}
-            problems = [f"engine rank {rank}: {p}" for p in fp8.own.problems]
             names = {q.weight for q in quantized}
-            return _Validated(
-                problems + check_inputs(plan, rank, shards, params),
-                plan,
-                shards,
-                params,
-                quantized=quantized,
-                quantized_targets=tuple(
+            colocated = ColocatedFp8.of(
+                self._cut(plan, manifest, sources, targets),
+                rank,
+                quantized,
+                [
                     t
                     for t in restrict(targets.for_rank(rank), sources, targets.aliases)
                     if t.name in names
-                ),
-                fp8_params=fp8_params,
+                ],
+                fp8_params,
+                next(iter(params.values())).device,
+            )
+            params = colocated.destinations(params)
+            problems = [f"engine rank {rank}: {p}" for p in fp8.own.problems]
+            return _Validated(
+                problems + colocated.check(plan, rank, shards, params),
+                plan,
+                shards,
+                params,
+                fp8=colocated,
             )
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             return _Validated([f"engine rank {rank}: {e}"])
@@ -671,6 +677,32 @@ class EngineWeightSync:
         memo[key] = (targets, plan)
         return plan
 
+    def _cut(
+        self,
+        plan: Plan,
+        manifest: EngineManifest,
+        sources: SourceLayout,
+        targets: DerivedTargets,
+    ) -> SenderFp8Plan:
+        """``plan`` cut for sender quantization (``fp8_wire.cut_for_groups``, every engine
+        rank receiving for itself): a pure function of the plan, so kept beside it, as many
+        as the plan cache keeps."""
+        cut = self._cuts.get(plan.fingerprint)
+        if cut is not None:
+            return cut
+        shapes = {n: tuple(s) for n, s in targets.tensor_shapes().items()}
+        shapes.update((n, tuple(s.shape)) for n, s in sources.items())
+        cut = cut_for_groups(plan, manifest, [tuple(range(self.control.size))], shapes)
+        if cut is None:
+            raise ValueError(
+                "the engine has block-FP8 weights, but its manifest names none "
+                "(block_fp8 empty)"
+            )
+        if len(self._cuts) >= self.plans.capacity:
+            self._cuts.pop(next(iter(self._cuts)))
+        self._cuts[plan.fingerprint] = cut
+        return cut
+
     def _write(
         self,
         model,
@@ -690,15 +722,25 @@ class EngineWeightSync:
         else:
             try:
                 with clock.phase(Phase.EXECUTE):
-                    stats = execute(
-                        found.plan,
-                        self.rank,
-                        found.shards,
-                        found.params,
-                        group=data,
-                        timeout_s=bound,
-                        checked=True,  # _validate checked them; the ranks agreed on it
-                    )
+                    if found.fp8 is None:
+                        stats = execute(
+                            found.plan,
+                            self.rank,
+                            found.shards,
+                            found.params,
+                            group=data,
+                            timeout_s=bound,
+                            checked=True,  # _validate checked them; the ranks agreed on it
+                        )
+                    else:
+                        stats = found.fp8.run(
+                            self.rank,
+                            found.shards,
+                            found.params,
+                            data,
+                            bound,
+                            checked=True,
+                        )
                     clock.add(Phase.APPLY, stats.copy_seconds)
             except PeerLost:
                 self.drop_data_group()  # its pending work must not outlive the update
@@ -709,13 +751,9 @@ class EngineWeightSync:
                 Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
             )
             with clock.phase(Phase.APPLY):
-                # every element of every block has met in staging: quantize in place
-                write_quantized(
-                    found.quantized,
-                    found.quantized_targets,
-                    found.params,
-                    found.fp8_params,
-                )
+                if found.fp8 is not None:
+                    # every element of every block left has met in staging: quantize in place
+                    found.fp8.quantize_left()
                 synchronize(
                     found.params.values()
                 )  # the trainer may reuse what we read once we reply
@@ -723,7 +761,11 @@ class EngineWeightSync:
                 release_cached_memory(found.params.values())
             mine = (
                 stats.bytes_received,
-                found.plan.lower_bound_bytes(self.rank),
+                (
+                    found.plan.lower_bound_bytes(self.rank)
+                    if found.fp8 is None
+                    else found.fp8.sender.lower_bound_bytes(self.rank)
+                ),
                 stats.peak_staging_bytes,
             )
             logger.info(

@@ -14,6 +14,11 @@ the plan; a payload of another size is refused by name.
 
 Which engine weights are block FP8 comes from the engines' manifests
 (``EngineManifest.block_fp8``, ``quantized_of``): every member derives the same cut.
+
+A colocated engine rank resharding among the engine ranks (``engine_update``) runs its
+part through ``ColocatedFp8``: the cut plan into bf16 staging of only the weights with
+blocks left, the quantized blocks landed straight into the e4m3 weights and scales, then
+the blocks left quantized from staging.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.weight_sync.apply import write_quantized
 from sglang.srt.weight_sync.executor import (
     DataGroup,
     Deferred,
     ExecutionError,
     ExecutionStats,
+    check_inputs,
     exchange_round,
+    execute,
     source_region,
 )
 from sglang.srt.weight_sync.fp8_sender import (
@@ -39,11 +47,17 @@ from sglang.srt.weight_sync.fp8_sender import (
     quantize_for_wire,
     sender_quantized,
 )
-from sglang.srt.weight_sync.fp8_targets import SCALE_SUFFIX, QuantizedParam
+from sglang.srt.weight_sync.fp8_targets import (
+    SCALE_SUFFIX,
+    QuantizedParam,
+    staging_buffers,
+)
 from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import Plan
+from sglang.srt.weight_sync.target_layout import ParamTarget
 
 __all__ = (
+    "ColocatedFp8",
     "QuantizedLanding",
     "cut_for_engines",
     "cut_for_groups",
@@ -121,6 +135,99 @@ def cut_for_groups(
         rank: quantized_of(manifest, t) for g in groups for t, rank in enumerate(g)
     }
     return sender_quantized(plan, quantized, shapes)
+
+
+@dataclass(frozen=True)
+class ColocatedFp8:
+    """One colocated engine rank's block-FP8 weights in an update resharded among the engine
+    ranks: the plan cut for sender quantization (``sender``), the rank's block-FP8 weights
+    (``quantized``), the pieces it still quantizes (``left``: blocks no sending rank held
+    whole), their bf16 staging (``staged``: only the weights with such pieces) and the live
+    e4m3 weights and scales (``fp8_params``). Made before the ranks agree (``of``), run
+    after the commit (``run``, then ``quantize_left``)."""
+
+    sender: SenderFp8Plan
+    quantized: Tuple[QuantizedParam, ...]
+    left: Tuple[ParamTarget, ...]
+    staged: Mapping[str, torch.Tensor]
+    fp8_params: Mapping[str, torch.Tensor]
+
+    @classmethod
+    def of(
+        cls,
+        sender: SenderFp8Plan,
+        rank: int,
+        quantized: Sequence[QuantizedParam],
+        targets: Sequence[ParamTarget],
+        fp8_params: Mapping[str, torch.Tensor],
+        device: torch.device,
+    ) -> ColocatedFp8:
+        """``rank``'s part of ``sender`` given its block-FP8 weights, this update's
+        ``targets`` of them (pieces in HF boxes) and its live e4m3 weights and scales."""
+        names = {q.weight for q in quantized}
+        left = tuple(
+            sender.engine_targets([t for t in targets if t.name in names], rank)
+        )
+        staged_names = {t.name for t in left}
+        staged = staging_buffers(
+            [q for q in quantized if q.weight in staged_names], device
+        )
+        return cls(sender, tuple(quantized), left, staged, dict(fp8_params))
+
+    def destinations(
+        self, params: Mapping[str, torch.Tensor]
+    ) -> Dict[str, torch.Tensor]:
+        """What the cut plan writes: ``params`` without the e4m3 weights (a bf16 move into
+        one without staging would be a missing parameter, refused by ``check``), plus the
+        staging."""
+        names = {q.weight for q in self.quantized}
+        kept = {n: p for n, p in params.items() if n not in names}
+        return {**kept, **self.staged}
+
+    def check(
+        self,
+        plan: Plan,
+        rank: int,
+        shards: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
+    ) -> List[str]:
+        """``executor.check_inputs`` for both parts: every shard the uncut ``plan`` reads
+        (the quantized blocks' too), every region the cut plan writes."""
+        return sorted(
+            set(check_inputs(plan, rank, shards, None))
+            | set(check_inputs(self.sender.plan, rank, shards, params))
+        )
+
+    def run(
+        self,
+        rank: int,
+        shards: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
+        data: Optional[DataGroup],
+        timeout_s: Optional[float],
+        checked: bool = False,
+    ) -> ExecutionStats:
+        """The cut plan into ``params`` (``destinations``), then the quantized blocks
+        (``run_quantized``: sent e4m3 and scales, landed in place; a rank's own quantized
+        where they lie). Every engine rank calls it together."""
+        data = data if data is not None else DataGroup(None)
+        stats = execute(
+            self.sender.plan,
+            rank,
+            shards,
+            params,
+            group=data,
+            timeout_s=timeout_s,
+            checked=checked,
+        )
+        run_quantized(
+            self.sender, rank, shards, self.fp8_params, data, timeout_s, None, stats
+        )
+        return stats
+
+    def quantize_left(self) -> int:
+        """Quantize the blocks left (met in staging) in place; the e4m3 bytes written."""
+        return write_quantized(self.quantized, self.left, self.staged, self.fp8_params)
 
 
 def run_quantized(
