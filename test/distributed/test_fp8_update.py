@@ -141,6 +141,23 @@ def test_fp8_engine_tp4_engine_side_with_blocks_cut_by_shards(tmp_path_factory):
         assert r["received"] < r["bf16_lower_bound"], r
 
 
+def test_megatron_tp2_pp2_into_fp8_engines(checkpoints):
+    """Megatron-core TP 2 x PP 2 (a real ``GPTModel``'s local parameters: fused
+    ``linear_qkv`` and ``linear_fc1``, fp32) into block-FP8 engines of TP 2, one per two
+    trainer ranks, on the trainer-side one hop (PP 2: the ranks beside an engine lack the
+    other stage's layers, as ``megatron_flow`` routes it): every parameter equals SGLang's
+    load of the reference checkpoint, the blocks a Megatron rank holds whole travel
+    quantized, and each engine rank is handed exactly the quantized lower bound."""
+    bf16, loads = checkpoints
+    results = run_ranks(4, update_rank, 2, str(bf16), loads, 1 << 30, 1, 2)
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == 4 * 2, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        assert r["quantized_regions"] > 0 and r["fp8_buffers"] == 0, r
+
+
 def test_engine_end_on_sglang_live_fp8_model(checkpoints):
     """The engine end's own steps on SGLang's live FP8 model (TP 1): the targets derived from
     the unquantized twin pass the provenance check against the live FP8 loaders; nothing

@@ -459,6 +459,46 @@ def fsdp_shards(full: Dict[str, torch.Tensor], world: int):
     )
 
 
+def megatron_shards(bf16: str, full: Dict[str, torch.Tensor], tp: int, pp: int):
+    """Megatron-core TP x PP local parameters: a real ``GPTModel`` built on this rank
+    (``megatron_cases.build_gpt``, local spec, fp32 parameters), loaded from ``full``
+    through its pieces (``load_hf_weights``), described by ``megatron_layout`` over every
+    rank's coordinates (one small integer all-gather, as ``megatron_flow.all_coords``):
+    (layout, local tensors by buffer key), as ``fsdp_shards`` gives them."""
+    import torch.distributed as dist
+    import transformers
+    from megatron_cases import build_gpt, load_hf_weights
+
+    from sglang.srt.weight_sync.megatron_flow import this_rank
+    from sglang.srt.weight_sync.megatron_layout import (
+        MegatronRank,
+        describe_model_chunks,
+        megatron_sources,
+    )
+
+    config = transformers.AutoConfig.from_pretrained(bf16)
+    vocab = config.vocab_size
+    model = build_gpt(config, tp, pp, -(-vocab // tp) * tp)
+    load_hf_weights(model, full, vocab)
+    me = this_rank()
+    desc, buffers = describe_model_chunks([model], vocab, me)
+    mine = torch.tensor([me.tp, me.pp, me.ep, me.etp])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    coords = {r: MegatronRank(*map(int, row)) for r, row in enumerate(every)}
+    return megatron_sources(desc, coords), {k: t.detach() for k, t in buffers.items()}
+
+
+def local_of(layout, local: Dict[str, torch.Tensor], names, rank: int):
+    """``rank``'s local tensors (by buffer key) that hold pieces of the HF tensors ``names``."""
+    return {
+        h.buffer: local[h.buffer]
+        for n in names
+        for h in layout[n].holders
+        if h.rank == rank
+    }
+
+
 def batches_of(names, count: int):
     """The HF tensors in ``count`` batches, as a trainer that sends its weights bucket by
     bucket does: with 2, the q and gate projections (and every expert's gate) come first, so
@@ -478,6 +518,7 @@ def update_rank(
     loads: dict,
     bucket: int,
     batches: int = 1,
+    megatron_pp: int = 0,
 ) -> dict:
     """Rank ``rank`` of ``world`` FSDP2 trainer ranks holding the BF16 checkpoint's tensors;
     rank k also acts as engine rank k % ``tp`` (engine-side when ``world == tp``; every rank
@@ -487,7 +528,9 @@ def update_rank(
     if world != tp:  # the trainer-side one-hop path, as the runtime runs it
         from fp8_sender_cases import trainer_side_rank
 
-        return trainer_side_rank(rank, world, tp, bf16, loads, bucket, batches)
+        return trainer_side_rank(
+            rank, world, tp, bf16, loads, bucket, batches, megatron_pp
+        )
     import tiny_models
     import torch.distributed as dist
     from fp8_sender_cases import RANK_FIGURES, quantized_lower_bound
@@ -541,9 +584,10 @@ def update_rank(
         for buffer in step.staged.values():
             buffer.fill_(float("nan"))
         destinations = step.destinations(params)
-        problems = step.check(p, rank, {n: local[n] for n in names}, destinations)
+        shards = local_of(layout, local, names, rank)
+        problems = step.check(p, rank, shards, destinations)
         assert not problems, problems
-        stats = step.run(rank, {n: local[n] for n in names}, destinations, None, 60)
+        stats = step.run(rank, shards, destinations, None, 60)
         step.quantize_left()
         figures["received"] += stats.bytes_received
         figures["lower_bound"] += cut.lower_bound_bytes(rank)

@@ -194,10 +194,18 @@ def sender_side_update(
 
 
 def trainer_side_rank(
-    rank: int, world: int, tp: int, bf16: str, loads: dict, bucket: int, batches: int
+    rank: int,
+    world: int,
+    tp: int,
+    bf16: str,
+    loads: dict,
+    bucket: int,
+    batches: int,
+    megatron_pp: int = 0,
 ) -> dict:
-    """Rank ``rank`` of ``world`` FSDP2 trainer ranks on the trainer-side one-hop path, as
-    the runtime runs it: ``TrainerPlans.reshard_to_engines`` against the block-FP8 engines'
+    """Rank ``rank`` of ``world`` FSDP2 trainer ranks (with ``megatron_pp``: Megatron-core
+    ranks at TP ``world / megatron_pp`` x PP ``megatron_pp``, ``fp8_cases.megatron_shards``)
+    on the trainer-side one-hop path, as the runtime runs it: ``TrainerPlans.reshard_to_engines`` against the block-FP8 engines'
     manifest (engine TP ``tp``, one engine per ``tp`` trainer ranks: rank k beside engine
     rank k % ``tp``), the payload's header through the protocol's encoding and checked
     decoding, then the engine rank's own step (``engine_trainer_side.local_step``) into
@@ -211,7 +219,13 @@ def trainer_side_rank(
 
     import tiny_models
     import torch.distributed as dist
-    from fp8_cases import batches_of, checksum, fsdp_shards
+    from fp8_cases import (
+        batches_of,
+        checksum,
+        fsdp_shards,
+        local_of,
+        megatron_shards,
+    )
 
     from sglang.srt.weight_sync.delivery import Payload
     from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
@@ -229,7 +243,10 @@ def trainer_side_rank(
 
     full = tiny_models.load_checkpoint(bf16)
     shapes = {n: tuple(t.shape) for n, t in full.items()}
-    layout, local = fsdp_shards(full, world)
+    if megatron_pp:  # Megatron-core TP world / PP x PP (a real GPTModel's parameters)
+        layout, local = megatron_shards(bf16, full, world // megatron_pp, megatron_pp)
+    else:
+        layout, local = fsdp_shards(full, world)
     del full  # the reference lives in ``loads``: no rank keeps a full tensor past here
     derived = DerivedTargets.of_ranks(
         EngineParallel(tp), [loads[(tp, r)]["derived"] for r in range(tp)], shapes, {}
@@ -271,7 +288,7 @@ def trainer_side_rank(
         for part in chunks(manifest, names, 1 << 40):
             result = plans.reshard_to_engines(
                 sources,
-                {n: local[n] for n in names},
+                local_of(layout, local, names, rank),
                 manifest,
                 groups,
                 rank,
