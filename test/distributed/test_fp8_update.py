@@ -141,14 +141,25 @@ def test_fp8_engine_tp4_engine_side_with_blocks_cut_by_shards(tmp_path_factory):
         assert r["received"] < r["bf16_lower_bound"], r
 
 
-def test_megatron_tp2_pp2_into_fp8_engines(checkpoints):
-    """Megatron-core TP 2 x PP 2 (a real ``GPTModel``'s local parameters: fused
-    ``linear_qkv`` and ``linear_fc1``, fp32) into block-FP8 engines of TP 2, one per two
-    trainer ranks, on the trainer-side one hop (PP 2: the ranks beside an engine lack the
-    other stage's layers, as ``megatron_flow`` routes it): every parameter equals SGLang's
+def test_megatron_into_fp8_engines(checkpoints):
+    """Megatron-core (a real ``GPTModel``'s local parameters: fused ``linear_qkv`` and
+    ``linear_fc1``, fp32) into block-FP8 engines of TP 2. At TP 2 x PP 1 engine-side, each
+    engine rank resharding the fused buffers handed to it; at TP 2 x PP 2, one engine per
+    two trainer ranks, on the trainer-side one hop (the ranks beside an engine lack the
+    other stage's layers, as ``megatron_flow`` routes it). Every parameter equals SGLang's
     load of the reference checkpoint, the blocks a Megatron rank holds whole travel
-    quantized, and each engine rank is handed exactly the quantized lower bound."""
+    quantized, and each engine rank receives (engine-side) or is handed (trainer-side)
+    exactly the quantized lower bound counted block by block."""
     bf16, loads = checkpoints
+    for rank, r in enumerate(
+        run_ranks(2, update_rank, 2, str(bf16), loads, BUCKET, 1, 1)
+    ):
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        # aligned (Megatron TP = engine TP): every element is the rank's own, nothing is
+        # received; o, gate, up and down blocks are quantized where they lie, q, k and v
+        # (one piece per query group in ``linear_qkv``) meet in staging first
+        assert r["received"] == r["lower_bound"] == r["counted"] == 0, r
+        assert r["blocks_quantized_here"] == 3 * 2 * 2, r
     results = run_ranks(4, update_rank, 2, str(bf16), loads, 1 << 30, 1, 2)
     for rank, r in enumerate(results):
         assert r["quantized"] == r["fp8_live"] == 4 * 2, r

@@ -201,17 +201,17 @@ def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
     """The engine end's own steps on SGLang's live FP8 model (TP 1, rank 0): the provenance
     check of the derived targets against the live FP8 loaders, the refusals of derived state,
     ``EngineLayout.live`` with the block-FP8 transform, the plan from the full
-    BF16 tensors, execute into staging, ``apply.write_quantized``, then what follows an
+    BF16 tensors cut for sender quantization and run as ``engine_update`` runs it
+    (``fp8_wire.ColocatedFp8``), then what follows an
     update (``refresh_derived``, SGLang's post-load step). Weights and scales are scrambled
     first; every parameter must come back to SGLang's load (``expected``)."""
     import tiny_models
 
-    from sglang.srt.weight_sync.apply import refresh_derived, write_quantized
+    from sglang.srt.weight_sync.apply import refresh_derived
     from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
     from sglang.srt.weight_sync.derive.provenance_check import ProvenanceCheck
     from sglang.srt.weight_sync.engine_layout import EngineLayout
-    from sglang.srt.weight_sync.executor import execute
-    from sglang.srt.weight_sync.fp8_targets import staging_buffers
+    from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, cut_for_groups
     from sglang.srt.weight_sync.planner import plan
     from sglang.srt.weight_sync.sglang_compat import after_update, update_refusals
     from sglang.srt.weight_sync.source_layout import MeshSpec
@@ -240,14 +240,27 @@ def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
     sources = {
         n: MeshSpec.full(t.shape, t.dtype, [0]).describe(n) for n, t in full.items()
     }
-    staged = staging_buffers(fp8.own.quantized, torch.device("cpu"))
     live = dict(model.named_parameters())
     fp8_params = {q.weight: live[q.weight].data for q in fp8.own.quantized}
     fp8_params.update((q.scale, live[q.scale].data) for q in fp8.own.quantized)
     p = plan(sources, {0: targets.for_rank(0)}, aliases=targets.aliases)
+    # as ``engine_update`` runs it: the plan cut with the live manifest (every block is
+    # this rank's own, quantized where it lies), then the blocks left from staging (none)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    cut = cut_for_groups(p, live_layout.manifest, [(0,)], shapes)
+    step = ColocatedFp8.of(
+        cut,
+        0,
+        fp8.own.quantized,
+        targets.for_rank(0),
+        fp8_params,
+        torch.device("cpu"),
+    )
+    destinations = step.destinations(params)
+    assert not step.check(p, 0, full, destinations)
     with torch.no_grad():
-        stats = execute(p, 0, full, {**params, **staged})
-        write_quantized(fp8.own.quantized, targets.for_rank(0), staged, fp8_params)
+        stats = step.run(0, full, destinations, None, 60)
+        step.quantize_left()
         refresh_derived(model)
         after_update(model)
     now = dict(model.named_parameters())
@@ -263,7 +276,7 @@ def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
         "differ": engine_side,
         "moved": sorted(n for n, t in now.items() if t.data_ptr() != ptrs[n]),
         "copied": stats.bytes_copied_locally,
-        "staged_bytes": sum(t.numel() * t.element_size() for t in staged.values()),
+        "staged_bytes": sum(t.numel() * t.element_size() for t in step.staged.values()),
     }
 
 
@@ -520,9 +533,11 @@ def update_rank(
     batches: int = 1,
     megatron_pp: int = 0,
 ) -> dict:
-    """Rank ``rank`` of ``world`` FSDP2 trainer ranks holding the BF16 checkpoint's tensors;
-    rank k also acts as engine rank k % ``tp`` (engine-side when ``world == tp``; every rank
-    receives what its engine rank needs). Its FP8 parameters start as garbage; after the update
+    """Rank ``rank`` of ``world`` FSDP2 trainer ranks holding the BF16 checkpoint's tensors
+    (with ``megatron_pp``: Megatron-core ranks at TP ``world / megatron_pp`` x PP
+    ``megatron_pp``, ``megatron_shards``); rank k also acts as engine rank k % ``tp``
+    (engine-side when ``world == tp``, the engine's own step ``fp8_wire.ColocatedFp8``; every
+    rank receives what its engine rank needs). Its FP8 parameters start as garbage; after the update
     (in ``batches`` of tensors: ``batches_of``) every parameter's checksum must equal
     SGLang's own load (``loads[(tp, k % tp)]``)."""
     if world != tp:  # the trainer-side one-hop path, as the runtime runs it
@@ -543,7 +558,10 @@ def update_rank(
 
     full = tiny_models.load_checkpoint(bf16)
     shapes = {n: tuple(t.shape) for n, t in full.items()}
-    layout, local = fsdp_shards(full, world)
+    if megatron_pp:  # Megatron-core TP world x PP 1: the ranks beside hold every layer
+        layout, local = megatron_shards(bf16, full, world, megatron_pp)
+    else:
+        layout, local = fsdp_shards(full, world)
     del full  # the reference lives in ``loads``: no rank keeps a full tensor past here
     transformed = {}
     for k in range(world):

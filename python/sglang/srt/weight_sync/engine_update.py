@@ -751,12 +751,12 @@ class EngineWeightSync:
                 Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
             )
             with clock.phase(Phase.APPLY):
+                written = list(found.params.values())
                 if found.fp8 is not None:
                     # every element of every block left has met in staging: quantize in place
                     found.fp8.quantize_left()
-                synchronize(
-                    found.params.values()
-                )  # the trainer may reuse what we read once we reply
+                    written += found.fp8.fp8_params.values()
+                synchronize(written)  # the trainer may reuse what we read once we reply
             if stats.peak_staging_bytes:
                 release_cached_memory(found.params.values())
             mine = (
