@@ -1,8 +1,10 @@
 """Block-FP8 engine ranks updated from BF16 FSDP2 trainer ranks, without a gather.
 
-Each 128 x 128 block is quantized where all its elements meet: here on the receiving engine
-rank, which stages the BF16 pieces its plan brings and quantizes them into the e4m3 weight and
-float32 ``weight_scale_inv`` (``fp8_targets``, ``apply.write_quantized``). Every parameter
+Each 128 x 128 block is quantized where all its elements meet: at the sending rank when one
+trainer shard holds it whole (e4m3 and scales on the wire, landed in place: ``fp8_wire``),
+else on the receiving engine rank, which stages the BF16 pieces its plan brings and
+quantizes them into the e4m3 weight and float32 ``weight_scale_inv`` (``fp8_targets``,
+``apply.write_quantized``). Every parameter
 must then equal SGLang's own load of the same weights quantized by the reference quantizer
 (checksums of every parameter, e4m3 weights, scales, and the unquantized embeddings, norms
 and biases). SGLang's CPU engine cannot load block FP8 (its post-load step asserts an AMX CPU
@@ -20,7 +22,8 @@ from fp8_sender_cases import sender_side_update
 from ports import free_port
 from ranks import run_ranks
 
-# (trainer ranks = world, engine TP, batches of tensors): engine-side at world == TP; otherwise
+# (trainer ranks = world, engine TP, batches of tensors): engine-side at world == TP (the
+# engine's own step, ``fp8_wire.ColocatedFp8``); otherwise
 # the trainer-side one hop as the runtime runs it (``fp8_sender_cases.trainer_side_rank``:
 # rank k beside engine rank k % TP, sender-quantized blocks, regions to the engine); in 2 batches
 # the fused parameters are filled by two updates, each quantizing only its own blocks

@@ -13,8 +13,9 @@ must carry whole blocks of its HF tensor to whole blocks of ``P.weight``. A TP s
 fused layout) that cuts a block is refused by name (``BlockProblem``), as SGLang refuses it
 when it builds the layer.
 
-Blocks that lie whole on one trainer rank can be quantized there instead (``fp8_sender``,
-run for remote engines by ``fp8_wire``); every other block meets on the engine rank.
+Blocks that lie whole on one trainer rank are quantized there instead (``fp8_sender``, run
+by ``fp8_wire`` on every path: remote engines, the trainer-side one hop, colocated
+engine-side resharding); every other block meets on the engine rank.
 """
 
 from __future__ import annotations
