@@ -16,7 +16,13 @@ each engine rank, outside an engine (``fp8_cases``). Trainer shards cut 128-bloc
 
 import pytest
 import tiny_models
-from fp8_cases import SPECS, sglang_fp8_load, update_rank, write_fp8_checkpoint
+from fp8_cases import (
+    SPECS,
+    engine_sync_rank,
+    sglang_fp8_load,
+    update_rank,
+    write_fp8_checkpoint,
+)
 from fp8_remote import remote_fp8_job
 from fp8_sender_cases import sender_side_update
 from ports import free_port
@@ -109,6 +115,32 @@ def test_fp8_params_equal_sglang_load_of_reference_checkpoint(
             assert r["handed"] < 0.6 * r["handed_bf16"], r
         else:  # rows 86 and 172 cut blocks: both kinds travel where some lie whole
             assert r["staged_regions"] > 0, r
+
+
+def test_engine_weight_sync_sends_whole_blocks_quantized(checkpoints, tmp_path):
+    """``EngineWeightSync``'s own steps on 2 engine ranks of a block-FP8 engine (TP 2),
+    each fed the ``Shard(0)`` chunk of the trainer rank beside it: every parameter equals
+    SGLang's load of the reference checkpoint, each engine rank receives the cut plan's
+    bound (e4m3 and scales for every block: each lies whole in one chunk) and stages no FP8
+    weight in bf16; the cut is cached with the plan. A NaN in one trainer rank's chunk
+    refuses the update on both engine ranks when they agree, naming the tensor, and no
+    parameter changes."""
+    bf16, loads = checkpoints
+    channel = (
+        tmp_path / "sglang-weights-fp8"
+    )  # the engine tells the trainer its dtypes there
+    channel.mkdir(mode=0o700)
+    ok = run_ranks(2, engine_sync_rank, str(bf16), loads, str(channel))
+    for rank, r in enumerate(ok):
+        assert not r["problems"] and not r["differ"], (rank, r)
+        assert r["figures"]["received"] == r["figures"]["lower_bound"] > 0, r
+        assert r["staged"] == [] and r["cut_cached"], r
+    poison = "model.layers.0.self_attn.o_proj.weight"
+    refused = run_ranks(2, engine_sync_rank, str(bf16), loads, str(channel), poison)
+    for r in refused:  # refused on both ranks, before any write
+        assert r["changed"] == [] and poison in r["refusal"], r
+    assert refused[0]["problems"] == [], refused[0]
+    assert any(poison in p and "NaN" in p for p in refused[1]["problems"]), refused[1]
 
 
 # block FP8 at engine TP 4 (a tiny Qwen3, head_dim apart from the hidden size): every TP split

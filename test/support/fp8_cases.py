@@ -646,6 +646,109 @@ def update_rank(
     }
 
 
+def _module_of(params: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree whose ``named_parameters()`` are ``params`` (dotted names), each in
+    its own storage: the engine's view of SGLang's live FP8 model, without SGLang."""
+    root = torch.nn.Module()
+    for name, tensor in params.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root
+
+
+def engine_sync_rank(
+    rank: int, world: int, bf16: str, loads: dict, channel: str, poison: str = ""
+) -> dict:
+    """Engine rank ``rank`` of a TP-``world`` block-FP8 engine, its update run by
+    ``engine_update.EngineWeightSync`` itself (``_validate``, ``_agree``, then ``_write``: the plan, its
+    cut for sender quantization, ``fp8_wire.ColocatedFp8``, the figures shared over the
+    engine's own control group) from the ``Shard(0)`` chunk of the trainer rank beside it,
+    on gloo; the parameters start as garbage in a module with the live FP8 model's names,
+    shapes and dtypes. ``poison``: a tensor whose chunk on rank 1 gets a NaN (the update
+    must be refused by ``_validate``, before any write)."""
+    from types import SimpleNamespace
+
+    import tiny_models
+    import torch.distributed as dist
+
+    from sglang.srt.weight_sync import engine_update
+    from sglang.srt.weight_sync.delivery import Payload
+    from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
+    from sglang.srt.weight_sync.executor import DataGroup
+    from sglang.srt.weight_sync.sglang_compat import TpState
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import EngineParallel
+
+    engine_update.tp_state = lambda: TpState(
+        rank, world, world, 1, dist.group.WORLD, None
+    )
+    full = tiny_models.load_checkpoint(bf16)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    ranks = list(range(world))
+    specs = {n: MeshSpec.sharded(t.shape, t.dtype, 0, ranks) for n, t in full.items()}
+    local = {
+        n: full[n][specs[n].describe(n).box_of(rank).slices()].clone() for n in full
+    }
+    del full  # no rank keeps a full tensor past here
+    if poison and rank == 1:
+        local[poison].view(-1)[0] = float("nan")
+    derived = DerivedTargets.of_ranks(
+        EngineParallel(world),
+        [loads[(world, r)]["derived"] for r in ranks],
+        shapes,
+        {},
+    )
+    live = loads[(world, rank)]["live"]
+    garbage = torch.Generator().manual_seed(rank)
+    model = _module_of(
+        {
+            n: torch.randn(s, generator=garbage).to(d)
+            for n, (s, d) in sorted(live.items())
+        }
+    )
+    before = {n: checksum(p) for n, p in model.named_parameters()}
+    sync = engine_update.EngineWeightSync(rank)
+    payload = Payload("u", rank, {r: r for r in ranks}, local, specs, layout_memo={})
+    received = engine_update.ReceivedShards(sync, payload)
+    request = SimpleNamespace(
+        channel=channel, update_id="u", bucket_bytes=1 << 30, timeout_s=60.0
+    )
+    found = sync._validate(model, derived, received, request)
+    # every rank's problems on every rank (the engine's one agreement round trip)
+    refusal, _ = sync._agree(found.problems, found.plan, 60.0, payload)
+    out = {"problems": found.problems, "refusal": refusal}
+    if refusal is None:
+        with torch.no_grad():
+            figures = sync._write(
+                model, received, found, request, 60.0, DataGroup(None), 0
+            )
+        out["figures"] = {
+            k: figures[i][rank] for i, k in enumerate(("received", "lower_bound"))
+        }
+        out["staged"] = sorted(found.fp8.staged)
+        out["cut_cached"] = (
+            sync._cut(
+                found.plan, sync.layout.live(model, derived, True).manifest, {}, derived
+            )
+            is found.fp8.sender
+        )
+    dist.barrier()
+    expected = loads[(world, rank)]["checksums"]
+    now = {n: checksum(p) for n, p in model.named_parameters()}
+    out["differ"] = sorted(
+        n
+        for n in now
+        if now[n] != expected[n] and not n.endswith(("k_scale", "v_scale"))
+    )
+    out["changed"] = sorted(n for n in now if now[n] != before[n])
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
     run_job(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
