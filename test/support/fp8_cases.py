@@ -646,21 +646,6 @@ def update_rank(
     }
 
 
-def _module_of(params: Dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module tree whose ``named_parameters()`` are ``params`` (dotted names), each in
-    its own storage: the engine's view of SGLang's live FP8 model, without SGLang."""
-    root = torch.nn.Module()
-    for name, tensor in params.items():
-        *path, leaf = name.split(".")
-        node = root
-        for part in path:
-            if not hasattr(node, part):
-                node.add_module(part, torch.nn.Module())
-            node = getattr(node, part)
-        node.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
-    return root
-
-
 def engine_sync_rank(
     rank: int, world: int, bf16: str, loads: dict, channel: str, poison: str = ""
 ) -> dict:
@@ -675,6 +660,7 @@ def engine_sync_rank(
 
     import tiny_models
     import torch.distributed as dist
+    from fp8_remote import module_of
 
     from sglang.srt.weight_sync import engine_update
     from sglang.srt.weight_sync.delivery import Payload
@@ -705,7 +691,7 @@ def engine_sync_rank(
     )
     live = loads[(world, rank)]["live"]
     garbage = torch.Generator().manual_seed(rank)
-    model = _module_of(
+    model = module_of(
         {
             n: torch.randn(s, generator=garbage).to(d)
             for n, (s, d) in sorted(live.items())
