@@ -114,7 +114,7 @@ def test_layout_puts_each_dtype_in_one_aligned_run():
     assert offsets == [ALIGN, 0, ALIGN + 12, 10] and size == ALIGN + 12 + 16
 
 
-def test_cpu_tensors_travel_through_one_segment_and_its_mapping_goes_with_the_update(
+def test_cpu_tensors_travel_through_one_segment_whose_mapping_serves_the_next_update(
     pair,
 ):
     channel, receiver, sender = pair
@@ -132,9 +132,30 @@ def test_cpu_tensors_travel_through_one_segment_and_its_mapping_goes_with_the_up
         payload.tensors["ints"].untyped_storage().data_ptr()
     )
     payload.tensors["bf16"].add_(1)  # the engine may write what it received
+    first = dict(payload.tensors)
     del payload, got
     gc.collect()
-    assert _mappings() == before + 1  # the engine's mapping went with the payload
+    # the channel keeps the engine's mapping: the sender fills the same segment next time
+    assert _mappings() == before + 2
+    sender.release()  # the engine answered
+    resent = [(n, t + 1 if t.is_floating_point() else t) for n, t in sent]
+    _send(sender, "u2", resent)
+    payload = receiver.receive(channel, "u2", timeout_s=30)
+    for name, t in resent:
+        assert payload.tensors[name] is first[name], name  # mapped once, viewed once
+        assert torch.equal(payload.tensors[name], t), name
+    assert _mappings() == before + 2
+    # another layout: the kept mapping goes, the new segment's is kept instead
+    sender.release()
+    del payload, first
+    _send(sender, "u3", [("w", torch.arange(6.0))])
+    payload = receiver.receive(channel, "u3", timeout_s=30)
+    assert torch.equal(payload.tensors["w"], torch.arange(6.0))
+    del payload
+    gc.collect()
+    assert _mappings() == before + 2
+    receiver.close()  # the channel's mapping goes with it
+    assert _mappings() == before + 1
     sender.close()
     assert _mappings() == before
 

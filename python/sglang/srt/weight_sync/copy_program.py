@@ -14,7 +14,7 @@ update's copies (destination and source views, with the tensors they are views o
 Each copy is kept as strides and an offset in the storage of one of the update's tensors
 (its *slot*), so the program serves every later update whose tensors lie the same way:
 ``run`` checks that each tensor still shares storage with its slot's other tensors at the
-same offset and strides (a segment mapped anew each update does), then copies with one view
+same offset and strides (a segment mapped anew does), then copies with one view
 per joined copy; it returns False, copying nothing, when they do not.
 """
 

@@ -67,7 +67,6 @@ from sglang.srt.weight_sync.shared_segment import (
     SegmentError,
     SegmentInbox,
     SegmentWriter,
-    map_tensors,
     new_segment_id,
     send_segment,
 )
@@ -534,7 +533,7 @@ class ShardReceiver:
         try:
             if header["shared"] is not None:
                 segment, placed = header["shared"]
-                tensors, runs = map_tensors(inbox.take(segment), placed)
+                tensors, runs = inbox.mapped(segment, placed)
             elif header["inline"] is None:
                 tensors = unpickle_handles(
                     frames[0], header["kind"], torch.cuda.is_available()

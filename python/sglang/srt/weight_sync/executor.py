@@ -859,8 +859,8 @@ class _Regions:
     copies, and the views of every region its moves read and write. A view is made by
     slicing the first time (``Move.src_index``, ``Move.dest_index``) and then by one
     ``as_strided`` from its sizes, strides and offset in its base, for as long as the
-    base has the same shape and strides (a shared-memory segment mapped anew each update,
-    the same parameters): a MoE plan has tens of thousands of regions, and slicing one
+    base has the same shape and strides (a shared-memory segment mapped anew, the same
+    parameters): a MoE plan has tens of thousands of regions, and slicing one
     costs several times that."""
 
     def __init__(self, plan: Plan, rank: int) -> None:

@@ -9,10 +9,12 @@ rank takes that segment from its socket (``SegmentInbox.take``), checks it (a me
 against shrinking that holds every byte the header places in it, so no access can fault),
 maps it and views the tensors in place (``map_tensors``).
 
-Lifetimes, explicit: the engine closes the descriptor once mapped and drops the mapping
-with the payload when the update ends (``engine_update.end_of_update``, before it
-answers); a segment waiting in an engine's socket that no header claims is closed at the
-engine's next receive. The sender (``SegmentWriter``) writes into its segment again only
+Lifetimes, explicit: the engine closes the descriptor once mapped and keeps the mapping
+of the last segment per channel (``SegmentInbox.mapped``): the sender fills the same
+segment every update, so mapping it (its pages populated) and viewing every tensor is done
+once, not per update; the mapping goes when the sender's segment or layout changes or the
+channel closes. A segment waiting in an engine's socket that no header claims is closed at
+the engine's next receive. The sender (``SegmentWriter``) writes into its segment again only
 for the next update after the engine answered the one that read it (``release``), and
 makes a new one otherwise, so an engine that gave up late never sees a later update's
 bytes; ``close`` drops it. Nothing here unpickles, opens a path a peer names, or blocks.
@@ -239,7 +241,10 @@ def send_segment(path: str, segment_id: str, fd: int) -> bool:
 
 class SegmentInbox:
     """An engine rank's datagram socket for one channel: segments arrive here, before the
-    headers that name them."""
+    headers that name them. It keeps the last segment it mapped (``mapped``): a sender
+    writes each update into the same segment, so the mapping and its tensors serve the
+    next update too, until the sender's segment or its layout changes or the channel
+    closes."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -258,6 +263,30 @@ class SegmentInbox:
             raise
         self._sock.setblocking(False)
         self._ino = os.lstat(path).st_ino
+        # (the segment's device and inode, the entries that placed it, its mapping)
+        self._kept: Optional[Tuple[Tuple[int, int], object, MappedSegment]] = None
+
+    def mapped(self, segment_id: str, entries) -> MappedSegment:
+        """``map_tensors`` of the segment sent under ``segment_id``, or the last mapping
+        when it is of the same segment placed by the same ``entries`` (the object a kept
+        layout frame gives every update: ``protocol.LayoutFrames``). The same inode is the
+        same segment while the kept mapping holds it open; sealed against shrinking, it
+        cannot have lost a byte since it was checked."""
+        fd = self.take(segment_id)
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise SegmentError(f"cannot read the segment: {e}") from None
+        key = (st.st_dev, st.st_ino)
+        kept = self._kept
+        if kept is not None and kept[0] == key and kept[1] is entries:
+            os.close(fd)
+            return kept[2]
+        self._kept = None  # the sender's segment or layout changed: let the old one go
+        found = map_tensors(fd, entries)
+        self._kept = (key, entries, found)
+        return found
 
     def take(self, segment_id: str) -> int:
         """The descriptor sent under ``segment_id`` (the caller owns it), or SegmentError.
@@ -286,7 +315,9 @@ class SegmentInbox:
         return found
 
     def close(self) -> None:
-        """Close the socket (the kernel closes segments still queued) and remove its path."""
+        """Close the socket (the kernel closes segments still queued), let the kept
+        mapping go and remove its path."""
+        self._kept = None
         self._sock.close()
         try:
             if os.lstat(self.path).st_ino == self._ino:
