@@ -312,3 +312,41 @@ def test_tensors_of_one_layout_share_a_spec_and_its_description():
     assert [h.buffer for h in described["e1"].holders] == ["e1", "e1"]
     assert described["e1"].holders.geometry is described["e0"].holders.geometry
     assert described["other_mesh"].box_of(1) == described["e0"].box_of(0)
+
+
+def test_a_trainers_description_is_reused_while_names_and_layouts_stay():
+    """``trainer_flow.Described`` (kept by ``TrainerSync``): the same names with the same
+    ``MeshSpec`` objects (``MeshRanks`` hands them update after update) give the last
+    description and side; a changed layout or name describes anew."""
+    from types import SimpleNamespace
+
+    from sglang.srt.weight_sync.trainer_flow import Described
+
+    mesh = SimpleNamespace(mesh=torch.tensor([0, 1]))
+
+    def dtensor(shape, placements=(Shard(0),)):
+        return SimpleNamespace(
+            shape=torch.Size(shape),
+            dtype=torch.float32,
+            device_mesh=mesh,
+            placements=placements,
+        )
+
+    described = Described()
+
+    def shards(tensors):
+        return [(n, None, described.meshes.spec_of(t)) for n, t in tensors.items()]
+
+    tensors = {f"e{i}": dtensor((8, 4)) for i in range(3)}
+    first = described.sources(shards(tensors))
+    assert first == {n: s.describe(n) for n, _, s in shards(tensors)}
+    assert described.sources(shards(tensors)) is first
+    assert described.side(first, [[0, 1]]) == "engine"
+    assert described.side(first, [[0], [1]]) == "trainer"  # each engine lacks rows
+    tensors["e1"] = dtensor((8, 4), (Shard(1),))
+    second = described.sources(shards(tensors))
+    assert second is not first and second["e1"] == described.meshes.spec_of(
+        tensors["e1"]
+    ).describe("e1")
+    renamed = described.sources(shards({"x" + n: t for n, t in tensors.items()}))
+    assert renamed is not second and sorted(renamed) == ["xe0", "xe1", "xe2"]

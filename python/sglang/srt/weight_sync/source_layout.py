@@ -367,8 +367,12 @@ class MeshRanks:
     """A device mesh's global ranks in mesh order (``DeviceMesh.mesh.tolist()``), each mesh
     read once: torch computes ``DeviceMesh.mesh`` anew on every access (2.13 through its
     layout algebra, about 65 us), which a model's tens of thousands of DTensors on one or
-    two meshes would pay per tensor. Lives for one description of a model's tensors; it
-    keeps the meshes it read alive, so their ids stay theirs."""
+    two meshes would pay per tensor; and one ``MeshSpec`` object per layout. Lives as long
+    as its owner (a description, or a trainer's sync from update to update); it keeps the
+    meshes it read alive, so their ids stay theirs, and forgets them all past
+    ``MAX_MESHES`` (a trainer making a new mesh every update)."""
+
+    MAX_MESHES = 64
 
     def __init__(self) -> None:
         self._read: Dict[int, Tuple[object, NestedRanks]] = {}
@@ -377,8 +381,21 @@ class MeshRanks:
     def __call__(self, mesh) -> NestedRanks:
         known = self._read.get(id(mesh))
         if known is None or known[0] is not mesh:
+            if len(self._read) >= self.MAX_MESHES:
+                self._read.clear()
+                self._specs.clear()
             known = self._read[id(mesh)] = (mesh, mesh.mesh.tolist())
         return known[1]
+
+    def full(
+        self, shape: Sequence[int], dtype: torch.dtype, ranks: Sequence[int]
+    ) -> MeshSpec:
+        """``MeshSpec.full``, one object per shape, dtype and ranks."""
+        key = (tuple(shape), dtype, tuple(ranks))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = MeshSpec.full(shape, dtype, ranks)
+        return spec
 
     def spec_of(self, tensor: DTensor) -> MeshSpec:
         """``MeshSpec.of_dtensor``, one object per layout: the experts of a MoE model share

@@ -88,6 +88,7 @@ from sglang.srt.weight_sync.trainer_reshard import (
 
 __all__ = (
     "ControlRequest",
+    "Described",
     "Flow",
     "Mode",
     "TrainerChannel",
@@ -158,6 +159,7 @@ class TrainerSync:
     def __init__(self) -> None:
         self._channels: Dict[Tuple[int, ...], TrainerChannel] = {}
         self.plans = TrainerPlans()
+        self.described = Described()
         self.megatron_coords: Dict[
             object, dict
         ] = {}  # MegatronRank -> every rank's coordinates
@@ -299,23 +301,72 @@ def _engine_groups(every: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...
     return tuple(tuple(g[i] for i in sorted(g)) for _, g in sorted(groups.items()))
 
 
-def prepare_shards(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Shards:
+def prepare_shards(
+    named_tensors: Iterable[Tuple[str, torch.Tensor]],
+    ranks: Optional[MeshRanks] = None,
+) -> Shards:
     """Local shard and layout of each tensor: DTensors keep their own mesh; a plain
-    tensor is the full tensor, held by every trainer rank."""
+    tensor is the full tensor, held by every trainer rank. ``ranks``: the meshes and
+    layouts known so far (``TrainerSync.described``), each layout one ``MeshSpec``."""
     from torch.distributed.tensor import DTensor
 
     everyone = list(range(dist.get_world_size()))
-    out, ranks = [], MeshRanks()
+    out, ranks = [], ranks if ranks is not None else MeshRanks()
     with torch.no_grad():
         for name, tensor in named_tensors:
             spec = (
                 None
                 if isinstance(tensor, DTensor)
-                else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+                else ranks.full(tensor.shape, tensor.dtype, everyone)
             )
             local, spec = local_shard(tensor, spec, ranks)
             out.append((name, local, spec))
     return out
+
+
+class Described:
+    """The last update's description of this rank's tensors, kept by ``TrainerSync``: a
+    training run hands the same tensors in the same layouts over every step, and
+    describing a MoE model's tens of thousands of them anew costs a trainer rank a tenth
+    of a second. ``meshes`` hands one ``MeshSpec`` object per layout, update after update,
+    so the same names with the same spec objects are the same description (``sources``,
+    read-only) and the same side (``side``)."""
+
+    def __init__(self) -> None:
+        self.meshes = MeshRanks()
+        self._names: List[str] = []
+        self._specs: List[object] = []
+        self._sources: Optional[SourceLayout] = None
+        self._sides: Dict[tuple, str] = {}
+
+    def sources(self, shards: Shards) -> SourceLayout:
+        """The layout ``shards`` describe (``describe_specs``); the last one when their
+        names and spec objects are the last update's."""
+        names = [n for n, _, _ in shards]
+        specs = [s for _, _, s in shards]
+        if (
+            self._sources is not None
+            and names == self._names
+            and all(a is b for a, b in zip(specs, self._specs))
+        ):
+            return self._sources
+        self._sources = describe_specs(zip(names, specs))
+        self._names, self._specs, self._sides = names, specs, {}
+        return self._sources
+
+    def side(
+        self,
+        sources: SourceLayout,
+        engine_groups: Sequence[Sequence[int]],
+        mode: Mode = "auto",
+    ) -> str:
+        """``choose_side``, once per description (``sources``, by identity) and engines."""
+        if sources is not self._sources:
+            return choose_side(sources, engine_groups, mode)
+        key = (tuple(map(tuple, engine_groups)), mode)
+        if key not in self._sides:
+            self._sides[key] = choose_side(sources, engine_groups, mode)
+        return self._sides[key]
 
 
 def choose_side(
@@ -469,8 +520,8 @@ def update_flow(
     with clock.phase(Phase.CONTROL):
         chan = sync.channel(group_ranks, group, timeout_s)
     with clock.phase(Phase.DESCRIBE):
-        shards = prepare_shards(named_tensors)
-        sources = describe_specs((name, spec) for name, _, spec in shards)
+        shards = prepare_shards(named_tensors, sync.described.meshes)
+        sources = sync.described.sources(shards)
     return (
         yield from sources_flow(
             sync,
@@ -504,7 +555,7 @@ def sources_flow(
     ``clock``: the update's phases on this rank so far (a new one when None)."""
     clock = clock if clock is not None else PhaseClock()
     with clock.phase(Phase.DESCRIBE):
-        side = choose_side(sources, chan.engine_groups, mode)
+        side = sync.described.side(sources, chan.engine_groups, mode)
     report = UpdateReport(side)
     if side == "engine":
         with clock.phase(Phase.DELIVER):
