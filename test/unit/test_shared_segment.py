@@ -479,3 +479,24 @@ def test_a_released_segment_hands_out_the_same_views_for_the_same_layout():
         assert torch.equal(writer._views[1], values[1].bfloat16())
     finally:
         writer.close()
+
+
+def test_a_sender_builds_a_layout_once_and_anew_when_a_spec_changes(pair):
+    """The header of a payload in the segment is built once per layout (names, spec
+    objects, placements) and reused with a new head; another spec object for the same
+    tensor is another layout, which the engine then reads."""
+    channel, receiver, sender = pair
+    w = torch.randn(8, 4)
+    rows = MeshSpec.full((8, 4), torch.float32, [0])
+    shared = MeshSpec.full((8, 4), torch.float32, [0, 1])
+    for i, spec in enumerate((rows, rows, shared, shared)):
+        sender.send(f"u{i}", 0, {0: 0}, [("w", w + i, spec)])
+        payload = receiver.receive(channel, f"u{i}", timeout_s=30)
+        assert torch.equal(payload.tensors["w"], w + i)
+        assert payload.specs["w"] == spec, (i, payload.specs["w"])
+        del payload
+        sender.release()
+    built = sender._header[1]
+    sender.send("u4", 0, {0: 0}, [("w", w, shared)])
+    assert sender._header[1] is built  # the same layout: built once
+    assert receiver.receive(channel, "u4", timeout_s=30).update_id == "u4"

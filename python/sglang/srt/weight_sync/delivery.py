@@ -38,7 +38,18 @@ import pickle
 import stat
 import time
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Deque,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 import zmq
@@ -61,6 +72,7 @@ from sglang.srt.weight_sync.protocol import (
     resolve_channel,
     segment_socket_path,
     socket_path,
+    with_head,
 )
 from sglang.srt.weight_sync.shared_segment import (
     SEGMENT_DTYPES,
@@ -138,6 +150,46 @@ def local_shard(
             "a plain tensor needs an explicit MeshSpec (sharded or full)"
         )
     return tensor, spec
+
+
+@dataclass(frozen=True)
+class _LayoutKey:
+    """What a payload's layout in the segment is built from: the names, their spec objects
+    (one per layout, ``MeshRanks``), the placements (the same object while the segment's
+    layout stays, ``ShardSender._share``) and the payload's kind, names and fingerprint."""
+
+    names: List[str]
+    specs: List[object]
+    placed: list
+    rest: tuple
+
+    @classmethod
+    def of(cls, shards, shared, kind, names, fingerprint) -> _LayoutKey:
+        return cls(
+            [n for n, _, _ in shards],
+            [s for _, _, s in shards],
+            shared[1],
+            (PayloadKind(kind), tuple(names), fingerprint),
+        )
+
+    def same(self, other: _LayoutKey) -> bool:
+        return (
+            self.placed is other.placed
+            and self.rest == other.rest
+            and self.names == other.names
+            and len(self.specs) == len(other.specs)
+            and all(a is b for a, b in zip(self.specs, other.specs))
+        )
+
+
+def _tensor_wires(shards) -> List[Tuple[str, Optional[tuple]]]:
+    """Each shard's name and its spec's wire form (None without a spec), each spec object's
+    made once: tensors that share a ``MeshSpec`` object share its wire form."""
+    wires: Dict[int, tuple] = {}
+    return [
+        (name, None if spec is None else _wire_of(spec, wires))
+        for name, _, spec in shards
+    ]
 
 
 def _wire_of(spec: Union[MeshSpec, HoldersSpec], wires: Dict[int, tuple]) -> tuple:
@@ -225,6 +277,10 @@ class ShardSender:
         self._segment = SegmentWriter()
         self._dtypes = DtypeFile(dtypes_path(self.channel, engine_rank))
         self._layouts = LayoutFrames()
+        # the last placements sent: (the segment's offsets object, dtypes, placements)
+        self._placed: Optional[Tuple[list, list, list]] = None
+        # the last header built for a payload in the segment, and what it was built from
+        self._header: Optional[Tuple[_LayoutKey, Dict[str, Any]]] = None
 
     def send(
         self,
@@ -265,25 +321,30 @@ class ShardSender:
                 contiguous = [t.detach().contiguous() for t in tensors]
                 inline = [(str(t.dtype), t.shape) for t in contiguous]
                 frames = [_inline_frame(t) for t in contiguous]
-        wires: Dict[
-            int, tuple
-        ] = {}  # tensors sharing a MeshSpec object share its wire form
-        header = header_fields(
-            update_id,
-            trainer_rank,
-            rank_map,
-            [
-                (name, None if spec is None else _wire_of(spec, wires))
-                for name, _, spec in shards
-            ],
-            [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
-            kind,
-            names,
-            fingerprint,
-            inline,
-            shared,
-            fp8_regions,
+        key = (  # a payload in the segment: its layout's header is built once
+            _LayoutKey.of(shards, shared, kind, names, fingerprint)
+            if shared is not None and not pieces and not fp8_regions
+            else None
         )
+        if key is not None and self._header is not None and key.same(self._header[0]):
+            header = with_head(
+                self._header[1], update_id, trainer_rank, rank_map, shared[0]
+            )
+        else:
+            header = header_fields(
+                update_id,
+                trainer_rank,
+                rank_map,
+                _tensor_wires(shards),
+                [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
+                kind,
+                names,
+                fingerprint,
+                inline,
+                shared,
+                fp8_regions,
+            )
+            self._header = None if key is None else (key, header)
         self._sock.send_multipart([*self._layouts.encode(header), *frames])
 
     @staticmethod
@@ -331,9 +392,17 @@ class ShardSender:
         if not send_segment(self._segment_path, segment_id, fd):
             self._segment.release()  # never reached the engine: free for the next send
             return None
-        return segment_id, [
-            (str(d), list(t.shape), off) for t, d, off in zip(tensors, dtypes, offsets)
-        ]
+        placed = self._placed  # the same offsets object: the segment's same layout
+        if placed is None or placed[0] is not offsets or placed[1] != list(dtypes):
+            placed = self._placed = (
+                offsets,
+                list(dtypes),
+                [
+                    (str(d), list(t.shape), off)
+                    for t, d, off in zip(tensors, dtypes, offsets)
+                ],
+            )
+        return segment_id, placed[2]
 
     @property
     def shared_bytes(self) -> int:

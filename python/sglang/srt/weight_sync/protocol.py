@@ -83,6 +83,7 @@ __all__ = (
     "segment_socket_path",
     "socket_path",
     "trainer_bound_s",
+    "with_head",
 )
 
 # ---------------------------------------------------------------------------- bounds
@@ -499,6 +500,26 @@ def header_fields(
             [[str(d), [int(s) for s in shape], int(o)] for d, shape, o in shared[1]],
         ]
     return header
+
+
+def with_head(
+    fields: Mapping[str, Any],
+    update_id: str,
+    trainer_rank: int,
+    rank_map: Mapping[int, int],
+    segment: Optional[str],
+) -> Dict[str, Any]:
+    """``header_fields`` of another update of the same layout: ``fields`` with its head
+    (the update, the trainer rank, the rank map, the segment) replaced and its layout
+    fields (the tensors and where they lie) the same objects, so that a sender builds a
+    MoE model's layout once and ``LayoutFrames`` finds it unchanged at once."""
+    out = dict(fields)
+    out["update_id"] = str(update_id)
+    out["trainer_rank"] = int(trainer_rank)
+    out["rank_map"] = [[int(k), int(v)] for k, v in rank_map.items()]
+    if segment is not None:
+        out["shared"] = [str(segment), fields["shared"][1]]
+    return out
 
 
 def encode_header(*args, **kwargs) -> bytes:
