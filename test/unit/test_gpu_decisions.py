@@ -325,6 +325,21 @@ def test_a_shard_without_data_is_refused_naming_the_tensor_and_both_devices():
     assert torch.equal(params["p"], torch.ones(4, 3))
 
 
+def test_a_shard_found_fine_is_checked_again_once_it_changed():
+    """``check_inputs`` remembers the shard objects it found fine (a kept segment hands
+    the same ones every update), but a shard given new data in place is checked again."""
+    p = _local_copy_plan()
+    params = {"p": torch.zeros(4, 3)}
+    w = torch.ones(4, 3)
+    assert executor.check_inputs(p, 0, {"w": w}, params) == []
+    assert executor.check_inputs(p, 0, {"w": w}, params) == []
+    w.data = torch.ones(2, 3)  # the same object, other data and shape
+    problems = executor.check_inputs(p, 0, {"w": w}, params)
+    assert len(problems) == 1 and "has shape (2, 3), expected (4, 3)" in problems[0]
+    assert executor.check_inputs(p, 0, {"w": torch.ones(2, 3)}, params) == problems
+    assert executor.check_inputs(p, 0, {"w": torch.ones(4, 3)}, params) == []
+
+
 def test_a_parameter_shorter_than_the_plans_indices_is_refused_before_any_write():
     """The pieces of a fused parameter are checked once per parameter, with the largest
     index they land at: a parameter with fewer experts than the plan writes is refused."""
