@@ -401,13 +401,25 @@ class MeshRanks:
         """``MeshSpec.of_dtensor``, one object per layout: the experts of a MoE model share
         a few, and ``describe_specs`` then describes each layout once."""
         mesh = tensor.device_mesh
-        key = (tensor.shape, tensor.dtype, id(mesh), tensor.placements)
+        places = tensor.placements
+        key = (tensor.shape, tensor.dtype, id(mesh), tuple(map(_placement_key, places)))
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = MeshSpec(
-                tuple(tensor.shape), tensor.dtype, self(mesh), tuple(tensor.placements)
+                tuple(tensor.shape), tensor.dtype, self(mesh), tuple(places)
             )
         return spec
+
+
+def _placement_key(p: Placement) -> tuple:
+    """A placement as a key that never relies on its ``__eq__`` (torch 2.9's ``Shard(0)``
+    equals ``_StridedShard(0, sf)``): its type, dim and split factor."""
+    split = getattr(p, "_split_factor_int", None)
+    return (
+        type(p),
+        getattr(p, "dim", None),
+        split() if split is not None else getattr(p, "split_factor", None),
+    )
 
 
 @dataclass(frozen=True)
