@@ -188,8 +188,6 @@ class EngineWeightSync:
         # how many data groups this rank made or tried to: its proposal for the next one's
         # number (``_agree``, ``data_group``)
         self.data_groups_made = 0
-        # block-FP8 engines: each cached plan's cut for sender quantization, by fingerprint
-        self._cuts: Dict[str, SenderFp8Plan] = {}
 
     @classmethod
     def of(cls, owner) -> EngineWeightSync:
@@ -685,9 +683,9 @@ class EngineWeightSync:
         targets: DerivedTargets,
     ) -> SenderFp8Plan:
         """``plan`` cut for sender quantization (``fp8_wire.cut_for_groups``, every engine
-        rank receiving for itself): a pure function of the plan, so kept beside it, as many
-        as the plan cache keeps."""
-        cut = self._cuts.get(plan.fingerprint)
+        rank receiving for itself): a pure function of the plan, so kept in the plan's memo
+        and gone with it."""
+        cut = plan.memo.get(("fp8 cut",))
         if cut is not None:
             return cut
         shapes = {n: tuple(s) for n, s in targets.tensor_shapes().items()}
@@ -698,9 +696,7 @@ class EngineWeightSync:
                 "the engine has block-FP8 weights, but its manifest names none "
                 "(block_fp8 empty)"
             )
-        if len(self._cuts) >= self.plans.capacity:
-            self._cuts.pop(next(iter(self._cuts)))
-        self._cuts[plan.fingerprint] = cut
+        plan.memo[("fp8 cut",)] = cut
         return cut
 
     def _write(
