@@ -408,6 +408,9 @@ def summary(r: dict) -> dict:
         ),
         second_over_last=later[0] / ours[-1] if later else None,
         breakdown_first=dict(zip((c[2] for c in COLUMNS), rows[0])),
+        breakdown_second=(
+            dict(zip((c[2] for c in COLUMNS), rows[1])) if rows[1:] else {}
+        ),
         breakdown_steady=dict(zip((c[2] for c in COLUMNS), steady)),
         covered=[
             1 - row[-1] / u["seconds"] for row, u in zip(rows, r["ours"])
@@ -461,13 +464,15 @@ def print_table(summaries: List[dict]) -> None:
         + f" {'covered':>8}"
     )
     for s in summaries:
-        for when in ("first", "steady"):
+        for when in ("first", "second", "steady"):
             row = s[f"breakdown_{when}"]
             if not row:
                 continue
             cover = (
                 s["covered"][0]
                 if when == "first"
+                else s["covered"][1]
+                if when == "second"
                 else statistics.median(s["covered"][1:])
             )
             print(

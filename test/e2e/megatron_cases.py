@@ -224,15 +224,14 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
 
         def serve(request):
             with weight_update_session(verl._engine):
-                replies.append(
-                    verl._engine.update_weights_distributed(
-                        request.update_id,
-                        request.channel,
-                        flush_cache=request.final,
-                        timeout_s=120,
-                    )
+                reply = verl._engine.update_weights_distributed(
+                    request.update_id,
+                    request.channel,
+                    flush_cache=request.final,
+                    timeout_s=120,
                 )
-            return as_reply(replies[-1])
+            replies.append(dict(reply, describe=request.describe))
+            return as_reply(reply)
 
         before = _forbidden_calls(job["forbidden_log"])
         report = drive(

@@ -99,6 +99,13 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                 )
             check_update(record, model_dir, config, seed, tp, prompts)
             check_phases(record, tp, first=record is records[1])
+            if (
+                kind == "verl"
+            ):  # the channel is opened first: shared memory from the start
+                assert record["inline_bytes"] == 0, (
+                    record["step"],
+                    record["inline_bytes"],
+                )
             last_good = record
             if dropped is not None and any(
                 dropped

@@ -98,7 +98,10 @@ def check_megatron_update(kind, tp, pp, ep, engine_tp, padded_vocab, tmp_path):
     moved = []
     for rank, record in enumerate(records):
         if record["mode"] == "engine":
-            (reply,) = records[rank - rank % engine_tp]["engine_replies"]
+            # a CPU channel's first update opens it (a "describe" request), then one update
+            opened, reply = records[rank - rank % engine_tp]["engine_replies"]
+            assert opened["describe"] and opened["success"], opened
+            assert not reply["describe"], reply
             received = reply["bytes_received"][rank % engine_tp]
             assert received == reply["lower_bound_bytes"][rank % engine_tp], reply
         else:

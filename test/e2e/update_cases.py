@@ -418,6 +418,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                     report.phases,
                     report.engine_phases,
                 )
+                record["inline_bytes"] = report.inline_bytes
                 record["success"] = True
                 _write_report(job, rank, step, report, record["seconds"])
             elif (

@@ -281,6 +281,9 @@ class ShardSender:
         self._placed: Optional[Tuple[list, list, list]] = None
         # the last header built for a payload in the segment, and what it was built from
         self._header: Optional[Tuple[_LayoutKey, Dict[str, Any]]] = None
+        # bytes the last payload carried inline, through the socket (CPU tensors that
+        # shared memory did not carry: the engine had not bound its segment socket)
+        self.inline_bytes = 0
 
     def send(
         self,
@@ -321,6 +324,7 @@ class ShardSender:
                 contiguous = [t.detach().contiguous() for t in tensors]
                 inline = [(str(t.dtype), t.shape) for t in contiguous]
                 frames = [_inline_frame(t) for t in contiguous]
+        self.inline_bytes = sum(f.nbytes for f in frames) if inline is not None else 0
         key = (  # a payload in the segment: its layout's header is built once
             _LayoutKey.of(shards, shared, kind, names, fingerprint)
             if shared is not None and not pieces and not fp8_regions

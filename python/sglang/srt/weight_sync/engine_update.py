@@ -527,6 +527,10 @@ class EngineWeightSync:
             with clock.phase(Phase.DESCRIBE):
                 live = self.layout.live(model, derived, block_fp8=True)
                 targets, params, manifest = live.targets, live.params, live.manifest
+            if received.payload.kind != PayloadKind.PARAMS:
+                # the dtypes the trainer casts shards to, from its first payload on (a
+                # "describe" opens an engine-side channel: ``trainer_flow._open``)
+                kept = self.layout.kept_dtypes(manifest, recv_req.channel)
             if received.payload.kind != PayloadKind.SHARDS:
                 step = local_step(
                     received.payload,
@@ -539,7 +543,6 @@ class EngineWeightSync:
                     live.tensors,
                 )
                 return _Validated(step.problems, local_step=step)
-            kept = self.layout.kept_dtypes(manifest, recv_req.channel)
             sources, shards = _sources(received.payload, targets, kept)
             with clock.phase(Phase.PLAN):
                 misses = self.plans.misses

@@ -434,7 +434,8 @@ class UpdateReport:
     (with the block-FP8 regions that came quantized); ``handed_bytes``: what this rank
     handed the engine rank beside it in all (trainer-side);
     ``shared_bytes``: the shared memory this rank keeps for the engine rank beside it
-    (``shared_segment``: CPU payloads only).
+    (``shared_segment``: CPU payloads only); ``inline_bytes``: what its last payload
+    carried through the socket instead (0 while shared memory carries CPU payloads).
     ``phases``: where this rank's seconds went (``phase_timing``: seconds by phase, and
     counters); ``engine_phases``: the engine's, per name one value per engine TP rank, as
     its last answer gave them (on the rank that called the engine; empty elsewhere)."""
@@ -451,6 +452,7 @@ class UpdateReport:
     chunks: int = 0
     described: bool = False
     shared_bytes: int = 0
+    inline_bytes: int = 0
     phases: Dict[str, float] = field(default_factory=dict)
     engine_phases: Dict[str, List[float]] = field(default_factory=dict)
 
@@ -459,6 +461,7 @@ class UpdateReport:
         holds from ``sender``; log them in one line."""
         self.phases, self.engine_phases = clock.snapshot(), dict(clock.engine)
         self.shared_bytes = sender.shared_bytes
+        self.inline_bytes = sender.inline_bytes
         moved = (
             f"; {self.chunks} chunk(s), received {self.bytes_received} bytes (lower bound "
             f"{self.lower_bound_bytes}), staged at most {self.peak_staging_bytes}, buffers at "
@@ -558,6 +561,8 @@ def sources_flow(
         side = sync.described.side(sources, chan.engine_groups, mode)
     report = UpdateReport(side)
     if side == "engine":
+        if chan.updates == 0 and sync.data_device.type == "cpu":
+            yield from _open(chan, clock)
         with clock.phase(Phase.DELIVER):
             update_id = deliver_beside()
         return (yield from delivered_flow(chan, update_id, clock))
@@ -757,6 +762,35 @@ def delivered_flow(
     return report.finish(
         clock, dist.get_rank() if dist.is_initialized() else 0, chan.sender
     )
+
+
+def _open(
+    chan: TrainerChannel, clock: PhaseClock
+) -> Generator[ControlRequest, Reply, None]:
+    """Before the first engine-side payload on a CPU channel, one round trip (the engine
+    publishes its layout, which is all a request without weights can ask of it) so that the
+    engine binds the channel's sockets first. The first payload then goes through shared
+    memory, as every later one does: sent inline, it would be a layout of its own, and the
+    second update would pay for mapping the segment and for the engine's first sight of
+    every tensor (seconds, at a MoE model's tensor count). Every rank of every group opens
+    alike (its channel's first update, the world's data device); an engine that cannot
+    answer is the update's to report, so a refusal here is only logged."""
+    update_id = chan.next_update_id()
+    with clock.phase(Phase.DELIVER):
+        chan.sender.send(
+            update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
+        )
+    success, message = yield ControlRequest(
+        update_id, chan.channel, chan.control, describe=True, clock=clock
+    )
+    if not success:
+        logger.warning(
+            "trainer rank %d: the engine did not open channel %s before the first update "
+            "(its payload goes inline): %s",
+            dist.get_rank(),
+            chan.channel,
+            message,
+        )
 
 
 def _describe(
