@@ -319,12 +319,14 @@ def test_tensors_of_one_layout_share_a_spec_and_its_description():
 
 
 def test_a_trainers_description_is_reused_while_names_and_layouts_stay():
-    """``trainer_flow.Described`` (kept by ``TrainerSync``): the same names with the same
-    ``MeshSpec`` objects (``MeshRanks`` hands them update after update) give the last
-    description and side; a changed layout or name describes anew."""
+    """``Described`` (kept by ``TrainerSync`` and ``RemoteSync``): the same names with the
+    same ``MeshSpec`` objects (``MeshRanks`` hands them update after update) give the last
+    description, its memo and side; a changed layout or name describes anew and drops
+    the memo."""
     from types import SimpleNamespace
 
-    from sglang.srt.weight_sync.trainer_flow import Described
+    from sglang.srt.weight_sync.source_layout import Described
+    from sglang.srt.weight_sync.trainer_flow import described_side
 
     mesh = SimpleNamespace(mesh=torch.tensor([0, 1]))
 
@@ -339,18 +341,22 @@ def test_a_trainers_description_is_reused_while_names_and_layouts_stay():
     described = Described()
 
     def shards(tensors):
-        return [(n, None, described.meshes.spec_of(t)) for n, t in tensors.items()]
+        return [(n, described.meshes.spec_of(t)) for n, t in tensors.items()]
 
     tensors = {f"e{i}": dtensor((8, 4)) for i in range(3)}
     first = described.sources(shards(tensors))
-    assert first == {n: s.describe(n) for n, _, s in shards(tensors)}
+    assert first == {n: s.describe(n) for n, s in shards(tensors)}
     assert described.sources(shards(tensors)) is first
-    assert described.side(first, [[0, 1]]) == "engine"
-    assert described.side(first, [[0], [1]]) == "trainer"  # each engine lacks rows
+    assert described_side(described, first, [[0, 1]]) == "engine"
+    # each engine lacks rows
+    assert described_side(described, first, [[0], [1]]) == "trainer"
+    described.memo["wire"] = b"kept"
+    assert described.sources(shards(tensors)) is first and described.memo["wire"]
     tensors["e1"] = dtensor((8, 4), (Shard(1),))
     second = described.sources(shards(tensors))
     assert second is not first and second["e1"] == described.meshes.spec_of(
         tensors["e1"]
     ).describe("e1")
+    assert "wire" not in described.memo and not described.current(first)
     renamed = described.sources(shards({"x" + n: t for n, t in tensors.items()}))
     assert renamed is not second and sorted(renamed) == ["xe0", "xe1", "xe2"]

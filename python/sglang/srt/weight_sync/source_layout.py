@@ -20,7 +20,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -42,6 +52,7 @@ __all__ = (
     "MeshRanks",
     "MeshSpec",
     "SourceLayout",
+    "Described",
     "SourceTensor",
     "describe_mesh",
     "describe_specs",
@@ -361,6 +372,42 @@ def describe_specs(
             name, first.shape, first.dtype, MeshHolders(first.holders.geometry, name)
         )
     return out
+
+
+class Described:
+    """The last update's description of a trainer rank's tensors, kept by what drives its
+    updates (``TrainerSync``, ``RemoteSync``): a training run hands the same tensors in
+    the same layouts over every step, and describing a MoE model's tens of thousands of
+    them anew costs a trainer rank a tenth of a second. ``meshes`` hands one ``MeshSpec``
+    object per layout, update after update, so the same names with the same spec objects
+    are the same description (``sources``, read-only). ``memo``: what a caller derives
+    from that description (its wire form, the side chosen for it), dropped with it."""
+
+    def __init__(self) -> None:
+        self.meshes = MeshRanks()
+        self.memo: Dict[object, object] = {}
+        self._names: List[str] = []
+        self._specs: List[object] = []
+        self._sources: Optional[SourceLayout] = None
+
+    def sources(self, specs: Sequence[Tuple[str, object]]) -> SourceLayout:
+        """The layout (name, spec) pairs ``specs`` describe (``describe_specs``); the last
+        one when their names and spec objects are the last update's."""
+        names = [n for n, _ in specs]
+        objects = [s for _, s in specs]
+        if (
+            self._sources is not None
+            and names == self._names
+            and all(a is b for a, b in zip(objects, self._specs))
+        ):
+            return self._sources
+        self._sources = describe_specs(zip(names, objects))
+        self._names, self._specs, self.memo = names, objects, {}
+        return self._sources
+
+    def current(self, sources: SourceLayout) -> bool:
+        """Whether ``sources`` is the description kept (its ``memo`` then applies)."""
+        return sources is self._sources
 
 
 class MeshRanks:

@@ -73,11 +73,11 @@ from sglang.srt.weight_sync.protocol import (
     trainer_bound_s,
 )
 from sglang.srt.weight_sync.source_layout import (
+    Described,
     HoldersSpec,
     MeshRanks,
     MeshSpec,
     SourceLayout,
-    describe_specs,
 )
 from sglang.srt.weight_sync.trainer_reshard import (
     TrainerPlans,
@@ -88,7 +88,6 @@ from sglang.srt.weight_sync.trainer_reshard import (
 
 __all__ = (
     "ControlRequest",
-    "Described",
     "Flow",
     "Mode",
     "TrainerChannel",
@@ -100,6 +99,7 @@ __all__ = (
     "as_reply",
     "deliver",
     "delivered_flow",
+    "described_side",
     "drive",
     "prepare_shards",
     "sources_flow",
@@ -324,49 +324,19 @@ def prepare_shards(
     return out
 
 
-class Described:
-    """The last update's description of this rank's tensors, kept by ``TrainerSync``: a
-    training run hands the same tensors in the same layouts over every step, and
-    describing a MoE model's tens of thousands of them anew costs a trainer rank a tenth
-    of a second. ``meshes`` hands one ``MeshSpec`` object per layout, update after update,
-    so the same names with the same spec objects are the same description (``sources``,
-    read-only) and the same side (``side``)."""
-
-    def __init__(self) -> None:
-        self.meshes = MeshRanks()
-        self._names: List[str] = []
-        self._specs: List[object] = []
-        self._sources: Optional[SourceLayout] = None
-        self._sides: Dict[tuple, str] = {}
-
-    def sources(self, shards: Shards) -> SourceLayout:
-        """The layout ``shards`` describe (``describe_specs``); the last one when their
-        names and spec objects are the last update's."""
-        names = [n for n, _, _ in shards]
-        specs = [s for _, _, s in shards]
-        if (
-            self._sources is not None
-            and names == self._names
-            and all(a is b for a, b in zip(specs, self._specs))
-        ):
-            return self._sources
-        self._sources = describe_specs(zip(names, specs))
-        self._names, self._specs, self._sides = names, specs, {}
-        return self._sources
-
-    def side(
-        self,
-        sources: SourceLayout,
-        engine_groups: Sequence[Sequence[int]],
-        mode: Mode = "auto",
-    ) -> str:
-        """``choose_side``, once per description (``sources``, by identity) and engines."""
-        if sources is not self._sources:
-            return choose_side(sources, engine_groups, mode)
-        key = (tuple(map(tuple, engine_groups)), mode)
-        if key not in self._sides:
-            self._sides[key] = choose_side(sources, engine_groups, mode)
-        return self._sides[key]
+def described_side(
+    described: Described,
+    sources: SourceLayout,
+    engine_groups: Sequence[Sequence[int]],
+    mode: Mode = "auto",
+) -> str:
+    """``choose_side``, once per description kept in ``described`` and engines."""
+    if not described.current(sources):
+        return choose_side(sources, engine_groups, mode)
+    key = ("side", tuple(map(tuple, engine_groups)), mode)
+    if key not in described.memo:
+        described.memo[key] = choose_side(sources, engine_groups, mode)
+    return described.memo[key]
 
 
 def choose_side(
@@ -524,7 +494,7 @@ def update_flow(
         chan = sync.channel(group_ranks, group, timeout_s)
     with clock.phase(Phase.DESCRIBE):
         shards = prepare_shards(named_tensors, sync.described.meshes)
-        sources = sync.described.sources(shards)
+        sources = sync.described.sources([(n, s) for n, _, s in shards])
     return (
         yield from sources_flow(
             sync,
@@ -558,7 +528,7 @@ def sources_flow(
     ``clock``: the update's phases on this rank so far (a new one when None)."""
     clock = clock if clock is not None else PhaseClock()
     with clock.phase(Phase.DESCRIBE):
-        side = sync.described.side(sources, chan.engine_groups, mode)
+        side = described_side(sync.described, sources, chan.engine_groups, mode)
     report = UpdateReport(side)
     if side == "engine":
         if chan.updates == 0 and sync.data_device.type == "cpu":

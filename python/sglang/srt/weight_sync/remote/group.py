@@ -125,6 +125,8 @@ class TrainerPart:
     local: Mapping[str, torch.Tensor]
     header: Optional[UpdateHeader] = None
     wire: bytes = b""
+    # the layout ``specs`` describe, when the trainer keeps it (else described here)
+    sources: Optional[SourceLayout] = None
 
 
 @dataclass
@@ -400,7 +402,10 @@ class SyncGroup:
         )
         header = UpdateHeader.decode(raw)
         known = (
-            (part.specs, source_layout(part.specs))
+            (
+                part.specs,
+                part.sources if part.sources is not None else source_layout(part.specs),
+            )
             if part is not None
             else self._layouts.specs.get(header.layout_digest)
         )
@@ -579,6 +584,10 @@ class SyncGroup:
         return UpdateResult(header, plan, stats, delta, why_full, fp8)
 
     @staticmethod
-    def wire_of(specs: Mapping[str, Spec]) -> Tuple[bytes, str]:
-        """The trainer's source layout on the wire, and its digest."""
-        return layout_wire(specs), sources_digest(source_layout(specs))
+    def wire_of(
+        specs: Mapping[str, Spec], sources: Optional[SourceLayout] = None
+    ) -> Tuple[bytes, str]:
+        """The trainer's source layout on the wire, and its digest (of ``sources``, the
+        layout ``specs`` describe, described here when None)."""
+        sources = source_layout(specs) if sources is None else sources
+        return layout_wire(specs), sources_digest(sources)

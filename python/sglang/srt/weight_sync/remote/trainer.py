@@ -84,7 +84,12 @@ from sglang.srt.weight_sync.remote.protocol import (
     UpdateHeader,
 )
 from sglang.srt.weight_sync.remote.rendezvous import open_store
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshRanks, MeshSpec
+from sglang.srt.weight_sync.source_layout import (
+    Described,
+    HoldersSpec,
+    MeshRanks,
+    SourceLayout,
+)
 
 __all__ = (
     "EngineEndpoint",
@@ -106,16 +111,19 @@ IGNORED_SUFFIXES = (
 
 
 def named_specs(
-    named_tensors: Iterable[Tuple[str, torch.Tensor]], trainers: int
+    named_tensors: Iterable[Tuple[str, torch.Tensor]],
+    trainers: int,
+    ranks: Optional[MeshRanks] = None,
 ) -> Tuple[Dict[str, Spec], Dict[str, torch.Tensor]]:
     """Every tensor's layout and this rank's local part: a DTensor's own mesh and shard
     (never ``full_tensor()``), a plain tensor whole on every trainer rank. Rotary caches,
-    which SGLang's loaders skip, are left out."""
+    which SGLang's loaders skip, are left out. ``ranks``: the meshes and layouts known so
+    far (``RemoteSync.described``), each layout one ``MeshSpec``."""
     specs: Dict[str, Spec] = {}
     local: Dict[str, torch.Tensor] = {}
     from torch.distributed.tensor import DTensor
 
-    everyone, ranks = list(range(trainers)), MeshRanks()
+    everyone, ranks = list(range(trainers)), ranks if ranks is not None else MeshRanks()
     with torch.no_grad():
         for name, tensor in named_tensors:
             if name.endswith(IGNORED_SUFFIXES):
@@ -125,7 +133,7 @@ def named_specs(
             spec = (
                 None
                 if isinstance(tensor, DTensor)
-                else MeshSpec.full(tensor.shape, tensor.dtype, everyone)
+                else ranks.full(tensor.shape, tensor.dtype, everyone)
             )
             shard, specs[name] = local_shard(tensor, spec, ranks)
             local[name] = (
@@ -203,6 +211,8 @@ class RemoteSync:
         self._megatron = (
             None  # a TrainerSync for Megatron coordinates, made on first use
         )
+        # the last update's description, its wire form and digest (``update``)
+        self.described = Described()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="weight-sync-engines"
         )
@@ -390,8 +400,9 @@ class RemoteSync:
         """Update every engine of the group from this rank's tensors (DTensors: their local
         shards; plain tensors: whole on every trainer rank); every trainer rank calls it
         with the same names. See ``update_sources`` for the keyword arguments."""
-        specs, local = named_specs(named_tensors, self.trainers)
-        return self.update_sources(specs, local, **kwargs)
+        specs, local = named_specs(named_tensors, self.trainers, self.described.meshes)
+        sources = self.described.sources(list(specs.items()))
+        return self.update_sources(specs, local, sources=sources, **kwargs)
 
     def update_megatron(
         self,
@@ -435,12 +446,15 @@ class RemoteSync:
         flush_cache: bool = True,
         weight_version: Optional[str] = None,
         drive: bool = True,
+        sources: Optional[SourceLayout] = None,
     ) -> RemoteReport:
         """One update from any source layout: ``specs`` (every HF tensor's spec, the same on
         every trainer rank) and this rank's ``local`` tensors by holder key. ``drive=False``:
         someone else sends the engines their update requests (verl's rollout workers);
         this rank only takes part in the group. ``staging_bytes``: each engine rank's
-        staging while it serves (default ``DEFAULT_STAGING_BYTES``)."""
+        staging while it serves (default ``DEFAULT_STAGING_BYTES``). ``sources``: the
+        layout ``specs`` describe, when the caller keeps it (``update``: ``described``,
+        whose memo then keeps its wire form and digest too)."""
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
             raise ValueError(
@@ -453,13 +467,13 @@ class RemoteSync:
         group, membership = self.group, self.membership
         self.updates += 1
         update_id = f"{self.group_name}-e{membership.epoch}-u{self.updates}"
-        part = TrainerPart(specs, local)
+        part = TrainerPart(specs, local, sources=sources)
         replies = {}
         # the first update of an epoch (or after a failure) is a plain full one; the
         # snapshot is the same on every trainer rank, so each decides alike
         planned = self.delta and self.snapshot.epoch == membership.epoch
         if self.rank == 0:
-            part.wire, digest = SyncGroup.wire_of(specs)
+            part.wire, digest = self._wire_of(specs, sources)
             part.header = UpdateHeader(
                 update_id,
                 digest,
@@ -583,6 +597,17 @@ class RemoteSync:
             report.seconds,
         )
         return report
+
+    def _wire_of(
+        self, specs: Mapping[str, Spec], sources: Optional[SourceLayout]
+    ) -> Tuple[bytes, str]:
+        """``SyncGroup.wire_of``, once per description ``described`` keeps."""
+        if sources is None or not self.described.current(sources):
+            return SyncGroup.wire_of(specs, sources)
+        memo = self.described.memo
+        if "wire" not in memo:
+            memo["wire"] = SyncGroup.wire_of(specs, sources)
+        return memo["wire"]
 
     def _broken(self, why: str) -> None:
         """Drop the epoch after a failed update: the next one forms a new epoch with the
