@@ -514,7 +514,41 @@ def test_scheduler_handler_receives_once_and_applies_to_each_runner(manager):
         ("end_of_update", True),
     ]
     # parameters were copied in place, not through model.load_weights: end_weight_update() still post-loads
-    assert m._session.loaded_weights is False
+    assert m._session.loaded_weights is False and m._session.written_in_place
+
+
+@pytest.mark.parametrize("load", ["before", "after"])
+def test_a_session_that_also_loaded_still_post_loads_what_was_copied_in_place(
+    manager, load
+):
+    """A session that ran an ordinary load (``model.load_weights``, which post-processes
+    only the layers it loaded) before or after a distributed update still ends with
+    ``post_load_weights``: the parameters the update copied in place need it (MLA's
+    ``w_kc``/``w_vc`` would stay those of the old weights). A session of loads alone does not."""
+    from sglang.srt.managers.scheduler_components import weight_updater as swu
+
+    m, log = manager
+
+    def loaded():  # what upstream's tensor and distributed loads record
+        m._session = msgspec.structs.replace(m._session, loaded_weights=True)
+
+    if load == "before":
+        loaded()
+    assert m.update_weights_distributed(_request()).success
+    if load == "after":
+        loaded()
+    m.end_weight_update(io.EndWeightUpdateReqInput())
+    assert [e for e in log if e[1:2] == ("end",)] == [
+        ("target", "end", True),
+        ("draft", "end", True),
+    ]
+    log.clear()
+    m._session = swu._WeightUpdateSession(selector="all", loaded_weights=True)
+    m.end_weight_update(io.EndWeightUpdateReqInput())
+    assert [e for e in log if e[1:2] == ("end",)] == [
+        ("target", "end", False),
+        ("draft", "end", False),
+    ]
 
 
 def test_scheduler_handler_selector_and_no_flush(manager):
