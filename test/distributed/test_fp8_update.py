@@ -17,6 +17,7 @@ each engine rank, outside an engine (``fp8_cases``). Trainer shards cut 128-bloc
 import pytest
 import tiny_models
 from fp8_cases import (
+    DEEPSEEK,
     SPECS,
     engine_sync_rank,
     sglang_fp8_load,
@@ -314,6 +315,15 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
     )
     world = trainers + sum(tp for _, tp in engines)
     results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
+    check_remote_fp8(results, trainers, engines, bucket, 4 * 2)
+
+
+def check_remote_fp8(results, trainers: int, engines, bucket: int, fp8_weights: int):
+    """What every rank of a remote block-FP8 update (``fp8_remote.remote_fp8_job``) must
+    find: each engine rank quantized its ``fp8_weights`` e4m3 weights, every parameter
+    equals SGLang's load, only the FP8 KV-cache scales are not written, each rank received
+    exactly its plan's bound, which is the quantized lower bound counted block by block
+    where no round boundary cuts a block, and the trainer sent what the engines received."""
     sent = sum(r["sent"] for r in results[:trainers])
     # what every trainer rank heard at join: each engine's block-FP8 weights over its TP
     # ranks (a delta report names them)
@@ -324,11 +334,9 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
         assert r["block_fp8"] == heard, (r["block_fp8"], heard)
     received = 0
     for rank, r in enumerate(results[trainers:], start=trainers):
-        assert r["quantized"] == 4 * 2 and r["released"], r
+        assert r["quantized"] == fp8_weights and r["released"], r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
-        assert all(
-            n.endswith(("attn.k_scale", "attn.v_scale")) for n in r["not_written"]
-        ), r
+        assert all(n.endswith(("k_scale", "v_scale")) for n in r["not_written"]), r
         assert not r["unchanged"], r
         bf16_way = (
             r["staged_bytes"] + r["unquantized_bytes"]
@@ -354,6 +362,112 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
             assert r["blocks_at_sender"] == 0 and r["received"] == bf16_way, r
         received += r["received"]
     assert sent == received, (sent, received)
+
+
+# A DeepSeek-V3-shaped model in block FP8 (``fp8_cases.DEEPSEEK``: MLA, a dense first layer,
+# 8 routed experts and a shared expert; 4 decoder layers). Its e4m3 weights: per layer the
+# fused q_a + kv_a (``fused_qkv_a_proj_with_mqa``, 320 rows: kv_a's 192 end in a ragged
+# block), q_b, kv_b and o; the dense layer's gate_up and down; each MoE layer's experts'
+# w13 and w2 and the shared expert's gate_up and down
+DEEPSEEK_FP8 = 4 * 4 + 2 + 3 * 4
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fp8-deepseek")
+    bf16, _ = tiny_models.make_tiny_model(
+        "deepseek_v3", work / "bf16", seed=3, **DEEPSEEK
+    )
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
+    return bf16, sglang_fp8_load(fp8, bf16, [(1, 0), (2, 0), (2, 1)], work)
+
+
+def test_deepseek_v3_fp8_derived_state_equals_a_fresh_load(deepseek):
+    """MLA derives ``w_kc``/``w_vc`` from ``kv_b_proj`` after loading (SGLang's
+    ``post_load_weights``, which every update runs after its writes): on this branch from the
+    block-FP8 weight and scales, requantized per tensor (``block_quant_to_tensor_quant``: e4m3
+    ``w_kc``, ``w_vc`` and a float32 ``w_scale``). After an update that wrote the parameters
+    in place over garbage (whose derived state SGLang had derived first, so a stale one shows)
+    every derived tensor equals a fresh load's: through the engine end's own steps on SGLang's
+    live FP8 model at TP 1 (engine-side, trainer-side from buffers and from regions), and at
+    every rank of TP 1 and 2 after the loaded parameters are written back. ``w_kc`` and
+    ``w_vc`` keep their storage; ``w_scale`` is a new tensor after each post-load step (SGLang
+    assigns it), with the same bits."""
+    _, loads = deepseek
+    mla = {
+        f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("w_kc", "w_vc")
+    }
+    scales = {f"model.layers.{i}.self_attn.w_scale" for i in range(4)}
+    for key, load in loads.items():
+        assert mla | scales <= set(load["computed"]), (key, load["computed"])
+        assert load["post_load_idempotent"], (key, load["post_load_changed"])
+        assert load["post_load_replaced"] == sorted(scales), key
+        refresh = load["refresh"]
+        assert mla | scales <= set(refresh["stale"]), (key, refresh)
+        assert refresh["differ"] == [] and refresh["replaced"] == sorted(scales), key
+    e = loads[(1, 0)]["engine"]
+    assert e["provenance"] == [] and e["refusals"] == [], e
+    assert e["quantized"] == DEEPSEEK_FP8 and not e["differ"] and not e["moved"], e
+    side, regions = e["trainer_side"], e["trainer_side"]["regions"]
+    assert not side["problems"] and not side["differ"], side
+    assert not regions["problems"] and not regions["differ"], regions
+    for found in (
+        {"stale": e["derived_stale"], "differ": e["derived_differ"]},
+        side["derived"],
+        regions["derived"],
+    ):
+        assert mla | scales <= set(found["stale"]) and found["differ"] == [], found
+
+
+# (trainer ranks = world, engine TP): engine-side at TP 1 and 2 (FSDP2 chunks of the 128-row
+# q_a and 192-row kv_a cut their blocks at TP 2: both kinds travel), the trainer-side one hop
+# from 3 ranks (every 256-row tensor cut at rows 86 and 172)
+DEEPSEEK_CASES = ((1, 1), (2, 2), (3, 1))
+
+
+@pytest.mark.parametrize(
+    "world,tp", DEEPSEEK_CASES, ids=[f"fsdp{w}-tp{t}" for w, t in DEEPSEEK_CASES]
+)
+def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
+    """A DeepSeek-V3-shaped block-FP8 engine updated from BF16 FSDP2 ranks on the colocated
+    paths: every parameter (e4m3 weights, scales, the unquantized router, its
+    ``e_score_correction_bias``, norms and embeddings) equals SGLang's load of the
+    reference-quantized checkpoint, and each engine rank receives exactly the quantized lower
+    bound counted block by block from the trainer's shards (engine-side) or its plan's bound
+    (trainer-side)."""
+    bf16, loads = deepseek
+    results = run_ranks(world, update_rank, tp, str(bf16), loads, 1 << 30)
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_FP8, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert all(n.endswith(("k_scale", "v_scale")) for n in r["not_written"]), r
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        if world != tp:  # trainer-side: both kinds reach the engine rank
+            assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+            assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
+            assert r["fp8_buffers"] == 0, r
+            continue
+        assert r["received"] == r["counted"], r
+        if world == 2:
+            assert r["blocks_received_quantized"] > 0, r
+            assert r["blocks_quantized_here"] > 0 and r["fp8_staging_bytes"] > 0, r
+            assert r["received"] < r["bf16_lower_bound"], r
+
+
+def test_deepseek_v3_remote_fp8_engines_equal_sglang_load(deepseek):
+    """Remote DeepSeek-V3-shaped block-FP8 engines of TP 1 and 2 in one weight-sync group,
+    from 3 trainer ranks whose shards cut 128-blocks: as ``test_remote_fp8_engines_equal_sglang_load``."""
+    bf16, loads = deepseek
+    engines = (("e0", 1), ("e1", 2))
+    job = dict(
+        port=free_port(),
+        trainers=3,
+        engines=[list(e) for e in engines],
+        bucket=ONE_WINDOW,
+        staging=REMOTE_STAGING,
+    )
+    results = run_ranks(6, remote_fp8_job, job, str(bf16), loads, timeout=300)
+    check_remote_fp8(results, 3, engines, ONE_WINDOW, DEEPSEEK_FP8)
 
 
 REFUSED = {

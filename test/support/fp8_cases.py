@@ -13,7 +13,9 @@ OUT``) and also derives each rank's targets from the BF16 checkpoint (the pieces
 
 * ``SPECS``: tiny models in block-FP8 shapes (every size a multiple of 128 per rank at
   TP 1 and 2): the Qwen2 (8 q and 8 kv heads of 32, hidden 256, intermediate 512) and a
-  Qwen3-MoE (the same attention, 8 experts of intermediate 256, top 2).
+  Qwen3-MoE (the same attention, 8 experts of intermediate 256, top 2); ``DEEPSEEK``: a
+  DeepSeek-V3-shaped model in the same shapes (MLA, a dense first layer, routed experts
+  and a shared expert), whose MLA derives ``w_kc``/``w_vc`` from ``kv_b_proj`` after loading.
 * ``write_fp8_checkpoint``: the BF16 checkpoint quantized by the reference quantizer
   (``fp8_quant``), with the ``quantization_config`` verl's FP8 rollout gives SGLang.
 * ``sglang_fp8_load``: the worker's answer per (T, rank): parameter checksums, live shapes and
@@ -49,6 +51,27 @@ SPECS = {
         head_dim=32, intermediate_size=512, moe_intermediate_size=256, **_ATTENTION
     ),
 }
+
+
+# DeepSeek-V3-shaped (``tiny_models`` "deepseek_v3": MLA with q_lora, a dense first layer,
+# then 8 routed experts and a shared expert) at sizes block FP8 takes at TP 1 and 2: 4 heads
+# of 64 nope + 64 rope dims (q_b_proj and kv_b_proj 512 rows, 256 per rank at TP 2), o_proj
+# 256 columns; kv_a_proj_with_mqa is kv_lora 128 + rope 64 = 192 rows, a ragged last block
+# as DeepSeek-V3's 576, fused after q_a_proj's 128 rows (``fused_qkv_a_proj_with_mqa``).
+# Plain rope: off the CPU engine SGLang builds yarn rope only on an accelerator.
+DEEPSEEK = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=256,
+    moe_intermediate_size=256,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=64,
+    v_head_dim=64,
+    rope_scaling=None,
+)
 
 
 def quantized_names(tensors: Dict[str, torch.Tensor]) -> Sequence[str]:
@@ -124,14 +147,27 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _post_load_idempotent(model) -> Tuple[bool, Sequence[str]]:
+def computed(model) -> Dict[str, torch.Tensor]:
+    """What SGLang derived from the parameters after loading, outside them (MLA's ``w_kc``,
+    ``w_vc`` and, off CUDA, ``w_scale``; rope caches), by name (``sglang_fakes._computed``)."""
+    import sglang_fakes
+
+    return sglang_fakes._computed(model)
+
+
+def _post_load_idempotent(model) -> Tuple[bool, Sequence[str], Sequence[str]]:
     """Run what follows an update (``sglang_compat.after_update``: the model's post-load
     fixups, then each quant method's post-load step) once more on a loaded model: whether
-    every parameter keeps its bytes and its storage."""
+    every parameter keeps its bytes and its storage and every derived tensor its bytes; and
+    the derived tensors it replaced by new ones (same bytes, another storage)."""
     from sglang.srt.weight_sync.sglang_compat import after_update
 
     before = {
         n: (p.detach().clone(), p.data_ptr()) for n, p in model.named_parameters()
+    }
+    derived = {
+        n: (t.clone(), t.untyped_storage().data_ptr())
+        for n, t in computed(model).items()
     }
     with torch.no_grad():
         after_update(model)
@@ -143,14 +179,79 @@ def _post_load_idempotent(model) -> Tuple[bool, Sequence[str]]:
         or p.dtype != before[n][0].dtype
         or not torch.equal(_bytes(p), _bytes(before[n][0]))
     ]
-    return not changed and set(before) == {
-        n for n, _ in model.named_parameters()
-    }, changed
+    now = computed(model)
+    changed += [
+        n
+        for n, t in now.items()
+        if n not in derived or not torch.equal(_bytes(t), _bytes(derived[n][0]))
+    ]
+    replaced = sorted(
+        n
+        for n, t in now.items()
+        if n in derived and t.untyped_storage().data_ptr() != derived[n][1]
+    )
+    same = set(before) == {n for n, _ in model.named_parameters()}
+    return not changed and same and set(derived) == set(now), changed, replaced
+
+
+def _scramble(model, expected_computed) -> Sequence[str]:
+    """Every e4m3 weight and float32 scale of ``model`` set to garbage, and SGLang's post-load
+    step run on it, so that what it derives is the garbage's too: an update that left derived
+    state as it was shows. The derived tensors that now differ from ``expected_computed``."""
+    from sglang.srt.weight_sync.sglang_compat import after_update
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
+                p.copy_(torch.randn(p.shape).to(p.dtype))
+        after_update(model)
+    return _derived_differ(model, expected_computed)
+
+
+def _derived_differ(model, expected_computed) -> Sequence[str]:
+    """The derived tensors of ``model`` whose checksum differs from ``expected_computed``."""
+    now = {n: checksum(t) for n, t in computed(model).items()}
+    return sorted(
+        n
+        for n in set(now) | set(expected_computed)
+        if now.get(n) != expected_computed.get(n)
+    )
+
+
+def _derived_refresh(model, expected_computed) -> dict:
+    """The loaded parameters written back in place over garbage (as an update writes them),
+    then what follows an update (``apply.refresh_derived``, ``sglang_compat.after_update``):
+    every derived tensor must equal the fresh load's again. Returns the derived tensors stale
+    before (``stale``: not empty where the model derives any), those differing after
+    (``differ``), and those the refresh gave a new storage (``replaced``)."""
+    from sglang.srt.weight_sync.apply import refresh_derived
+    from sglang.srt.weight_sync.sglang_compat import after_update
+
+    loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    storages = {n: t.untyped_storage().data_ptr() for n, t in computed(model).items()}
+    stale = _scramble(model, expected_computed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(loaded[n])
+        refresh_derived(model)
+        after_update(model)
+    now = computed(model)
+    return {
+        "stale": stale,
+        "differ": _derived_differ(model, expected_computed),
+        "replaced": sorted(
+            n
+            for n, t in now.items()
+            if t.untyped_storage().data_ptr() != storages.get(n)
+        ),
+    }
 
 
 def run_job(job: dict, out_path: str) -> None:
     """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...]}. Writes ``torch.save({(T, r):
-    {"checksums", "live", "derived", "post_load_idempotent", "post_load_changed"}})``."""
+    {"checksums", "live", "derived", "post_load_idempotent", "post_load_changed",
+    "post_load_replaced", "computed", "refresh"}})``: ``computed`` the checksums of what SGLang
+    derived after loading (``computed``), ``refresh`` what ``_derived_refresh`` found."""
     import sglang_fakes
 
     sglang_fakes._provide_vllm_rotary_import()
@@ -179,7 +280,8 @@ def run_job(job: dict, out_path: str) -> None:
                 model.load_weights(iter(full.items()))
                 after_load(model)
             params = dict(model.named_parameters())
-            idempotent, changed = _post_load_idempotent(model)
+            derived_sums = {n: checksum(t) for n, t in computed(model).items()}
+            idempotent, changed, replaced = _post_load_idempotent(model)
             derived = derive_rank(
                 build_meta_model(derivation_config(model_config)), layout
             )
@@ -189,22 +291,34 @@ def run_job(job: dict, out_path: str) -> None:
                 "derived": derived,
                 "post_load_idempotent": idempotent,
                 "post_load_changed": list(changed),
+                "post_load_replaced": replaced,
+                "computed": derived_sums,
+                "refresh": _derived_refresh(model, derived_sums),
             }
             if tp == 1:
                 out[(tp, rank)]["engine"] = _engine_update(
-                    model, derived, layout, bf16, out[(tp, rank)]["checksums"]
+                    model,
+                    derived,
+                    layout,
+                    bf16,
+                    out[(tp, rank)]["checksums"],
+                    derived_sums,
                 )
     torch.save(out, out_path)
 
 
-def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
+def _engine_update(
+    model, rank_targets, layout, bf16: Path, expected, expected_computed
+) -> dict:
     """The engine end's own steps on SGLang's live FP8 model (TP 1, rank 0): the provenance
     check of the derived targets against the live FP8 loaders, the refusals of derived state,
     ``EngineLayout.live`` with the block-FP8 transform, the plan from the full
     BF16 tensors cut for sender quantization and run as ``engine_update`` runs it
     (``fp8_wire.ColocatedFp8``), then what follows an
     update (``refresh_derived``, SGLang's post-load step). Weights and scales are scrambled
-    first; every parameter must come back to SGLang's load (``expected``)."""
+    first, and what SGLang derives from them with them (``_scramble``); every parameter
+    must come back to SGLang's load (``expected``), and every derived tensor (MLA's
+    ``w_kc``/``w_vc``) to the load's (``expected_computed``)."""
     import tiny_models
 
     from sglang.srt.weight_sync.apply import refresh_derived
@@ -232,10 +346,7 @@ def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
     targets, params = live_layout.targets, live_layout.params
     fp8 = layout.block_fp8(derived, dict(model.named_parameters()))
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
-                p.copy_(torch.randn(p.shape).to(p.dtype))
+    stale = _scramble(model, expected_computed)
     full = tiny_models.load_checkpoint(bf16)
     sources = {
         n: MeshSpec.full(t.shape, t.dtype, [0]).describe(n) for n, t in full.items()
@@ -265,7 +376,10 @@ def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
         after_update(model)
     now = dict(model.named_parameters())
     engine_side = sorted(n for n, t in now.items() if checksum(t) != expected[n])
-    trainer_side = _trainer_side(model, derived, layout, full, expected)
+    derived_differ = _derived_differ(model, expected_computed)
+    trainer_side = _trainer_side(
+        model, derived, layout, full, expected, expected_computed
+    )
     now = dict(model.named_parameters())
     return {
         "trainer_side": trainer_side,
@@ -274,13 +388,15 @@ def _engine_update(model, rank_targets, layout, bf16: Path, expected) -> dict:
         "refused_elsewhere": refused,
         "quantized": len(fp8.own.quantized),
         "differ": engine_side,
+        "derived_stale": stale,
+        "derived_differ": derived_differ,
         "moved": sorted(n for n, t in now.items() if t.data_ptr() != ptrs[n]),
         "copied": stats.bytes_copied_locally,
         "staged_bytes": sum(t.numel() * t.element_size() for t in step.staged.values()),
     }
 
 
-def _trainer_side(model, derived, layout, full, expected) -> dict:
+def _trainer_side(model, derived, layout, full, expected, expected_computed) -> dict:
     """The trainer-side path's engine step (``engine_trainer_side.local_step``): the
     trainer planned parameter-shaped buffers against the manifest (block-FP8 weights in bf16,
     their staged dtype) and sends them in two batches, each a fused parameter's half; the
@@ -300,10 +416,7 @@ def _trainer_side(model, derived, layout, full, expected) -> dict:
     )
     live = dict(model.named_parameters())
     fp8 = layout.block_fp8(derived, live)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
-                p.copy_(torch.randn(p.shape).to(p.dtype))
+    stale = _scramble(model, expected_computed)
     problems = []
     for names in batches_of(full, 2):
         buffers = {}
@@ -332,18 +445,20 @@ def _trainer_side(model, derived, layout, full, expected) -> dict:
     with torch.no_grad():
         after_update(model)
     now = dict(model.named_parameters())
+    derived_differ = _derived_differ(model, expected_computed)
     regions = _trainer_side_regions(
-        model, targets, manifest, params, fp8, full, expected
+        model, targets, manifest, params, fp8, full, expected, expected_computed
     )
     return {
         "problems": problems,
         "differ": sorted(n for n, t in now.items() if checksum(t) != expected[n]),
+        "derived": {"stale": stale, "differ": derived_differ},
         "regions": regions,
     }
 
 
 def _trainer_side_regions(
-    model, targets, manifest, params, fp8, full, expected
+    model, targets, manifest, params, fp8, full, expected, expected_computed
 ) -> dict:
     """The engine step again, every block-FP8 weight in regions (``Fp8Region``) as the
     trainer-side path hands them when its senders quantize: every other piece quantized
@@ -360,10 +475,7 @@ def _trainer_side_regions(
 
     live = dict(model.named_parameters())
     blocks = {q.weight: q.block for q in fp8.own.quantized}
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dtype in (torch.float8_e4m3fn, torch.float32) and p.dim():
-                p.copy_(torch.randn(p.shape).to(p.dtype))
+    stale = _scramble(model, expected_computed)
     names = tuple(sorted(full))
     tensors, regions = {}, []
     for t in targets.for_rank(0):
@@ -442,6 +554,10 @@ def _trainer_side_regions(
         "differ": sorted(n for n, t in now.items() if checksum(t) != expected[n]),
         "kinds": sorted({r.kind.value for r in regions}),
         "refused": problems,
+        "derived": {
+            "stale": stale,
+            "differ": _derived_differ(model, expected_computed),
+        },
     }
 
 
