@@ -157,16 +157,21 @@ TP4_SPEC = dict(
 )
 
 
-def test_fp8_engine_tp4_engine_side_with_blocks_cut_by_shards(tmp_path_factory):
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fp8-tp4")
+    bf16, _ = tiny_models.make_tiny_model("qwen3", work / "bf16", seed=3, **TP4_SPEC)
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
+    return bf16, sglang_fp8_load(fp8, bf16, [(4, r) for r in range(4)], work)
+
+
+def test_fp8_engine_tp4_engine_side_with_blocks_cut_by_shards(tp4):
     """Engine TP 4 in block FP8, engine-side resharding from 4 FSDP2 ranks: both kinds
     travel, e4m3 and scales for the blocks one trainer shard holds whole, bf16 for the blocks
     the shards cut (quantized on the engine rank from staging); every parameter equals
     SGLang's load of the reference checkpoint, and the bytes received equal the quantized
     lower bound counted block by block."""
-    work = tmp_path_factory.mktemp("fp8-tp4")
-    bf16, _ = tiny_models.make_tiny_model("qwen3", work / "bf16", seed=3, **TP4_SPEC)
-    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
-    loads = sglang_fp8_load(fp8, bf16, [(4, r) for r in range(4)], work)
+    bf16, loads = tp4
     results = run_ranks(4, update_rank, 4, str(bf16), loads, 1 << 30)
     for rank, r in enumerate(results):
         assert r["quantized"] == r["fp8_live"] == 4 * 2, r
@@ -175,6 +180,35 @@ def test_fp8_engine_tp4_engine_side_with_blocks_cut_by_shards(tmp_path_factory):
         assert r["blocks_received_quantized"] > 0, r
         assert r["blocks_quantized_here"] > 0 and r["fp8_staging_bytes"] > 0, r
         assert r["received"] < r["bf16_lower_bound"], r
+
+
+def test_fp8_engine_tp4_trainer_side_one_hop(tp4):
+    """Engine TP 4 in block FP8 on the trainer-side one hop (``mode="trainer"``: 4 FSDP2 ranks
+    plan over their world to the engine's published layout, ``trainer_side_rank``): the
+    blocks a trainer shard holds whole travel e4m3 and scales between the trainer ranks and
+    on to the engine rank, the blocks the shards cut (the 640-row tensors' at rows 160, 320
+    and 480) as bf16 regions quantized on the engine rank; every parameter equals SGLang's
+    load, and each engine rank is handed exactly the quantized lower bound."""
+    from fp8_sender_cases import trainer_side_rank
+
+    bf16, loads = tp4
+    results = run_ranks(4, trainer_side_rank, 4, str(bf16), loads, 1 << 30, 1)
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == 4 * 2, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
+        assert r["fp8_buffers"] == 0, r
+
+
+def test_fp8_engine_tp4_remote(tp4):
+    """A remote block-FP8 engine of TP 4 in a weight-sync group with 2 trainer ranks (the
+    640-row tensors cut at row 320, inside a block; every 512-row tensor's blocks whole on
+    one rank): as ``test_remote_fp8_engines_equal_sglang_load``."""
+    engines = (("e0", 4),)
+    results = remote_update(tp4, 2, engines, ONE_WINDOW)
+    check_remote_fp8(results, 2, engines, ONE_WINDOW, 4 * 2, False)
 
 
 def test_megatron_into_fp8_engines(checkpoints):
@@ -218,9 +252,12 @@ def test_engine_end_on_sglang_live_fp8_model(checkpoints):
     assert e["provenance"] == [] and e["refusals"] == [], e
     assert "block-FP8 parameter 'model.layers." in e["refused_elsewhere"], e
     assert e["quantized"] == 8 and not e["differ"] and not e["moved"], e
+    assert e["derived_stale"] == e["derived_differ"] == [], e
     # trainer-side, one hop: the buffers the trainer planned, in two batches
     side = dict(e["trainer_side"])
     regions = side.pop("regions")
+    # nothing these models derive from their weights goes stale (none derive any)
+    assert side.pop("derived") == {"stale": [], "differ": []}, e
     assert side == {"problems": [], "differ": []}, side
     # and every block-FP8 weight in regions, e4m3 and bf16, no parameter-shaped buffer
     assert regions["kinds"] == ["e4m3", "staged"], regions
@@ -305,7 +342,16 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
     is the quantized lower bound counted block by block from the trainer's shards
     (``quantized_lower_bound``) where no round boundary cuts a block, and above it by the
     blocks a window edge cuts; the trainer sent what the engines received."""
-    bf16, loads = checkpoints
+    results = remote_update(checkpoints, trainers, engines, bucket)
+    # at 2 trainer ranks every block lies whole on one
+    check_remote_fp8(results, trainers, engines, bucket, 4 * 2, trainers == 2)
+
+
+def remote_update(checkpoint, trainers: int, engines, bucket: int) -> list:
+    """One update of remote block-FP8 engines ``engines`` ((name, TP) each) from ``trainers``
+    ranks holding ``checkpoint``'s BF16 weights (``fp8_remote.remote_fp8_job``): every
+    rank's figures, trainers first."""
+    bf16, loads = checkpoint
     job = dict(
         port=free_port(),
         trainers=trainers,
@@ -314,16 +360,18 @@ def test_remote_fp8_engines_equal_sglang_load(checkpoints, trainers, engines, bu
         staging=REMOTE_STAGING,
     )
     world = trainers + sum(tp for _, tp in engines)
-    results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
-    check_remote_fp8(results, trainers, engines, bucket, 4 * 2)
+    return run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
 
 
-def check_remote_fp8(results, trainers: int, engines, bucket: int, fp8_weights: int):
+def check_remote_fp8(
+    results, trainers: int, engines, bucket: int, fp8_weights: int, all_whole: bool
+):
     """What every rank of a remote block-FP8 update (``fp8_remote.remote_fp8_job``) must
     find: each engine rank quantized its ``fp8_weights`` e4m3 weights, every parameter
     equals SGLang's load, only the FP8 KV-cache scales are not written, each rank received
     exactly its plan's bound, which is the quantized lower bound counted block by block
-    where no round boundary cuts a block, and the trainer sent what the engines received."""
+    where no round boundary cuts a block, and the trainer sent what the engines received.
+    ``all_whole``: every block lies whole on one trainer rank (e4m3 and scales only)."""
     sent = sum(r["sent"] for r in results[:trainers])
     # what every trainer rank heard at join: each engine's block-FP8 weights over its TP
     # ranks (a delta report names them)
@@ -350,7 +398,7 @@ def check_remote_fp8(results, trainers: int, engines, bucket: int, fp8_weights: 
             # half a bucket, is admitted into empty staging whatever its size)
             assert r["staging_peak"] < r["received"], r
         fp8_in_bf16 = r["received"] - r["quantized_received"] - r["unquantized_bytes"]
-        if trainers == 2:  # every block whole on one trainer rank
+        if all_whole:  # every block whole on one trainer rank
             assert r["blocks_at_sender"] > 0 and r["received"] < 0.6 * bf16_way, r
             if bucket == ONE_WINDOW:
                 assert fp8_in_bf16 == 0, r
@@ -457,17 +505,9 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
 def test_deepseek_v3_remote_fp8_engines_equal_sglang_load(deepseek):
     """Remote DeepSeek-V3-shaped block-FP8 engines of TP 1 and 2 in one weight-sync group,
     from 3 trainer ranks whose shards cut 128-blocks: as ``test_remote_fp8_engines_equal_sglang_load``."""
-    bf16, loads = deepseek
     engines = (("e0", 1), ("e1", 2))
-    job = dict(
-        port=free_port(),
-        trainers=3,
-        engines=[list(e) for e in engines],
-        bucket=ONE_WINDOW,
-        staging=REMOTE_STAGING,
-    )
-    results = run_ranks(6, remote_fp8_job, job, str(bf16), loads, timeout=300)
-    check_remote_fp8(results, 3, engines, ONE_WINDOW, DEEPSEEK_FP8)
+    results = remote_update(deepseek, 3, engines, ONE_WINDOW)
+    check_remote_fp8(results, 3, engines, ONE_WINDOW, DEEPSEEK_FP8, False)
 
 
 REFUSED = {
