@@ -413,21 +413,35 @@ def check_remote_fp8(
 
 
 # A DeepSeek-V3-shaped model in block FP8 (``fp8_cases.DEEPSEEK``: MLA, a dense first layer,
-# 8 routed experts and a shared expert; 4 decoder layers). Its e4m3 weights: per layer the
-# fused q_a + kv_a (``fused_qkv_a_proj_with_mqa``, 320 rows: kv_a's 192 end in a ragged
-# block), q_b, kv_b and o; the dense layer's gate_up and down; each MoE layer's experts'
-# w13 and w2 and the shared expert's gate_up and down
-DEEPSEEK_FP8 = 4 * 4 + 2 + 3 * 4
+# 8 routed experts and a shared expert; 4 decoder layers), its shared expert a layer of its
+# own (as SGLang builds it on CPU) or fused into the experts as a ninth (as on CUDA GPUs,
+# ``num_fused_shared_experts``: ``enforce_shared_experts_fusion`` here). Its e4m3 weights:
+# per layer the fused q_a + kv_a (``fused_qkv_a_proj_with_mqa``, 320 rows: kv_a's 192 end in
+# a ragged block), q_b, kv_b and o; the dense layer's gate_up and down; each MoE layer's
+# experts' w13 and w2, and the shared expert's gate_up and down where it is not fused
+DEEPSEEK_VARIANTS = {
+    "shared": ({}, 4 * 4 + 2 + 3 * 4),
+    "fused_shared": ({"enforce_shared_experts_fusion": True}, 4 * 4 + 2 + 3 * 2),
+}
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
+def deepseek_bf16(tmp_path_factory):
     work = tmp_path_factory.mktemp("fp8-deepseek")
     bf16, _ = tiny_models.make_tiny_model(
         "deepseek_v3", work / "bf16", seed=3, **DEEPSEEK
     )
-    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
-    return bf16, sglang_fp8_load(fp8, bf16, [(1, 0), (2, 0), (2, 1)], work)
+    return bf16, write_fp8_checkpoint(bf16, work / "fp8")
+
+
+@pytest.fixture(scope="module", params=sorted(DEEPSEEK_VARIANTS))
+def deepseek(request, deepseek_bf16, tmp_path_factory):
+    """(BF16 checkpoint, SGLang's loads at TP 1 and 2, e4m3 weights per engine rank)."""
+    bf16, fp8 = deepseek_bf16
+    server_args, fp8_weights = DEEPSEEK_VARIANTS[request.param]
+    work = tmp_path_factory.mktemp(f"fp8-deepseek-{request.param}")
+    cases = [(1, 0), (2, 0), (2, 1)]
+    return bf16, sglang_fp8_load(fp8, bf16, cases, work, server_args), fp8_weights
 
 
 def test_deepseek_v3_fp8_derived_state_equals_a_fresh_load(deepseek):
@@ -441,7 +455,7 @@ def test_deepseek_v3_fp8_derived_state_equals_a_fresh_load(deepseek):
     every rank of TP 1 and 2 after the loaded parameters are written back. ``w_kc`` and
     ``w_vc`` keep their storage; ``w_scale`` is a new tensor after each post-load step (SGLang
     assigns it), with the same bits."""
-    _, loads = deepseek
+    _, loads, fp8_weights = deepseek
     mla = {
         f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("w_kc", "w_vc")
     }
@@ -455,7 +469,7 @@ def test_deepseek_v3_fp8_derived_state_equals_a_fresh_load(deepseek):
         assert refresh["differ"] == [] and refresh["replaced"] == sorted(scales), key
     e = loads[(1, 0)]["engine"]
     assert e["provenance"] == [] and e["refusals"] == [], e
-    assert e["quantized"] == DEEPSEEK_FP8 and not e["differ"] and not e["moved"], e
+    assert e["quantized"] == fp8_weights and not e["differ"] and not e["moved"], e
     side, regions = e["trainer_side"], e["trainer_side"]["regions"]
     assert not side["problems"] and not side["differ"], side
     assert not regions["problems"] and not regions["differ"], regions
@@ -483,10 +497,10 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
     reference-quantized checkpoint, and each engine rank receives exactly the quantized lower
     bound counted block by block from the trainer's shards (engine-side) or its plan's bound
     (trainer-side)."""
-    bf16, loads = deepseek
+    bf16, loads, fp8_weights = deepseek
     results = run_ranks(world, update_rank, tp, str(bf16), loads, 1 << 30)
     for rank, r in enumerate(results):
-        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_FP8, r
+        assert r["quantized"] == r["fp8_live"] == fp8_weights, r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
         assert all(n.endswith(("k_scale", "v_scale")) for n in r["not_written"]), r
         assert r["received"] == r["lower_bound"] == r["planned"], r
@@ -506,8 +520,8 @@ def test_deepseek_v3_remote_fp8_engines_equal_sglang_load(deepseek):
     """Remote DeepSeek-V3-shaped block-FP8 engines of TP 1 and 2 in one weight-sync group,
     from 3 trainer ranks whose shards cut 128-blocks: as ``test_remote_fp8_engines_equal_sglang_load``."""
     engines = (("e0", 1), ("e1", 2))
-    results = remote_update(deepseek, 3, engines, ONE_WINDOW)
-    check_remote_fp8(results, 3, engines, ONE_WINDOW, DEEPSEEK_FP8, False)
+    results = remote_update(deepseek[:2], 3, engines, ONE_WINDOW)
+    check_remote_fp8(results, 3, engines, ONE_WINDOW, deepseek[2], False)
 
 
 REFUSED = {

@@ -30,7 +30,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -248,7 +248,7 @@ def _derived_refresh(model, expected_computed) -> dict:
 
 
 def run_job(job: dict, out_path: str) -> None:
-    """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...]}. Writes ``torch.save({(T, r):
+    """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...], "server_args": {...}}. Writes ``torch.save({(T, r):
     {"checksums", "live", "derived", "post_load_idempotent", "post_load_changed",
     "post_load_replaced", "computed", "refresh"}})``: ``computed`` the checksums of what SGLang
     derived after loading (``computed``), ``refresh`` what ``_derived_refresh`` found."""
@@ -273,7 +273,7 @@ def run_job(job: dict, out_path: str) -> None:
     layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(fp8))
     out = {}
     for tp, rank in job["cases"]:
-        with sglang_fakes.fake_engine_rank(tp, rank):
+        with sglang_fakes.fake_engine_rank(tp, rank, **job.get("server_args", {})):
             model_config, _ = sglang_fakes.sglang_model_config(fp8, "default", tp)
             model = _build_quantized(model_config)
             with torch.no_grad():
@@ -561,11 +561,15 @@ def _trainer_side_regions(
     }
 
 
-def sglang_fp8_load(fp8: Path, bf16: Path, cases, work: Path) -> dict:
-    """``run_job`` in a worker process on the platform-neutral branch."""
+def sglang_fp8_load(
+    fp8: Path, bf16: Path, cases, work: Path, server_args: Optional[dict] = None
+) -> dict:
+    """``run_job`` in a worker process on the platform-neutral branch; ``server_args``: the
+    engine's other server arguments (``enforce_shared_experts_fusion``)."""
     import sglang_fakes
 
     job = {"fp8": str(fp8), "bf16": str(bf16), "cases": [list(c) for c in cases]}
+    job["server_args"] = dict(server_args or {})
     job_path, out_path = work / "fp8-job.json", work / "fp8-out.pt"
     job_path.write_text(json.dumps(job))
     sglang_fakes.run_worker([__file__, job_path, out_path], "default")
