@@ -495,21 +495,24 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
     paths: every parameter (e4m3 weights, scales, the unquantized router, its
     ``e_score_correction_bias``, norms and embeddings) equals SGLang's load of the
     reference-quantized checkpoint, and each engine rank receives exactly the quantized lower
-    bound counted block by block from the trainer's shards (engine-side) or its plan's bound
-    (trainer-side)."""
+    bound counted block by block from the trainer's shards (engine-side, rounds of a 64 KiB
+    bucket, no rank staging more) or its plan's bound (trainer-side, one window: the
+    per-rank planner's windows would cut blocks)."""
     bf16, loads, fp8_weights = deepseek
-    results = run_ranks(world, update_rank, tp, str(bf16), loads, 1 << 30)
+    bucket = BUCKET if world == tp else 1 << 30
+    results = run_ranks(world, update_rank, tp, str(bf16), loads, bucket)
     for rank, r in enumerate(results):
         assert r["quantized"] == r["fp8_live"] == fp8_weights, r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
         assert all(n.endswith(("k_scale", "v_scale")) for n in r["not_written"]), r
         assert r["received"] == r["lower_bound"] == r["planned"], r
         if world != tp:  # trainer-side: both kinds reach the engine rank
+            assert r["peak"] <= r["staging_bound"], r
             assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
             assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
             assert r["fp8_buffers"] == 0, r
             continue
-        assert r["received"] == r["counted"], r
+        assert r["received"] == r["counted"] and r["peak"] <= BUCKET, r
         if world == 2:
             assert r["blocks_received_quantized"] > 0, r
             assert r["blocks_quantized_here"] > 0 and r["fp8_staging_bytes"] > 0, r
