@@ -519,6 +519,26 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
             assert r["received"] < r["bf16_lower_bound"], r
 
 
+def test_deepseek_v3_engine_weight_sync_stages_only_cut_blocks(deepseek, tmp_path):
+    """``EngineWeightSync``'s own steps (``_validate``, ``_agree``, ``_write``) on 2 engine
+    ranks of the DeepSeek-V3-shaped block-FP8 engine, each fed the ``Shard(0)`` chunk of the
+    trainer rank beside it: every parameter equals SGLang's load, each rank receives the cut
+    plan's bound, and only the fused ``q_a`` + ``kv_a`` (whose 128 and 192 rows the chunks
+    cut at 64 and 96) is staged in bf16, in each of the 4 layers."""
+    bf16, loads, _ = deepseek
+    channel = tmp_path / "sglang-weights-fp8"
+    channel.mkdir(mode=0o700)
+    fused = [
+        f"model.layers.{i}.self_attn.fused_qkv_a_proj_with_mqa.weight" for i in range(4)
+    ]
+    for rank, r in enumerate(
+        run_ranks(2, engine_sync_rank, str(bf16), loads, str(channel))
+    ):
+        assert not r["problems"] and not r["differ"], (rank, r)
+        assert r["figures"]["received"] == r["figures"]["lower_bound"] > 0, r
+        assert r["staged"] == fused and r["cut_cached"], r
+
+
 def test_deepseek_v3_remote_fp8_engines_equal_sglang_load(deepseek):
     """Remote DeepSeek-V3-shaped block-FP8 engines of TP 1 and 2 in one weight-sync group,
     from 3 trainer ranks whose shards cut 128-blocks: as ``test_remote_fp8_engines_equal_sglang_load``."""
