@@ -21,6 +21,7 @@ from fp8_cases import (
     SPECS,
     engine_sync_rank,
     sglang_fp8_load,
+    sglang_fp8_loads,
     update_rank,
     write_fp8_checkpoint,
 )
@@ -426,22 +427,23 @@ DEEPSEEK_VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def deepseek_bf16(tmp_path_factory):
+def deepseek_loads(tmp_path_factory):
+    """The BF16 checkpoint and SGLang's loads at TP 1 and 2 of every variant (one worker)."""
     work = tmp_path_factory.mktemp("fp8-deepseek")
     bf16, _ = tiny_models.make_tiny_model(
         "deepseek_v3", work / "bf16", seed=3, **DEEPSEEK
     )
-    return bf16, write_fp8_checkpoint(bf16, work / "fp8")
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
+    variants = {name: args for name, (args, _) in DEEPSEEK_VARIANTS.items()}
+    cases = [(1, 0), (2, 0), (2, 1)]
+    return bf16, sglang_fp8_loads(fp8, bf16, cases, work, variants)
 
 
 @pytest.fixture(scope="module", params=sorted(DEEPSEEK_VARIANTS))
-def deepseek(request, deepseek_bf16, tmp_path_factory):
+def deepseek(request, deepseek_loads):
     """(BF16 checkpoint, SGLang's loads at TP 1 and 2, e4m3 weights per engine rank)."""
-    bf16, fp8 = deepseek_bf16
-    server_args, fp8_weights = DEEPSEEK_VARIANTS[request.param]
-    work = tmp_path_factory.mktemp(f"fp8-deepseek-{request.param}")
-    cases = [(1, 0), (2, 0), (2, 1)]
-    return bf16, sglang_fp8_load(fp8, bf16, cases, work, server_args), fp8_weights
+    bf16, loads = deepseek_loads
+    return bf16, loads[request.param], DEEPSEEK_VARIANTS[request.param][1]
 
 
 def test_deepseek_v3_fp8_derived_state_equals_a_fresh_load(deepseek):

@@ -30,7 +30,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -248,23 +248,19 @@ def _derived_refresh(model, expected_computed) -> dict:
 
 
 def run_job(job: dict, out_path: str) -> None:
-    """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...], "server_args": {...}}. Writes ``torch.save({(T, r):
-    {"checksums", "live", "derived", "post_load_idempotent", "post_load_changed",
-    "post_load_replaced", "computed", "refresh"}})``: ``computed`` the checksums of what SGLang
-    derived after loading (``computed``), ``refresh`` what ``_derived_refresh`` found."""
+    """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...], "variants": {name: server
+    args}}. Writes ``torch.save({name: {(T, r): {"checksums", "live", "derived",
+    "post_load_idempotent", "post_load_changed", "post_load_replaced", "computed",
+    "refresh"}}})``: each variant's engine ranks built with its server arguments;
+    ``computed`` the checksums of what SGLang derived after loading (``computed``),
+    ``refresh`` what ``_derived_refresh`` found."""
     import sglang_fakes
 
     sglang_fakes._provide_vllm_rotary_import()
     import transformers
     from safetensors.torch import load_file
 
-    from sglang.srt.weight_sync.derive.derived_targets import (
-        build_meta_model,
-        checkpoint_layout,
-        derive_rank,
-    )
-    from sglang.srt.weight_sync.fp8_targets import derivation_config
-    from sglang.srt.weight_sync.sglang_compat import after_load
+    from sglang.srt.weight_sync.derive.derived_targets import checkpoint_layout
 
     fp8, bf16 = Path(job["fp8"]), Path(job["bf16"])
     full = load_file(str(fp8 / "model.safetensors"))
@@ -272,8 +268,25 @@ def run_job(job: dict, out_path: str) -> None:
     # trainer holds them) and the unquantized twin of its model config
     layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(fp8))
     out = {}
-    for tp, rank in job["cases"]:
-        with sglang_fakes.fake_engine_rank(tp, rank, **job.get("server_args", {})):
+    for name, server_args in job["variants"].items():
+        out[name] = _load_ranks(job["cases"], server_args, fp8, bf16, full, layout)
+    torch.save(out, out_path)
+
+
+def _load_ranks(cases, server_args: dict, fp8: Path, bf16: Path, full, layout) -> dict:
+    """``run_job``'s answer for one variant: SGLang's load at each (T, r) of ``cases``."""
+    import sglang_fakes
+
+    from sglang.srt.weight_sync.derive.derived_targets import (
+        build_meta_model,
+        derive_rank,
+    )
+    from sglang.srt.weight_sync.fp8_targets import derivation_config
+    from sglang.srt.weight_sync.sglang_compat import after_load
+
+    out = {}
+    for tp, rank in cases:
+        with sglang_fakes.fake_engine_rank(tp, rank, **server_args):
             model_config, _ = sglang_fakes.sglang_model_config(fp8, "default", tp)
             model = _build_quantized(model_config)
             with torch.no_grad():
@@ -304,7 +317,7 @@ def run_job(job: dict, out_path: str) -> None:
                     out[(tp, rank)]["checksums"],
                     derived_sums,
                 )
-    torch.save(out, out_path)
+    return out
 
 
 def _engine_update(
@@ -561,15 +574,21 @@ def _trainer_side_regions(
     }
 
 
-def sglang_fp8_load(
-    fp8: Path, bf16: Path, cases, work: Path, server_args: Optional[dict] = None
-) -> dict:
-    """``run_job`` in a worker process on the platform-neutral branch; ``server_args``: the
-    engine's other server arguments (``enforce_shared_experts_fusion``)."""
+def sglang_fp8_load(fp8: Path, bf16: Path, cases, work: Path) -> dict:
+    """``run_job`` in a worker process on the platform-neutral branch: SGLang's load at each
+    (T, r) of ``cases``."""
+    return sglang_fp8_loads(fp8, bf16, cases, work, {"": {}})[""]
+
+
+def sglang_fp8_loads(
+    fp8: Path, bf16: Path, cases, work: Path, variants: Dict[str, dict]
+) -> Dict[str, dict]:
+    """``sglang_fp8_load`` for each of ``variants`` (name: the engine's other server
+    arguments, e.g. ``enforce_shared_experts_fusion``), in one worker process."""
     import sglang_fakes
 
     job = {"fp8": str(fp8), "bf16": str(bf16), "cases": [list(c) for c in cases]}
-    job["server_args"] = dict(server_args or {})
+    job["variants"] = {name: dict(args) for name, args in variants.items()}
     job_path, out_path = work / "fp8-job.json", work / "fp8-out.pt"
     job_path.write_text(json.dumps(job))
     sglang_fakes.run_worker([__file__, job_path, out_path], "default")
