@@ -19,7 +19,10 @@ OUT``) and also derives each rank's targets from the BF16 checkpoint (the pieces
 * ``write_fp8_checkpoint``: the BF16 checkpoint quantized by the reference quantizer
   (``fp8_quant``), with the ``quantization_config`` verl's FP8 rollout gives SGLang.
 * ``sglang_fp8_load``: the worker's answer per (T, rank): parameter checksums, live shapes and
-  dtypes, derived targets, and whether SGLang's post-load step is idempotent there.
+  dtypes, derived targets, whether SGLang's post-load step is idempotent there, and what
+  SGLang derives after loading (MLA's ``w_kc``/``w_vc``) before and after it runs again on
+  weights written in place; ``sglang_fp8_loads`` the same for several sets of server
+  arguments in one worker.
 * ``update_rank``: one rank of a gloo world: FSDP2 shards of the BF16 weights -> plan ->
   execute into staging -> quantize into the FP8 parameters; checksums and byte counts.
 """
