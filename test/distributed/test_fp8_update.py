@@ -434,9 +434,11 @@ def deepseek_loads(tmp_path_factory):
         "deepseek_v3", work / "bf16", seed=3, **DEEPSEEK
     )
     fp8 = write_fp8_checkpoint(bf16, work / "fp8")
-    variants = {name: args for name, (args, _) in DEEPSEEK_VARIANTS.items()}
     cases = [(1, 0), (2, 0), (2, 1)]
-    return bf16, sglang_fp8_loads(fp8, bf16, cases, work, variants)
+    variants = {name: (args, cases) for name, (args, _) in DEEPSEEK_VARIANTS.items()}
+    # expert parallelism: each of TP 2's ranks holds 4 whole experts (``moe_ep_size`` 2)
+    variants["ep2"] = ({"moe_ep_size": 2}, [(2, 0), (2, 1)])
+    return bf16, sglang_fp8_loads(fp8, bf16, work, variants)
 
 
 @pytest.fixture(scope="module", params=sorted(DEEPSEEK_VARIANTS))
@@ -519,6 +521,25 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
             assert r["blocks_received_quantized"] > 0, r
             assert r["blocks_quantized_here"] > 0 and r["fp8_staging_bytes"] > 0, r
             assert r["received"] < r["bf16_lower_bound"], r
+
+
+def test_deepseek_v3_fp8_expert_parallel_engine_side(deepseek_loads):
+    """The DeepSeek-V3-shaped block-FP8 engine at TP 2 with expert parallelism 2 (each rank
+    holds 4 of the 8 routed experts whole, ``w13_weight`` (4, 512, 256)), engine-side from 2
+    FSDP2 ranks: every parameter equals SGLang's load, and each rank receives exactly the
+    quantized lower bound counted block by block."""
+    bf16, loads = deepseek_loads
+    loads = loads["ep2"]
+    assert loads[(2, 0)]["live"]["model.layers.1.mlp.experts.w13_weight"][0] == (
+        4,
+        512,
+        256,
+    )
+    for rank, r in enumerate(run_ranks(2, update_rank, 2, str(bf16), loads, BUCKET)):
+        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_VARIANTS["shared"][1], r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert r["received"] == r["lower_bound"] == r["counted"] < r["bf16_lower_bound"]
+        assert r["peak"] <= BUCKET, r
 
 
 def test_deepseek_v3_engine_weight_sync_stages_only_cut_blocks(deepseek, tmp_path):

@@ -168,10 +168,8 @@ def _post_load_idempotent(model) -> Tuple[bool, Sequence[str], Sequence[str]]:
     before = {
         n: (p.detach().clone(), p.data_ptr()) for n, p in model.named_parameters()
     }
-    derived = {
-        n: (t.clone(), t.untyped_storage().data_ptr())
-        for n, t in computed(model).items()
-    }
+    # each derived tensor itself too, kept alive so that its storage is not handed on
+    derived = {n: (t.clone(), t) for n, t in computed(model).items()}
     with torch.no_grad():
         after_update(model)
     changed = [
@@ -191,7 +189,8 @@ def _post_load_idempotent(model) -> Tuple[bool, Sequence[str], Sequence[str]]:
     replaced = sorted(
         n
         for n, t in now.items()
-        if n in derived and t.untyped_storage().data_ptr() != derived[n][1]
+        if n in derived
+        and t.untyped_storage().data_ptr() != derived[n][1].untyped_storage().data_ptr()
     )
     same = set(before) == {n for n, _ in model.named_parameters()}
     return not changed and same and set(derived) == set(now), changed, replaced
@@ -231,7 +230,9 @@ def _derived_refresh(model, expected_computed) -> dict:
     from sglang.srt.weight_sync.sglang_compat import after_update
 
     loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
-    storages = {n: t.untyped_storage().data_ptr() for n, t in computed(model).items()}
+    # the derived tensors themselves, kept alive: a storage freed by a post-load step that
+    # assigns a new tensor could be handed to the next one, which would look kept
+    before = computed(model)
     stale = _scramble(model, expected_computed)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -245,14 +246,15 @@ def _derived_refresh(model, expected_computed) -> dict:
         "replaced": sorted(
             n
             for n, t in now.items()
-            if t.untyped_storage().data_ptr() != storages.get(n)
+            if n not in before
+            or t.untyped_storage().data_ptr() != before[n].untyped_storage().data_ptr()
         ),
     }
 
 
 def run_job(job: dict, out_path: str) -> None:
-    """``job``: {"fp8": dir, "bf16": dir, "cases": [[T, r], ...], "variants": {name: server
-    args}}. Writes ``torch.save({name: {(T, r): {"checksums", "live", "derived",
+    """``job``: {"fp8": dir, "bf16": dir, "variants": {name: [server args, [[T, r], ...]]}}.
+    Writes ``torch.save({name: {(T, r): {"checksums", "live", "derived",
     "post_load_idempotent", "post_load_changed", "post_load_replaced", "computed",
     "refresh"}}})``: each variant's engine ranks built with its server arguments;
     ``computed`` the checksums of what SGLang derived after loading (``computed``),
@@ -271,8 +273,8 @@ def run_job(job: dict, out_path: str) -> None:
     # trainer holds them) and the unquantized twin of its model config
     layout = checkpoint_layout(transformers.AutoConfig.from_pretrained(fp8))
     out = {}
-    for name, server_args in job["variants"].items():
-        out[name] = _load_ranks(job["cases"], server_args, fp8, bf16, full, layout)
+    for name, (server_args, cases) in job["variants"].items():
+        out[name] = _load_ranks(cases, server_args, fp8, bf16, full, layout)
     torch.save(out, out_path)
 
 
@@ -580,18 +582,22 @@ def _trainer_side_regions(
 def sglang_fp8_load(fp8: Path, bf16: Path, cases, work: Path) -> dict:
     """``run_job`` in a worker process on the platform-neutral branch: SGLang's load at each
     (T, r) of ``cases``."""
-    return sglang_fp8_loads(fp8, bf16, cases, work, {"": {}})[""]
+    return sglang_fp8_loads(fp8, bf16, work, {"": ({}, cases)})[""]
 
 
 def sglang_fp8_loads(
-    fp8: Path, bf16: Path, cases, work: Path, variants: Dict[str, dict]
+    fp8: Path, bf16: Path, work: Path, variants: Dict[str, Tuple[dict, Sequence]]
 ) -> Dict[str, dict]:
     """``sglang_fp8_load`` for each of ``variants`` (name: the engine's other server
-    arguments, e.g. ``enforce_shared_experts_fusion``), in one worker process."""
+    arguments, e.g. ``enforce_shared_experts_fusion`` or ``moe_ep_size``, and the (T, r)
+    cases), in one worker process."""
     import sglang_fakes
 
-    job = {"fp8": str(fp8), "bf16": str(bf16), "cases": [list(c) for c in cases]}
-    job["variants"] = {name: dict(args) for name, args in variants.items()}
+    job = {"fp8": str(fp8), "bf16": str(bf16)}
+    job["variants"] = {
+        name: [dict(args), [list(c) for c in cases]]
+        for name, (args, cases) in variants.items()
+    }
     job_path, out_path = work / "fp8-job.json", work / "fp8-out.pt"
     job_path.write_text(json.dumps(job))
     sglang_fakes.run_worker([__file__, job_path, out_path], "default")
