@@ -385,7 +385,7 @@ def check_remote_fp8(
     for rank, r in enumerate(results[trainers:], start=trainers):
         assert r["quantized"] == fp8_weights and r["released"], r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
-        assert all(n.endswith(("k_scale", "v_scale")) for n in r["not_written"]), r
+        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
         assert not r["unchanged"], r
         bf16_way = (
             r["staged_bytes"] + r["unquantized_bytes"]
@@ -508,7 +508,7 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
     for rank, r in enumerate(results):
         assert r["quantized"] == r["fp8_live"] == fp8_weights, r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
-        assert all(n.endswith(("k_scale", "v_scale")) for n in r["not_written"]), r
+        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
         assert r["received"] == r["lower_bound"] == r["planned"], r
         if world != tp:  # trainer-side: both kinds reach the engine rank
             assert r["peak"] <= r["staging_bound"], r
