@@ -59,6 +59,44 @@ def _fds() -> int:
     return len(os.listdir(f"/proc/{os.getpid()}/fd"))
 
 
+def test_a_kept_description_stands_for_its_dtypes_views_and_header(pair):
+    """``send``'s ``layout`` (the trainer's kept description): while it is the same object
+    the shards' dtypes, their views in the segment and the header are the last send's,
+    with the new values in them; when the engine's dtypes change the casts follow at
+    once, and another description object lays the shards out anew."""
+    channel, receiver, sender = pair
+    w, b = torch.randn(8, 4), torch.randn(4)
+    shards = [("w", w, _full(w)), ("b", b, _full(b))]
+    described, other = object(), object()
+
+    def update(i, layout, bump=0.0):
+        shards[0] = ("w", w + bump, shards[0][2])
+        sender.send(f"u{i}", 0, {0: 0}, shards, layout=layout)
+        payload = receiver.receive(channel, f"u{i}", timeout_s=30)
+        got = {n: t.clone() for n, t in payload.tensors.items()}
+        del payload
+        sender.release()
+        return got
+
+    first = update(0, described)
+    assert first["w"].dtype == torch.float32 and torch.equal(first["w"], w)
+    views, built = sender._segment._views, sender._header[1]
+    second = update(1, described, 1.0)
+    assert torch.equal(second["w"], w + 1.0) and torch.equal(second["b"], b)
+    assert sender._segment._views is views and sender._header[1] is built
+    write_dtypes(channel, 0, "layout", {"w": torch.bfloat16})  # the engine's dtypes
+    third = update(2, described, 2.0)
+    assert third["w"].dtype == torch.bfloat16
+    assert torch.equal(third["w"], (w + 2.0).bfloat16())
+    assert sender._segment._views is not views and sender._header[1] is not built
+    views, built = sender._segment._views, sender._header[1]
+    assert torch.equal(update(3, described, 3.0)["w"], (w + 3.0).bfloat16())
+    assert sender._segment._views is views and sender._header[1] is built
+    fourth = update(4, other, 4.0)  # another description: laid out and built anew
+    assert torch.equal(fourth["w"], (w + 4.0).bfloat16())
+    assert sender._header[1] is not built
+
+
 def _segment_fds() -> int:
     """This process's descriptors of payload segments (memfds named for them)."""
     return sum("memfd:sglang-weights" in link for link in _links().values())

@@ -156,27 +156,33 @@ def local_shard(
 class _LayoutKey:
     """What a payload's layout in the segment is built from: the names, their spec objects
     (one per layout, ``MeshRanks``), the placements (the same object while the segment's
-    layout stays, ``ShardSender._share``) and the payload's kind, names and fingerprint."""
+    layout stays, ``ShardSender._share``) and the payload's kind, names and fingerprint.
+    ``layout``: what stood for the shards' names and spec objects (``ShardSender.send``'s
+    token), which decides when two keys have one."""
 
     names: List[str]
     specs: List[object]
     placed: list
     rest: tuple
+    layout: Optional[object] = None
 
     @classmethod
-    def of(cls, shards, shared, kind, names, fingerprint) -> _LayoutKey:
+    def of(cls, shards, shared, kind, names, fingerprint, layout) -> _LayoutKey:
         return cls(
-            [n for n, _, _ in shards],
-            [s for _, _, s in shards],
+            [] if layout is not None else [n for n, _, _ in shards],
+            [] if layout is not None else [s for _, _, s in shards],
             shared[1],
             (PayloadKind(kind), tuple(names), fingerprint),
+            layout,
         )
 
     def same(self, other: _LayoutKey) -> bool:
+        if self.placed is not other.placed or self.rest != other.rest:
+            return False
+        if self.layout is not None or other.layout is not None:
+            return self.layout is other.layout
         return (
-            self.placed is other.placed
-            and self.rest == other.rest
-            and self.names == other.names
+            self.names == other.names
             and len(self.specs) == len(other.specs)
             and all(a is b for a, b in zip(self.specs, other.specs))
         )
@@ -284,6 +290,9 @@ class ShardSender:
         # bytes the last payload carried inline, through the socket (CPU tensors that
         # shared memory did not carry: the engine had not bound its segment socket)
         self.inline_bytes = 0
+        # the last CPU send's description, the engine's dtypes it was cast for and the
+        # dtypes each shard travelled in (``send``'s ``layout``)
+        self._steady: Optional[Tuple[object, object, List[torch.dtype]]] = None
 
     def send(
         self,
@@ -296,13 +305,17 @@ class ShardSender:
         names: Sequence[str] = (),
         fingerprint: str = "",
         fp8_regions: Sequence[Fp8Region] = (),
+        layout: Optional[object] = None,
     ) -> None:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
         "params" payload); ``kind``, ``names``, ``fingerprint``, ``fp8_regions``: see
-        ``Payload``."""
+        ``Payload``. ``layout``: the description ``shards`` come from
+        (``source_layout.Described.sources``): the same object as the last send's stands
+        for the same names, specs and local shapes, so the dtypes, the segment's layout and
+        the header follow from the last send's instead of from each shard again."""
         tensors = [t for _, t, _ in shards]
-        inline = shared = None
+        inline = shared = token = None
         self._alive = []
         if any(t.is_cuda for t in tensors):
             # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
@@ -313,10 +326,23 @@ class ShardSender:
             frames = [MultiprocessingSerializer.serialize(self._alive)]
         else:
             wanted = self._dtypes.get()  # one look at the engine's file per payload
+            steady = self._steady
+            if (
+                layout is None
+                or steady is None
+                or steady[0] is not layout
+                or steady[1] is not wanted
+            ):
+                dtypes = [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards]
+                steady = self._steady = (
+                    (layout, wanted, dtypes) if layout is not None else None
+                )
+            # what stands for this send's names, specs, shapes and dtypes: the same object
+            # while they stay (a new one when the engine's dtypes change)
+            token = steady
             with torch.no_grad():  # copies of the values, never part of a graph
                 shared = self._share(
-                    tensors,
-                    [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards],
+                    tensors, steady[2] if steady is not None else dtypes, token
                 )
             if shared is not None:
                 frames = []
@@ -326,7 +352,7 @@ class ShardSender:
                 frames = [_inline_frame(t) for t in contiguous]
         self.inline_bytes = sum(f.nbytes for f in frames) if inline is not None else 0
         key = (  # a payload in the segment: its layout's header is built once
-            _LayoutKey.of(shards, shared, kind, names, fingerprint)
+            _LayoutKey.of(shards, shared, kind, names, fingerprint, token)
             if shared is not None and not pieces and not fp8_regions
             else None
         )
@@ -377,13 +403,19 @@ class ShardSender:
             return None
         return self._segment.allocate(shapes, dtypes)[0]
 
-    def _share(self, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]):
+    def _share(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dtypes: Sequence[torch.dtype],
+        token: Optional[object] = None,
+    ):
         """Put CPU ``tensors`` into the segment (copied and cast to ``dtypes``, unless they
         are the segment's own ``buffers``) and pass it to the engine rank: (segment id,
         placement per tensor) for the header, or None when the engine has not bound its
         segment socket yet (its first update on this channel) or shared memory is
         unavailable: then they go inline. The segment is written either way, so that the
-        next update finds its pages in place."""
+        next update finds its pages in place. ``token``: an object standing for the
+        tensors' shapes and ``dtypes``, the same while they stay (``send``), or None."""
         if not tensors or not hasattr(os, "memfd_create"):
             return None
         if self._segment.holds(tensors):
@@ -391,16 +423,20 @@ class ShardSender:
             fd = self._segment.fd
             offsets = self._segment.offsets
         else:
-            fd, offsets = self._segment.write(tensors, dtypes)
+            fd, offsets = self._segment.write(tensors, dtypes, token)
         segment_id = new_segment_id()
         if not send_segment(self._segment_path, segment_id, fd):
             self._segment.release()  # never reached the engine: free for the next send
             return None
         placed = self._placed  # the same offsets object: the segment's same layout
-        if placed is None or placed[0] is not offsets or placed[1] != list(dtypes):
+        if (
+            placed is None
+            or placed[0] is not offsets
+            or (placed[1] is not dtypes and placed[1] != list(dtypes))
+        ):
             placed = self._placed = (
                 offsets,
-                list(dtypes),
+                dtypes if token is not None else list(dtypes),
                 [
                     (str(d), list(t.shape), off)
                     for t, d, off in zip(tensors, dtypes, offsets)

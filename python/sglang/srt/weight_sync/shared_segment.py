@@ -115,24 +115,46 @@ class SegmentWriter:
         self._views: List[torch.Tensor] = []  # what ``allocate`` handed out last
         self.offsets: List[int] = []  # and where
         self._key: Optional[tuple] = None  # and for which shapes and dtypes
+        # the description they were laid out for (``allocate``'s ``described``), and
+        # whether every view holds bytes
+        self._described: Optional[object] = None
+        self._all_hold = False
+
+    def _reusable(self, described: Optional[object]) -> bool:
+        """Whether the last views serve ``described`` (see ``allocate``) as they are."""
+        return (
+            described is not None
+            and described is self._described
+            and self._free
+            and self._map is not None
+        )
 
     def allocate(
-        self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[torch.dtype]
+        self,
+        shapes: Optional[Sequence[Tuple[int, ...]]],
+        dtypes: Sequence[torch.dtype],
+        described: Optional[object] = None,
     ) -> Tuple[List[torch.Tensor], List[int]]:
         """Tensors of ``shapes`` and ``dtypes`` in the segment (a new one unless the last
         was released and is large enough), and their offsets; held until ``release`` or
         ``close``. A new segment's pages are allocated up front, so every byte counts as
-        held whether or not it is written."""
+        held whether or not it is written. ``described``: an object standing for
+        ``shapes`` and ``dtypes`` (``ShardSender.send``'s ``layout``): when it is the last
+        allocation's, so are the views, and ``shapes`` is not read (None will do)."""
+        if self._reusable(described):
+            self._free = False  # the same layout in the same segment: the same views
+            return self._views, self.offsets
         key = (list(map(tuple, shapes)), list(dtypes))
         if self._free and self._map is not None and key == self._key:
             self._free = False  # the same layout in the same segment: the same views
+            self._described = described
             return self._views, self.offsets
         offsets, size = layout(shapes, dtypes)
         if not (self._free and self._map is not None and len(self._map) >= size):
             self.close()
             self._open(max(size, 1))
         self._free = False
-        self._key = key
+        self._key, self._described = key, described
         views = []
         for shape, dtype, off in zip(shapes, dtypes, offsets):
             n = dtype.itemsize
@@ -140,6 +162,7 @@ class SegmentWriter:
                 n *= s
             views.append(self._bytes[off : off + n].view(dtype).view(shape))
         self._views, self.offsets = views, offsets
+        self._all_hold = all(v.numel() for v in views)
         return views, offsets
 
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -153,14 +176,23 @@ class SegmentWriter:
         self,
         tensors: Sequence[torch.Tensor],
         dtypes: Optional[Sequence[torch.dtype]] = None,
+        described: Optional[object] = None,
     ) -> Tuple[int, List[int]]:
         """Lay ``tensors`` out in the segment and copy them in, each cast to its entry of
-        ``dtypes`` (default: its own) on the way; returns the descriptor and the offsets."""
-        dtypes = list(dtypes) if dtypes is not None else [t.dtype for t in tensors]
-        views, offsets = self.allocate([tuple(t.shape) for t in tensors], dtypes)
-        pairs = [(view, t) for view, t in zip(views, tensors) if view.numel()]
-        if pairs:  # one multi-tensor copy: a MoE model's shards are tens of thousands
-            torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
+        ``dtypes`` (default: its own) on the way; returns the descriptor and the offsets.
+        ``described``: see ``allocate``."""
+        dtypes = dtypes if dtypes is not None else [t.dtype for t in tensors]
+        shapes = (
+            None if self._reusable(described) else [tuple(t.shape) for t in tensors]
+        )
+        views, offsets = self.allocate(shapes, dtypes, described)
+        # one multi-tensor copy: a MoE model's shards are tens of thousands
+        if self._all_hold and views:
+            torch._foreach_copy_(views, list(tensors))
+        else:
+            pairs = [(view, t) for view, t in zip(views, tensors) if view.numel()]
+            if pairs:
+                torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
         return self._fd, offsets
 
     @property
@@ -193,6 +225,7 @@ class SegmentWriter:
         """Drop the segment (an engine still mapping it keeps its pages until it lets go)."""
         self._bytes = None
         self._views, self.offsets, self._key = [], [], None
+        self._described, self._all_hold = None, False
         if self._map is not None:
             try:
                 self._map.close()

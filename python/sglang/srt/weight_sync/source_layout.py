@@ -44,6 +44,7 @@ from torch.distributed.tensor.placement_types import (
 from sglang.srt.weight_sync.box import Box
 
 __all__ = (
+    "Described",
     "Holder",
     "HoldersSpec",
     "LayoutError",
@@ -52,7 +53,6 @@ __all__ = (
     "MeshRanks",
     "MeshSpec",
     "SourceLayout",
-    "Described",
     "SourceTensor",
     "describe_mesh",
     "describe_specs",

@@ -362,12 +362,16 @@ def deliver(
     chan: TrainerChannel,
     shards: Shards,
     pieces: Optional[Mapping[str, HoldersSpec]] = None,
+    layout: Optional[SourceLayout] = None,
 ) -> str:
     """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
-    engine rank beside it; returns the update id."""
+    engine rank beside it; returns the update id. ``layout``: the description kept for
+    ``shards`` (``TrainerSync.described``: see ``ShardSender.send``)."""
     update_id = chan.next_update_id()
     _cuda_ipc_ready([t for _, t, _ in shards])
-    chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards, pieces)
+    chan.sender.send(
+        update_id, dist.get_rank(), chan.rank_map, shards, pieces, layout=layout
+    )
     return update_id
 
 
@@ -501,7 +505,7 @@ def update_flow(
             chan,
             sources,
             {n: t for n, t, _ in shards},
-            lambda: deliver(chan, shards),
+            lambda: deliver(chan, shards, layout=sources),
             mode,
             bucket_bytes,
             timeout_s,
@@ -750,8 +754,8 @@ def _open(
         chan.sender.send(
             update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
         )
-    success, message = yield ControlRequest(
-        update_id, chan.channel, chan.control, describe=True, clock=clock
+    success, message = yield ControlRequest(  # not final: no cache flush for it
+        update_id, chan.channel, chan.control, describe=True, final=False, clock=clock
     )
     if not success:
         logger.warning(

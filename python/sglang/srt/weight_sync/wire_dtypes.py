@@ -93,7 +93,8 @@ class DtypeFile:
         try:
             st = os.stat(self.path)
         except OSError:
-            self._stamp, self._dtypes = None, {}
+            if self._stamp is not None:  # the same (empty) dict while there is no file
+                self._stamp, self._dtypes = None, {}
             return self._dtypes
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
