@@ -334,16 +334,13 @@ class ShardSender:
                 or steady[1] is not wanted
             ):
                 dtypes = [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards]
-                steady = self._steady = (
-                    (layout, wanted, dtypes) if layout is not None else None
-                )
+                steady = (layout, wanted, dtypes)
+                self._steady = steady if layout is not None else None
             # what stands for this send's names, specs, shapes and dtypes: the same object
             # while they stay (a new one when the engine's dtypes change)
-            token = steady
+            token = steady if layout is not None else None
             with torch.no_grad():  # copies of the values, never part of a graph
-                shared = self._share(
-                    tensors, steady[2] if steady is not None else dtypes, token
-                )
+                shared = self._share(tensors, steady[2], token)
             if shared is not None:
                 frames = []
             else:
@@ -406,7 +403,7 @@ class ShardSender:
     def _share(
         self,
         tensors: Sequence[torch.Tensor],
-        dtypes: Sequence[torch.dtype],
+        dtypes: List[torch.dtype],
         token: Optional[object] = None,
     ):
         """Put CPU ``tensors`` into the segment (copied and cast to ``dtypes``, unless they
@@ -432,11 +429,11 @@ class ShardSender:
         if (
             placed is None
             or placed[0] is not offsets
-            or (placed[1] is not dtypes and placed[1] != list(dtypes))
+            or (placed[1] is not dtypes and placed[1] != dtypes)
         ):
             placed = self._placed = (
                 offsets,
-                dtypes if token is not None else list(dtypes),
+                dtypes,
                 [
                     (str(d), list(t.shape), off)
                     for t, d, off in zip(tensors, dtypes, offsets)

@@ -21,6 +21,7 @@ import functools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import (
+    Callable,
     Dict,
     Iterable,
     Iterator,
@@ -29,6 +30,7 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    TypeVar,
     Union,
 )
 
@@ -59,6 +61,7 @@ __all__ = (
 )
 
 NestedRanks = Union[int, Sequence["NestedRanks"]]
+T = TypeVar("T")
 
 
 class LayoutError(ValueError):
@@ -408,6 +411,17 @@ class Described:
     def current(self, sources: SourceLayout) -> bool:
         """Whether ``sources`` is the description kept (its ``memo`` then applies)."""
         return sources is self._sources
+
+    def remembered(
+        self, sources: SourceLayout, key: object, make: Callable[[], T]
+    ) -> T:
+        """``make()``, kept in ``memo`` under ``key`` while ``sources`` is the description
+        kept (computed each time for any other)."""
+        if not self.current(sources):
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
 
 class MeshRanks:

@@ -331,12 +331,11 @@ def described_side(
     mode: Mode = "auto",
 ) -> str:
     """``choose_side``, once per description kept in ``described`` and engines."""
-    if not described.current(sources):
-        return choose_side(sources, engine_groups, mode)
-    key = ("side", tuple(map(tuple, engine_groups)), mode)
-    if key not in described.memo:
-        described.memo[key] = choose_side(sources, engine_groups, mode)
-    return described.memo[key]
+    return described.remembered(
+        sources,
+        ("side", tuple(map(tuple, engine_groups)), mode),
+        lambda: choose_side(sources, engine_groups, mode),
+    )
 
 
 def choose_side(
@@ -738,6 +737,28 @@ def delivered_flow(
     )
 
 
+def _ask_to_describe(
+    chan: TrainerChannel, clock: PhaseClock, final: bool = True
+) -> Generator[ControlRequest, Reply, Reply]:
+    """A "describe" payload to the engine rank beside this rank, then the request that
+    makes the engine publish its layout into the channel; the engine's answer."""
+    update_id = chan.next_update_id()
+    with clock.phase(Phase.DELIVER):
+        chan.sender.send(
+            update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
+        )
+    return (
+        yield ControlRequest(
+            update_id,
+            chan.channel,
+            chan.control,
+            describe=True,
+            final=final,
+            clock=clock,
+        )
+    )
+
+
 def _open(
     chan: TrainerChannel, clock: PhaseClock
 ) -> Generator[ControlRequest, Reply, None]:
@@ -749,14 +770,8 @@ def _open(
     every tensor (seconds, at a MoE model's tensor count). Every rank of every group opens
     alike (its channel's first update, the world's data device); an engine that cannot
     answer is the update's to report, so a refusal here is only logged."""
-    update_id = chan.next_update_id()
-    with clock.phase(Phase.DELIVER):
-        chan.sender.send(
-            update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
-        )
-    success, message = yield ControlRequest(  # not final: no cache flush for it
-        update_id, chan.channel, chan.control, describe=True, final=False, clock=clock
-    )
+    # not final: the engine flushes no cache for it
+    success, message = yield from _ask_to_describe(chan, clock, final=False)
     if not success:
         logger.warning(
             "trainer rank %d: the engine did not open channel %s before the first update "
@@ -772,14 +787,7 @@ def _describe(
 ) -> Generator[ControlRequest, Reply, EngineManifest]:
     """Ask the engine to publish its layout; every trainer rank reads its engine rank's
     copy, and all must agree (one tiny all-reduce): engines are replicas of one layout."""
-    update_id = chan.next_update_id()
-    with clock.phase(Phase.DELIVER):
-        chan.sender.send(
-            update_id, dist.get_rank(), chan.rank_map, [], kind=PayloadKind.DESCRIBE
-        )
-    success, message = yield ControlRequest(
-        update_id, chan.channel, chan.control, describe=True, clock=clock
-    )
+    success, message = yield from _ask_to_describe(chan, clock)
     manifest, problem = None, message
     with clock.phase(Phase.DESCRIBE):
         if success:

@@ -602,12 +602,11 @@ class RemoteSync:
         self, specs: Mapping[str, Spec], sources: Optional[SourceLayout]
     ) -> Tuple[bytes, str]:
         """``SyncGroup.wire_of``, once per description ``described`` keeps."""
-        if sources is None or not self.described.current(sources):
-            return SyncGroup.wire_of(specs, sources)
-        memo = self.described.memo
-        if "wire" not in memo:
-            memo["wire"] = SyncGroup.wire_of(specs, sources)
-        return memo["wire"]
+        if sources is None:
+            return SyncGroup.wire_of(specs)
+        return self.described.remembered(
+            sources, "wire", lambda: SyncGroup.wire_of(specs, sources)
+        )
 
     def _broken(self, why: str) -> None:
         """Drop the epoch after a failed update: the next one forms a new epoch with the
