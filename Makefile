@@ -130,10 +130,12 @@ format: $(LINT_VENV)/.ready
 	$(LINT_VENV)/bin/ruff check --fix $(LINT_PATHS) || true
 	$(LINT_VENV)/bin/ruff format $(LINT_PATHS)
 
-# The change as a patch series against SGLang 0.5.23's own source tree (scripts/make_pr.py;
-# SGLANG_SRC=<checkout> uses a real git checkout): dist/pr/*.patch.
+# The change as a series of pull requests against SGLang 0.5.23's own source tree
+# (scripts/make_pr.py, scripts/pr_series.toml; SGLANG_SRC=<checkout> uses a real git checkout):
+# dist/pr/<nn>-<key>/. With the repo's venv installed, each pull request's modules are imported
+# from its own tree.
 pr: $(LINT_VENV)/.ready
-	python3 scripts/make_pr.py --lint-venv $(LINT_VENV)
+	python3 scripts/make_pr.py --lint-venv $(LINT_VENV) $(if $(wildcard $(VENV)/bin/python),--python $(VENV)/bin/python)
 
 clean:
 	rm -rf build dist

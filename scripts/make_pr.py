@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""Write the change as a patch series against SGLang's own source tree: ``make pr``.
+"""Write the change as a series of pull requests against SGLang's own source tree: ``make pr``.
 
 The wheel (scripts/build_wheel.py) is upstream + hook patches + our modules; upstream wants the
-same change as commits on its repository. This script builds that repository's tree for the
-primary base, commits the change on it one concern at a time, formats each commit with SGLang's
-pre-commit tools, and writes ``git format-patch`` output to ``dist/pr/``.
+same change as pull requests it can review one after another. ``scripts/pr_series.toml`` says
+which pull request adds each hook patch, module, test and doc, and what stays in this
+repository (release compatibility, VerlEngine, framework glue, test scaffolding, the
+simulator). This script builds SGLang's tree for the primary base, commits each pull request
+on it (its hook patches one commit each, then its modules, its tests, its docs), formats each
+commit with SGLang's pre-commit tools, and writes ``git format-patch`` output per pull request
+to ``dist/pr/<nn>-<key>/`` with its ``description.md`` (its section of docs/upstream-pr.md and
+its line counts).
 
 Base tree (a fresh git repository under build/pr/ on every run):
   * ``SGLANG_SRC=<path>``: a git checkout of sgl-project/sglang, cloned locally and checked out
@@ -15,23 +20,17 @@ Base tree (a fresh git repository under build/pr/ on every run):
     build_wheel.py uses: its ``sglang/`` package is the repository's ``python/sglang/`` (compiled
     ``.so`` files and the dist-info left out). Either way it is committed as the base.
 
-Commits on the base, in order:
-  1. each hook patch of ``patches/<base>/series`` (paths ``a/python/sglang/...``, so they apply
-     at the root of SGLang's tree), one commit each;
-  2. our new modules: the ``sglang.srt.weight_sync`` package, then ``entrypoints/verl_engine.py``;
-  3. the benchmark/simulator (``benchmark/weight_sync/``, where SGLang keeps benchmarks);
-  4. the tests, under ``test/manual/weight_sync/`` with the ``test/support`` helpers they import
-     (``test/registered/`` is for files that register a CI suite; ours run under pytest);
-     tests of the wheel product itself (its build, pins, the verl/AReaL release pins) are left out;
-  5. the docs, as Mintlify pages under ``docs/docs/advanced_features/``.
-
+Tests go under ``test/manual/weight_sync/`` (``test/registered/`` is for files that register a
+CI suite; ours run under pytest), docs as Mintlify pages under ``docs/docs/advanced_features/``.
 Each commit is formatted as SGLang's pre-commit does (trailing whitespace, end of file, isort,
 ruff --fix with the selected rules, ruff-format; the versions of scripts/requirements-lint.txt
-and the settings of .isort.cfg / ruff.toml, or the checkout's own), so the series passes it.
-Codespell and any ruff finding the fixes leave are reported, not hidden.
+and the settings of .isort.cfg / ruff.toml, or the checkout's own). Codespell and any ruff
+finding the fixes leave are reported, not hidden.
 
-Finally the series is verified: ``git am`` onto a second base made the same way must give the
-same tree. Prints one summary line. Usage: ``python3 scripts/make_pr.py [--lint-venv .venv-lint]``.
+Verified: each pull request's patches, applied with ``git am`` onto a second base after the
+previous ones, give the same tree; with ``--python`` (the repo's venv), every module of the
+pull requests so far is imported from that tree alone. Prints a table, one row per pull
+request. Usage: ``python3 scripts/make_pr.py [--lint-venv .venv-lint] [--python .venv/bin/python]``.
 """
 
 from __future__ import annotations
@@ -50,7 +49,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from build_wheel import read_series, upstream_wheel  # noqa: E402
+from build_wheel import upstream_wheel  # noqa: E402
+from pr_series import (  # noqa: E402
+    HOOKS,
+    Series,
+    hook_patches,
+    load_series,
+    package_modules,
+)
 
 BASE = "0.5.23"
 WORK = ROOT / "build" / "pr"
@@ -59,24 +65,10 @@ OUT = ROOT / "dist" / "pr"
 # Where our files go in SGLang's tree.
 TEST_DEST = "test/manual/weight_sync"
 DOCS_DEST = "docs/docs/advanced_features"
-# Tests of the wheel product itself, or of framework releases pinned by this repo's requirements.
-TESTS_LEFT_OUT = (
-    "unit/test_installed_wheel.py",
-    "unit/test_wheel_pins.py",
-    "e2e/test_verl_release.py",
-    "e2e/test_areal_release.py",
-)
-# Repo-relative paths spelled in code that move with the files (from, to): the benchmarks
-# name the test helpers, and a test two folders deeper finds the repository root two levels up.
-PATH_REWRITES = (
-    (' / "test" / "support"', ' / "test" / "manual" / "weight_sync" / "support"'),
-    (' / "test" / "unit"', ' / "test" / "manual" / "weight_sync" / "unit"'),
-)
+# Docs the pages link to each other by (their series names: ``doc_name``).
+DOC_NAMES = ("docs/usage.md", "docs/design.md", "docs/megatron.md", "docs/remote.md")
+# A test two folders deeper finds the repository root two levels up.
 TEST_REWRITES = ((".resolve().parents[2]", ".resolve().parents[4]"),)
-DOCS = (
-    ("docs/usage.md", "weight_sync.mdx"),
-    ("docs/design.md", "weight_sync_design.mdx"),
-)
 
 # The ruff hook's file filter in SGLang's pre-commit (it also skips __init__.py).
 RUFF_FILES = re.compile(
@@ -122,6 +114,11 @@ HOOK_MESSAGES = {
         "[RL] Tokenizer manager: refuse generation on mixed weights",
         "While a failed distributed update has left the weights mixed or unknown, generation\n"
         "requests are refused instead of answered from half-updated weights.",
+    ),
+    "weight-sync-group-remote-engines": (
+        "[RL] Weight-sync groups: join, update and leave for remote engines",
+        "Requests, routes and dispatch for engines on other GPUs and hosts;\n"
+        "weight_sync.utils.update_weights hands a group's request to the group.",
     ),
     "http-framework-routes": (
         "[RL] HTTP: the weight version, and the routes slime's build adds",
@@ -404,16 +401,6 @@ def copy(src: Path, dest: Path, rewrites: tuple[tuple[str, str], ...] = ()) -> N
         shutil.copy2(src, dest)
 
 
-def our_files(folder: Path) -> list[Path]:
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and "__pycache__" not in p.parts
-        and p.suffix not in (".pyc", ".pyo")
-    )
-
-
 def mdx(markdown: str) -> str:
     """A Markdown page as a Mintlify page: title into front matter; ``{``, ``}`` and ``<``
     outside code escaped, since MDX reads them as expressions and tags."""
@@ -434,9 +421,16 @@ def mdx(markdown: str) -> str:
     return f'---\ntitle: "{title}"\n---\n' + "\n".join(out).strip("\n") + "\n"
 
 
-def add_commits(tree: Path, tools: Tools) -> dict[str, list[str]]:
-    """Commit the change on ``tree``; return, per commit subject, the findings left."""
+def module_file(name: str) -> Path:
+    """A module's file by its name in the package (``derive`` is ``derive/__init__.py``)."""
+    return package_modules()[name]
+
+
+def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
+    """Commit each pull request of ``series`` on ``tree``, in order; return the findings left
+    per commit subject and, per pull request, (pr, first commit's parent, its last commit)."""
     left: dict[str, list[str]] = {}
+    ranges = []
 
     def step(subject: str, body: str) -> None:
         files = changed_files(tree)
@@ -447,71 +441,119 @@ def add_commits(tree: Path, tools: Tools) -> dict[str, list[str]]:
         commit(tree, subject, body)
         log(f"committed {subject} ({len(files)} files)")
 
-    for patch in read_series(ROOT / "patches" / BASE):
-        run(["git", "apply", "--whitespace=nowarn", str(patch)], tree)
-        stem = re.sub(r"^\d+-", "", patch.stem)
-        subject, body = HOOK_MESSAGES.get(
-            stem, (f"[RL] {stem.replace('-', ' ')}", f"Hook patch {patch.name}.")
-        )
-        step(subject, body + f"\n\nHook patch {patch.name} of the weight-sync series.")
-
+    order = hook_patches()
     pkg = ROOT / "python" / "sglang"
-    for src in our_files(pkg / "srt" / "weight_sync"):
-        copy(src, tree / "python" / "sglang" / src.relative_to(pkg))
-    step(
-        "[RL] sglang.srt.weight_sync: distributed weight updates",
-        "Describe -> plan -> execute -> apply: each trainer rank describes its local shards,\n"
-        "one planner computes every rank's transfers, the executor moves them rank to rank and\n"
-        "apply writes them into the engine's parameters. No full_tensor(), no rank-0 funnel.",
-    )
-    rest = [p for p in our_files(pkg) if "weight_sync" not in p.relative_to(pkg).parts]
-    for src in rest:
-        copy(src, tree / "python" / "sglang" / src.relative_to(pkg))
-    step(
-        "[RL] VerlEngine: keep verl's 0.4.7 contract on the distributed path",
-        "entrypoints/verl_engine.py routes update_weights_from_tensor through the distributed\n"
-        "update, with the same arguments verl passes.",
-    )
+    for pr in series.prs:
+        start = git(tree, "rev-parse", "HEAD").strip()
+        tag = f"[RL {pr.number}/{len(series.prs)}]"
+        for patch in sorted(pr.hooks, key=order.index):
+            run(["git", "apply", "--whitespace=nowarn", str(HOOKS / patch)], tree)
+            stem = re.sub(r"^\d+-", "", Path(patch).stem)
+            subject, body = HOOK_MESSAGES.get(
+                stem, (f"[RL] {stem.replace('-', ' ')}", f"Hook patch {patch}.")
+            )
+            subject = subject.replace("[RL]", tag)
+            step(subject, body + f"\n\nHook patch {patch} of the weight-sync series.")
+        if pr.modules:
+            for name in pr.modules:
+                src = module_file(name)
+                copy(src, tree / "python" / "sglang" / src.relative_to(pkg))
+            step(
+                f"{tag} sglang.srt.weight_sync: {pr.key}",
+                f"{pr.title}\n\nModules: " + ", ".join(pr.modules) + ".",
+            )
+        tests = [t for t in pr.tests if (ROOT / "test" / t).exists()]
+        if tests:
+            for rel in tests:
+                copy(ROOT / "test" / rel, tree / TEST_DEST / rel, TEST_REWRITES)
+            step(
+                f"{tag} Tests: {pr.key}",
+                f"Tests of this pull request under {TEST_DEST}/. Run from the repository "
+                f"root:\npython -m pytest {TEST_DEST} -q",
+            )
+        if pr.docs:
+            for src in pr.docs:
+                dest = tree / DOCS_DEST / doc_name(src)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                text = (ROOT / src).read_text()
+                for other in DOC_NAMES:
+                    text = text.replace(
+                        f"`{other}`", f"`{DOCS_DEST}/{doc_name(other)}`"
+                    )
+                dest.write_text(mdx(text))
+            step(f"{tag} Docs: {pr.key}", "Pages: " + ", ".join(pr.docs) + ".")
+        ranges.append((pr, start, git(tree, "rev-parse", "HEAD").strip()))
+        git(tree, "tag", "-f", f"pr-{pr.number}-{pr.key}")
+    return left, ranges
 
-    for src in our_files(ROOT / "benchmark" / "weight_sync"):
-        copy(
-            src,
-            tree
-            / "benchmark"
-            / "weight_sync"
-            / src.relative_to(ROOT / "benchmark" / "weight_sync"),
-            PATH_REWRITES,
+
+def doc_name(src: str) -> str:
+    """``docs/usage.md`` -> ``weight_sync.mdx``, ``docs/remote.md`` -> ``weight_sync_remote.mdx``."""
+    stem = Path(src).stem
+    return "weight_sync.mdx" if stem == "usage" else f"weight_sync_{stem}.mdx"
+
+
+def descriptions() -> dict[str, str]:
+    """Each pull request's description: its section of docs/upstream-pr.md (``### <key>: ...``
+    under "## The series"), after the page's opening (title and summary)."""
+    text = (ROOT / "docs" / "upstream-pr.md").read_text()
+    opening = text.split("\n## ", 1)[0].rstrip() + "\n"
+    found = {}
+    for part in text.split("\n### ")[1:]:
+        key, _, _ = part.partition(":")
+        body = part.split("\n## ", 1)[0]
+        found[key.strip()] = opening + "\n## This pull request: " + body.rstrip() + "\n"
+    return found
+
+
+def line_counts(tree: Path, start: str, end: str) -> dict[str, int]:
+    """Lines added by ``start..end``: code (python/), tests, docs, total."""
+    counts = {"code": 0, "tests": 0, "docs": 0}
+    for line in git(tree, "diff", "--numstat", f"{start}..{end}").splitlines():
+        added, _, path = line.split("\t", 2)
+        kind = (
+            "tests"
+            if path.startswith("test/")
+            else "docs"
+            if path.startswith("docs/")
+            else "code"
         )
-    step(
-        "[RL] benchmark/weight_sync: simulator and CPU runs",
-        "The simulator plans with the shipped planner and reports bytes moved per rank against\n"
-        "upstream's gathered path; the CPU runs drive real engines.",
-    )
+        counts[kind] += int(added) if added.isdigit() else 0
+    counts["total"] = sum(counts.values())
+    return counts
 
-    for src in our_files(ROOT / "test"):
-        rel = src.relative_to(ROOT / "test").as_posix()
-        if rel in TESTS_LEFT_OUT:
-            continue
-        copy(src, tree / TEST_DEST / rel, TEST_REWRITES)
-    step(
-        "[RL] Tests for distributed weight updates",
-        f"Unit, distributed (gloo ranks), end-to-end (real CPU engines) and reliability tiers under\n"
-        f"{TEST_DEST}/, with the helpers they import. Run from the repository root:\n"
-        f"python -m pytest {TEST_DEST} -q",
-    )
 
-    for src, name in DOCS:
-        dest = tree / DOCS_DEST / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        text = (ROOT / src).read_text()
-        for other, other_name in DOCS:
-            text = text.replace(f"`{other}`", f"`{DOCS_DEST}/{other_name}`")
-        dest.write_text(mdx(text))
-    step(
-        "[RL] Docs: distributed weight updates",
-        "How to use the distributed update from each entry point, and its design.",
+def stands_alone(tree: Path, tag: str, modules: list[str], python: str) -> list[str]:
+    """Import every module of ``modules`` from the tree at ``tag`` (with the CPU test
+    stand-ins on the path); return what fails, one line per module."""
+    at = fresh(WORK / "at" / tag)
+    at.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", tag, "python"], cwd=tree, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(at)], input=archive, check=True)
+    script = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module('sglang.srt.weight_sync.' + name)\n"
+        "    except Exception as e:\n"
+        "        print(f'{name}: {type(e).__name__}: {e}')\n"
     )
-    return left
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(at / "python"), str(ROOT / "test" / "support")]
+    )
+    r = subprocess.run(
+        [python, "-c", script, *modules],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=at,
+    )
+    return [line for line in r.stdout.splitlines() if line] + (
+        [f"exit {r.returncode}: {r.stderr[-400:]}"] if r.returncode else []
+    )
 
 
 # ---------------------------------------------------------------------------- main
@@ -531,6 +573,12 @@ def main() -> None:
         default=".venv-lint",
         help="venv with scripts/requirements-lint.txt",
     )
+    ap.add_argument(
+        "--python",
+        default=None,
+        help="a Python with torch and SGLang's dependencies (the repo's .venv): import each "
+        "pull request's modules from its own tree",
+    )
     args = ap.parse_args()
     bindir = (ROOT / args.lint_venv / "bin").resolve()
     for tool in ("isort", "ruff", "codespell"):
@@ -538,51 +586,110 @@ def main() -> None:
             die(f"{bindir / tool} missing: run `make pr` (it creates {args.lint_venv})")
     select = ",".join(tomllib.loads((ROOT / "ruff.toml").read_text())["lint"]["select"])
     tools = Tools(bindir, select)
+    series = load_series()
+    texts = descriptions()
+    missing = [pr.key for pr in series.prs if pr.key not in texts]
+    if missing:
+        die(f"docs/upstream-pr.md has no '### <key>:' section for {missing}")
 
     tree = fresh(WORK / "sglang")
     source = upstream_source_tree(tree)
-    base = git(tree, "rev-parse", "HEAD").strip()
     log(f"base: {source}")
-    left = add_commits(tree, tools)
+    left, ranges = add_series(tree, tools, series)
 
     fresh(OUT)
-    git(
-        tree,
-        "format-patch",
-        "-q",
-        "--no-signature",
-        "--zero-commit",
-        "-o",
-        str(OUT),
-        f"{base}..HEAD",
-    )
-    patches = sorted(OUT.glob("*.patch"))
-
     check = fresh(WORK / "verify")
     upstream_source_tree(check)
-    run(["git", "am", "-q", *map(str, patches)], check, env=git_env())
-    same = git(check, "rev-parse", "HEAD^{tree}") == git(
-        tree, "rev-parse", "HEAD^{tree}"
-    )
-    if not same:
-        die(
-            f"the series applied with git am to a fresh base gives another tree ({check})"
+    rows, done = [], []
+    for pr, start, end in ranges:
+        folder = OUT / f"{pr.number:02d}-{pr.key}"
+        git(
+            tree,
+            "format-patch",
+            "-q",
+            "--no-signature",
+            "--zero-commit",
+            "-o",
+            str(folder),
+            f"{start}..{end}",
         )
+        patches = sorted(folder.glob("*.patch"))
+        run(["git", "am", "-q", *map(str, patches)], check, env=git_env())
+        if git(check, "rev-parse", "HEAD^{tree}") != git(
+            tree, "rev-parse", f"{end}^{{tree}}"
+        ):
+            die(
+                f"pull request {pr.number} applied with git am gives another tree ({check})"
+            )
+        done += pr.modules
+        counts = line_counts(tree, start, end)
+        opened = sorted(
+            {
+                f"{o.source} -> {o.target}"
+                for o in series.open
+                if series.owner().get(o.source) is pr
+            }
+        )
+        alone = (
+            stands_alone(
+                tree,
+                f"pr-{pr.number}-{pr.key}",
+                done,
+                os.path.abspath(ROOT / args.python),
+            )
+            if args.python
+            else None
+        )
+        (folder / "description.md").write_text(
+            texts[pr.key]
+            + f"\n---\n*Written by `make pr`:* {len(patches)} commits; lines added: "
+            + ", ".join(f"{k} {v:,}" for k, v in counts.items())
+            + ".\n"
+            + (
+                "\nStill refers to later pull requests or to this repository (each with "
+                "its seam in scripts/pr_series.toml):\n\n"
+                + "".join(f"* `{o}`\n" for o in opened)
+                if opened
+                else ""
+            )
+        )
+        rows.append((pr, len(patches), counts, opened, alone))
 
-    stat = git(tree, "diff", "--shortstat", f"{base}..HEAD").strip()
     remaining = [
         f"{subject}: {line}" for subject, lines in left.items() for line in lines
     ]
     for line in remaining:
         log(f"left for review: {line}")
-    lint = (
+    print(
+        f"dist/pr: {len(ranges)} pull requests on sglang {BASE} ({source}); each applies "
+        f"with git am on the previous"
+    )
+    print(
+        "| # | pull request | commits | code | tests | docs | total | open references | imports alone |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for pr, n, counts, opened, alone in rows:
+        alone_text = (
+            "not checked"
+            if alone is None
+            else ("yes" if not alone else f"no: {len(alone)}")
+        )
+        print(
+            f"| {pr.number} | {pr.key} | {n} | {counts['code']:,} | {counts['tests']:,} | "
+            f"{counts['docs']:,} | {counts['total']:,} | {len(opened)} | {alone_text} |"
+        )
+        causes: dict[str, list[str]] = {}
+        for line in alone or ():
+            name, _, why = line.partition(": ")
+            causes.setdefault(why, []).append(name)
+        for why, names in causes.items():
+            log(
+                f"pull request {pr.number} ({pr.key}): {why} (importing {', '.join(names)})"
+            )
+    print(
         "pre-commit's Python checks clean"
         if not remaining
         else f"{len(remaining)} lint findings left (above)"
-    )
-    print(
-        f"dist/pr: {len(patches)} patches on sglang {BASE} ({source}); {stat}; "
-        f"git am onto a fresh base gives the same tree; {lint}"
     )
 
 
