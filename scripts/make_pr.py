@@ -53,9 +53,11 @@ from build_wheel import upstream_wheel  # noqa: E402
 from pr_series import (  # noqa: E402
     HOOKS,
     Series,
+    helper_module,
     hook_patches,
     load_series,
     package_modules,
+    strip_regions,
 )
 
 BASE = "0.5.23"
@@ -114,6 +116,12 @@ HOOK_MESSAGES = {
         "[RL] Tokenizer manager: refuse generation on mixed weights",
         "While a failed distributed update has left the weights mixed or unknown, generation\n"
         "requests are refused instead of answered from half-updated weights.",
+    ),
+    "tokenizer-bound-distributed-update-answers": (
+        "[RL] Tokenizer manager: a distributed update's answer awaited at most its bound",
+        "A scheduler that hangs or dies mid-update no longer leaves the caller waiting: the\n"
+        "answer is awaited at most the update's own bound, and the update's one outcome is\n"
+        "recorded (weight_sync.answer_guard).",
     ),
     "weight-sync-group-remote-engines": (
         "[RL] Weight-sync groups: join, update and leave for remote engines",
@@ -389,16 +397,22 @@ def findings(tree: Path, tools: Tools, files: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------- our commits
 
 
-def copy(src: Path, dest: Path, rewrites: tuple[tuple[str, str], ...] = ()) -> None:
+def copy(
+    src: Path,
+    dest: Path,
+    keep: set[str],
+    rewrites: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """``src`` as of the pull requests ``keep`` (``strip_regions``), with ``rewrites``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if rewrites and src.suffix == ".py":
-        text = src.read_text()
-        for old, new in rewrites:
-            text = text.replace(old, new)
-        dest.write_text(text)
-        shutil.copymode(src, dest)
-    else:
+    if src.suffix != ".py":
         shutil.copy2(src, dest)
+        return
+    text = strip_regions(src.read_text(), keep, str(src))
+    for old, new in rewrites:
+        text = text.replace(old, new)
+    dest.write_text(text)
+    shutil.copymode(src, dest)
 
 
 def mdx(markdown: str) -> str:
@@ -443,9 +457,14 @@ def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
 
     order = hook_patches()
     pkg = ROOT / "python" / "sglang"
+    keys: set[str] = set()
+    modules: list[str] = []
+    tests: list[str] = []
+    helpers: list[str] = []
     for pr in series.prs:
         start = git(tree, "rev-parse", "HEAD").strip()
         tag = f"[RL {pr.number}/{len(series.prs)}]"
+        keys.add(pr.key)
         for patch in sorted(pr.hooks, key=order.index):
             run(["git", "apply", "--whitespace=nowarn", str(HOOKS / patch)], tree)
             stem = re.sub(r"^\d+-", "", Path(patch).stem)
@@ -454,18 +473,31 @@ def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
             )
             subject = subject.replace("[RL]", tag)
             step(subject, body + f"\n\nHook patch {patch} of the weight-sync series.")
-        if pr.modules:
-            for name in pr.modules:
-                src = module_file(name)
-                copy(src, tree / "python" / "sglang" / src.relative_to(pkg))
+        # the earlier pull requests' files are written again: a region this one adds shows
+        # as its change to them
+        modules += pr.modules
+        for name in modules:
+            src = module_file(name)
+            copy(src, tree / "python" / "sglang" / src.relative_to(pkg), keys)
+        if changed_files(tree):
             step(
                 f"{tag} sglang.srt.weight_sync: {pr.key}",
-                f"{pr.title}\n\nModules: " + ", ".join(pr.modules) + ".",
+                f"{pr.title}\n\nModules: "
+                + (", ".join(pr.modules) or "none new")
+                + ".",
             )
-        tests = [t for t in pr.tests if (ROOT / "test" / t).exists()]
-        if tests:
-            for rel in tests:
-                copy(ROOT / "test" / rel, tree / TEST_DEST / rel, TEST_REWRITES)
+        tests += [t for t in pr.tests if (ROOT / "test" / t).exists()]
+        helpers += pr.helpers
+        # a benchmark module the tests use as a helper goes beside their helpers
+        rewrites = TEST_REWRITES + tuple(
+            (helper_module(h), Path(h).stem) for h in helpers
+        )
+        for rel in tests:
+            copy(ROOT / "test" / rel, tree / TEST_DEST / rel, keys, rewrites)
+        for helper in helpers:
+            dest = tree / TEST_DEST / "support" / Path(helper).name
+            copy(ROOT / helper, dest, keys, rewrites)
+        if changed_files(tree):
             step(
                 f"{tag} Tests: {pr.key}",
                 f"Tests of this pull request under {TEST_DEST}/. Run from the repository "
@@ -529,7 +561,10 @@ def stands_alone(tree: Path, tag: str, modules: list[str], python: str) -> list[
     at = fresh(WORK / "at" / tag)
     at.mkdir()
     archive = subprocess.run(
-        ["git", "archive", tag, "python"], cwd=tree, capture_output=True, check=True
+        ["git", "archive", tag, "python", "test"],
+        cwd=tree,
+        capture_output=True,
+        check=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(at)], input=archive, check=True)
     script = (
@@ -556,6 +591,40 @@ def stands_alone(tree: Path, tag: str, modules: list[str], python: str) -> list[
     )
 
 
+# The CPU test scaffolding that stays in this repository (test/support): what the series'
+# tests need on the path to run here, on CPU, against a tree of the series.
+SCAFFOLDING = ("sitecustomize.py", "zygote.py", "sgl_kernel")
+
+
+def passes_its_tests(
+    tree: Path, tag: str, tiers: list[str], python: str
+) -> tuple[bool, str]:
+    """Run the tests of ``tiers`` that the tree at ``tag`` holds, from that tree, with this
+    repository's CPU scaffolding on the path (``stands_alone`` extracted the tree); whether
+    they passed, and pytest's summary line (the whole output: build/pr/<tag>-tests.log)."""
+    at = WORK / "at" / tag
+    scaffold = fresh(WORK / "scaffold")
+    scaffold.mkdir()
+    for name in SCAFFOLDING:
+        src = ROOT / "test" / "support" / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, scaffold / name)
+    folders = [at / TEST_DEST / t for t in tiers if (at / TEST_DEST / t).is_dir()]
+    if not folders:
+        return True, "no tests of these tiers"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(at / "python"), str(scaffold)])
+    r = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, folders)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=at,
+    )
+    (WORK / f"{tag}-tests.log").write_text(r.stdout + r.stderr)
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    return r.returncode == 0, lines[-1] if lines else r.stderr[-300:]
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -578,6 +647,12 @@ def main() -> None:
         default=None,
         help="a Python with torch and SGLang's dependencies (the repo's .venv): import each "
         "pull request's modules from its own tree",
+    )
+    ap.add_argument(
+        "--test",
+        default="",
+        help="comma-separated test tiers (unit,distributed,e2e,reliability) to run from each "
+        "pull request's own tree, with --python (slow: the tiers of every pull request so far)",
     )
     args = ap.parse_args()
     bindir = (ROOT / args.lint_venv / "bin").resolve()
@@ -630,14 +705,12 @@ def main() -> None:
                 if series.owner().get(o.source) is pr
             }
         )
-        alone = (
-            stands_alone(
-                tree,
-                f"pr-{pr.number}-{pr.key}",
-                done,
-                os.path.abspath(ROOT / args.python),
-            )
-            if args.python
+        python = os.path.abspath(ROOT / args.python) if args.python else None
+        tag = f"pr-{pr.number}-{pr.key}"
+        alone = stands_alone(tree, tag, done, python) if python else None
+        tested = (
+            passes_its_tests(tree, tag, args.test.split(","), python)
+            if python and args.test
             else None
         )
         (folder / "description.md").write_text(
@@ -653,7 +726,7 @@ def main() -> None:
                 else ""
             )
         )
-        rows.append((pr, len(patches), counts, opened, alone))
+        rows.append((pr, len(patches), counts, opened, alone, tested))
 
     remaining = [
         f"{subject}: {line}" for subject, lines in left.items() for line in lines
@@ -665,10 +738,11 @@ def main() -> None:
         f"with git am on the previous"
     )
     print(
-        "| # | pull request | commits | code | tests | docs | total | open references | imports alone |"
+        "| # | pull request | commits | code | tests | docs | total | open references | "
+        "imports alone | its tests, from its tree |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for pr, n, counts, opened, alone in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for pr, n, counts, opened, alone, tested in rows:
         alone_text = (
             "not checked"
             if alone is None
@@ -676,7 +750,9 @@ def main() -> None:
         )
         print(
             f"| {pr.number} | {pr.key} | {n} | {counts['code']:,} | {counts['tests']:,} | "
-            f"{counts['docs']:,} | {counts['total']:,} | {len(opened)} | {alone_text} |"
+            f"{counts['docs']:,} | {counts['total']:,} | {len(opened)} | {alone_text} | "
+            + ("not run" if tested is None else tested[1])
+            + " |"
         )
         causes: dict[str, list[str]] = {}
         for line in alone or ():

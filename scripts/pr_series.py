@@ -6,6 +6,12 @@ Read by ``scripts/make_pr.py`` (which writes the series) and ``test/unit/test_pr
 from the source: a module's imports of the package's modules (at any depth of the module, so a
 lazy import counts), a hook patch's added lines that name a module, a test file's imports of
 the package, of other test files, of ``benchmark`` and of ``VerlEngine``.
+
+A file of one pull request may carry lines that a later one adds: a region between
+``# pr: <key>`` and ``# pr: <key> end`` (whole lines, never nested) belongs to pull request
+``<key>``; a region ``here`` is lines only this repository has (its test scaffolding), in
+no pull request. ``strip_regions`` writes the file as of a pull request (the marker lines
+always dropped), and a reference inside a region counts as the region's pull request's.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ __all__ = [
     "HERE",
     "OpenReference",
     "PullRequest",
+    "Region",
     "Series",
     "load_series",
+    "regions",
+    "strip_regions",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +56,8 @@ class PullRequest:
     modules: Tuple[str, ...]
     tests: Tuple[str, ...]
     docs: Tuple[str, ...]
+    # benchmark modules its tests use as helpers (repo-relative); they go in with the tests
+    helpers: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,7 @@ class Series:
                 ("hook", pr.hooks),
                 ("test", pr.tests),
                 ("doc", pr.docs),
+                (BENCHMARK, tuple(helper_module(h) for h in pr.helpers)),
             )
             for name in names
         ]
@@ -110,6 +122,7 @@ def load_series(path: Path = ROOT / "scripts" / "pr_series.toml") -> Series:
             tuple(entry.get("modules", ())),
             tuple(entry.get("tests", ())),
             tuple(entry.get("docs", ())),
+            tuple(entry.get("helpers", ())),
         )
 
     prs = tuple(pr_of(i + 1, e) for i, e in enumerate(data["pr"]))
@@ -122,6 +135,11 @@ def load_series(path: Path = ROOT / "scripts" / "pr_series.toml") -> Series:
 
 
 # ---------------------------------------------------------------------------- what exists
+
+
+def helper_module(path: str) -> str:
+    """``benchmark/weight_sync/hand_rules.py`` -> ``benchmark.weight_sync.hand_rules``."""
+    return str(Path(path).with_suffix("")).replace("/", ".")
 
 
 def package_modules() -> Dict[str, Path]:
@@ -152,25 +170,78 @@ def test_files() -> Dict[str, Path]:
 # ---------------------------------------------------------------------------- references
 
 
-def _module_imports(
-    tree: ast.AST, modules: Set[str], current: Optional[str]
-) -> Set[str]:
-    found: Set[str] = set()
+@dataclass(frozen=True)
+class Region:
+    """Lines ``first``..``last`` (1-based, marker lines included) that pull request ``key`` adds."""
+
+    key: str
+    first: int
+    last: int
+
+
+_BEGIN = re.compile(r"^\s*# pr: ([a-z0-9_]+)$")
+_END = re.compile(r"^\s*# pr: ([a-z0-9_]+) end$")
+
+
+def regions(text: str, where: str = "") -> List[Region]:
+    """The marked regions of ``text``; unbalanced or nested markers raise naming the line."""
+    found, open_at = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        begin, end = _BEGIN.match(line), _END.match(line)
+        if begin:
+            if open_at is not None:
+                raise ValueError(
+                    f"{where}:{number}: '# pr: {begin.group(1)}' inside the region of "
+                    f"line {open_at[1]} (regions do not nest)"
+                )
+            open_at = (begin.group(1), number)
+        elif end:
+            if open_at is None or open_at[0] != end.group(1):
+                raise ValueError(
+                    f"{where}:{number}: '# pr: {end.group(1)} end' closes no region of that key"
+                )
+            found.append(Region(open_at[0], open_at[1], number))
+            open_at = None
+    if open_at is not None:
+        raise ValueError(f"{where}:{open_at[1]}: region '{open_at[0]}' never ends")
+    return found
+
+
+def strip_regions(text: str, keep: Set[str], where: str = "") -> str:
+    """``text`` as of the pull requests ``keep`` (keys): regions of other keys removed, every
+    marker line removed. An ``# isort: split`` right before a region (which keeps isort from
+    moving imports across its markers) goes with the markers."""
+    drop: Set[int] = set()
+    lines = text.splitlines(keepends=True)
+    for region in regions(text, where):
+        drop |= {region.first, region.last}
+        if region.first > 1 and lines[region.first - 2].strip() == "# isort: split":
+            drop.add(region.first - 1)
+        if region.key not in keep:
+            drop |= set(range(region.first, region.last + 1))
+    return "".join(line for i, line in enumerate(lines, 1) if i not in drop)
+
+
+def _region_of(line: int, marked: List[Region]) -> Optional[str]:
+    return next((r.key for r in marked if r.first <= line <= r.last), None)
+
+
+def _module_imports(tree: ast.AST, modules: Set[str]) -> Set[Tuple[str, int]]:
+    """(module, line) for each import of the package's ``modules`` in ``tree``."""
+    found: Set[Tuple[str, int]] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             name = node.module
-            if node.level and current is not None:
-                base = current.split(".")[: -node.level] if node.level else []
-                name = ".".join([*base, node.module])
-            elif name == PACKAGE_PREFIX:
-                found |= {a.name for a in node.names if a.name in modules}
+            if name == PACKAGE_PREFIX:
+                found |= {
+                    (a.name, node.lineno) for a in node.names if a.name in modules
+                }
                 continue
-            elif name.startswith(PACKAGE_PREFIX + "."):
-                name = name[len(PACKAGE_PREFIX) + 1 :]
-            else:
+            if not name.startswith(PACKAGE_PREFIX + "."):
                 continue
+            name = name[len(PACKAGE_PREFIX) + 1 :]
             subs = {f"{name}.{a.name}" for a in node.names} & modules
-            found |= subs or ({name} & modules)
+            found |= {(m, node.lineno) for m in subs or ({name} & modules)}
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith(PACKAGE_PREFIX + "."):
@@ -178,28 +249,34 @@ def _module_imports(
                     while name and name not in modules:
                         name = name.rpartition(".")[0]
                     if name:
-                        found.add(name)
+                        found.add((name, node.lineno))
     return found
 
 
-def module_references() -> Dict[str, Set[str]]:
-    """Module -> the package's modules it imports (``module:`` items)."""
+Reference = Tuple[str, Optional[str]]  # (target item, the region's key or None)
+
+
+def module_references() -> Dict[str, Set[Reference]]:
+    """Module -> the package's modules it imports (``module:`` items), each with the key of
+    the region it sits in."""
     modules = package_modules()
     names = set(modules)
-    return {
-        f"module:{name}": {
-            f"module:{m}"
-            for m in _module_imports(ast.parse(path.read_text()), names, name)
+    out = {}
+    for name, path in modules.items():
+        text = path.read_text()
+        marked = regions(text, str(path))
+        out[f"module:{name}"] = {
+            (f"module:{m}", _region_of(line, marked))
+            for m, line in _module_imports(ast.parse(text), names)
             if m != name
         }
-        for name, path in modules.items()
-    }
+    return out
 
 
 _NAMED = re.compile(r"sglang\.srt\.weight_sync\.([a-z_][a-z_0-9.]*[a-z_0-9])")
 
 
-def hook_references() -> Dict[str, Set[str]]:
+def hook_references() -> Dict[str, Set[Reference]]:
     """Hook patch -> the package's modules its added lines name."""
     names = set(package_modules())
     found = {}
@@ -212,15 +289,16 @@ def hook_references() -> Dict[str, Set[str]]:
                 while dotted and dotted not in names:
                     dotted = dotted.rpartition(".")[0]
                 if dotted:
-                    refs.add(f"module:{dotted}")
+                    refs.add((f"module:{dotted}", None))
         found[f"hook:{patch}"] = refs
     return found
 
 
-def test_references() -> Dict[str, Set[str]]:
+def test_references() -> Dict[str, Set[Reference]]:
     """Test file -> the package's modules, test files, ``benchmark`` and ``VerlEngine`` it
-    imports. A test file imports another by its bare name (``test/conftest.py`` puts the
-    helper folders on ``sys.path``), so a name resolves to the one file of that stem."""
+    imports, each with the key of the region it sits in. A test file imports another by its
+    bare name (``test/conftest.py`` puts the helper folders on ``sys.path``), so a name
+    resolves to the one file of that stem."""
     names = set(package_modules())
     files = test_files()
     by_stem: Dict[str, str] = {}
@@ -231,40 +309,72 @@ def test_references() -> Dict[str, Set[str]]:
     by_stem["sgl_kernel"] = "support/sgl_kernel/__init__.py"
     found = {}
     for rel, path in files.items():
-        tree = ast.parse(path.read_text())
-        refs = {f"module:{m}" for m in _module_imports(tree, names, None)}
+        text = path.read_text()
+        marked = regions(text, str(path))
+        tree = ast.parse(text)
+        refs = {
+            (f"module:{m}", _region_of(line, marked))
+            for m, line in _module_imports(tree, names)
+        }
         for node in ast.walk(tree):
             heads = []
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 heads = [node.module]
             elif isinstance(node, ast.Import):
                 heads = [a.name for a in node.names]
+            key = _region_of(getattr(node, "lineno", 0), marked)
             for head in heads:
                 top = head.split(".")[0]
                 if top == BENCHMARK:
-                    refs.add(f"{BENCHMARK}:{head}")
+                    refs.add((f"{BENCHMARK}:{head}", key))
                 elif head == "sglang.srt.entrypoints.verl_engine":
-                    refs.add(f"{VERL_ENGINE}:{head}")
+                    refs.add((f"{VERL_ENGINE}:{head}", key))
                 elif top in by_stem and by_stem[top] != rel:
-                    refs.add(f"test:{by_stem[top]}")
+                    refs.add((f"test:{by_stem[top]}", key))
         found[f"test:{rel}"] = refs
     return found
 
 
 def actual_open(series: Series) -> FrozenSet[Tuple[str, str]]:
-    """(source, target) for every reference from an item of a PR to one of a later PR, to one
-    that stays here, to ``benchmark`` or to ``VerlEngine`` (both stay here)."""
+    """(source, target) for every reference from an item of a pull request (or from a region
+    of a later one in it) to what a later pull request adds, or to what stays here
+    (``benchmark`` and ``VerlEngine`` too)."""
     owner = series.owner()
     rank = {item: series.rank(item) for item in owner}
+    number = {pr.key: pr.number for pr in series.prs}
     later = len(series.prs) + 1
     out = set()
     refs = {**module_references(), **hook_references(), **test_references()}
     for source, targets in refs.items():
         if source not in owner or owner[source] is series.here:
             continue
-        for target in targets:
-            if target.split(":")[0] in (BENCHMARK, VERL_ENGINE):
-                out.add((source, target))
-            elif rank.get(target, later) > rank[source]:
+        for target, key in targets:
+            at = number.get(key, later) if key is not None else rank[source]
+            if rank.get(target, later) > at:
                 out.add((source, target))
     return frozenset(out)
+
+
+def region_problems(series: Series) -> List[str]:
+    """Regions that name no pull request of the series, or one not after their file's own."""
+    owner = series.owner()
+    number = {pr.key: pr.number for pr in series.prs}
+    files = {f"module:{m}": p for m, p in package_modules().items()}
+    files.update({f"test:{t}": p for t, p in test_files().items()})
+    problems = []
+    for item, path in files.items():
+        if item not in owner:
+            continue
+        for region in regions(path.read_text(), str(path)):
+            if region.key == HERE:
+                continue
+            if region.key not in number:
+                problems.append(
+                    f"{path}:{region.first}: no pull request {region.key!r}"
+                )
+            elif number[region.key] <= series.rank(item):
+                problems.append(
+                    f"{path}:{region.first}: region {region.key!r} in a file that pull "
+                    f"request {series.rank(item)} already adds whole"
+                )
+    return problems

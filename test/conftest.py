@@ -34,7 +34,10 @@ for folder in (TEST / "e2e", TEST / "support"):  # support ends first
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+# pr: here
 import zygote  # noqa: E402 - before anything imports torch: it records what imports read
+
+# pr: here end
 
 # The fault tests wait out bounds on purpose (``timeout_s`` plus the grace): a 15 s grace
 # instead of the default 30 s shortens each such wait. Set before anything imports
@@ -45,8 +48,10 @@ from engine import configure_cpu_env  # noqa: E402
 
 if os.environ.get("SGLANG_TEST_GPU") != "1":
     configure_cpu_env()
+    # pr: here
     zygote.start()  # the engines' schedulers and detokenizers from a warm child
     zygote.install()
+    # pr: here end
 
 TIERS = ("unit", "distributed", "e2e", "reliability", "gpu")
 

@@ -181,6 +181,7 @@ def test_a_wrong_shard_on_one_trainer_rank_is_a_refusal_on_every_rank():
         assert r["second"], rank
 
 
+# pr: here
 def test_simulator_reports_the_bytes_the_runtime_moves(monkeypatch):
     """One code path: the simulator plans with the shipped planner over the same layouts."""
     from benchmark.weight_sync import models, simulate
@@ -205,3 +206,6 @@ def test_simulator_reports_the_bytes_the_runtime_moves(monkeypatch):
     assert row["mode"] == "trainer"
     assert row["bytes_received_max"] == max(r["received"] for r in runtime)
     assert row["lower_bound_bytes_max"] == max(r["lower_bound"] for r in runtime)
+
+
+# pr: here end

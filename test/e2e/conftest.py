@@ -46,22 +46,24 @@ def _dev_shm_hygiene():
     cleanup_shm(before, started, mine_in_use=True)
 
 
+# pr: remote
 @pytest.fixture(scope="session")
 def remote_tp2_servers(tmp_path_factory):
     """Two bf16 SGLang HTTP servers of TP 2 of the tiny Qwen2, each in a process tree of its
     own, started once for the remote-engine tests (``test_remote_engines``,
     ``test_verl_checkpoint_engine``): ``([a, b], model_dir, config, directory)``. Each test
-    sets the weights it checks and joins a group of its own name. The model directory holds
-    a tokenizer, which verl's config loads (the servers take token ids)."""
+    sets the weights it checks and joins a group of its own name. The servers take token
+    ids (no tokenizer)."""
     from servers import launch_side_by_side
-    from verl_helpers import give_tokenizer
 
     directory = tmp_path_factory.mktemp("remote")
     model_dir, config = tiny_models.make_tiny_model("qwen2", directory / "qwen2")
-    give_tokenizer(model_dir, directory)
     servers = launch_side_by_side(model_dir, 2, [None, None], log_dir=str(directory))
     try:
         yield servers, model_dir, config, directory
     finally:
         for server in servers:
             server.kill()
+
+
+# pr: remote end

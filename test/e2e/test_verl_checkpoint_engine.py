@@ -27,7 +27,7 @@ from ports import free_port
 from ranks import run_ranks
 from remote_checks import check_state, prompts_for
 from verl_ce_cases import verl_ce_job
-from verl_helpers import verl_sources
+from verl_helpers import give_tokenizer, verl_sources
 
 TP = 2
 STEPS = [("patched", 1), ("stock", 2), ("patched", 3)]
@@ -35,8 +35,11 @@ STEPS = [("patched", 1), ("stock", 2), ("patched", 3)]
 
 @pytest.fixture
 def server(remote_tp2_servers):
-    """The first of the remote-engine tests' TP-2 servers (``conftest.remote_tp2_servers``)."""
+    """The first of the remote-engine tests' TP-2 servers (``conftest.remote_tp2_servers``),
+    its model directory given the tokenizer verl's ``HFModelConfig`` loads."""
     (first, _), model_dir, config, directory = remote_tp2_servers
+    if not (model_dir / "tokenizer_config.json").exists():
+        give_tokenizer(model_dir, directory)
     return first, model_dir, config, directory
 
 

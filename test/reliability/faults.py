@@ -127,6 +127,7 @@ def _arrange_death(when: str) -> None:
             os._exit(1)
 
         ControlGroup.barrier = barrier_then_die
+    # pr: scale
     if (
         when == "mid_update"
     ):  # entering trainer-side resharding: its peers wait for this rank's rows
@@ -136,6 +137,7 @@ def _arrange_death(when: str) -> None:
             os._exit(1)
 
         trainer_reshard.execute = execute_then_die
+    # pr: scale end
 
 
 def trainer_job(rank: int, world: int, job: dict) -> dict:
@@ -160,12 +162,14 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
         "cpu", (1, world, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp")
     )
     layout = "fsdp"
+    # pr: scale
     if (
         job["when"] == "mid_update"
     ):  # FSDP shards resharded on the trainer side: rank 0 needs rows of rank 1
         trainer_flow.update_flow = functools.partial(
             trainer_flow.update_flow, mode="trainer"
         )
+    # pr: scale end
     client = RelayClient(job["requests"], job["answers"]) if rank == 0 else None
 
     def update(seed):

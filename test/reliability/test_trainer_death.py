@@ -21,7 +21,9 @@ PROMPTS = [[5, 17, 42, 7]]
 CASES = {
     # phase named in the survivor's error; the bound it must fail within
     "before_delivery": ("before the engine reads the payloads", TIMEOUT_S + 5),
-    "mid_update": ("executor round", TIMEOUT_S + 5),
+    # pr: scale
+    "mid_update": ("executor round", TIMEOUT_S + 5),  # trainer-side resharding
+    # pr: scale end
 }
 # "after_delivery" (the engine may apply the update before the survivor finds its peer gone):
 # test_outcome_agreement.py, which also checks that the survivor's error says what the engine did

@@ -455,7 +455,7 @@ def _trainer_side(model, derived, layout, full, expected, expected_computed) -> 
             tuple(names),
             manifest.fingerprint,
         )
-        step = local_step(payload, targets, manifest, params, 0, "", fp8, live)
+        step = local_step(payload, targets, manifest, params, 0, fp8, live)
         problems += step.problems
         if not step.problems:
             with torch.no_grad():
@@ -539,7 +539,7 @@ def _trainer_side_regions(
             manifest.fingerprint,
             fp8_regions=tuple(regions),
         )
-        return local_step(payload, targets, manifest, params, 0, "", fp8, live)
+        return local_step(payload, targets, manifest, params, 0, fp8, live)
 
     first = regions[0]
     plain = next(n for n in tensors if not n.startswith("fp8-region/"))

@@ -322,7 +322,7 @@ def trainer_side_rank(
                 header["fingerprint"],
                 fp8_regions=header["fp8_regions"],
             )
-            step = local_step(payload, targets, manifest, params, mine, "", fp8, params)
+            step = local_step(payload, targets, manifest, params, mine, fp8, params)
             assert not step.problems, step.problems
             step.run()
             own = [

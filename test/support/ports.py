@@ -4,16 +4,17 @@ A port is checked free here and bound later, by a server or a TCPStore that star
 minute afterwards. In that window another process may take it: every outgoing connection and
 every ``bind(0)`` gets a port from the kernel's ephemeral range (32768+ by default; SGLang 0.5.10
 and 0.5.12 take their ``nccl_port`` that way), and SGLang 0.5.23 picks its ``nccl_port`` at random
-from [22000, 30000). So the ports come from [10000, 22000), below both, with the product's
-``remote.rendezvous.free_port``: a server's port plus 10000 (0.5.12's gRPC port) stays below the
+from [22000, 30000). So the ports come from [10000, 22000), below both, checked with SGLang's
+own ``is_port_available``: a server's port plus 10000 (0.5.12's gRPC port) stays below the
 ephemeral range. A process never gets the same port twice.
 """
 
 from __future__ import annotations
 
+import random
 from typing import List, Set
 
-from sglang.srt.weight_sync.remote.rendezvous import free_port as _free_port_in
+from sglang.srt.utils import is_port_available
 
 __all__ = ["free_port", "free_ports"]
 
@@ -23,12 +24,11 @@ _handed_out: Set[int] = set()
 
 def free_port() -> int:
     """A port in [10000, 22000), free now and not handed out before in this process."""
-    for _ in range(100):
-        port = _free_port_in(LOW, HIGH)
-        if port not in _handed_out:
+    for port in random.sample(range(LOW, HIGH), 400):
+        if port not in _handed_out and is_port_available(port):
             _handed_out.add(port)
             return port
-    raise RuntimeError(f"no port in [{LOW}, {HIGH}) left that was not handed out")
+    raise RuntimeError(f"no free port in [{LOW}, {HIGH}) that was not handed out")
 
 
 def free_ports(n: int) -> List[int]:

@@ -16,7 +16,11 @@ from datetime import timedelta
 from typing import Any, Callable, List, Sequence
 
 import torch.multiprocessing as mp
+
+# pr: here
 import zygote
+
+# pr: here end
 
 FORBIDDEN = ("full_tensor", "gather_object", "all_gather_object")
 
@@ -76,8 +80,10 @@ def forbid_gathers() -> None:
 
 
 def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
+    # pr: here
     zygote.start()  # first, while this process has one thread
     zygote.install()
+    # pr: here end
 
     import torch
     import torch.distributed as dist
@@ -105,11 +111,15 @@ def _worker(rank: int, world: int, store_path: str, fn, args, results) -> None:
 # instead of importing SGLang for seconds), and its scheduler and detokenizer, which a rank's
 # engine starts from the rank's zygote (``zygote``, first: it records what imports read).
 PRELOAD = [
+    # pr: here
     "zygote",
+    # pr: here end
     "torch.distributed.tensor",
     "sglang.srt.weight_sync.executor",
     "sglang.srt.entrypoints.engine",
+    # pr: here
     *zygote.PRELOAD,
+    # pr: here end
 ]
 
 

@@ -8,6 +8,7 @@ is ordered:
   does: a reference cut leaves the list, a new one fails here.
 """
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -45,6 +46,9 @@ def test_every_item_belongs_to_one_pull_request(series_module, series):
             for p in (ROOT / "docs").rglob("*.md")
         }
     )
+    helpers = [h for pr in series.prs for h in pr.helpers]
+    assert all((ROOT / h).is_file() for h in helpers), helpers
+    existing |= {f"benchmark:{series_module.helper_module(h)}" for h in helpers}
     assert not existing - set(owner), (
         f"not in scripts/pr_series.toml (a pull request's list, or [here]): "
         f"{sorted(existing - set(owner))}"
@@ -73,12 +77,60 @@ def test_the_reference_reader_sees_imports_at_every_depth(series_module):
     refs = series_module.module_references()
     # a lazy import inside a function counts (tensor_path imports engine_update at the top,
     # trainer_flow imports protocol inside update_weights_distributed as well)
-    assert "module:engine_update" in refs["module:tensor_path"]
-    assert "module:protocol" in refs["module:trainer_flow"]
+    assert ("module:engine_update", None) in refs["module:tensor_path"]
+    assert ("module:protocol", None) in refs["module:trainer_flow"]
     hooks = series_module.hook_references()
-    assert (
-        "module:trainer_flow"
-        in hooks["hook:0005-weight-sync-update-weights-distributed.patch"]
-    )
+    assert ("module:trainer_flow", None) in hooks[
+        "hook:0005-weight-sync-update-weights-distributed.patch"
+    ]
     tests = series_module.test_references()
-    assert "test:support/tiny_models.py" in tests["test:e2e/conftest.py"]
+    assert ("test:support/tiny_models.py", None) in tests["test:e2e/conftest.py"]
+
+
+# the markers spelled "@" here, so that this file has no region of its own
+SAMPLE = """import a
+@ pr: fp8
+import b
+@ pr: fp8 end
+def f():
+    @ pr: scale
+    return 2
+    @ pr: scale end
+    return 1
+""".replace("@", "#")
+
+
+def test_regions_are_kept_from_their_pull_request_on(series_module):
+    regions = series_module.regions(SAMPLE)
+    assert [(r.key, r.first, r.last) for r in regions] == [
+        ("fp8", 2, 4),
+        ("scale", 6, 8),
+    ]
+    strip = series_module.strip_regions
+    assert strip(SAMPLE, set()) == "import a\ndef f():\n    return 1\n"
+    assert strip(SAMPLE, {"fp8"}) == "import a\nimport b\ndef f():\n    return 1\n"
+    assert strip(SAMPLE, {"fp8", "scale"}) == (
+        "import a\nimport b\ndef f():\n    return 2\n    return 1\n"
+    )
+    for broken, why in (
+        ("@ pr: fp8\n@ pr: scale\n@ pr: scale end\n@ pr: fp8 end\n", "do not nest"),
+        ("@ pr: fp8\nx = 1\n", "never ends"),
+        ("x = 1\n@ pr: fp8 end\n", "closes no region"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            series_module.regions(broken.replace("@", "#"), "sample.py")
+
+
+def test_every_file_parses_as_of_every_pull_request(series_module, series):
+    assert not series_module.region_problems(series)
+    keys = [pr.key for pr in series.prs]
+    files = list(series_module.package_modules().values()) + list(
+        series_module.test_files().values()
+    )
+    for path in files:
+        text = path.read_text()
+        if not series_module.regions(text, str(path)):
+            continue
+        for n in range(len(keys) + 1):
+            stripped = series_module.strip_regions(text, set(keys[:n]), str(path))
+            ast.parse(stripped, f"{path} as of pull request {n}")

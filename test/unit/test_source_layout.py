@@ -348,8 +348,13 @@ def test_a_trainers_description_is_reused_while_names_and_layouts_stay():
     assert first == {n: s.describe(n) for n, s in shards(tensors)}
     assert described.sources(shards(tensors)) is first
     assert described_side(described, first, [[0, 1]]) == "engine"
+    # pr: scale
     # each engine lacks rows
     assert described_side(described, first, [[0], [1]]) == "trainer"
+    # pr: scale end
+    # a side this build does not reshard on: refused before anything moves
+    with pytest.raises(LayoutError, match="mode='sideways'"):
+        described_side(described, first, [[0, 1]], "sideways")
     described.memo["wire"] = b"kept"
     assert described.sources(shards(tensors)) is first and described.memo["wire"]
     tensors["e1"] = dtensor((8, 4), (Shard(1),))

@@ -67,17 +67,17 @@ def main(out: str, old: bool) -> int:
     import torch
     import torch.distributed as dist
 
+    from sglang.srt.utils import get_free_port
     from sglang.srt.weight_sync.control_plane import PeerLost
     from sglang.srt.weight_sync.executor import DataGroup
     from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
-    from sglang.srt.weight_sync.remote.rendezvous import free_port
 
     result = {"mode": "old" if old else "polled", "torch": torch.__version__}
     _write(out, result)
     torch.cuda.set_device(0)
     dist.init_process_group(
         "cpu:gloo,cuda:nccl",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
+        init_method=f"tcp://127.0.0.1:{get_free_port()}",
         rank=0,
         world_size=1,
         device_id=torch.device("cuda", 0),

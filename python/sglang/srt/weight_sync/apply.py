@@ -17,10 +17,15 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box
-from sglang.srt.weight_sync.fp8_quant import quantize_blocks_into
-from sglang.srt.weight_sync.fp8_targets import QuantizedParam
 from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
 from sglang.srt.weight_sync.target_layout import ParamTarget
+
+# isort: split
+# pr: fp8
+from sglang.srt.weight_sync.fp8_quant import quantize_blocks_into
+from sglang.srt.weight_sync.fp8_targets import QuantizedParam
+
+# pr: fp8 end
 
 __all__ = (
     "check_buffers",
@@ -31,8 +36,10 @@ __all__ = (
     "release_cached_memory",
     "run_post_load",
     "synchronize",
+    # pr: fp8
     "quantize_region",
     "write_quantized",
+    # pr: fp8 end
     "write_regions",
     "write_zeros",
 )
@@ -54,6 +61,7 @@ def write_regions(views: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -
         torch._foreach_copy_([v for v, _ in todo], [s for _, s in todo])
 
 
+# pr: fp8
 def write_quantized(
     quantized: Sequence[QuantizedParam],
     targets: Sequence[ParamTarget],
@@ -113,6 +121,9 @@ def _matrices(t: torch.Tensor) -> Iterable[torch.Tensor]:
         return
     for i in range(t.shape[0]):
         yield from _matrices(t[i])
+
+
+# pr: fp8 end
 
 
 def write_zeros(view: torch.Tensor) -> None:

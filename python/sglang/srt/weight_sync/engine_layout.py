@@ -20,11 +20,16 @@ from sglang.srt.weight_sync.derive import (
     ProvenanceCheck,
     engine_derived_targets,
 )
-from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, engine_block_fp8
 from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.protocol import resolve_channel
 from sglang.srt.weight_sync.sglang_compat import update_refusals
 from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
+
+# isort: split
+# pr: fp8
+from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, engine_block_fp8
+
+# pr: fp8 end
 
 __all__ = ("CHANNELS_TOLD", "EngineLayout", "LiveLayout", "live_tensors")
 
@@ -38,20 +43,23 @@ CHANNELS_TOLD = (
 @dataclasses.dataclass(frozen=True)
 class LiveLayout:
     """The derived targets with each parameter's live dtype, this rank's live tensors by
-    name (written in place: CUDA graphs hold their storage), and the manifest of those
-    targets (``manifest``); for a block-FP8 engine, the targets' transform (``fp8``) and
-    every live tensor of the model, scales included (``tensors``)."""
+    name (written in place: CUDA graphs hold their storage), the manifest of those targets
+    (``manifest``) and every live tensor of the model (``tensors``); for a block-FP8
+    engine, the targets' transform (``fp8``)."""
 
     targets: DerivedTargets
     params: Dict[str, torch.Tensor]
     manifest: EngineManifest
-    fp8: Optional[EngineBlockFp8] = None
     tensors: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # pr: fp8
+    fp8: Optional[EngineBlockFp8] = None
 
     @property
     def block_fp8_weights(self) -> int:
         """How many of this rank's weights are block-FP8 (0 for other engines)."""
         return len(self.fp8.own.quantized) if self.fp8 is not None else 0
+
+    # pr: fp8 end
 
 
 class EngineLayout:
@@ -71,8 +79,10 @@ class EngineLayout:
         # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
         self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
         self._provenance = ProvenanceCheck()
+        # pr: fp8
         # (derived targets, their block-FP8 transform or None): see block_fp8
         self._fp8: Optional[Tuple[DerivedTargets, Optional[EngineBlockFp8]]] = None
+        # pr: fp8 end
         # (the model, why an update of it is refused): see refusals
         self._refusals: Optional[Tuple[torch.nn.Module, List[str]]] = None
 
@@ -108,6 +118,11 @@ class EngineLayout:
         colocated updates, engine-side and trainer-side, and remote engines through
         ``fp8_staging``) may use them; any other refuses, naming a parameter."""
         named = live_tensors(model)
+        staged: Dict[
+            str, torch.dtype
+        ] = {}  # block-FP8 weights: the dtype they stage in
+        blocks: Dict[str, Tuple[int, int]] = {}
+        # pr: fp8
         fp8 = self.block_fp8(derived, named)
         if fp8 is not None:
             if not block_fp8:
@@ -118,6 +133,9 @@ class EngineLayout:
                     "remote updates do); nothing written"
                 )
             derived = fp8.targets
+            staged = {q.weight: q.staged_dtype for q in fp8.own.quantized}
+            blocks = {q.weight: q.block for q in fp8.own.quantized}
+        # pr: fp8 end
         params: Dict[str, torch.Tensor] = {}
         for target in derived.for_rank(self.rank):
             param = named.get(target.name)
@@ -133,12 +151,15 @@ class EngineLayout:
                 )
             params[target.name] = param.data
         dtype_of = {n: p.dtype for n, p in params.items()}
-        blocks = {}
-        if fp8 is not None:
-            dtype_of.update((q.weight, q.staged_dtype) for q in fp8.own.quantized)
-            blocks = {q.weight: q.block for q in fp8.own.quantized}
+        dtype_of.update(staged)
         targets, manifest = self._with_live_dtypes(derived, dtype_of, blocks)
-        return LiveLayout(targets, params, manifest, fp8, named)
+        layout = LiveLayout(targets, params, manifest, named)
+        # pr: fp8
+        layout = dataclasses.replace(layout, fp8=fp8)
+        # pr: fp8 end
+        return layout
+
+    # pr: fp8
 
     def block_fp8(
         self, derived: DerivedTargets, live: Dict[str, torch.Tensor]
@@ -149,6 +170,8 @@ class EngineLayout:
         if self._fp8 is None or self._fp8[0] is not derived:
             self._fp8 = (derived, engine_block_fp8(derived, live, self.rank))
         return self._fp8[1]
+
+    # pr: fp8 end
 
     def refusals(self, model: torch.nn.Module) -> List[str]:
         """Why an update of ``model`` must be refused before any write: what SGLang derived

@@ -2,8 +2,7 @@
 ``trainer_reshard``): the trainer rank beside each engine rank sends that rank's
 parameters already in place, so the engine moves nothing between its ranks.
 
-A "describe" payload publishes the engine's manifest into the channel (nothing is
-written); a "params" payload is checked against the manifest the trainer planned with
+A "params" payload is checked against the manifest the trainer planned with
 (fingerprint, names, shapes, dtypes, finite values), then copied into the parameters once
 every TP rank agreed (``LocalStep.run``). Into a block-FP8 weight, the regions the trainer
 quantized (the payload's ``Fp8Region`` entries: whole blocks of e4m3 and float32
@@ -33,13 +32,8 @@ from sglang.srt.weight_sync.delivery import Payload
 from sglang.srt.weight_sync.derive import DerivedTargets
 from sglang.srt.weight_sync.fp8_sender import land_box, left_to_quantize
 from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, QuantizedParam
-from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
-from sglang.srt.weight_sync.protocol import (
-    Fp8Region,
-    Fp8RegionKind,
-    PayloadKind,
-    resolve_channel,
-)
+from sglang.srt.weight_sync.manifest import EngineManifest
+from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind
 from sglang.srt.weight_sync.target_layout import ParamTarget, restrict
 
 __all__ = ("LocalStep", "local_step")
@@ -62,24 +56,13 @@ def local_step(
     manifest: EngineManifest,
     params,
     rank: int,
-    channel: str,
     fp8: Optional[EngineBlockFp8] = None,
     live: Optional[Dict[str, torch.Tensor]] = None,
 ) -> LocalStep:
-    """ "describe": publish the manifest (nothing is written to the model). "params": check
-    the buffers the trainer planned against this engine's manifest, then copy them in place;
-    a block-FP8 weight's buffer (in its staged dtype: the manifest's) is the staging its
-    delivered blocks are quantized from (``fp8``; ``live``: the model's tensors, scales
-    included)."""
-    if payload.kind == PayloadKind.DESCRIBE:
-        path = write_manifest(resolve_channel(channel, rank), rank, manifest)
-        logger.info(
-            "engine rank %d: published the engine layout %s at %s",
-            rank,
-            manifest.fingerprint[:12],
-            path,
-        )
-        return LocalStep([], lambda: (0, 0, 0))
+    """A "params" payload: check the buffers the trainer planned against this engine's
+    manifest, then copy them in place; a block-FP8 weight's buffer (in its staged dtype: the
+    manifest's) is the staging its delivered blocks are quantized from (``fp8``; ``live``:
+    the model's tensors, scales included)."""
     if payload.fingerprint != manifest.fingerprint:
         return LocalStep(
             [

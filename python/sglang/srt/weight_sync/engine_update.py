@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -59,11 +59,13 @@ from sglang.srt.weight_sync.delivered import delivery_digest, explain_delivery
 from sglang.srt.weight_sync.delivery import Payload, ShardReceiver
 from sglang.srt.weight_sync.derive import DerivedTargets
 from sglang.srt.weight_sync.engine_layout import EngineLayout
-from sglang.srt.weight_sync.engine_trainer_side import LocalStep, local_step
-from sglang.srt.weight_sync.executor import DataGroup, check_inputs, execute
-from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
-from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, cut_for_groups
-from sglang.srt.weight_sync.manifest import EngineManifest
+from sglang.srt.weight_sync.executor import (
+    DataGroup,
+    ExecutionStats,
+    check_inputs,
+    execute,
+)
+from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.phase_timing import (
     Count,
     Phase,
@@ -85,6 +87,7 @@ from sglang.srt.weight_sync.protocol import (
     PayloadKind,
     check_timeout,
     request_problems,
+    resolve_channel,
 )
 from sglang.srt.weight_sync.sglang_compat import (
     field_names,
@@ -95,6 +98,18 @@ from sglang.srt.weight_sync.target_layout import restrict
 from sglang.srt.weight_sync.wire_dtypes import (
     cast_problems,
 )
+
+# isort: split
+# pr: fp8
+from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
+from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, cut_for_groups
+
+# pr: fp8 end
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.engine_trainer_side import local_step
+
+# pr: scale end
 
 __all__ = (
     "DISTRIBUTED_LOAD_FORMAT",
@@ -156,16 +171,24 @@ class ReceivedShards:
 @dataclass
 class _Validated:
     """What step 2 found on this rank before any write: its problems, and either the plan
-    to execute (with the shards it reads and the parameters it writes) or a local step."""
+    to execute (with the shards it reads and the parameters it writes) or the work this
+    rank does alone (``local``: returns its ``FIGURES``; the data plane is not used)."""
 
     problems: List[str]
     plan: Optional[Plan] = None
     shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    local_step: Optional[LocalStep] = None
+    local: Optional[Callable[[], Tuple[int, int, int]]] = None
+    # pr: fp8
     # block-FP8 weights: the plan cut for sender quantization, the staging of the blocks
     # left, the live e4m3 weights and scales (``params`` holds the staging instead)
     fp8: Optional[ColocatedFp8] = None
+    # pr: fp8 end
+
+
+def _nothing() -> Tuple[int, int, int]:
+    """The local work of a payload that writes nothing ("describe")."""
+    return 0, 0, 0
 
 
 class EngineWeightSync:
@@ -453,7 +476,7 @@ class EngineWeightSync:
         if refusal is not None:
             return False, refusal
         data = None
-        if found.plan is not None and found.local_step is None:
+        if found.plan is not None and found.local is None:
             with clock.phase(Phase.AGREE):
                 data, refusal = self.ready_data_group(found.plan, number, bound)
             if refusal is not None:
@@ -519,30 +542,34 @@ class EngineWeightSync:
     def _validate(
         self, model, derived: DerivedTargets, received: ReceivedShards, recv_req
     ) -> _Validated:
-        """This rank's problems with its payload, and the plan (or local step) if there are none."""
+        """This rank's problems with its payload, and the plan (or local work) if there are none."""
         if received.error:
             return _Validated([received.error])
-        rank, clock = self.rank, received.clock
+        rank, clock, kind = self.rank, received.clock, received.payload.kind
         try:
             with clock.phase(Phase.DESCRIBE):
                 live = self.layout.live(model, derived, block_fp8=True)
                 targets, params, manifest = live.targets, live.params, live.manifest
-            if received.payload.kind != PayloadKind.PARAMS:
+            if kind != PayloadKind.PARAMS:
                 # the dtypes the trainer casts shards to, from its first payload on (a
                 # "describe" opens an engine-side channel: ``trainer_flow._open``)
                 kept = self.layout.kept_dtypes(manifest, recv_req.channel)
-            if received.payload.kind != PayloadKind.SHARDS:
+            if kind == PayloadKind.DESCRIBE:
+                self._publish(manifest, recv_req.channel)
+                return _Validated([], local=_nothing)
+            # pr: scale
+            if kind == PayloadKind.PARAMS:
                 step = local_step(
                     received.payload,
                     targets,
                     manifest,
                     params,
                     rank,
-                    recv_req.channel,
                     live.fp8,
                     live.tensors,
                 )
-                return _Validated(step.problems, local_step=step)
+                return _Validated(step.problems, local=step.run)
+            # pr: scale end
             sources, shards = _sources(received.payload, targets, kept)
             with clock.phase(Phase.PLAN):
                 misses = self.plans.misses
@@ -550,37 +577,12 @@ class EngineWeightSync:
                     received.payload, sources, targets, manifest, recv_req
                 )
                 clock.count(Count.PLAN_COLD, self.plans.misses - misses)
-            fp8, named = live.fp8, live.tensors
-            if fp8 is None:
-                return _Validated(
-                    check_inputs(plan, rank, shards, params), plan, shards, params
-                )
-            # block FP8: the blocks a sending rank holds whole travel quantized and land in
-            # the e4m3 weights; the rest meet in bf16 staging, quantized after the plan ran
-            quantized = fp8.own.quantized
-            fp8_params = {q.weight: params[q.weight] for q in quantized}
-            fp8_params.update((q.scale, named[q.scale].data) for q in quantized)
-            names = {q.weight for q in quantized}
-            colocated = ColocatedFp8.of(
-                self._cut(plan, manifest, sources, targets),
-                rank,
-                quantized,
-                [
-                    t
-                    for t in restrict(targets.for_rank(rank), sources, targets.aliases)
-                    if t.name in names
-                ],
-                fp8_params,
-                next(iter(params.values())).device,
-            )
-            params = colocated.destinations(params)
-            problems = [f"engine rank {rank}: {p}" for p in fp8.own.problems]
+            # pr: fp8
+            if live.fp8 is not None:
+                return self._block_fp8(plan, live, sources, manifest, shards)
+            # pr: fp8 end
             return _Validated(
-                problems + colocated.check(plan, rank, shards, params),
-                plan,
-                shards,
-                params,
-                fp8=colocated,
+                check_inputs(plan, rank, shards, params), plan, shards, params
             )
         except (LayoutError, CoverageError, ValueError, KeyError) as e:
             return _Validated([f"engine rank {rank}: {e}"])
@@ -593,6 +595,81 @@ class EngineWeightSync:
                     f"engine rank {rank}: validating the update failed: {type(e).__name__}: {e}"
                 ]
             )
+
+    def _publish(self, manifest: EngineManifest, channel: str) -> None:
+        """A "describe" payload's work: this rank's manifest written into the channel, for
+        the trainer rank beside it (nothing is written to the model)."""
+        path = write_manifest(resolve_channel(channel, self.rank), self.rank, manifest)
+        logger.info(
+            "engine rank %d: published the engine layout %s at %s",
+            self.rank,
+            manifest.fingerprint[:12],
+            path,
+        )
+
+    # pr: fp8
+    def _block_fp8(
+        self,
+        plan: Plan,
+        live,
+        sources: SourceLayout,
+        manifest: EngineManifest,
+        shards: Dict[str, torch.Tensor],
+    ) -> _Validated:
+        """Block FP8: the blocks a sending rank holds whole travel quantized and land in the
+        e4m3 weights; the rest meet in bf16 staging, quantized after the plan ran."""
+        rank, targets, params = self.rank, live.targets, live.params
+        quantized = live.fp8.own.quantized
+        fp8_params = {q.weight: params[q.weight] for q in quantized}
+        fp8_params.update((q.scale, live.tensors[q.scale].data) for q in quantized)
+        names = {q.weight for q in quantized}
+        colocated = ColocatedFp8.of(
+            self._cut(plan, manifest, sources, targets),
+            rank,
+            quantized,
+            [
+                t
+                for t in restrict(targets.for_rank(rank), sources, targets.aliases)
+                if t.name in names
+            ],
+            fp8_params,
+            next(iter(params.values())).device,
+        )
+        params = colocated.destinations(params)
+        problems = [f"engine rank {rank}: {p}" for p in live.fp8.own.problems]
+        return _Validated(
+            problems + colocated.check(plan, rank, shards, params),
+            plan,
+            shards,
+            params,
+            fp8=colocated,
+        )
+
+    def _cut(
+        self,
+        plan: Plan,
+        manifest: EngineManifest,
+        sources: SourceLayout,
+        targets: DerivedTargets,
+    ) -> SenderFp8Plan:
+        """``plan`` cut for sender quantization (``fp8_wire.cut_for_groups``, every engine
+        rank receiving for itself): a pure function of the plan, so kept in the plan's memo
+        and gone with it."""
+        cut = plan.memo.get(("fp8 cut",))
+        if cut is not None:
+            return cut
+        shapes = {n: tuple(s) for n, s in targets.tensor_shapes().items()}
+        shapes.update((n, tuple(s.shape)) for n, s in sources.items())
+        cut = cut_for_groups(plan, manifest, [tuple(range(self.control.size))], shapes)
+        if cut is None:
+            raise ValueError(
+                "the engine has block-FP8 weights, but its manifest names none "
+                "(block_fp8 empty)"
+            )
+        plan.memo[("fp8 cut",)] = cut
+        return cut
+
+    # pr: fp8 end
 
     def _agree(
         self,
@@ -678,29 +755,25 @@ class EngineWeightSync:
         memo[key] = (targets, plan)
         return plan
 
-    def _cut(
-        self,
-        plan: Plan,
-        manifest: EngineManifest,
-        sources: SourceLayout,
-        targets: DerivedTargets,
-    ) -> SenderFp8Plan:
-        """``plan`` cut for sender quantization (``fp8_wire.cut_for_groups``, every engine
-        rank receiving for itself): a pure function of the plan, so kept in the plan's memo
-        and gone with it."""
-        cut = plan.memo.get(("fp8 cut",))
-        if cut is not None:
-            return cut
-        shapes = {n: tuple(s) for n, s in targets.tensor_shapes().items()}
-        shapes.update((n, tuple(s.shape)) for n, s in sources.items())
-        cut = cut_for_groups(plan, manifest, [tuple(range(self.control.size))], shapes)
-        if cut is None:
-            raise ValueError(
-                "the engine has block-FP8 weights, but its manifest names none "
-                "(block_fp8 empty)"
+    def _execute(
+        self, found: _Validated, data: Optional[DataGroup], bound: float
+    ) -> ExecutionStats:
+        """Run the plan this rank validated (``executor.execute``)."""
+        # pr: fp8
+        if found.fp8 is not None:
+            return found.fp8.run(
+                self.rank, found.shards, found.params, data, bound, checked=True
             )
-        plan.memo[("fp8 cut",)] = cut
-        return cut
+        # pr: fp8 end
+        return execute(
+            found.plan,
+            self.rank,
+            found.shards,
+            found.params,
+            group=data,
+            timeout_s=bound,
+            checked=True,  # _validate checked them; the ranks agreed on it
+        )
 
     def _write(
         self,
@@ -715,31 +788,13 @@ class EngineWeightSync:
         """Run the plan (or the local step), refresh derived tensors, share the figures
         and this rank's phases (one all-reduce)."""
         clock = received.clock
-        if found.local_step is not None:
+        if found.local is not None:
             with clock.phase(Phase.APPLY):
-                mine = found.local_step.run()
+                mine = found.local()
         else:
             try:
                 with clock.phase(Phase.EXECUTE):
-                    if found.fp8 is None:
-                        stats = execute(
-                            found.plan,
-                            self.rank,
-                            found.shards,
-                            found.params,
-                            group=data,
-                            timeout_s=bound,
-                            checked=True,  # _validate checked them; the ranks agreed on it
-                        )
-                    else:
-                        stats = found.fp8.run(
-                            self.rank,
-                            found.shards,
-                            found.params,
-                            data,
-                            bound,
-                            checked=True,
-                        )
+                    stats = self._execute(found, data, bound)
                     clock.add(Phase.APPLY, stats.copy_seconds)
             except PeerLost:
                 self.drop_data_group()  # its pending work must not outlive the update
@@ -751,22 +806,18 @@ class EngineWeightSync:
             )
             with clock.phase(Phase.APPLY):
                 written = list(found.params.values())
+                lower_bound = found.plan.lower_bound_bytes(self.rank)
+                # pr: fp8
                 if found.fp8 is not None:
                     # every element of every block left has met in staging: quantize in place
                     found.fp8.quantize_left()
                     written += found.fp8.fp8_params.values()
+                    lower_bound = found.fp8.sender.lower_bound_bytes(self.rank)
+                # pr: fp8 end
                 synchronize(written)  # the trainer may reuse what we read once we reply
             if stats.peak_staging_bytes:
                 release_cached_memory(found.params.values())
-            mine = (
-                stats.bytes_received,
-                (
-                    found.plan.lower_bound_bytes(self.rank)
-                    if found.fp8 is None
-                    else found.fp8.sender.lower_bound_bytes(self.rank)
-                ),
-                stats.peak_staging_bytes,
-            )
+            mine = (stats.bytes_received, lower_bound, stats.peak_staging_bytes)
             logger.info(
                 "distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
                 "staged at most %d",

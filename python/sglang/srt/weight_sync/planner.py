@@ -56,6 +56,7 @@ __all__ = (
     "Topology",
     "ZeroFill",
     "box_index",
+    "first_uncovered",
     "forget_indexes",
     "holder_boxes",
     "inputs_fingerprint",
@@ -66,6 +67,7 @@ __all__ = (
     "resolve_aliases",
     "sources_digest",
     "targets_key",
+    "uncovered",
 )
 
 
@@ -402,6 +404,44 @@ def forget_indexes(sources: SourceLayout) -> None:
 def holder_boxes(source: SourceTensor) -> List[Tuple[Box, Tuple[int, ...]]]:
     """The distinct non-empty boxes of ``source`` with the ranks holding each."""
     return box_index(source).boxes
+
+
+def uncovered(
+    source: SourceTensor, ranks: Optional[Collection[int]] = None
+) -> Optional[Box]:
+    """A region of the tensor that none of its holders (among ``ranks``, default all)
+    has, or None when they cover it."""
+    remaining = [Box.full(source.shape)]
+    for box, holding in holder_boxes(source):
+        if ranks is None or any(r in ranks for r in holding):
+            remaining = [piece for rem in remaining for piece in rem.subtract(box)]
+    return remaining[0] if remaining else None
+
+
+def first_uncovered(
+    sources: SourceLayout, engine_groups: Sequence[Sequence[int]]
+) -> Optional[str]:
+    """The first tensor that the trainer ranks beside some engine do not hold in full
+    (then the engine alone cannot reshard it); None when every engine is covered. Tensors
+    a mesh describes are covered or not by their shared geometry alone (a model's tens of
+    thousands of tensors have a few dozen), so each geometry is checked once."""
+    groups = [set(g) for g in engine_groups]
+    by_geometry: Dict[int, bool] = {}
+    for name in sorted(sources):
+        source = sources[name]
+        holders = source.holders
+        if not isinstance(holders, MeshHolders):
+            if any(uncovered(source, g) for g in groups):
+                return name
+            continue
+        gap = by_geometry.get(id(holders.geometry))
+        if gap is None:
+            gap = by_geometry[id(holders.geometry)] = any(
+                uncovered(source, g) for g in groups
+            )
+        if gap:
+            return name
+    return None
 
 
 class HolderIndex:

@@ -50,7 +50,7 @@ from sglang.srt.weight_sync.control_plane import (
     collective_device,
 )
 from sglang.srt.weight_sync.delivery import ShardSender, local_shard
-from sglang.srt.weight_sync.executor import DataGroup, data_device
+from sglang.srt.weight_sync.executor import data_device
 from sglang.srt.weight_sync.manifest import (
     EngineManifest,
     ManifestError,
@@ -63,6 +63,7 @@ from sglang.srt.weight_sync.phase_timing import (
     PhaseClock,
     describe_phases,
 )
+from sglang.srt.weight_sync.planner import first_uncovered
 from sglang.srt.weight_sync.protocol import (
     CHANNEL_PREFIX,
     DATA_GROUP_TIMEOUT_S,
@@ -75,16 +76,23 @@ from sglang.srt.weight_sync.protocol import (
 from sglang.srt.weight_sync.source_layout import (
     Described,
     HoldersSpec,
+    LayoutError,
     MeshRanks,
     MeshSpec,
     SourceLayout,
 )
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.executor import DataGroup
 from sglang.srt.weight_sync.trainer_reshard import (
     TrainerPlans,
     TrainerSideResult,
     chunks,
-    first_uncovered,
 )
+
+# pr: scale end
+
 
 __all__ = (
     "ControlRequest",
@@ -95,7 +103,9 @@ __all__ = (
     "UpdateOutcome",
     "UpdateReport",
     "adrive",
+    # pr: scale
     "agree_on_inputs",
+    # pr: scale end
     "as_reply",
     "deliver",
     "delivered_flow",
@@ -110,6 +120,13 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "engine", "trainer"]
+# Where resharding can run (``choose_side``): beside each engine, within its TP group
+SIDES: Tuple[str, ...] = (
+    "engine",
+    # pr: scale
+    "trainer",  # in one hop over the trainer's world (``trainer_reshard``)
+    # pr: scale end
+)
 Shards = List[Tuple[str, torch.Tensor, MeshSpec]]
 TOKEN_BYTES = 32  # a channel token: uuid4().hex
 
@@ -158,16 +175,18 @@ class TrainerSync:
 
     def __init__(self) -> None:
         self._channels: Dict[Tuple[int, ...], TrainerChannel] = {}
-        self.plans = TrainerPlans()
         self.described = Described()
         self.megatron_coords: Dict[
             object, dict
         ] = {}  # MegatronRank -> every rank's coordinates
         self._world: Optional[ControlGroup] = None
+        # pr: scale
+        self.plans = TrainerPlans()
         self._data: Optional[DataGroup] = None
         # how many data groups this rank made or tried to: its proposal for the next one's
         # number (``ready_data``)
         self.data_groups_made = 0
+        # pr: scale end
         self._finalizer = weakref.finalize(self, TrainerSync._close_all, self._channels)
 
     @classmethod
@@ -195,9 +214,15 @@ class TrainerSync:
 
     @property
     def data_device(self) -> torch.device:
-        """Where the trainer-side data plane moves tensors (the default group's backend)."""
-        return self._data.device if self._data is not None else data_device(None)
+        """Where the trainer's tensors move: the trainer-side data plane's device, the default
+        group's backend's until it has one."""
+        # pr: scale
+        if self._data is not None:
+            return self._data.device
+        # pr: scale end
+        return data_device(None)
 
+    # pr: scale
     @property
     def lacks_data(self) -> bool:
         """Whether this rank has no usable data group (none yet, or a wait on it failed)."""
@@ -228,6 +253,8 @@ class TrainerSync:
             )
             self._data = DataGroup.over_ranks_of(None, timeout_s, number, setup_s)
         return self.data
+
+    # pr: scale end
 
     def channel(
         self,
@@ -283,9 +310,11 @@ class TrainerSync:
     def close(self) -> None:
         """Close every channel and destroy the data group (idempotent)."""
         TrainerSync._close_all(self._channels)
+        # pr: scale
         if self._data is not None:
             self._data.abandon()
             self._data = None
+        # pr: scale end
 
     @staticmethod
     def _close_all(channels: Dict[Tuple[int, ...], TrainerChannel]) -> None:
@@ -343,18 +372,27 @@ def choose_side(
 ) -> str:
     """Where resharding runs: "engine" when the trainer ranks beside every engine hold all
     of every tensor (the engine reshards within its TP group), else "trainer" (one hop
-    over the trainer's world). ``mode`` overrides. The same answer on every rank."""
-    if mode != "auto":
-        return mode
-    name = first_uncovered(sources, engine_groups)
-    if name is None:
-        return "engine"
-    logger.info(
-        "weight update: tensor %s is not covered by the trainer ranks beside an engine; "
-        "resharding on the trainer side, straight to the engine's layout",
-        name,
-    )
-    return "trainer"
+    over the trainer's world). ``mode`` overrides. The same answer on every rank. A side
+    not in ``SIDES`` raises ``LayoutError`` (``weight_sync.utils.update_weights`` then
+    takes upstream's gathered path)."""
+    why = f"mode={mode!r}"
+    if mode == "auto":
+        name = first_uncovered(sources, engine_groups)
+        if name is None:
+            return "engine"
+        mode = "trainer"
+        why = f"tensor {name} is not held whole by the trainer ranks beside an engine"
+    if mode not in SIDES:
+        raise LayoutError(
+            f"weight update: {why}, and resharding runs only {' or '.join(SIDES)}-side"
+        )
+    if mode == "trainer":
+        logger.info(
+            "weight update: %s; resharding on the trainer side, straight to the engine's "
+            "layout",
+            why,
+        )
+    return mode
 
 
 def deliver(
@@ -532,13 +570,35 @@ def sources_flow(
     clock = clock if clock is not None else PhaseClock()
     with clock.phase(Phase.DESCRIBE):
         side = described_side(sync.described, sources, chan.engine_groups, mode)
-    report = UpdateReport(side)
-    if side == "engine":
-        if chan.updates == 0 and sync.data_device.type == "cpu":
-            yield from _open(chan, clock)
-        with clock.phase(Phase.DELIVER):
-            update_id = deliver_beside()
-        return (yield from delivered_flow(chan, update_id, clock))
+    # pr: scale
+    if side == "trainer":
+        return (
+            yield from _trainer_side(
+                sync, chan, sources, local, bucket_bytes, timeout_s, clock
+            )
+        )
+    # pr: scale end
+    if chan.updates == 0 and sync.data_device.type == "cpu":
+        yield from _open(chan, clock)
+    with clock.phase(Phase.DELIVER):
+        update_id = deliver_beside()
+    return (yield from delivered_flow(chan, update_id, clock))
+
+
+# pr: scale
+def _trainer_side(
+    sync: TrainerSync,
+    chan: TrainerChannel,
+    sources: SourceLayout,
+    local: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    timeout_s: float,
+    clock: PhaseClock,
+) -> Flow:
+    """Trainer-side resharding in one hop: the engines' layout read once (``_describe``),
+    the inputs agreed, then per chunk this rank's moves over the trainer's world into
+    parameter-shaped buffers handed to the engine rank beside it, one request each."""
+    report = UpdateReport("trainer")
     rank, names = dist.get_rank(), sorted(sources)
     check_bound(
         None,
@@ -720,6 +780,7 @@ def _segment_buffers(sender: ShardSender):
     return alloc
 
 
+# pr: scale end
 def delivered_flow(
     chan: TrainerChannel, update_id: str, clock: Optional[PhaseClock] = None
 ) -> Flow:
@@ -782,6 +843,7 @@ def _open(
         )
 
 
+# pr: scale
 def _describe(
     sync: TrainerSync, chan: TrainerChannel, timeout_s: float, clock: PhaseClock
 ) -> Generator[ControlRequest, Reply, EngineManifest]:
@@ -810,6 +872,7 @@ def _describe(
     return manifest
 
 
+# pr: scale end
 def as_reply(result, request: Optional[ControlRequest] = None) -> Reply:
     """(success, message) from an Engine tuple or an HTTP adapter's JSON body; the body's
     ``phases`` (the engine's, per TP rank) go to ``request``'s clock."""
@@ -991,7 +1054,6 @@ async def update_weights_distributed(
     """
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput
     from sglang.srt.weight_sync.protocol import as_tensor_request
-    from sglang.srt.weight_sync.source_layout import LayoutError
 
     timeout_s = check_timeout(timeout_s)
     mesh = device_mesh[device_mesh_key]

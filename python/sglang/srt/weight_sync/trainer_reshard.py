@@ -29,13 +29,11 @@ from typing import (
     Mapping,
     Optional,
     Sequence,
-    Set,
     Tuple,
 )
 
 import torch
 
-from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.executor import (
     DataGroup,
     Deferred,
@@ -53,16 +51,13 @@ from sglang.srt.weight_sync.manifest import EngineManifest, targets_by_trainer_r
 from sglang.srt.weight_sync.phase_timing import Count, Phase, PhaseClock
 from sglang.srt.weight_sync.planner import (
     Plan,
-    holder_boxes,
     resolve_aliases,
     sources_digest,
 )
 from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.source_layout import (
-    MeshHolders,
     SourceLayout,
-    SourceTensor,
 )
 from sglang.srt.weight_sync.target_layout import (
     ParamTarget,
@@ -76,46 +71,8 @@ __all__ = (
     "TrainerSideResult",
     "chunk_digest",
     "chunks",
-    "first_uncovered",
     "fp8_regions",
-    "uncovered",
 )
-
-
-def uncovered(source: SourceTensor, ranks: Optional[Set[int]] = None) -> Optional[Box]:
-    """A region of the tensor that none of its holders (among ``ranks``, default all)
-    has, or None when they cover it."""
-    remaining = [Box.full(source.shape)]
-    for box, holding in holder_boxes(source):
-        if ranks is None or not ranks.isdisjoint(holding):
-            remaining = [piece for rem in remaining for piece in rem.subtract(box)]
-    return remaining[0] if remaining else None
-
-
-def first_uncovered(
-    sources: SourceLayout, engine_groups: Sequence[Sequence[int]]
-) -> Optional[str]:
-    """The first tensor that the trainer ranks beside some engine do not hold in full
-    (then the engine alone cannot reshard it); None when every engine is covered. Tensors
-    a mesh describes are covered or not by their shared geometry alone (a model's tens of
-    thousands of tensors have a few dozen), so each geometry is checked once."""
-    groups = [set(g) for g in engine_groups]
-    by_geometry: Dict[int, bool] = {}
-    for name in sorted(sources):
-        source = sources[name]
-        holders = source.holders
-        if not isinstance(holders, MeshHolders):
-            if any(uncovered(source, g) for g in groups):
-                return name
-            continue
-        gap = by_geometry.get(id(holders.geometry))
-        if gap is None:
-            gap = by_geometry[id(holders.geometry)] = any(
-                uncovered(source, g) for g in groups
-            )
-        if gap:
-            return name
-    return None
 
 
 def chunks(

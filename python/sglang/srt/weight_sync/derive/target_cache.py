@@ -35,13 +35,18 @@ from sglang.srt.weight_sync.derive.derived_targets import (
     checkpoint_layout,
     derive_engine_rank,
 )
-from sglang.srt.weight_sync.fp8_targets import derivation_config
 from sglang.srt.weight_sync.sglang_compat import (
     original_hf_config,
     parallel_widths,
     server_args_dict,
 )
 from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
+
+# isort: split
+# pr: fp8
+from sglang.srt.weight_sync.fp8_targets import derivation_config
+
+# pr: fp8 end
 
 __all__ = (
     "CACHE_DIR_ENV",
@@ -147,9 +152,11 @@ def own_rank_record(model_config, rank: int) -> dict:
             paused_gc()
         ):  # millions of small objects: the collector's full passes would free nothing
             checkpoint = checkpoint_layout(original_hf_config(model_config))
-            derived = derive_engine_rank(
-                derivation_config(model_config), checkpoint, rank
-            )
+            config = model_config
+            # pr: fp8
+            config = derivation_config(model_config)  # block-FP8: an unquantized copy
+            # pr: fp8 end
+            derived = derive_engine_rank(config, checkpoint, rank)
             record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
             if (
                 rank == 0
