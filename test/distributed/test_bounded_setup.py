@@ -131,6 +131,7 @@ def test_peer_lost_is_what_a_stranded_set_up_raises():
     release.set()
 
 
+# pr: scale
 def _one_rank_missed_a_making(rank: int, world: int) -> dict:
     """Rank 0 makes the trainer's data group alone (its peer failed before it got there):
     its making runs out its bound. Then both ranks agree, as ``agree_on_inputs`` does, that
@@ -190,6 +191,7 @@ def test_a_rank_that_missed_a_making_takes_its_peers_number_next():
     assert ahead["groups_in_store"] == behind["groups_in_store"] == ["1"], ahead
 
 
+# pr: scale end
 def _control_group_alone(rank: int, world: int) -> dict:
     """Rank 0 makes an engine-style control group (a gloo group of its own) that rank 1
     never makes: ``PeerLost`` within its set-up bound, not gloo's hours-long group timeout."""

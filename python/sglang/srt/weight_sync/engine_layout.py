@@ -118,9 +118,8 @@ class EngineLayout:
         colocated updates, engine-side and trainer-side, and remote engines through
         ``fp8_staging``) may use them; any other refuses, naming a parameter."""
         named = live_tensors(model)
-        staged: Dict[
-            str, torch.dtype
-        ] = {}  # block-FP8 weights: the dtype they stage in
+        # block-FP8 weights: the dtype each is staged in, and its blocks
+        staged: Dict[str, torch.dtype] = {}
         blocks: Dict[str, Tuple[int, int]] = {}
         # pr: fp8
         fp8 = self.block_fp8(derived, named)
