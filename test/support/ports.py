@@ -4,17 +4,16 @@ A port is checked free here and bound later, by a server or a TCPStore that star
 minute afterwards. In that window another process may take it: every outgoing connection and
 every ``bind(0)`` gets a port from the kernel's ephemeral range (32768+ by default; SGLang 0.5.10
 and 0.5.12 take their ``nccl_port`` that way), and SGLang 0.5.23 picks its ``nccl_port`` at random
-from [22000, 30000). So the ports come from [10000, 22000), below both, checked with SGLang's
-own ``is_port_available``: a server's port plus 10000 (0.5.12's gRPC port) stays below the
-ephemeral range. A process never gets the same port twice.
+from [22000, 30000). So the ports come from [10000, 22000), below both, each checked by binding
+it: a server's port plus 10000 (0.5.12's gRPC port) stays below the ephemeral range. A process
+never gets the same port twice.
 """
 
 from __future__ import annotations
 
 import random
+import socket
 from typing import List, Set
-
-from sglang.srt.utils import is_port_available
 
 __all__ = ["free_port", "free_ports"]
 
@@ -25,7 +24,7 @@ _handed_out: Set[int] = set()
 def free_port() -> int:
     """A port in [10000, 22000), free now and not handed out before in this process."""
     for port in random.sample(range(LOW, HIGH), 400):
-        if port not in _handed_out and is_port_available(port):
+        if port not in _handed_out and _bindable(port):
             _handed_out.add(port)
             return port
     raise RuntimeError(f"no free port in [{LOW}, {HIGH}) that was not handed out")
@@ -34,3 +33,15 @@ def free_port() -> int:
 def free_ports(n: int) -> List[int]:
     """``n`` distinct ports, as ``free_port``."""
     return [free_port() for _ in range(n)]
+
+
+def _bindable(port: int) -> bool:
+    """Whether a socket can bind ``port`` on every interface now."""
+    probe = socket.socket()
+    try:
+        probe.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

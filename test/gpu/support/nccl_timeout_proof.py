@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -67,7 +68,6 @@ def main(out: str, old: bool) -> int:
     import torch
     import torch.distributed as dist
 
-    from sglang.srt.utils import get_free_port
     from sglang.srt.weight_sync.control_plane import PeerLost
     from sglang.srt.weight_sync.executor import DataGroup
     from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
@@ -75,9 +75,12 @@ def main(out: str, old: bool) -> int:
     result = {"mode": "old" if old else "polled", "torch": torch.__version__}
     _write(out, result)
     torch.cuda.set_device(0)
+    with socket.socket() as probe:  # a port for this one-rank group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     dist.init_process_group(
         "cpu:gloo,cuda:nccl",
-        init_method=f"tcp://127.0.0.1:{get_free_port()}",
+        init_method=f"tcp://127.0.0.1:{port}",
         rank=0,
         world_size=1,
         device_id=torch.device("cuda", 0),
