@@ -435,11 +435,6 @@ def mdx(markdown: str) -> str:
     return f'---\ntitle: "{title}"\n---\n' + "\n".join(out).strip("\n") + "\n"
 
 
-def module_file(name: str) -> Path:
-    """A module's file by its name in the package (``derive`` is ``derive/__init__.py``)."""
-    return package_modules()[name]
-
-
 def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
     """Commit each pull request of ``series`` on ``tree``, in order; return the findings left
     per commit subject and, per pull request, (pr, first commit's parent, its last commit)."""
@@ -455,7 +450,7 @@ def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
         commit(tree, subject, body)
         log(f"committed {subject} ({len(files)} files)")
 
-    order = hook_patches()
+    order, module_files = hook_patches(), package_modules()
     pkg = ROOT / "python" / "sglang"
     keys: set[str] = set()
     modules: list[str] = []
@@ -477,7 +472,7 @@ def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
         # as its change to them
         modules += pr.modules
         for name in modules:
-            src = module_file(name)
+            src = module_files[name]
             copy(src, tree / "python" / "sglang" / src.relative_to(pkg), keys)
         if changed_files(tree):
             step(
@@ -555,9 +550,12 @@ def line_counts(tree: Path, start: str, end: str) -> dict[str, int]:
     return counts
 
 
-def stands_alone(tree: Path, tag: str, modules: list[str], python: str) -> list[str]:
-    """Import every module of ``modules`` from the tree at ``tag`` (with the CPU test
-    stand-ins on the path); return what fails, one line per module."""
+def stands_alone(
+    tree: Path, tag: str, modules: list[str], python: str, scaffold: Path
+) -> list[str]:
+    """Import every module of ``modules`` from the tree at ``tag`` (extracted under
+    build/pr/at/, with the ``scaffold`` folder on the path); return what fails, one line
+    per module."""
     at = fresh(WORK / "at" / tag)
     at.mkdir()
     archive = subprocess.run(
@@ -576,9 +574,7 @@ def stands_alone(tree: Path, tag: str, modules: list[str], python: str) -> list[
         "        print(f'{name}: {type(e).__name__}: {e}')\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(at / "python"), str(ROOT / "test" / "support")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(at / "python"), str(scaffold)])
     r = subprocess.run(
         [python, "-c", script, *modules],
         capture_output=True,
@@ -596,21 +592,24 @@ def stands_alone(tree: Path, tag: str, modules: list[str], python: str) -> list[
 SCAFFOLDING = ("sitecustomize.py", "zygote.py", "sgl_kernel")
 
 
-def passes_its_tests(
-    tree: Path, tag: str, tiers: list[str], python: str
-) -> tuple[bool, str]:
-    """Run the tests of ``tiers`` that the tree at ``tag`` holds, from that tree, with this
-    repository's CPU scaffolding on the path (``stands_alone`` extracted the tree); whether
-    they passed, and pytest's summary line (the whole output: build/pr/<tag>-tests.log)."""
-    at = WORK / "at" / tag
+def scaffolding() -> Path:
+    """A folder with only this repository's CPU scaffolding (``SCAFFOLDING``), for the path."""
     scaffold = fresh(WORK / "scaffold")
     scaffold.mkdir()
     for name in SCAFFOLDING:
         src = ROOT / "test" / "support" / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, scaffold / name)
+    return scaffold
+
+
+def its_tests(tag: str, tiers: list[str], python: str, scaffold: Path) -> str:
+    """Run the tests of ``tiers`` that the tree at ``tag`` holds, from that tree, with the
+    ``scaffold`` folder on the path (``stands_alone`` extracted the tree); pytest's summary
+    line (the whole output: build/pr/<tag>-tests.log)."""
+    at = WORK / "at" / tag
     folders = [at / TEST_DEST / t for t in tiers if (at / TEST_DEST / t).is_dir()]
     if not folders:
-        return True, "no tests of these tiers"
+        return "no tests of these tiers"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(at / "python"), str(scaffold)])
     r = subprocess.run(
@@ -622,7 +621,7 @@ def passes_its_tests(
     )
     (WORK / f"{tag}-tests.log").write_text(r.stdout + r.stderr)
     lines = [line for line in r.stdout.splitlines() if line.strip()]
-    return r.returncode == 0, lines[-1] if lines else r.stderr[-300:]
+    return lines[-1] if lines else r.stderr[-300:]
 
 
 # ---------------------------------------------------------------------------- main
@@ -676,6 +675,9 @@ def main() -> None:
     check = fresh(WORK / "verify")
     upstream_source_tree(check)
     rows, done = [], []
+    owner = series.owner()
+    python = os.path.abspath(ROOT / args.python) if args.python else None
+    scaffold = scaffolding() if python else None
     for pr, start, end in ranges:
         folder = OUT / f"{pr.number:02d}-{pr.key}"
         git(
@@ -702,14 +704,13 @@ def main() -> None:
             {
                 f"{o.source} -> {o.target}"
                 for o in series.open
-                if series.owner().get(o.source) is pr
+                if owner.get(o.source) is pr
             }
         )
-        python = os.path.abspath(ROOT / args.python) if args.python else None
         tag = f"pr-{pr.number}-{pr.key}"
-        alone = stands_alone(tree, tag, done, python) if python else None
+        alone = stands_alone(tree, tag, done, python, scaffold) if python else None
         tested = (
-            passes_its_tests(tree, tag, args.test.split(","), python)
+            its_tests(tag, args.test.split(","), python, scaffold)
             if python and args.test
             else None
         )
@@ -751,7 +752,7 @@ def main() -> None:
         print(
             f"| {pr.number} | {pr.key} | {n} | {counts['code']:,} | {counts['tests']:,} | "
             f"{counts['docs']:,} | {counts['total']:,} | {len(opened)} | {alone_text} | "
-            + ("not run" if tested is None else tested[1])
+            + ("not run" if tested is None else tested)
             + " |"
         )
         causes: dict[str, list[str]] = {}

@@ -49,7 +49,7 @@ HERE = "here"
 class PullRequest:
     """One pull request of the series: what it adds (names as in ``pr_series.toml``)."""
 
-    number: int  # 1-based; ``HERE`` items have none
+    number: int  # 1-based; what stays here numbers after every pull request
     key: str
     title: str
     hooks: Tuple[str, ...]
@@ -104,10 +104,9 @@ class Series:
             seen.add(item)
         return twice
 
-    def rank(self, item: str) -> int:
-        """The number of the PR that adds ``item``; stays-here items rank after every PR."""
-        pr = self.owner()[item]
-        return pr.number if pr is not self.here else len(self.prs) + 1
+    def numbers(self) -> Dict[str, int]:
+        """Pull request key (and ``here``) -> its number."""
+        return {pr.key: pr.number for pr in (*self.prs, self.here)}
 
 
 def load_series(path: Path = ROOT / "scripts" / "pr_series.toml") -> Series:
@@ -131,7 +130,7 @@ def load_series(path: Path = ROOT / "scripts" / "pr_series.toml") -> Series:
         for entry in data.get("open", ())
         for source in entry["from"]
     )
-    return Series(prs, pr_of(0, data["here"]), opened)
+    return Series(prs, pr_of(len(prs) + 1, data["here"]), opened)
 
 
 # ---------------------------------------------------------------------------- what exists
@@ -226,6 +225,14 @@ def _region_of(line: int, marked: List[Region]) -> Optional[str]:
     return next((r.key for r in marked if r.first <= line <= r.last), None)
 
 
+def _known(dotted: str, modules: Set[str]) -> str:
+    """The longest prefix of ``dotted`` that is one of ``modules`` ("" when none is):
+    ``engine_update.EngineWeightSync`` is ``engine_update``."""
+    while dotted and dotted not in modules:
+        dotted = dotted.rpartition(".")[0]
+    return dotted
+
+
 def _module_imports(tree: ast.AST, modules: Set[str]) -> Set[Tuple[str, int]]:
     """(module, line) for each import of the package's ``modules`` in ``tree``."""
     found: Set[Tuple[str, int]] = set()
@@ -245,9 +252,7 @@ def _module_imports(tree: ast.AST, modules: Set[str]) -> Set[Tuple[str, int]]:
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith(PACKAGE_PREFIX + "."):
-                    name = a.name[len(PACKAGE_PREFIX) + 1 :]
-                    while name and name not in modules:
-                        name = name.rpartition(".")[0]
+                    name = _known(a.name[len(PACKAGE_PREFIX) + 1 :], modules)
                     if name:
                         found.add((name, node.lineno))
     return found
@@ -286,10 +291,9 @@ def hook_references() -> Dict[str, Set[Reference]]:
             if not line.startswith("+") or line.startswith("+++"):
                 continue
             for dotted in _NAMED.findall(line):
-                while dotted and dotted not in names:
-                    dotted = dotted.rpartition(".")[0]
-                if dotted:
-                    refs.add((f"module:{dotted}", None))
+                name = _known(dotted, names)
+                if name:
+                    refs.add((f"module:{name}", None))
         found[f"hook:{patch}"] = refs
     return found
 
@@ -339,26 +343,22 @@ def actual_open(series: Series) -> FrozenSet[Tuple[str, str]]:
     """(source, target) for every reference from an item of a pull request (or from a region
     of a later one in it) to what a later pull request adds, or to what stays here
     (``benchmark`` and ``VerlEngine`` too)."""
-    owner = series.owner()
-    rank = {item: series.rank(item) for item in owner}
-    number = {pr.key: pr.number for pr in series.prs}
-    later = len(series.prs) + 1
+    owner, number = series.owner(), series.numbers()
     out = set()
     refs = {**module_references(), **hook_references(), **test_references()}
     for source, targets in refs.items():
         if source not in owner or owner[source] is series.here:
             continue
         for target, key in targets:
-            at = number.get(key, later) if key is not None else rank[source]
-            if rank.get(target, later) > at:
+            at = number[key] if key is not None else owner[source].number
+            if owner.get(target, series.here).number > at:
                 out.add((source, target))
     return frozenset(out)
 
 
 def region_problems(series: Series) -> List[str]:
     """Regions that name no pull request of the series, or one not after their file's own."""
-    owner = series.owner()
-    number = {pr.key: pr.number for pr in series.prs}
+    owner, number = series.owner(), series.numbers()
     files = {f"module:{m}": p for m, p in package_modules().items()}
     files.update({f"test:{t}": p for t, p in test_files().items()})
     problems = []
@@ -372,9 +372,9 @@ def region_problems(series: Series) -> List[str]:
                 problems.append(
                     f"{path}:{region.first}: no pull request {region.key!r}"
                 )
-            elif number[region.key] <= series.rank(item):
+            elif number[region.key] <= owner[item].number:
                 problems.append(
                     f"{path}:{region.first}: region {region.key!r} in a file that pull "
-                    f"request {series.rank(item)} already adds whole"
+                    f"request {owner[item].number} already adds whole"
                 )
     return problems
