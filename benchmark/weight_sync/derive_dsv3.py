@@ -121,9 +121,9 @@ def _engine_context(model_dir: Path, cache: Path, tp: int, ep: int):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.runtime_context import get_context
-    from sglang.srt.weight_sync.derive import target_cache
+    from sglang.srt.weight_sync.derive import disk_cache
 
-    os.environ[target_cache.CACHE_DIR_ENV] = str(cache)
+    os.environ[disk_cache.CACHE_DIR_ENV] = str(cache)
     installed = get_context().override_server_args(tp_size=tp, ep_size=ep)
     installed.install()
     model_config = ModelConfig(model_path=str(model_dir))
@@ -202,7 +202,7 @@ def _floor(args, model_config) -> None:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from sglang.srt.weight_sync.derive import derived_targets
+    from sglang.srt.weight_sync.derive import derived_targets, repeated_layers
     from sglang.srt.weight_sync.sglang_compat import original_hf_config
     from sglang.srt.weight_sync.target_layout import paused_gc
 
@@ -242,7 +242,7 @@ def _floor(args, model_config) -> None:
         with derived_targets.as_engine_rank(rank):
             return cpu(
                 lambda: engine_derived.append(
-                    derived_targets.derive_once_per_layer_kind(
+                    repeated_layers.derive_once_per_layer_kind(
                         lambda: derived_targets.build_meta_model(model_config),
                         checkpoint,
                     )
@@ -352,7 +352,7 @@ def main() -> None:
         work / "model", work / "cache", args.tp, args.ep
     )
     from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.weight_sync.derive import target_cache
+    from sglang.srt.weight_sync.derive import disk_cache, target_cache
     from sglang.srt.weight_sync.target_layout import EngineParallel
 
     par = get_parallel()
@@ -405,11 +405,9 @@ def main() -> None:
         )
         row("first, assemble", seconds, peak, growth, targets)
         del targets
-        _, seconds, peak, growth = _measured(
-            lambda: target_cache.cache_key(model_config)
-        )
+        _, seconds, peak, growth = _measured(lambda: disk_cache.cache_key(model_config))
         row("restart, key", seconds, peak, growth)
-        target_cache._versions.cache_clear()
+        disk_cache._versions.cache_clear()
         memo = {}  # the engine's weight sync keeps one per engine
         targets, seconds, peak, growth = _measured(
             lambda: target_cache.engine_derived_targets(

@@ -480,7 +480,7 @@ def run_job(job: dict, out_path: str) -> None:
 
     Writes ``torch.save({"checkpoints": {cfg_id: {"dir", "config": <config.json>, "tensors":
     [(name, shape)]}}, "results": {case_id: {"params": {...}, "config_changes": {...}, "derived":
-    RankTargets (the engine's derivation, repeated layers loaded once), "every_layer": RankTargets
+    RankTargets (the engine's derivation), "every_layer": RankTargets
     (every layer loaded), "layout", "refresh_problems" (when job["derive"])} | {"error": str}},
     "platform": {...}})``.
     """
@@ -492,9 +492,16 @@ def run_job(job: dict, out_path: str) -> None:
         build_meta_model,
         checkpoint_layout,
         derive_rank,
-        derive_sampled,
     )
-    from sglang.srt.weight_sync.derive.repeated_layers import sample_layers
+
+    # isort: split
+    # pr: scale
+    from sglang.srt.weight_sync.derive.repeated_layers import (
+        derive_sampled,
+        sample_layers,
+    )
+
+    # pr: scale end
 
     platform = {
         "is_cpu": bool(sgl_utils.is_cpu()),
@@ -546,17 +553,18 @@ def run_job(job: dict, out_path: str) -> None:
                         transformers.AutoConfig.from_pretrained(workdir / cfg_id)
                     )
                     results[case_id]["layout"] = layout
-                    # the engine's derivation (repeated layers loaded once), without its fallback to
-                    # deriving every layer, and that fallback itself
+                    # the engine's derivation and every layer derived
+                    every_layer = derive_rank(build_meta_model(model_config), layout)
+                    results[case_id]["derived"] = every_layer
+                    # pr: scale
+                    # repeated layers loaded once, without the fallback to every layer
                     sampling = sample_layers(layout.tensors)
-                    results[case_id]["derived"] = (
-                        derive_sampled(build_meta_model(model_config), layout, sampling)
-                        if sampling
-                        else derive_rank(build_meta_model(model_config), layout)
-                    )
-                    results[case_id]["every_layer"] = derive_rank(
-                        build_meta_model(model_config), layout
-                    )
+                    if sampling:
+                        results[case_id]["derived"] = derive_sampled(
+                            build_meta_model(model_config), layout, sampling
+                        )
+                    # pr: scale end
+                    results[case_id]["every_layer"] = every_layer
                     if computed:
                         results[case_id]["refresh_problems"] = refresh_check(
                             model, model_config, full, device

@@ -13,8 +13,8 @@ loader branches) and SGLang's CPU engine, whose config adjustment pads heads and
 intermediate sizes that do not divide T (8 q / 2 kv heads at T 4 and 8 here): the padding
 is what the loader writes, so it is in the derived targets as zero boxes.
 
-The targets compared are the engine's derivation, which loads each kind of repeated layer
-once (its first and last layer) and renames the first for the others (``derive.repeated_layers``):
+The targets compared are the engine's derivation. Where it loads each kind of repeated layer
+once (its first and last layer) and renames the first for the others (``derive.repeated_layers``),
 every model here has a kind of 3 layers or more, so its middle layer is one SGLang's
 loaders never saw while deriving; that derivation must also equal loading every layer.
 
@@ -46,8 +46,13 @@ from benchmark.weight_sync.hand_rules import (  # noqa: E402
     model_targets_from_config,
 )
 from sglang.srt.weight_sync.derive.derived_targets import RankTargets  # noqa: E402
-from sglang.srt.weight_sync.derive.repeated_layers import sample_layers  # noqa: E402
 from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.derive.repeated_layers import sample_layers  # noqa: E402
+
+# pr: scale end
 
 MODES = ("default", "cpu")
 
@@ -111,6 +116,7 @@ def test_derived_targets_equal_sglang_load(loaded, mode, case):
         )
 
 
+# pr: scale
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_repeated_layers_loaded_once_equal_every_layer_loaded(loaded, mode, arch):
@@ -130,6 +136,7 @@ def test_repeated_layers_loaded_once_equal_every_layer_loaded(loaded, mode, arch
     assert compared >= (0 if (arch, mode) in UNLOADABLE else 1)
 
 
+# pr: scale end
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_checkpoint_layout_is_what_save_pretrained_writes(loaded, arch):
     """Names and shapes from the HF model on meta (the engine's source) equal the files on disk."""

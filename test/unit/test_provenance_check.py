@@ -58,12 +58,14 @@ def _worker(mode: str, workdir: Path) -> dict:
         DerivedTargets,
         build_meta_model,
         checkpoint_layout,
-        derive_once_per_layer_kind,
     )
     from sglang.srt.weight_sync.derive.provenance_check import (
         ProvenanceCheck,
         check_provenance,
         representatives,
+    )
+    from sglang.srt.weight_sync.derive.repeated_layers import (
+        derive_once_per_layer_kind,
     )
     from sglang.srt.weight_sync.sglang_compat import original_hf_config
     from sglang.srt.weight_sync.target_layout import EngineParallel

@@ -19,13 +19,13 @@ import torch
 from sglang.srt.weight_sync.derive.derived_targets import (
     CheckpointLayout,
     RankTargets,
-    derive_once_per_layer_kind,
     derive_rank,
-    derive_sampled,
 )
 from sglang.srt.weight_sync.derive.repeated_layers import (
     LayerKind,
     LayersDiffer,
+    derive_once_per_layer_kind,
+    derive_sampled,
     layer_of,
     sample_layers,
 )

@@ -2,7 +2,7 @@
 
 A worker process (SGLang's default platform, ``sglang_fakes``) publishes a TP 2 layout for a
 tiny DeepSeek-V3-shaped model (MLA, MoE, shared expert) and runs ``derive.target_cache`` as the
-engine does, with the ranks' exchange played in-process (each rank's bytes, in rank order).
+engine does (with ``derive.disk_cache``), with the ranks' exchange played in-process (each rank's bytes, in rank order).
 The per-rank records must equal the generic derivation (``derive_engine_rank``), the
 assembled targets must be every rank's, a restart must read the disk entries without
 deriving, a rank whose derivation fails must still join the exchange with its error, and the
@@ -59,7 +59,7 @@ def _worker(workdir: Path) -> dict:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
-    from sglang.srt.weight_sync.derive import target_cache
+    from sglang.srt.weight_sync.derive import disk_cache, target_cache
     from sglang.srt.weight_sync.derive.derived_targets import (
         RankTargets,
         checkpoint_layout,
@@ -76,12 +76,12 @@ def _worker(workdir: Path) -> dict:
 
     def key_with(model_config, tp_size=2, ep_size=1, **server_args):
         with sglang_fakes.published_layout(tp_size, ep_size, server_args):
-            return target_cache.cache_key(model_config)
+            return disk_cache.cache_key(model_config)
 
     facts = {}
-    os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")
+    os.environ[disk_cache.CACHE_DIR_ENV] = str(workdir / "cache")
     warnings = []
-    logging.getLogger(target_cache.__name__).addHandler(
+    logging.getLogger(disk_cache.__name__).addHandler(
         type(
             "H",
             (logging.Handler,),
@@ -137,7 +137,7 @@ def _worker(workdir: Path) -> dict:
                 and restarted.shapes == targets.shapes
             )
 
-            os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "empty-cache")
+            os.environ[disk_cache.CACHE_DIR_ENV] = str(workdir / "empty-cache")
             failing, memo = [], {}
             try:
                 target_cache.engine_derived_targets(
@@ -156,9 +156,9 @@ def _worker(workdir: Path) -> dict:
             facts["failure_cached"] = bool(memo)
         finally:
             target_cache.derive_engine_rank = derive
-            os.environ[target_cache.CACHE_DIR_ENV] = str(workdir / "cache")
+            os.environ[disk_cache.CACHE_DIR_ENV] = str(workdir / "cache")
 
-        entry = workdir / "cache" / target_cache.cache_key(model_config) / "tp0.json"
+        entry = workdir / "cache" / disk_cache.cache_key(model_config) / "tp0.json"
         entry.write_text('{"format": 2, "derived": ')  # a torn write
         rederived = target_cache.own_rank_record(model_config, 0)
         facts["torn_entry_rederived"] = (
@@ -183,12 +183,12 @@ def _worker(workdir: Path) -> dict:
         padded = ModelConfig(
             model_path=str(workdir / "padded"), trust_remote_code=False
         )  # as the engine's args
-        key_before = target_cache.cache_key(padded)
+        key_before = disk_cache.cache_key(padded)
         adjust_config_with_unaligned_cpu_tp(padded, LoadConfig(), 4)
         facts["padding"] = dict(
             engine=padded.hf_config.num_attention_heads,
             original=original_hf_config(padded).num_attention_heads,
-            key_changes=target_cache.cache_key(padded) != key_before,
+            key_changes=disk_cache.cache_key(padded) != key_before,
         )
 
     base = key_with(model_config)
@@ -215,7 +215,7 @@ def _device_and_kernel_keys(key, base):
 
     import torch
 
-    from sglang.srt.weight_sync.derive import target_cache
+    from sglang.srt.weight_sync.derive import disk_cache
 
     real_version = importlib.metadata.version
     cuda_names = (
@@ -259,7 +259,7 @@ def _device_and_kernel_keys(key, base):
         "lookups restored": key() == base,
     }
     kernels = {"unrelated package": patched(versions={"numpy": "0.0"}) == base}
-    for dist in target_cache.KERNEL_PACKAGES:
+    for dist in disk_cache.KERNEL_PACKAGES:
         one = patched(versions={dist: "9.9.9"})
         kernels[dist] = dict(
             same_twice=one == patched(versions={dist: "9.9.9"}),

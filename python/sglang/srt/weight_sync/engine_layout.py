@@ -15,11 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from sglang.srt.weight_sync.derive import (
-    DerivedTargets,
-    ProvenanceCheck,
-    engine_derived_targets,
-)
+from sglang.srt.weight_sync.derive import DerivedTargets, engine_derived_targets
 from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.protocol import resolve_channel
 from sglang.srt.weight_sync.sglang_compat import update_refusals
@@ -30,6 +26,12 @@ from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
 from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, engine_block_fp8
 
 # pr: fp8 end
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.derive import ProvenanceCheck
+
+# pr: scale end
 
 __all__ = ("CHANNELS_TOLD", "EngineLayout", "LiveLayout", "live_tensors")
 
@@ -78,7 +80,9 @@ class EngineLayout:
         ] = None
         # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
         self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
+        # pr: scale
         self._provenance = ProvenanceCheck()
+        # pr: scale end
         # pr: fp8
         # (derived targets, their block-FP8 transform or None): see block_fp8
         self._fp8: Optional[Tuple[DerivedTargets, Optional[EngineBlockFp8]]] = None
@@ -102,11 +106,13 @@ class EngineLayout:
         first call is collective (``share``: the TP ranks exchange what each derived)."""
         return engine_derived_targets(model_config, self.rank, share, self._derived)
 
+    # pr: scale
     def provenance_problems(self, model, derived: DerivedTargets) -> List[str]:
         """Where SGLang's real loaders, run once per ``derived`` on the live device, place
         something other than the targets say (``ProvenanceCheck``); empty when they agree."""
         return self._provenance.problems(model, derived, self.rank)
 
+    # pr: scale end
     def live(
         self, model: torch.nn.Module, derived: DerivedTargets, block_fp8: bool = False
     ) -> LiveLayout:

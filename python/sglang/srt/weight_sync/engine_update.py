@@ -457,8 +457,10 @@ class EngineWeightSync:
                 derived, problems = carried[1], list(carried[2])
             else:  # another model runner's config (a draft model), or never derived
                 derived, problems = self._derived_targets(model_config, bound)
+            # pr: scale
             if derived is not None:
                 problems += self.layout.provenance_problems(model, derived)
+            # pr: scale end
             problems += self.layout.refusals(model)
         with clock.phase(Phase.VALIDATE):
             found = (

@@ -6,8 +6,7 @@ process groups, the platform's own loader branches), then SGLang's own
 ``load_weights`` and post-load processing run on meta checkpoint tensors under
 ``LoadRecorder``. What landed where becomes ``ParamTarget``s: pieces of HF
 tensors (possibly permuted) and zero-filled boxes. Nothing is allocated at full
-size, so a 671B model is described on a laptop; layers that repeat go through the loaders
-once (``derive.repeated_layers``; ``derive_once_per_layer_kind`` is the engine's entry).
+size, so a 671B model is described on a laptop.
 
 What is not a copy (quantisation, computed values, replaced storage) is kept
 per checkpoint tensor in ``not_copied`` so an update sending it is refused,
@@ -18,8 +17,7 @@ checkpoint tensors (DeepSeek MLA's ``w_kc``/``w_vc``) are listed in
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -34,7 +32,6 @@ from sglang.srt.weight_sync.derive.load_recorder import (
     LoadRecorder,
     Opaque,
 )
-from sglang.srt.weight_sync.derive.repeated_layers import LayerSampling, sample_layers
 from sglang.srt.weight_sync.derive.view_geometry import unit_dim
 from sglang.srt.weight_sync.sglang_compat import (
     after_load,
@@ -59,14 +56,12 @@ __all__ = (
     "as_engine_rank",
     "build_meta_model",
     "checkpoint_layout",
+    "Derive",
     "derive_engine_rank",
-    "derive_once_per_layer_kind",
     "derive_rank",
-    "derive_sampled",
     "entries_to_target",
+    "tensor_specs",
 )
-
-logger = logging.getLogger(__name__)
 
 # (name, shape, dtype) of every tensor of the checkpoint, as save_pretrained writes it.
 CheckpointSpec = Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]
@@ -490,43 +485,29 @@ class DerivedTargets:
         )
 
 
+# How a rank's targets are derived from a fresh meta model (``build()``) and the checkpoint.
+Derive = Callable[[Callable[[], torch.nn.Module], CheckpointLayout], RankTargets]
+
+
 def derive_engine_rank(
-    model_config, checkpoint: CheckpointLayout, rank: int, load_config=None
+    model_config,
+    checkpoint: CheckpointLayout,
+    rank: int,
+    load_config=None,
+    derive: Optional[Derive] = None,
 ) -> RankTargets:
     """TP ``rank`` of the published engine layout: its model built on meta as that rank and
-    loaded from ``checkpoint`` by SGLang's loaders."""
+    loaded from ``checkpoint`` by SGLang's loaders, every layer of it unless ``derive`` says
+    otherwise (``derive(build, checkpoint)``)."""
+    build = lambda: build_meta_model(model_config, load_config)  # noqa: E731
     with as_engine_rank(rank):
-        return derive_once_per_layer_kind(
-            lambda: build_meta_model(model_config, load_config), checkpoint
-        )
+        if derive is None:
+            return derive_rank(build(), checkpoint)
+        return derive(build, checkpoint)
 
 
-def derive_once_per_layer_kind(
-    build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout
-) -> RankTargets:
-    """``derive_rank`` of a fresh ``build()``, with each kind of repeated layer loaded once
-    (its first and last layer; ``derive.repeated_layers``): what ``derive_rank`` of the whole
-    checkpoint gives, at a fraction of the cost for a deep model. Where the check finds the
-    layers of a kind loaded differently (``LayerSampling.extend``), or the loader refuses a
-    checkpoint without the others, every layer is derived."""
-    sampling = sample_layers(checkpoint.tensors)
-    if sampling is not None:
-        try:
-            return derive_sampled(build(), checkpoint, sampling)
-        except Exception as e:  # noqa: BLE001 - deriving every layer settles it: its error, if any, is the real one
-            logger.info(
-                "weight sync: deriving every layer (%s: %s)", type(e).__name__, e
-            )
-    return derive_rank(build(), checkpoint)
-
-
-def derive_sampled(
-    model: torch.nn.Module, checkpoint: CheckpointLayout, sampling: LayerSampling
-) -> RankTargets:
-    """``derive_rank`` of ``model`` loading the layers ``sampling`` keeps, extended to every
-    layer of ``checkpoint``; raises ``LayersDiffer`` where that would not be what
-    ``derive_rank`` of the whole checkpoint gives."""
-    derived = derive_rank(model, replace(checkpoint, tensors=sampling.tensors))
-    return sampling.extend(
-        derived, [(n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)]
-    )
+def tensor_specs(
+    model: torch.nn.Module,
+) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every parameter and buffer of ``model``, as ``derive_rank`` sees them."""
+    return [(n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)]

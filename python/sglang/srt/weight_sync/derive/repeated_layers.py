@@ -21,23 +21,43 @@ number alone (same checkpoint tensors, same SGLang parameters). No architecture 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 
+from sglang.srt.weight_sync.derive.derived_targets import (
+    CheckpointLayout,
+    RankTargets,
+    derive_rank,
+    tensor_specs,
+)
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
 __all__ = (
     "LayerKind",
     "LayerSampling",
     "LayersDiffer",
+    "derive_once_per_layer_kind",
+    "derive_sampled",
     "layer_of",
     "layer_pattern",
     "sample_layers",
 )
+
+logger = logging.getLogger(__name__)
 
 _NUMBERED = re.compile(r"\.(\d+)\.")
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
@@ -98,7 +118,9 @@ class LayerSampling:
     kinds: Tuple[LayerKind, ...]
     tensors: Tuple[TensorSpec, ...]
 
-    def extend(self, derived, engine_tensors: Sequence[TensorSpec]):
+    def extend(
+        self, derived: RankTargets, engine_tensors: Sequence[TensorSpec]
+    ) -> RankTargets:
         """``derived`` (a ``RankTargets`` of ``tensors``) with every renamed layer added, as a
         derivation of the whole checkpoint gives it: targets in ``engine_tensors``' order (the
         model's parameters and buffers). Raises ``LayersDiffer`` when the check (the module's
@@ -145,6 +167,35 @@ class LayerSampling:
             post_load=post_load,
             read=frozenset(read),
         )
+
+
+def derive_once_per_layer_kind(
+    build: Callable[[], torch.nn.Module], checkpoint: CheckpointLayout
+) -> RankTargets:
+    """``derive_rank`` of a fresh ``build()``, with each kind of repeated layer loaded once
+    (its first and last layer): what ``derive_rank`` of the whole checkpoint gives, at a
+    fraction of the cost for a deep model (the engine's ``derive``). Where the check finds the
+    layers of a kind loaded differently (``LayerSampling.extend``), or the loader refuses a
+    checkpoint without the others, every layer is derived."""
+    sampling = sample_layers(checkpoint.tensors)
+    if sampling is not None:
+        try:
+            return derive_sampled(build(), checkpoint, sampling)
+        except Exception as e:  # noqa: BLE001 - deriving every layer settles it: its error, if any, is the real one
+            logger.info(
+                "weight sync: deriving every layer (%s: %s)", type(e).__name__, e
+            )
+    return derive_rank(build(), checkpoint)
+
+
+def derive_sampled(
+    model: torch.nn.Module, checkpoint: CheckpointLayout, sampling: LayerSampling
+) -> RankTargets:
+    """``derive_rank`` of ``model`` loading the layers ``sampling`` keeps, extended to every
+    layer of ``checkpoint``; raises ``LayersDiffer`` where that would not be what
+    ``derive_rank`` of the whole checkpoint gives."""
+    derived = derive_rank(model, replace(checkpoint, tensors=sampling.tensors))
+    return sampling.extend(derived, tensor_specs(model))
 
 
 def sample_layers(tensors: Iterable[TensorSpec]) -> Optional[LayerSampling]:

@@ -1,32 +1,17 @@
-"""Derived targets once per engine layout: each TP rank derives its own, in memory for the engine's life, on disk across restarts.
+"""Derived targets once per engine layout: each TP rank derives its own, kept for the engine's life.
 
 Deriving runs SGLang's loaders on meta (seconds per rank for a 671B model); an RL
 run updates thousands of times with the same layout. Every TP rank derives only
 its own rank, in parallel with the others, then the ranks exchange what they
 derived (plain data, through the engine's CPU group): the first update costs one
-rank's derivation, not T of them. Each rank's entry on disk is keyed by everything
-the derivation depends on, all read from what the engine already holds (nothing is
-built to compute it): SGLang's and transformers' versions, the model config as on
-disk and as the engine adjusted it, the server args that shape loading, the
-parallel layout and the platform, the device (CUDA: its name and compute capability;
-the CPU engine: "cpu") and the versions of the kernel packages whose presence and
-release change what loaders and post-load processing do (``KERNEL_PACKAGES``: a GPU
-engine's loaders take other branches than the meta derivation run elsewhere would
-see, and a kernel upgrade can change a shuffle or a w13/w31 order). The checkpoint's names, shapes and dtypes are a
-function of the config and transformers' version (``checkpoint_layout``), so they
-are keyed through those.
+rank's derivation, not T of them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
-from functools import lru_cache
-from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from sglang.srt.weight_sync.derive.derived_targets import (
@@ -35,64 +20,36 @@ from sglang.srt.weight_sync.derive.derived_targets import (
     checkpoint_layout,
     derive_engine_rank,
 )
-from sglang.srt.weight_sync.sglang_compat import (
-    original_hf_config,
-    parallel_widths,
-    server_args_dict,
-)
+from sglang.srt.weight_sync.sglang_compat import original_hf_config, parallel_widths
 from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
 
 # isort: split
+# pr: scale
+from sglang.srt.weight_sync.derive.disk_cache import (
+    read_record,
+    record_path,
+    write_record,
+)
+from sglang.srt.weight_sync.derive.repeated_layers import derive_once_per_layer_kind
+
+# pr: scale end
 # pr: fp8
 from sglang.srt.weight_sync.fp8_targets import derivation_config
 
 # pr: fp8 end
 
 __all__ = (
-    "CACHE_DIR_ENV",
     "Exchange",
-    "FORMAT",
-    "KERNEL_PACKAGES",
     "assemble",
-    "cache_dir",
-    "cache_key",
-    "device_facts",
+    "derive_own_rank",
     "engine_derived_targets",
-    "kernel_versions",
     "own_rank_record",
 )
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "SGLANG_WEIGHT_SYNC_CACHE_DIR"
-FORMAT = 2  # the on-disk record's layout: one file per rank
-# Server-args fields that say where or how the engine talks, never how it loads weights.
-_VOLATILE = (
-    "port",
-    "host",
-    "addr",
-    "seed",
-    "log",
-    "timeout",
-    "api_key",
-    "url",
-    "file_storage",
-    "socket",
-)
-
-# Packages whose kernels SGLang's loaders and post-load processing branch on (MoE runner
-# shuffles, w13/w31 order, deep_gemm layouts), by distribution name.
-KERNEL_PACKAGES = ("sgl-kernel", "flashinfer-python", "deep-gemm", "triton")
-
 # Every TP rank's bytes, in rank order, on every rank: a collective over the engine's TP group.
 Exchange = Callable[[bytes], Sequence[bytes]]
-
-
-def cache_dir() -> Path:
-    return Path(
-        os.environ.get(CACHE_DIR_ENV)
-        or Path.home() / ".cache" / "sglang" / "weight_sync"
-    )
 
 
 def engine_derived_targets(
@@ -135,43 +92,57 @@ def engine_derived_targets(
 
 
 def own_rank_record(model_config, rank: int) -> dict:
-    """This TP rank's derivation as plain data: from the disk cache, or derived now and cached."""
-    path = cache_dir() / cache_key(model_config) / f"tp{rank}.json"
-    record = _read(path)
-    if record is None:
-        logger.info(
-            "weight sync: engine rank %d derives its targets of %s (TP %d, attention TP %d, MoE EP %d) "
-            "from SGLang's loaders on meta tensors; cached as %s",
-            rank,
-            model_config.model_path,
-            *parallel_widths()[:3],
-            path,
-        )
-        start = time.perf_counter()
-        with (
-            paused_gc()
-        ):  # millions of small objects: the collector's full passes would free nothing
-            checkpoint = checkpoint_layout(original_hf_config(model_config))
-            config = model_config
-            # pr: fp8
-            config = derivation_config(model_config)  # block-FP8: an unquantized copy
-            # pr: fp8 end
-            derived = derive_engine_rank(config, checkpoint, rank)
-            record = {"format": FORMAT, "rank": rank, "derived": derived.to_builtins()}
-            if (
-                rank == 0
-            ):  # the checkpoint's names and shapes: every rank gets rank 0's record
-                record["checkpoint"] = {
-                    "shapes": {n: list(s) for n, s in checkpoint.shapes().items()},
-                    "aliases": dict(checkpoint.aliases),
-                }
-        logger.info(
-            "weight sync: engine rank %d derived %d targets in %.1f s",
-            rank,
-            len(derived.targets),
-            time.perf_counter() - start,
-        )
-        _write(path, record)
+    """This TP rank's derivation as plain data: derived now, or read from disk where an
+    engine of the same model and layout derived it before (``derive.disk_cache``)."""
+    # pr: scale
+    path = record_path(model_config, rank)
+    record = read_record(path)
+    if record is not None:
+        return record
+    # pr: scale end
+    record = derive_own_rank(model_config, rank)
+    # pr: scale
+    write_record(path, record)
+    # pr: scale end
+    return record
+
+
+def derive_own_rank(model_config, rank: int) -> dict:
+    """This TP rank's derivation from SGLang's loaders on meta tensors, as plain data; rank 0's
+    carries the checkpoint's names and shapes (every rank gets rank 0's record)."""
+    logger.info(
+        "weight sync: engine rank %d derives its targets of %s (TP %d, attention TP %d, MoE EP %d) "
+        "from SGLang's loaders on meta tensors",
+        rank,
+        model_config.model_path,
+        *parallel_widths()[:3],
+    )
+    start = time.perf_counter()
+    derive = None  # every layer through the loaders
+    # pr: scale
+    derive = derive_once_per_layer_kind  # each kind of repeated layer once
+    # pr: scale end
+    with (
+        paused_gc()
+    ):  # millions of small objects: the collector's full passes would free nothing
+        checkpoint = checkpoint_layout(original_hf_config(model_config))
+        config = model_config
+        # pr: fp8
+        config = derivation_config(model_config)  # block-FP8: an unquantized copy
+        # pr: fp8 end
+        derived = derive_engine_rank(config, checkpoint, rank, derive=derive)
+        record = {"rank": rank, "derived": derived.to_builtins()}
+        if rank == 0:
+            record["checkpoint"] = {
+                "shapes": {n: list(s) for n, s in checkpoint.shapes().items()},
+                "aliases": dict(checkpoint.aliases),
+            }
+    logger.info(
+        "weight sync: engine rank %d derived %d targets in %.1f s",
+        rank,
+        len(derived.targets),
+        time.perf_counter() - start,
+    )
     return record
 
 
@@ -188,100 +159,3 @@ def assemble(parallel: EngineParallel, records: Sequence[dict]) -> DerivedTarget
         checkpoint = records[0]["checkpoint"]
         shapes = {n: tuple(s) for n, s in checkpoint["shapes"].items()}
         return DerivedTargets.of_ranks(parallel, ranks, shapes, checkpoint["aliases"])
-
-
-@lru_cache(maxsize=None)
-def _versions() -> Tuple[str, ...]:
-    from importlib.metadata import version
-
-    return version("sglang"), version("transformers"), version("torch")
-
-
-def kernel_versions() -> Tuple[Tuple[str, str], ...]:
-    """(distribution, version, or "absent") of each of ``KERNEL_PACKAGES`` as installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = []
-    for name in KERNEL_PACKAGES:
-        try:
-            out.append((name, version(name)))
-        except PackageNotFoundError:
-            out.append((name, "absent"))
-    return tuple(out)
-
-
-def device_facts() -> Tuple[str, ...]:
-    """The device the engine's loaders run for: ("cpu",) for SGLang's CPU engine; on CUDA
-    (or ROCm) the kind, the device's name and its compute capability; else what the server
-    args name."""
-    import torch
-
-    from sglang.srt.utils import is_cpu
-
-    if is_cpu():
-        return ("cpu",)
-    if torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        kind = "hip" if getattr(torch.version, "hip", None) else "cuda"
-        return (kind, torch.cuda.get_device_name(index), f"{major}.{minor}")
-    return (str(server_args_dict().get("device") or "unknown"),)
-
-
-def cache_key(model_config) -> str:
-    """What a derivation depends on, hashed; computed from what the engine holds, in milliseconds."""
-    from sglang.srt.utils import is_cpu
-
-    server_args = {
-        k: v
-        for k, v in server_args_dict().items()
-        if not any(word in k for word in _VOLATILE)
-    }
-    blob = json.dumps(
-        [
-            FORMAT,
-            _versions(),
-            original_hf_config(model_config).to_dict(),
-            model_config.hf_config.to_dict(),
-            str(model_config.dtype),
-            server_args,
-            list(parallel_widths()),
-            bool(is_cpu()),
-            device_facts(),
-            kernel_versions(),
-        ],
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def _read(path: Path) -> Optional[dict]:
-    try:
-        with paused_gc():
-            record = json.loads(path.read_bytes())
-        if record.get("format") != FORMAT or "derived" not in record:
-            raise ValueError(
-                f"format {record.get('format')!r}, this release reads {FORMAT}"
-            )
-        return record
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError) as e:
-        logger.warning("weight sync: ignoring unreadable target cache %s: %s", path, e)
-        return None
-
-
-def _write(path: Path, record: dict) -> None:
-    """Atomically (a restarted engine may read while another writes)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=path.parent, suffix=".tmp", delete=False
-        ) as f:
-            json.dump(record, f, separators=(",", ":"))
-        os.replace(f.name, path)
-    except OSError as e:
-        logger.warning(
-            "weight sync: could not cache derived targets at %s: %s", path, e
-        )
