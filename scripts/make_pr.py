@@ -456,6 +456,7 @@ def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
     modules: list[str] = []
     tests: list[str] = []
     helpers: list[str] = []
+    docs: list[str] = []
     for pr in series.prs:
         start = git(tree, "rev-parse", "HEAD").strip()
         tag = f"[RL {pr.number}/{len(series.prs)}]"
@@ -498,17 +499,21 @@ def add_series(tree: Path, tools: Tools, series: Series) -> tuple[dict, list]:
                 f"Tests of this pull request under {TEST_DEST}/. Run from the repository "
                 f"root:\npython -m pytest {TEST_DEST} -q",
             )
-        if pr.docs:
-            for src in pr.docs:
-                dest = tree / DOCS_DEST / doc_name(src)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                text = (ROOT / src).read_text()
-                for other in DOC_NAMES:
-                    text = text.replace(
-                        f"`{other}`", f"`{DOCS_DEST}/{doc_name(other)}`"
-                    )
-                dest.write_text(mdx(text))
-            step(f"{tag} Docs: {pr.key}", "Pages: " + ", ".join(pr.docs) + ".")
+        # every page so far, as of this pull request: its regions of earlier pages show as
+        # its change to them
+        docs += pr.docs
+        for src in docs:
+            dest = tree / DOCS_DEST / doc_name(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            text = strip_regions((ROOT / src).read_text(), keys, src)
+            for other in DOC_NAMES:
+                text = text.replace(f"`{other}`", f"`{DOCS_DEST}/{doc_name(other)}`")
+            dest.write_text(mdx(text))
+        if changed_files(tree):
+            step(
+                f"{tag} Docs: {pr.key}",
+                "Pages: " + (", ".join(pr.docs) or "none new") + ".",
+            )
         ranges.append((pr, start, git(tree, "rev-parse", "HEAD").strip()))
         git(tree, "tag", "-f", f"pr-{pr.number}-{pr.key}")
     return left, ranges

@@ -8,7 +8,8 @@ lazy import counts), a hook patch's added lines that name a module, a test file'
 the package, of other test files, of ``benchmark`` and of ``VerlEngine``.
 
 A file of one pull request may carry lines that a later one adds: a region between
-``# pr: <key>`` and ``# pr: <key> end`` (whole lines, never nested) belongs to pull request
+``# pr: <key>`` and ``# pr: <key> end`` (whole lines, never nested; in Markdown
+``<!-- pr: <key> -->`` and ``<!-- pr: <key> end -->``) belongs to pull request
 ``<key>``; a region ``here`` is lines only this repository has (its test scaffolding), in
 no pull request. ``strip_regions`` writes the file as of a pull request (the marker lines
 always dropped), and a reference inside a region counts as the region's pull request's.
@@ -178,26 +179,32 @@ class Region:
     last: int
 
 
-_BEGIN = re.compile(r"^\s*# pr: ([a-z0-9_]+)$")
-_END = re.compile(r"^\s*# pr: ([a-z0-9_]+) end$")
+# a marker line: ``# pr: <key>`` / ``# pr: <key> end`` in Python, ``<!-- pr: <key> -->`` /
+# ``<!-- pr: <key> end -->`` in Markdown
+_BEGIN = re.compile(r"^\s*(?:# pr: ([a-z0-9_]+)|<!-- pr: ([a-z0-9_]+) -->)$")
+_END = re.compile(r"^\s*(?:# pr: ([a-z0-9_]+) end|<!-- pr: ([a-z0-9_]+) end -->)$")
+
+
+def _key(match: Optional[re.Match]) -> Optional[str]:
+    return None if match is None else match.group(1) or match.group(2)
 
 
 def regions(text: str, where: str = "") -> List[Region]:
     """The marked regions of ``text``; unbalanced or nested markers raise naming the line."""
     found, open_at = [], None
     for number, line in enumerate(text.splitlines(), 1):
-        begin, end = _BEGIN.match(line), _END.match(line)
+        begin, end = _key(_BEGIN.match(line)), _key(_END.match(line))
         if begin:
             if open_at is not None:
                 raise ValueError(
-                    f"{where}:{number}: '# pr: {begin.group(1)}' inside the region of "
+                    f"{where}:{number}: 'pr: {begin}' inside the region of "
                     f"line {open_at[1]} (regions do not nest)"
                 )
-            open_at = (begin.group(1), number)
+            open_at = (begin, number)
         elif end:
-            if open_at is None or open_at[0] != end.group(1):
+            if open_at is None or open_at[0] != end:
                 raise ValueError(
-                    f"{where}:{number}: '# pr: {end.group(1)} end' closes no region of that key"
+                    f"{where}:{number}: 'pr: {end} end' closes no region of that key"
                 )
             found.append(Region(open_at[0], open_at[1], number))
             open_at = None
@@ -361,6 +368,7 @@ def region_problems(series: Series) -> List[str]:
     owner, number = series.owner(), series.numbers()
     files = {f"module:{m}": p for m, p in package_modules().items()}
     files.update({f"test:{t}": p for t, p in test_files().items()})
+    files.update({f"doc:{d}": ROOT / d for pr in series.prs for d in pr.docs})
     problems = []
     for item, path in files.items():
         if item not in owner:

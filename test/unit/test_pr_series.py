@@ -112,6 +112,12 @@ def test_regions_are_kept_from_their_pull_request_on(series_module):
     assert strip(SAMPLE, {"fp8", "scale"}) == (
         "import a\nimport b\ndef f():\n    return 2\n    return 1\n"
     )
+    page = "# Page\n<!-- pr: fp8 -->\nFP8 engines.\n<!-- pr: fp8 end -->\nEnd.\n"
+    assert [(r.key, r.first, r.last) for r in series_module.regions(page)] == [
+        ("fp8", 2, 4)
+    ]
+    assert strip(page, set()) == "# Page\nEnd.\n"
+    assert strip(page, {"fp8"}) == "# Page\nFP8 engines.\nEnd.\n"
     for broken, why in (
         ("@ pr: fp8\n@ pr: scale\n@ pr: scale end\n@ pr: fp8 end\n", "do not nest"),
         ("@ pr: fp8\nx = 1\n", "never ends"),

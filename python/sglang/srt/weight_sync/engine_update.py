@@ -45,7 +45,6 @@ from sglang.srt.weight_sync.apply import (
     release_cached_memory,
     synchronize,
 )
-from sglang.srt.weight_sync.commit_vote import commit_to_write
 from sglang.srt.weight_sync.control_plane import (
     GRACE_S,
     Agreement,
@@ -99,6 +98,11 @@ from sglang.srt.weight_sync.wire_dtypes import (
     cast_problems,
 )
 
+# isort: split
+# pr: safety
+from sglang.srt.weight_sync.commit_vote import commit_to_write
+
+# pr: safety end
 # isort: split
 # pr: fp8
 from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
@@ -483,10 +487,12 @@ class EngineWeightSync:
                 data, refusal = self.ready_data_group(found.plan, number, bound)
             if refusal is not None:
                 return False, refusal
+        # pr: safety
         with clock.phase(Phase.AGREE):
             refusal = self._commit(received, recv_req, bound)
         if refusal is not None:
             return False, refusal
+        # pr: safety end
         try:
             figures = self._write(model, received, found, recv_req, bound, data, trips)
         except Exception as e:  # noqa: BLE001 - a peer died or a copy failed after writes began
@@ -506,6 +512,7 @@ class EngineWeightSync:
         received.phases = from_wire(figures[len(FIGURES) :])  # as of the last runner's
         return True, "Success"  # upstream's text: callers test for it
 
+    # pr: safety
     def _commit(
         self, received: ReceivedShards, recv_req, bound: float
     ) -> Optional[str]:
@@ -517,6 +524,7 @@ class EngineWeightSync:
         received.mixed = received.mixed or mixed
         return why
 
+    # pr: safety end
     def _derived_targets(
         self, model_config, bound: float
     ) -> Tuple[Optional[DerivedTargets], List[str]]:
