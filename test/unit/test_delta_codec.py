@@ -139,10 +139,9 @@ def test_digest_sees_one_changed_element_and_a_swap():
     assert 0 <= base < 2**62 and region_digest(t.clone()) == base
 
 
-@pytest.mark.parametrize("digest", [False, True])
-def test_records_read_back_and_malformed_ones_are_refused(digest):
+def test_records_read_back_and_malformed_ones_are_refused():
     """The wire form of a round's records (``remote.protocol``): read back exactly; a wrong
-    kind code, count, size, digest or trailing byte is refused naming the record."""
+    kind code, count, size or trailing byte is refused naming the record."""
     from sglang.srt.weight_sync.protocol import DeliveryError
     from sglang.srt.weight_sync.remote.protocol import delta_records, read_delta_records
 
@@ -152,35 +151,48 @@ def test_records_read_back_and_malformed_ones_are_refused(digest):
     encs = [encode(old, new), encode(old, old), encode(None, new)]
     encs.append(encode(old, new, Kind.INDICES))
     assert encs[0].kind == Kind.GAPS
-    checks = [5, 6, -1, 7] if digest else [-1, -1, -1, -1]
-    raw = delta_records(list(zip(encs, checks)), digest)
+    raw = delta_records(encs)
     regions = [(100, 2)] * 4
-    back = read_delta_records(raw, regions, digest, "test")
-    assert [c for _, c in back] == checks
-    for (enc, _), want in zip(back, encs):
+    back = read_delta_records(raw, regions, "test")
+    for enc, want in zip(back, encs):
         assert enc.kind == want.kind and torch.equal(enc.payload, want.payload)
     with pytest.raises(DeliveryError, match="after the last"):
-        read_delta_records(torch.cat([raw, raw[:1]]), regions, digest, "test")
+        read_delta_records(torch.cat([raw, raw[:1]]), regions, "test")
     with pytest.raises(DeliveryError, match="ends"):
-        read_delta_records(raw[:-1], regions, digest, "test")
+        read_delta_records(raw[:-1], regions, "test")
     bad = raw.clone()
     bad[:8] = torch.tensor([int(Kind.FULL) | (3 << 3)]).view(torch.uint8)
     with pytest.raises(DeliveryError, match="FULL with 3 changed"):
-        read_delta_records(bad, regions, digest, "test")
+        read_delta_records(bad, regions, "test")
     bad = raw.clone()
     bad[:8] = torch.tensor([7 | (1 << 3)]).view(torch.uint8)
     with pytest.raises(DeliveryError, match="unknown kind 7"):
-        read_delta_records(bad, regions, digest, "test")
-    size_at = 16 if digest else 8  # the GAPS record's size word
+        read_delta_records(bad, regions, "test")
     bad = raw.clone()
-    bad[size_at : size_at + 8] = torch.tensor([1000]).view(torch.uint8)
+    bad[8:16] = torch.tensor([1000]).view(torch.uint8)  # the GAPS record's size word
     with pytest.raises(DeliveryError, match="GAPS payload of 1000"):
-        read_delta_records(bad, regions, digest, "test")
-    if digest:
-        bad = raw.clone()
-        bad[8:16] = torch.tensor([1 << 62]).view(torch.uint8)
-        with pytest.raises(DeliveryError, match="digest"):
-            read_delta_records(bad, regions, digest, "test")
+        read_delta_records(bad, regions, "test")
+
+
+def test_base_digests_read_back_and_malformed_ones_are_refused():
+    """The digests a sender sends before a delta update's first round (``base_digests``):
+    read back exactly, ``NO_DIGEST`` included; a buffer of another size or a digest out
+    of range is refused."""
+    from sglang.srt.weight_sync.delta_codec import DIGEST_BITS, NO_DIGEST, region_digest
+    from sglang.srt.weight_sync.protocol import DeliveryError
+    from sglang.srt.weight_sync.remote.protocol import base_digests, read_base_digests
+
+    checks = [region_digest(torch.arange(6.0)), NO_DIGEST, 0, (1 << DIGEST_BITS) - 1]
+    raw = base_digests(checks)
+    assert raw.dtype == torch.uint8 and raw.numel() == 8 * len(checks)
+    assert read_base_digests(raw, len(checks), "test") == checks
+    assert read_base_digests(base_digests([]), 0, "test") == []
+    with pytest.raises(DeliveryError, match="expected 24"):
+        read_base_digests(raw, 3, "test")
+    with pytest.raises(DeliveryError, match="out of range"):
+        read_base_digests(base_digests([1 << DIGEST_BITS]), 1, "test")
+    with pytest.raises(DeliveryError, match="out of range"):
+        read_base_digests(base_digests([-2]), 1, "test")
 
 
 def test_the_snapshot_advances_only_on_commit():

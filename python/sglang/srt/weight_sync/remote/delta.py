@@ -8,9 +8,10 @@ a bitmask or the whole region, whichever is fewest bytes; the whole region when 
 valid base) and sends each receiver one buffer of records (``remote.protocol.delta_records``)
 through ``executor.exchange_payloads``. An engine rank reads the records, takes the base of
 each region from its live parameter (the values the trainer last delivered, unless
-something changed them), checks the base's digest when the update asks, and decodes into
-staging of its own that the pause writes as usual (``executor.Landing``); an unchanged
-region lands nothing.
+something changed them) and decodes into staging of its own that the pause writes as usual
+(``executor.Landing``); an unchanged region lands nothing. When the update asks, every
+base's digest is checked before the first round (``_check_bases``), so a base that differs
+refuses the update before anything lands, however small the staging.
 
 Exact or full: the trainer stages the new values and ``Snapshot.commit`` keeps them only
 once every engine answered success; anything else (``Snapshot.drop``) makes the next
@@ -70,7 +71,9 @@ from sglang.srt.weight_sync.remote.protocol import (
     DIGEST_BYTES,
     RECORD_BYTES,
     SIZE_BYTES,
+    base_digests,
     delta_records,
+    read_base_digests,
     read_delta_records,
 )
 
@@ -365,21 +368,27 @@ def execute_delta(
             [Landing(source_region(shards, m).clone(), m, m.dests[:1]) for m in local]
         )
         stats.bytes_copied_locally += sum(m.nbytes for m in local)
+    side = _Side(rank, shards, params, data, timeout_s, deferred)
     problems: List[str] = []
+    if digest:  # every base checked before anything lands: the records carry no digest
+        problems += _check_bases(rounds, fp8, side, bases, staged, stats, figures)
+    # a base that differs lands nothing: the rounds still run, so that every peer's
+    # exchanges are answered, and the refusal follows them
+    land = not problems
     for number, mine in enumerate(rounds, 1):
         sends = [m for m in mine if m.src == rank]
         recvs = [m for m in mine if _my_dests(m, rank)]
         outgoing = _encode_round(
             sends, shards, bases, snapshot, digest, figures, staged
         )
-        if deferred is not None and recvs:
+        if deferred is not None and recvs and land:
             deferred.reserve(sum(m.nbytes for m in recvs))
         senders = sorted({m.src for m in recvs})
         got = exchange_round(
             data, rank, outgoing, senders, timeout_s, f"{phase} round {number}", stats
         )
         stats.rounds += 1
-        if recvs:
+        if recvs and land:
             t0 = time.perf_counter()
             landings = []
             for src, raw in got.items():
@@ -393,8 +402,7 @@ def execute_delta(
             if deferred is not None:
                 deferred.landed(landings)
     if fp8 is not None:
-        side = _Side(rank, shards, params, data, timeout_s, deferred)
-        against = (bases, snapshot, digest)
+        against = (bases, snapshot, digest, land)
         _quantized_rounds(fp8, side, stats, figures, problems, against)
     if problems:
         raise DeltaRefusal(
@@ -429,9 +437,9 @@ def _quantized_rounds(
     """``sender``'s quantized blocks as delta records, round by round as ``fp8_wire.
     run_quantized`` runs them: a sender quantizes its regions and encodes each uint8 buffer
     (e4m3 bytes, then scales) against the one it last delivered (``against``: the bases,
-    the snapshot to stage in, whether records carry digests); a receiver decodes against
+    the snapshot to stage in, whether bases were checked, whether to land); a receiver decodes against
     its live e4m3 weights and scales (``read_quantized``) into ``QuantizedLanding``s."""
-    bases, snapshot, digest = against
+    bases, snapshot, digest, land = against
     rank, shards, data, deferred = side.rank, side.shards, side.data, side.deferred
     params, timeout_s = side.params, side.timeout_s
     phase = f"rank {rank}: delta of sender-quantized blocks"
@@ -439,7 +447,7 @@ def _quantized_rounds(
         [[q.move for q in rnd] for rnd in sender.quantized], rank, timeout_s, phase
     )
     local = [q for q in sender.local if q.move.src == rank]
-    if local and deferred is not None:  # a rank's own blocks: copied whole, never sent
+    if local and deferred is not None and land:  # own blocks: copied whole, never sent
         deferred.landed(
             [QuantizedLanding(_quantize(shards, q, data), q, rank) for q in local]
         )
@@ -460,13 +468,13 @@ def _quantized_rounds(
                 [(q.move, q.nbytes) for q in sends], news, olds, digest, figures
             )
             figures.encode_us += int((time.perf_counter() - t0) * 1e6)
-        if deferred is not None and recvs:
+        if deferred is not None and recvs and land:
             deferred.reserve(sum(q.nbytes for q in recvs))
         senders = sorted({q.move.src for q in recvs})
         got = exchange_round(
             data, rank, outgoing, senders, timeout_s, f"{phase}, round {number}", stats
         )
-        if not recvs:
+        if not recvs or not land:
             continue
         t0 = time.perf_counter()
         landings: List[QuantizedLanding] = []
@@ -582,14 +590,12 @@ def _records(
     """Each region (its move and a full update's bytes of it) encoded against its base,
     as one buffer of records per receiver, counted in ``figures``."""
     encoded = encode_many(list(zip(olds, news)))
-    records: Dict[int, List] = {}
-    for i, ((move, full), old, enc) in enumerate(zip(sends, olds, encoded)):
-        check = region_digest(old) if digest and old is not None else NO_DIGEST
-        figures.digests_checked += check != NO_DIGEST
+    records: Dict[int, List[Encoded]] = {}
+    for i, ((move, full), enc) in enumerate(zip(sends, encoded)):
         receivers = _receivers(move)
-        head = _head_bytes(enc, digest)
+        head = _head_bytes(enc, digest)  # its digest, if any, went before the rounds
         for receiver in receivers:
-            records.setdefault(receiver, []).append((enc, check))
+            records.setdefault(receiver, []).append(enc)
             figures.received(
                 receiver, move.tensor, head + enc.nbytes, full, enc.changed, enc.numel
             )
@@ -599,11 +605,12 @@ def _records(
         figures.record(move.tensor, enc, sent)
         if whole is not None and whole[i]:
             figures.staged(move.tensor, sent)
-    return {r: delta_records(recs, digest) for r, recs in records.items()}
+    return {r: delta_records(recs) for r, recs in records.items()}
 
 
 def _head_bytes(enc: Encoded, digest: bool) -> int:
-    """A record's header bytes (``remote.protocol.delta_records``)."""
+    """A record's header bytes (``remote.protocol.delta_records``), with its base's digest
+    when the update checks them (sent before the rounds, ``base_digests``)."""
     head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
     return head + (SIZE_BYTES if enc.kind == Kind.GAPS else 0)
 
@@ -623,52 +630,49 @@ def _decode_from(
     who = f"rank {rank}: from rank {src}"
     try:
         records = read_delta_records(
-            raw, [(m.region.numel, m.dtype.itemsize) for m in moves], digest, who
+            raw, [(m.region.numel, m.dtype.itemsize) for m in moves], who
         )
     except DeliveryError as e:
         problems.append(str(e))
         return []
     landings = []
-    for move, (enc, check) in zip(moves, records):
+    for move, enc in zip(moves, records):
         figures.record(move.tensor, enc, _head_bytes(enc, digest) + enc.nbytes)
         dests = _my_dests(move, rank)
-        where = f"rank {rank}: tensor {move.tensor!r} region {move.region}"
+        where = _where(rank, move)
         base = dest_region(params, dests[0], move)
-        if enc.kind == Kind.FULL and (check == NO_DIGEST or base.dtype != move.dtype):
+        if enc.kind == Kind.FULL:
             buf = torch.empty(move.region.sizes, dtype=move.dtype, device=base.device)
             decode_into(enc, buf)
             landings.append(Landing(buf, move, dests))
             continue
-        if base.dtype != move.dtype:
-            problems.append(
-                f"{where}: the parameter is {base.dtype}, the delta {move.dtype}: no base "
-                "to apply it to"
-            )
+        problem = _no_base(base, move, where)
+        if problem:
+            problems.append(problem)
             continue
         old = base.clone(memory_format=torch.contiguous_format)
-        if _applied(enc, check, old, where, problems, figures):
+        if _applied(enc, old, where, problems):
             landings.append(Landing(old, move, dests))
     return landings
 
 
-def _applied(
-    enc: Encoded,
-    check: int,
-    old: torch.Tensor,
-    where: str,
-    problems: List[str],
-    figures: DeltaFigures,
-) -> bool:
-    """Decode ``enc`` into ``old`` (a copy of the receiver's base) after checking the
-    base's digest; whether there is anything to land (a problem is named instead)."""
-    if check != NO_DIGEST:
-        figures.digests_checked += 1
-        if region_digest(old) != check:
-            problems.append(
-                f"{where}: digest mismatch: the parameter differs from what the "
-                "trainer last delivered (changed behind its back)"
-            )
-            return False
+def _where(rank: int, move: Move, kind: str = "tensor") -> str:
+    return f"rank {rank}: {kind} {move.tensor!r} region {move.region}"
+
+
+def _no_base(base: torch.Tensor, move: Move, where: str) -> str:
+    """Why the parameter region ``base`` cannot be the base of ``move``'s delta ("": it can)."""
+    if base.dtype == move.dtype:
+        return ""
+    return (
+        f"{where}: the parameter is {base.dtype}, the delta {move.dtype}: no base to "
+        "apply it to"
+    )
+
+
+def _applied(enc: Encoded, old: torch.Tensor, where: str, problems: List[str]) -> bool:
+    """Decode ``enc`` into ``old`` (a copy of the receiver's base); whether there is
+    anything to land (a problem is named instead)."""
     if enc.kind == Kind.UNCHANGED:
         return False
     try:
@@ -693,29 +697,127 @@ def _decode_quantized(
     round order), each decoded against what ``rank``'s e4m3 weight and scales hold."""
     who = f"rank {rank}: sender-quantized blocks from rank {src}"
     try:
-        records = read_delta_records(raw, [(q.nbytes, 1) for q in moves], digest, who)
+        records = read_delta_records(raw, [(q.nbytes, 1) for q in moves], who)
     except DeliveryError as e:
         problems.append(str(e))
         return []
     landings = []
-    for q, (enc, check) in zip(moves, records):
+    for q, enc in zip(moves, records):
         figures.record(q.move.tensor, enc, _head_bytes(enc, digest) + enc.nbytes)
-        where = (
-            f"rank {rank}: block-FP8 tensor {q.move.tensor!r} region {q.move.region}"
-        )
-        if enc.kind == Kind.FULL and check == NO_DIGEST:
+        where = _where(rank, q.move, "block-FP8 tensor")
+        if enc.kind == Kind.FULL:
             buf = torch.empty(q.nbytes, dtype=torch.uint8, device=raw.device)
             decode_into(enc, buf)
             landings.append(QuantizedLanding(buf, q, rank))
             continue
-        try:
-            old = read_quantized(q, rank, params)
-        except KeyError as e:
-            problems.append(f"{where}: no e4m3 weight or scales {e} to apply it to")
-            continue
-        if _applied(enc, check, old, where, problems, figures):
+        old = _quantized_base(q, rank, params, where, problems)
+        if old is not None and _applied(enc, old, where, problems):
             landings.append(QuantizedLanding(old, q, rank))
     return landings
+
+
+def _quantized_base(
+    q: QuantizedMove,
+    rank: int,
+    params: Mapping[str, torch.Tensor],
+    where: str,
+    problems: List[str],
+) -> Optional[torch.Tensor]:
+    """What ``rank``'s e4m3 weight and scales hold for ``q`` (``read_quantized``), or None
+    with the problem named."""
+    try:
+        return read_quantized(q, rank, params)
+    except KeyError as e:
+        problems.append(f"{where}: no e4m3 weight or scales {e} to apply it to")
+        return None
+
+
+def _check_bases(
+    rounds: List[List[Move]],
+    fp8: Optional[SenderFp8Plan],
+    side: _Side,
+    bases: Optional[Mapping[tuple, torch.Tensor]],
+    staged: FrozenSet[Tuple[int, str]],
+    stats: ExecutionStats,
+    figures: DeltaFigures,
+) -> List[str]:
+    """The digest round, before the first round of the plan: every sender sends each
+    receiver the digest of the base it will encode each region against (``NO_DIGEST``:
+    none, the region travels whole), in the plan's order, its sender-quantized blocks
+    last; every receiver compares them with its live parameters. So a base changed behind
+    the trainer's back refuses the update before anything lands, even where the staging is
+    smaller than the rank's share and the pause writes while later rounds arrive.
+    Returns the receiver's problems, naming tensor and region."""
+    rank, data, timeout_s = side.rank, side.data, side.timeout_s
+    phase = f"rank {rank}: delta base digests"
+    moves = [m for mine in rounds for m in mine]
+    quantized = [q for rnd in (fp8.quantized if fp8 else ()) for q in rnd]
+    if quantized:
+        data.connect([[q.move for q in quantized]], rank, timeout_s, phase)
+    t0 = time.perf_counter()
+    checks: Dict[int, List[int]] = {}
+    sent = [(m, _key(m), _staged(m, staged)) for m in moves if m.src == rank]
+    sent += [(q.move, _qkey(q), False) for q in quantized if q.move.src == rank]
+    for move, key, whole in sent:
+        base = bases.get(key) if bases is not None and not whole else None
+        check = region_digest(base) if base is not None else NO_DIGEST
+        figures.digests_checked += check != NO_DIGEST
+        for receiver in _receivers(move):
+            checks.setdefault(receiver, []).append(check)
+    figures.encode_us += int((time.perf_counter() - t0) * 1e6)
+    mine = [m for m in moves if _my_dests(m, rank)]
+    mine_q = [q for q in quantized if _my_dests(q.move, rank)]
+    senders = sorted({m.src for m in mine} | {q.move.src for q in mine_q})
+    outgoing = {r: base_digests(c, data.device) for r, c in checks.items()}
+    got = exchange_round(data, rank, outgoing, senders, timeout_s, phase, stats)
+    t0 = time.perf_counter()
+    problems: List[str] = []
+    for src, raw in sorted(got.items()):
+        figures.wire_bytes += raw.numel()
+        regions = [m for m in mine if m.src == src]
+        blocks = [q for q in mine_q if q.move.src == src]
+        try:
+            expected = read_base_digests(
+                raw, len(regions) + len(blocks), f"rank {rank}: from rank {src}"
+            )
+        except DeliveryError as e:
+            problems.append(str(e))
+            continue
+        for move, check in zip(regions, expected):
+            if check == NO_DIGEST:
+                continue
+            where = _where(rank, move)
+            base = dest_region(side.params, _my_dests(move, rank)[0], move)
+            problem = _no_base(base, move, where)
+            if problem:
+                problems.append(problem)
+            else:
+                _compare(base.contiguous(), check, where, problems, figures)
+        for q, check in zip(blocks, expected[len(regions) :]):
+            if check == NO_DIGEST:
+                continue
+            where = _where(rank, q.move, "block-FP8 tensor")
+            old = _quantized_base(q, rank, side.params, where, problems)
+            if old is not None:
+                _compare(old, check, where, problems, figures)
+    figures.decode_us += int((time.perf_counter() - t0) * 1e6)
+    return problems
+
+
+def _compare(
+    base: torch.Tensor,
+    check: int,
+    where: str,
+    problems: List[str],
+    figures: DeltaFigures,
+) -> None:
+    """Name a base whose digest is not the one the trainer expects."""
+    figures.digests_checked += 1
+    if region_digest(base) != check:
+        problems.append(
+            f"{where}: digest mismatch: the parameter differs from what the trainer "
+            "last delivered (changed behind its back)"
+        )
 
 
 def delta_summary(

@@ -18,7 +18,8 @@ epoch is a process group of its own in that store (``membership prefix``).
 * ``UpdateStep`` and ``ReceiveState``: the steps the tokenizer manager walks an update
   through (receive while serving, poll, apply in a short pause), and what a rank reports.
 * A delta update's records (``delta_records`` / ``read_delta_records``): per region,
-  its kind, changed count, payload size and the digest of the base it applies to.
+  its kind, changed count and payload size; before its first round, the digests of the
+  bases the regions apply to (``base_digests`` / ``read_base_digests``).
 * The reply: ``REMOTE_FIGURES`` per engine TP rank, and the pause.
 """
 
@@ -72,12 +73,14 @@ __all__ = (
     "Spec",
     "UpdateHeader",
     "UpdateStep",
+    "base_digests",
     "delta_records",
     "delta_reply",
     "epoch_prefix",
     "join_problems",
     "layout_wire",
     "leave_problems",
+    "read_base_digests",
     "read_delta_records",
     "read_layout",
     "receive_bound_s",
@@ -336,8 +339,9 @@ class UpdateHeader:
     layout_bytes: int
     bucket_bytes: int
     tensors: int
-    # regions travel as delta records (``delta_records``); with ``digest`` each record
-    # carries the digest of the base it applies to, which the engine checks
+    # regions travel as delta records (``delta_records``); with ``digest`` every sender
+    # first sends the digest of each region's base (``base_digests``), which the engine
+    # checks before anything lands
     delta: bool = False
     digest: bool = False
 
@@ -373,21 +377,19 @@ class UpdateHeader:
 # ---------------------------------------------------------------------------- delta records
 
 # A record's header: one int64, kind | changed << 3 (the payload's size follows from them and
-# the region's), then, when the update checks digests, the base's digest (NO_DIGEST: none),
-# then, for a GAPS payload (whose size depends on the positions), its size.
+# the region's), then, for a GAPS payload (whose size depends on the positions), its size.
 KIND_BITS = 3
 RECORD_BYTES = 8
 DIGEST_BYTES = 8
 SIZE_BYTES = 8
 
 
-def delta_records(records: List[Tuple[Encoded, int]], digest: bool) -> torch.Tensor:
+def delta_records(records: List[Encoded]) -> torch.Tensor:
     """One sender's records for one receiver in one round, in the plan's order of their
-    moves: each its header (and with ``digest`` its base's digest), then its payload."""
+    moves: each its header, then its payload."""
     parts = []
-    for enc, check in records:
+    for enc in records:
         words = [int(enc.kind) | (enc.changed << KIND_BITS)]
-        words += [check] if digest else []
         if payload_bytes(enc.kind, enc.numel, enc.changed, enc.itemsize) is None:
             words.append(enc.nbytes)
         device = enc.payload.device
@@ -399,26 +401,24 @@ def delta_records(records: List[Tuple[Encoded, int]], digest: bool) -> torch.Ten
 
 
 def read_delta_records(
-    raw: torch.Tensor, regions: List[Tuple[int, int]], digest: bool, who: str
-) -> List[Tuple[Encoded, int]]:
+    raw: torch.Tensor, regions: List[Tuple[int, int]], who: str
+) -> List[Encoded]:
     """The records of ``raw`` for ``regions`` (each ``(numel, itemsize)``, in the plan's
     order): every header checked against its region (a known kind, at most ``numel``
-    changed, ``FULL`` with all, a digest in range) and the buffer read exactly to its
-    end; ``DeliveryError`` names the record."""
+    changed, ``FULL`` with all) and the buffer read exactly to its end; ``DeliveryError``
+    names the record."""
     raw = raw.reshape(-1)
     host = raw.cpu()  # the headers are read here; payloads stay where they landed
-    head_bytes = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
     out, offset = [], 0
     for i, (numel, itemsize) in enumerate(regions):
         where = (
             f"{who}: delta record {i} of {len(regions)} (a region of {numel} elements)"
         )
-        if offset + head_bytes > raw.numel():
+        if offset + RECORD_BYTES > raw.numel():
             raise DeliveryError(f"{where}: the payload ends before its header")
-        words = host[offset : offset + head_bytes].clone().view(torch.int64).tolist()
-        offset += head_bytes
-        code, changed = words[0] & ((1 << KIND_BITS) - 1), words[0] >> KIND_BITS
-        check = words[1] if digest else NO_DIGEST
+        word = int(host[offset : offset + RECORD_BYTES].clone().view(torch.int64))
+        offset += RECORD_BYTES
+        code, changed = word & ((1 << KIND_BITS) - 1), word >> KIND_BITS
         if code not in [k.value for k in Kind]:
             raise DeliveryError(f"{where}: unknown kind {code}")
         kind = Kind(code)
@@ -429,14 +429,12 @@ def read_delta_records(
         )
         if not ok_changed:
             raise DeliveryError(f"{where}: {kind.name} with {changed} changed")
-        if check != NO_DIGEST and not 0 <= check < (1 << DIGEST_BITS):
-            raise DeliveryError(f"{where}: digest {check} out of range")
         size = payload_bytes(kind, numel, changed, itemsize)
         if size is None:  # a GAPS payload: its size follows the header
-            if offset + 8 > raw.numel():
+            if offset + SIZE_BYTES > raw.numel():
                 raise DeliveryError(f"{where}: the payload ends before its size")
-            size = int(host[offset : offset + 8].clone().view(torch.int64).item())
-            offset += 8
+            size = int(host[offset : offset + SIZE_BYTES].clone().view(torch.int64))
+            offset += SIZE_BYTES
             low, high = gaps_bytes_bounds(changed, itemsize)
             if not low <= size <= high:
                 raise DeliveryError(
@@ -446,12 +444,37 @@ def read_delta_records(
             raise DeliveryError(f"{where}: the payload ends inside it")
         payload = raw[offset : offset + size]
         offset += size
-        out.append((Encoded(kind, numel, itemsize, changed, payload), check))
+        out.append(Encoded(kind, numel, itemsize, changed, payload))
     if offset != raw.numel():
         raise DeliveryError(
             f"{who}: {raw.numel() - offset} bytes after the last of {len(regions)} records"
         )
     return out
+
+
+def base_digests(checks: List[int], device=None) -> torch.Tensor:
+    """The digests of the bases one sender's regions for one receiver apply to, in the
+    plan's order (``NO_DIGEST``: sent whole, no base), one int64 each, sent before the
+    update's first round so that the receiver checks every base before anything lands."""
+    return torch.tensor(checks, dtype=torch.int64, device=device).view(torch.uint8)
+
+
+def read_base_digests(raw: torch.Tensor, count: int, who: str) -> List[int]:
+    """The ``count`` digests of ``raw`` (``base_digests``); ``DeliveryError`` for a buffer
+    of another size or a digest out of range."""
+    raw = raw.reshape(-1).cpu()
+    if raw.numel() != count * DIGEST_BYTES:
+        raise DeliveryError(
+            f"{who}: {raw.numel()} bytes of base digests; expected {count * DIGEST_BYTES} "
+            f"({count} regions)"
+        )
+    checks = raw.clone().view(torch.int64).tolist() if count else []
+    for i, check in enumerate(checks):
+        if check != NO_DIGEST and not 0 <= check < (1 << DIGEST_BITS):
+            raise DeliveryError(
+                f"{who}: base digest {i} of {count}: {check} is out of range"
+            )
+    return checks
 
 
 def _strict_json(raw: bytes):
