@@ -41,11 +41,16 @@ from sglang.srt.weight_sync.control_plane import (
     poll,
     wait,
 )
-from sglang.srt.weight_sync.copy_program import CopyProgram
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
 from sglang.srt.weight_sync.source_layout import Holder
 from sglang.srt.weight_sync.staging_budget import keep_for_stream
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.copy_program import CopyProgram
+
+# pr: scale end
 
 __all__ = (
     "DataGroup",
@@ -898,7 +903,9 @@ class _Regions:
         self.local_bytes = sum(m.nbytes for m in self.local)
         self._routes: List[Optional[_Route]] = [None] * len(self.rounds)
         self._specs: Dict[tuple, tuple] = {}
+        # pr: scale
         self._programs: Dict[object, Optional[CopyProgram]] = {}
+        # pr: scale end
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> _Regions:
@@ -916,15 +923,20 @@ class _Regions:
 
     def copy(self, key, dst_bases, src_bases, views) -> None:
         """Copy regions of ``src_bases`` into regions of ``dst_bases`` (``apply.
-        write_regions`` of ``views()``: destination and source views), through the
-        ``CopyProgram`` kept under ``key`` while the tensors lie as they did when it was
-        made; made from this update's views otherwise."""
+        write_regions`` of ``views()``: destination and source views); ``key`` names the
+        copies of one kind of an update (the local ones, one round's landings)."""
+        # pr: scale
+        # as the few strided copies of the ``CopyProgram`` kept under ``key``, while the
+        # tensors lie as they did when it was made; made from this update's views otherwise
         program = self._programs.get(key)
         if program is not None and program.run(dst_bases, src_bases):
             return
+        # pr: scale end
         dst, src = views()
+        # pr: scale
         if key not in self._programs or program is not None:
             self._programs[key] = CopyProgram.compile(dst, src, dst_bases, src_bases)
+        # pr: scale end
         write_regions(dst, src)
 
     def src(self, shards, move: Move) -> torch.Tensor:
