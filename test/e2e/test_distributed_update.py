@@ -1,7 +1,8 @@
 """A real SGLang engine on CPU updated from trainer shards, through every entry point.
 
 Trainer ranks (gloo processes, gathers forbidden) hold DTensor or plain shards of
-perturbed weights and update a running engine through ``VerlEngine``,
+perturbed weights and update a running engine that the first of them hosts
+(``hosted_engine.HostedEngine``: ``trainer_flow``'s update, as ``VerlEngine`` drives it),
 ``weight_sync.utils.update_weights`` (with a verl-like client that only has the
 tensor endpoint) and ``Engine.update_weights_distributed``. After each update the
 engine's parameters must equal SGLang's slicing of the new weights bit for bit
@@ -119,7 +120,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
 
 
 def check_phases(record: dict, tp: int, first: bool) -> None:
-    """Where a successful update's time went: a VerlEngine update's trainer phases cover its
+    """Where a successful update's time went: a hosted update's trainer phases cover its
     measured wall time within 10 %; on 0.5.23 the engine's reply gives every TP rank's phases.
     The first update plans; an Engine.update_weights_distributed update of a layout seen
     before finds its plan cached and waits on three control round trips: the agreement,
@@ -141,7 +142,7 @@ def check_phases(record: dict, tp: int, first: bool) -> None:
 
 def test_smoke_fsdp_trainer_updates_engine(tmp_path):
     """The end-to-end smoke CI runs on every older SGLang base wheel (``make smoke BASE=...``):
-    FSDP Shard(0) trainer ranks update a TP-2 engine through VerlEngine,
+    FSDP Shard(0) trainer ranks update a TP-2 engine through the host's update (trainer_flow),
     weight_sync.utils.update_weights and Engine.update_weights_distributed; after each,
     parameters bit-exact and generation equal to HF. ``make test`` deselects it on the primary
     base, where ``test_qwen2_every_entry_point_and_refusals[2]`` runs these steps and more on
@@ -172,9 +173,10 @@ def test_qwen2_at_tp4(tmp_path):
         check_update(record, model_dir, config, record["step"][2], 4, prompts)
 
 
-def test_verl_engine_http_server_backend(tmp_path):
-    """VerlEngine(backend="server"): the update goes through POST /update_weights_distributed
-    of a real HTTP server (HttpServerEngineAdapter); a refused one raises on every rank."""
+def test_http_server_backend(tmp_path):
+    """An engine hosted as a real HTTP server (``HostedEngine(backend="server")``, through
+    HttpServerEngineAdapter): the update goes through POST /update_weights_distributed; a
+    refused one raises on every rank."""
     port = free_port()
     steps = [("verl", "fsdp", 1), ("verl_bad", "fsdp", 2)]
     model_dir, config, prompts, (records,) = run(
