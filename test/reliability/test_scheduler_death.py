@@ -52,6 +52,7 @@ def host_job(rank: int, world: int, job: dict) -> dict:
     host = HostedEngine(
         mesh["tp"],
         weight_sync_timeout_s=TIMEOUT_S,
+        session=False,  # the scheduler's one-shot session, as VerlEngine's updates
         model_path=job["model_dir"],
         **DEFAULT_ENGINE_ARGS,
     )

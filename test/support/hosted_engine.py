@@ -2,22 +2,23 @@
 
 Every rank of a 1-D CPU (gloo) mesh over the trainer ranks beside one engine's TP ranks
 builds a ``HostedEngine``; the first rank of each node starts the engine (``tp_size`` the
-mesh's size, with its ``node_rank`` and ``nnodes``), as ``VerlEngine`` does. ``VerlEngine``
-(``entrypoints/verl_engine.py``) stays in this repository, so the end-to-end and reliability
-cases drive this instead: an update is ``trainer_flow.update_flow`` served by
-``trainer_flow.drive``, each control request answered by the host's
-``update_weights_distributed`` (``Engine``'s, or ``HttpServerEngineAdapter``'s over POST
-/update_weights_distributed), which is what the first pull request adds. The cases then run
-from each pull request's own tree.
+mesh's size, with its ``node_rank`` and ``nnodes``), as SGLang 0.4.7's ``VerlEngine`` did.
+An update is ``trainer_flow.update_flow`` served by ``trainer_flow.drive``, each control
+request answered by the host's ``update_weights_distributed`` (``Engine``'s, or
+``HttpServerEngineAdapter``'s over POST /update_weights_distributed): only what the first
+pull request adds, so the end-to-end and reliability cases that use it run from each pull
+request's own tree. (This repository's ``VerlEngine``, ``entrypoints/verl_engine.py``, is
+not part of the series; it has its own test.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ContextManager, List, Literal, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from engine import _env
+from engine import _env, weight_update_session
 from torch.distributed.device_mesh import DeviceMesh
 
 from sglang.srt.weight_sync.control_plane import ControlGroup
@@ -66,8 +67,12 @@ class HostedEngine:
     engine's arguments (``Engine``'s, or ``HttpServerEngineAdapter``'s for
     ``backend="server"``, hosted by the mesh's first rank only); the ``weight_sync_*`` ones
     are the update's (``trainer_flow.update_flow``): where resharding runs, the cap on the
-    trainer side's staging and buffers, the bound on every wait. Named as ``VerlEngine``'s,
-    so that a case passes the same arguments to either.
+    trainer side's staging and buffers, the bound on every wait. Named as ``VerlEngine``'s
+    (``weight_sync_bucket_bytes``...), so that a case passes the same arguments to either.
+    ``session``: each request in a weight-update session of its own
+    (``begin_weight_update``/``end_weight_update``), which SGLang 0.5.23 requires of every
+    update; False opens none, as ``VerlEngine`` does, for the scheduler's one-shot session
+    (the second pull request's ``weight_sync.sessions``).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class HostedEngine:
         weight_sync_mode: Mode = "auto",
         weight_sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
+        session: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         if backend not in ("engine", "server"):
@@ -86,6 +92,7 @@ class HostedEngine:
         self._ranks = [int(r) for r in mesh.mesh.tolist()]
         self._mode, self._bucket_bytes = weight_sync_mode, weight_sync_bucket_bytes
         self._timeout_s = check_timeout(weight_sync_timeout_s)
+        self._session = session
         self._control = ControlGroup(self._group, "hosted-engine")
         self._sync = TrainerSync()
         tp_rank, per_node = mesh.get_local_rank(), mesh.size() // nnodes
@@ -123,9 +130,9 @@ class HostedEngine:
     def update(self, named_tensors: List[Tuple[str, torch.Tensor]]) -> UpdateReport:
         """Update the engine from ``named_tensors`` (DTensors: their local shards; plain
         tensors: full on every rank), the same names on every rank: ``update_flow``'s
-        control requests served by the engine's ``update_weights_distributed`` (no session
-        opened: the scheduler runs the update in a one-shot one). Returns this rank's
-        report; raises ``RuntimeError`` on every rank if the engine refused the update."""
+        control requests served by the engine's ``update_weights_distributed``. Returns
+        this rank's report; raises ``RuntimeError`` on every rank if the engine refused the
+        update."""
         flow = update_flow(
             self._sync,
             named_tensors,
@@ -145,12 +152,18 @@ class HostedEngine:
         return report
 
     def _serve(self, request: ControlRequest) -> Tuple[bool, str]:
-        result = self._engine.update_weights_distributed(
-            request.update_id,
-            request.channel,
-            flush_cache=request.final,
-            timeout_s=self._timeout_s,
+        opened = (
+            weight_update_session(self._engine)
+            if self._session
+            else contextlib.nullcontext()
         )
+        with opened:
+            result = self._engine.update_weights_distributed(
+                request.update_id,
+                request.channel,
+                flush_cache=request.final,
+                timeout_s=self._timeout_s,
+            )
         return as_reply(result, request)
 
     def generate(self, **request: Any) -> Any:
