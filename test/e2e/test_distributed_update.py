@@ -49,9 +49,13 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
         for i, kind in enumerate(FAILURES)
         if tp > 1 or kind != "missing"
     ]
-    steps = UPDATES + fails + [("verl", "fsdp", 20), ("memory", "release_resume", 20)]
-    # an update while the weights are released is refused; the next one succeeds
+    steps = UPDATES + fails + [("verl", "fsdp", 20)]
+    # pr: safety
+    # the memory saver's release drops the data group, and an update while the weights are
+    # released is refused (``weight_sync.sessions``); the next one succeeds
+    steps += [("memory", "release_resume", 20)]
     steps += [("released", "fsdp", 21), ("verl", "fsdp", 22)]
+    # pr: safety end
     model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
     last_good, dropped = None, None
     for record in records[1:]:
