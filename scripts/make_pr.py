@@ -617,6 +617,11 @@ def its_tests(tag: str, tiers: list[str], python: str, scaffold: Path) -> str:
         return "no tests of these tiers"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(at / "python"), str(scaffold)])
+    # The scaffold's sitecustomize sends the engines' schedulers to a zygote, which only this
+    # repository's ranks start early (a ``here`` region of ranks.py). Without it a TP-2
+    # engine's schedulers were seen to sit idle at start until the ranks' 120 s ran out; in a
+    # series' tree they spawn, as SGLang starts them.
+    env["SGLANG_TEST_FRESH_SPAWN"] = "1"
     r = subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, folders)],
         capture_output=True,

@@ -4,9 +4,10 @@ Every rank of a gloo world builds a real megatron-core ``GPTModel`` (local,
 non-TE spec, CPU) at TP x PP, loads a tiny HF Qwen2 checkpoint's "trained"
 weights into its local parameters from the pieces ``megatron_layout`` gives it
 (padded vocab rows zero), checks that its forward gives HF's logits, then
-updates a real SGLang CPU engine beside it with ``megatron_flow`` (what
-``VerlEngine.update_weights_from_megatron`` drives), each control request served by
-the engine's ``update_weights_distributed`` so that its reply's figures are kept: no
+updates a real SGLang CPU engine beside it (``hosted_engine.HostedEngine``) with
+``megatron_flow`` (what ``VerlEngine.update_weights_from_megatron`` drives), each control
+request served by the engine's ``update_weights_distributed`` so that its reply's figures
+are kept: no
 gather of any kind (the forbidden-call recorder is live), the engine's parameters,
 generation and the bytes each rank received are checked by the test.
 
@@ -190,10 +191,10 @@ def one_hop_bound(model, hf_config, groups) -> int:
 def megatron_job(rank: int, world: int, job: dict) -> dict:
     import tiny_models
     from engine import WORKER_ENGINE_ARGS, omp_bind, weight_update_session
+    from hosted_engine import HostedEngine
     from torch.distributed.device_mesh import init_device_mesh
     from update_cases import _forbidden_calls, _generate, checksums, new_weights
 
-    from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync.megatron_flow import megatron_flow
     from sglang.srt.weight_sync.trainer_flow import as_reply, drive
 
@@ -216,15 +217,15 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
     )
     mesh = engines["infer_tp"]
     group, ranks = mesh.get_group(), [int(r) for r in mesh.mesh.tolist()]
-    verl = VerlEngine(mesh, model_path=str(job["model_dir"]), **WORKER_ENGINE_ARGS)
+    host = HostedEngine(mesh, model_path=str(job["model_dir"]), **WORKER_ENGINE_ARGS)
     try:
         groups = engines.mesh.reshape(-1, engine_tp).tolist()
         record["one_hop_bound"] = one_hop_bound(model, hf_config, groups)
         replies = []
 
         def serve(request):
-            with weight_update_session(verl._engine):
-                reply = verl._engine.update_weights_distributed(
+            with weight_update_session(host.engine):
+                reply = host.engine.update_weights_distributed(
                     request.update_id,
                     request.channel,
                     flush_cache=request.final,
@@ -235,7 +236,7 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
 
         before = _forbidden_calls(job["forbidden_log"])
         report = drive(
-            megatron_flow(verl._sync, [model], vocab, ranks, group),
+            megatron_flow(host.sync, [model], vocab, ranks, group),
             ranks,
             group,
             serve,
@@ -250,11 +251,11 @@ def megatron_job(rank: int, world: int, job: dict) -> dict:
             engine_replies=replies,
         )
         record["forbidden_calls"] = _forbidden_calls(job["forbidden_log"]) - before
-        record["generation"] = _generate(verl, job["prompts"])
+        record["generation"] = _generate(host, job["prompts"])
         if rank == ranks[0]:
-            record["checksums"] = checksums(verl._engine)
+            record["checksums"] = checksums(host.engine)
         record["leader"] = rank == ranks[0]
     finally:
         dist.barrier()
-        verl.shutdown()
+        host.shutdown()
     return record

@@ -1,7 +1,8 @@
 """A real SGLang engine on CPU updated from trainer shards, through every entry point.
 
 Trainer ranks (gloo processes, gathers forbidden) hold DTensor or plain shards of
-perturbed weights and update a running engine through ``VerlEngine``,
+perturbed weights and update a running engine that the first of them hosts
+(``hosted_engine.HostedEngine``: ``trainer_flow``'s update, as ``VerlEngine`` drives it),
 ``weight_sync.utils.update_weights`` (with a verl-like client that only has the
 tensor endpoint) and ``Engine.update_weights_distributed``. After each update the
 engine's parameters must equal SGLang's slicing of the new weights bit for bit
@@ -48,9 +49,13 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
         for i, kind in enumerate(FAILURES)
         if tp > 1 or kind != "missing"
     ]
-    steps = UPDATES + fails + [("verl", "fsdp", 20), ("memory", "release_resume", 20)]
-    # an update while the weights are released is refused; the next one succeeds
+    steps = UPDATES + fails + [("verl", "fsdp", 20)]
+    # pr: safety
+    # the memory saver's release drops the data group, and an update while the weights are
+    # released is refused (``weight_sync.sessions``); the next one succeeds
+    steps += [("memory", "release_resume", 20)]
     steps += [("released", "fsdp", 21), ("verl", "fsdp", 22)]
+    # pr: safety end
     model_dir, config, prompts, (records,) = run("qwen2", tp, tp, steps, tmp_path)
     last_good, dropped = None, None
     for record in records[1:]:
@@ -119,7 +124,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
 
 
 def check_phases(record: dict, tp: int, first: bool) -> None:
-    """Where a successful update's time went: a VerlEngine update's trainer phases cover its
+    """Where a successful update's time went: a hosted update's trainer phases cover its
     measured wall time within 10 %; on 0.5.23 the engine's reply gives every TP rank's phases.
     The first update plans; an Engine.update_weights_distributed update of a layout seen
     before finds its plan cached and waits on three control round trips: the agreement,
@@ -141,7 +146,7 @@ def check_phases(record: dict, tp: int, first: bool) -> None:
 
 def test_smoke_fsdp_trainer_updates_engine(tmp_path):
     """The end-to-end smoke CI runs on every older SGLang base wheel (``make smoke BASE=...``):
-    FSDP Shard(0) trainer ranks update a TP-2 engine through VerlEngine,
+    FSDP Shard(0) trainer ranks update a TP-2 engine through the host's update (trainer_flow),
     weight_sync.utils.update_weights and Engine.update_weights_distributed; after each,
     parameters bit-exact and generation equal to HF. ``make test`` deselects it on the primary
     base, where ``test_qwen2_every_entry_point_and_refusals[2]`` runs these steps and more on
@@ -172,9 +177,10 @@ def test_qwen2_at_tp4(tmp_path):
         check_update(record, model_dir, config, record["step"][2], 4, prompts)
 
 
-def test_verl_engine_http_server_backend(tmp_path):
-    """VerlEngine(backend="server"): the update goes through POST /update_weights_distributed
-    of a real HTTP server (HttpServerEngineAdapter); a refused one raises on every rank."""
+def test_http_server_backend(tmp_path):
+    """An engine hosted as a real HTTP server (``HostedEngine(backend="server")``, through
+    HttpServerEngineAdapter): the update goes through POST /update_weights_distributed; a
+    refused one raises on every rank."""
     port = free_port()
     steps = [("verl", "fsdp", 1), ("verl_bad", "fsdp", 2)]
     model_dir, config, prompts, (records,) = run(

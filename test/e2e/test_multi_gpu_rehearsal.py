@@ -5,11 +5,12 @@ runs as it would there, with ``SGLANG_TEST_MULTI_GPU_ON_CPU=1``: gloo instead of
 CPU engines, everything else the same.
 
 * ``test/gpu/test_multi_gpu.py`` under ``torchrun --nproc-per-node 2``: the launch,
-  ``VerlEngine`` at TP 2 over both ranks, one TP-1 engine per rank fed by the trainer-side
-  path, the comparisons with freshly loaded engines. Its first rehearsal found that an
-  SGLang engine started from a ``torchrun`` worker hangs at startup while its processes
-  inherit ``TORCHELASTIC_USE_AGENT_STORE``: ``VerlEngine`` now starts its engine without it,
-  and the plain engines of the second test drop it as ``docs/usage.md`` tells users to.
+  an engine at TP 2 over both ranks that they host (``hosted_engine.HostedEngine``), one
+  TP-1 engine per rank fed by the trainer-side path, the comparisons with freshly loaded
+  engines. Its first rehearsal found that an SGLang engine started from a ``torchrun``
+  worker hangs at startup while its processes inherit ``TORCHELASTIC_USE_AGENT_STORE``:
+  ``VerlEngine`` (and ``HostedEngine``, as it) now starts its engine without it, and the
+  plain engines of the second test drop it as ``docs/usage.md`` tells users to.
   Its third test times out a wait on the data plane's own group and checks that the
   process, the default group and a new data group all go on.
 * ``test/gpu/test_remote_gpu.py``: a one-rank trainer updating an engine through a

@@ -115,7 +115,7 @@ def test_four_trainer_ranks_to_two_engines_of_tp2(tmp_path):
 def test_fsdp2_to_two_engines_of_tp1_streams_a_model_larger_than_the_cap(tmp_path):
     """FSDP Shard(0) over 2 ranks, one TP-1 engine per rank: the shards beside one engine
     cover half of each tensor; also through ``weight_sync.utils.update_weights``. Each
-    engine rank's model (~830 KiB bf16) is larger than VerlEngine's 160 KiB cap, so the
+    engine rank's model (~830 KiB bf16) is larger than the host's 160 KiB cap, so the
     update streams in chunks, and neither the executor's staging (fp32 -> bf16 casts
     included) nor the buffers held for the engine exceed the cap on any rank."""
     cap = 160 << 10

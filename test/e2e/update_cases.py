@@ -1,11 +1,12 @@
 """What each trainer rank does in the end-to-end tests.
 
-``engine_job`` runs on every rank of a gloo world of trainer processes. Rank 0
-hosts a real CPU ``sglang.Engine`` (through ``VerlEngine``, which builds it on
-the first rank of the mesh). The job runs a list of steps: weight updates
-through each public entry point and trainer layout, and bad updates that must
-be refused. After every step rank 0 records the engine's greedy generation and
-its per-rank parameter checksums (SGLang's own weight checker), which the test
+``engine_job`` runs on every rank of a gloo world of trainer processes. The first
+rank of each engine's mesh hosts a real CPU ``sglang.Engine``
+(``hosted_engine.HostedEngine``, or the job's ``host``: anything with its interface). The
+job runs a list of steps: weight updates through each public entry point and trainer
+layout ("verl": every rank hands the host its tensors, as verl calls ``VerlEngine``),
+and bad updates that must be refused. After every step rank 0 records the engine's greedy
+generation and its per-rank parameter checksums (SGLang's own weight checker), which the test
 compares with HF transformers and with SGLang's slicing of the new weights.
 Every trainer process runs with ``full_tensor``, ``gather_object`` and
 ``all_gather_object`` replaced by functions that raise.
@@ -218,13 +219,13 @@ def checksums(engine) -> Dict[int, Dict[str, str]]:
     }
 
 
-def _data_groups(verl, leader: bool, groups_dir: str) -> Optional[List]:
+def _data_groups(host, leader: bool, groups_dir: str) -> Optional[List]:
     """The name of every engine TP rank's data group (None where it holds none), on the
     engine's leader rank (None elsewhere): a new group has a new name."""
     if not leader:
         return None
     tag = f"groups-{time.monotonic_ns()}"
-    verl._engine.collective_rpc("test_dump_data_group", tag=tag)
+    host.engine.collective_rpc("test_dump_data_group", tag=tag)
     names = sorted(f for f in os.listdir(groups_dir) if f.startswith(tag + "."))
     return [json.load(open(os.path.join(groups_dir, f))) for f in names]
 
@@ -236,16 +237,16 @@ def _forbidden_calls(log_dir: str) -> int:
     )
 
 
-def _generate(verl, prompts) -> List[List[int]]:
+def _generate(host, prompts) -> List[List[int]]:
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
     return [
         o["output_ids"]
-        for o in verl.generate(input_ids=prompts, sampling_params=params)
+        for o in host.generate(input_ids=prompts, sampling_params=params)
     ]
 
 
 def _direct(
-    verl,
+    host,
     ranks,
     group,
     shards,
@@ -257,24 +258,22 @@ def _direct(
     """Deliver ``shards`` (name, local tensor, MeshSpec) by hand and call
     ``Engine.update_weights_distributed``; returns its reply (success, message and the
     figures per engine rank) on every rank."""
-    chan = verl._sync.channel(
-        ranks, group
-    )  # the channel the VerlEngine's own updates use
+    chan = host.sync.channel(ranks, group)  # the channel the host's own updates use
     update_id = update_id or chan.next_update_id()
     if send:
         chan.sender.send(update_id, dist.get_rank(), chan.rank_map, shards)
-    return _request(verl, ranks, group, chan, request_id or update_id, timeout_s)
+    return _request(host, ranks, group, chan, request_id or update_id, timeout_s)
 
 
-def _request(verl, ranks, group, chan, update_id, timeout_s=120.0):
+def _request(host, ranks, group, chan, update_id, timeout_s=120.0):
     """``Engine.update_weights_distributed`` for what every rank delivered; (success, message) on every rank."""
     from engine import weight_update_session
 
     dist.barrier(group=group)
     result = None
     if dist.get_rank() == ranks[0]:
-        with weight_update_session(verl._engine):
-            result = verl._engine.update_weights_distributed(
+        with weight_update_session(host.engine):
+            result = host.engine.update_weights_distributed(
                 update_id, chan.channel, timeout_s=timeout_s
             )
     box = [result]
@@ -354,9 +353,9 @@ def _write_report(job: dict, rank: int, step, report, seconds=None) -> None:
 
 def engine_job(rank: int, world: int, job: dict) -> dict:
     from engine import WORKER_ENGINE_ARGS, omp_bind, weight_update_session
+    from hosted_engine import HostedEngine
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from sglang.srt.entrypoints.verl_engine import VerlEngine
     from sglang.srt.weight_sync import utils as weight_sync_utils
 
     tp = job[
@@ -388,7 +387,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
     engine_mesh = engines["infer_tp"]
     group, ranks = engine_mesh.get_group(), [int(r) for r in engine_mesh.mesh.tolist()]
     leader = rank == ranks[0]
-    verl = VerlEngine(
+    host = (job.get("host") or HostedEngine)(
         engine_mesh,
         model_path=str(job["model_dir"]),
         **{**WORKER_ENGINE_ARGS, **job.get("engine_kwargs", {})},
@@ -397,7 +396,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
         "start"
     ]  # per weight set: no bf16 near-tie on their greedy paths
     generate = (
-        (lambda: _generate(verl, prompts))
+        (lambda: _generate(host, prompts))
         if job.get("generate", True)
         else (lambda: None)
     )  # noqa: E731
@@ -412,7 +411,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                     new_weights(job["model_dir"], seed), arg, meshes.get(arg, mesh)
                 )
                 start = time.perf_counter()
-                report = verl.update_weights_from_tensor(shards)
+                report = host.update(shards)
                 record["seconds"] = time.perf_counter() - start
                 record["phases"], record["engine_phases"] = (
                     report.phases,
@@ -423,39 +422,39 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 _write_report(job, rank, step, report, record["seconds"])
             elif (
                 kind == "memory"
-            ):  # VerlEngine's other duties: the same model must come back
+            ):  # the host's other duties: the same model must come back
                 # the data group (NCCL's buffers) goes with the released memory
-                record["data_group_before"] = _data_groups(verl, leader, groups_dir)
-                verl.release_memory_occupation()
-                record["data_group_released"] = _data_groups(verl, leader, groups_dir)
-                verl.resume_memory_occupation()
-                verl.flush_cache()
+                record["data_group_before"] = _data_groups(host, leader, groups_dir)
+                host.call("release_memory_occupation")
+                record["data_group_released"] = _data_groups(host, leader, groups_dir)
+                host.call("resume_memory_occupation")
+                host.call("flush_cache")
                 record["success"] = True
             elif kind == "released":
                 # an update while the memory saver has released the weights is refused on
                 # every rank; once resumed, the old weights serve
-                verl.release_memory_occupation()
+                host.call("release_memory_occupation")
                 try:
-                    verl.update_weights_from_tensor(
+                    host.update(
                         as_layout(new_weights(job["model_dir"], seed), arg, mesh)
                     )
                     record["success"] = True
                 except RuntimeError as e:
                     record["success"], record["message"] = False, str(e)
-                verl.resume_memory_occupation()
-                verl.flush_cache()
+                host.call("resume_memory_occupation")
+                host.call("flush_cache")
             elif (
                 kind == "verl_bad"
             ):  # a refused update raises on every rank, whatever the backend
                 bad = as_layout(new_weights(job["model_dir"], seed), arg, mesh)
                 bad.append((BAD_NAME, bad[0][1]))
                 try:
-                    verl.update_weights_from_tensor(bad)
+                    host.update(bad)
                     record["success"] = True
                 except RuntimeError as e:
                     record["success"], record["message"] = False, str(e)
             elif kind == "utils":
-                client = VerlLikeClient(verl._engine) if leader else None
+                client = VerlLikeClient(host.engine) if leader else None
                 params = as_layout(
                     new_weights(job["model_dir"], seed), arg, mesh
                 )  # DTensors on the trainer's mesh
@@ -463,9 +462,9 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                     client, params, "infer_tp", engines, flush_cache=False
                 )
                 if leader:
-                    with weight_update_session(verl._engine):
-                        out = verl._engine.loop.run_until_complete(call)
-                    verl._engine.flush_cache()
+                    with weight_update_session(host.engine):
+                        out = host.engine.loop.run_until_complete(call)
+                    host.engine.flush_cache()
                     record["success"], record["message"] = out
                 else:
                     asyncio.run(call)
@@ -475,18 +474,18 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 shards = prepare_shards(
                     as_layout(new_weights(job["model_dir"], seed), arg, mesh)
                 )
-                record.update(_direct(verl, ranks, group, shards))
+                record.update(_direct(host, ranks, group, shards))
             elif kind == "fail":
                 weights = new_weights(job["model_dir"], seed)
                 shards = _bad_shards(arg, weights, mesh)
                 if arg == "missing":
                     record.update(
-                        _direct(verl, ranks, group, shards, timeout_s=3, send=rank != 1)
+                        _direct(host, ranks, group, shards, timeout_s=3, send=rank != 1)
                     )
                 elif arg == "stale":
                     record.update(
                         _direct(
-                            verl,
+                            host,
                             ranks,
                             group,
                             shards,
@@ -496,7 +495,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                         )
                     )
                 else:
-                    record.update(_direct(verl, ranks, group, shards))
+                    record.update(_direct(host, ranks, group, shards))
             else:
                 raise ValueError(kind)
             record["forbidden_calls"] = (
@@ -511,12 +510,12 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 prompts = job["prompts"][seed]
             record["generation"] = generate()
             if leader:
-                record["checksums"] = checksums(verl._engine)
+                record["checksums"] = checksums(host.engine)
             if tracks_groups:  # (through Engine.collective_rpc: not the HTTP adapter)
-                record["data_group"] = _data_groups(verl, leader, groups_dir)
+                record["data_group"] = _data_groups(host, leader, groups_dir)
             dist.barrier()  # every engine's weight checker (it gathers) is done before the next step counts
             records.append(record)
     finally:
         dist.barrier()
-        verl.shutdown()
+        host.shutdown()
     return records if leader else []

@@ -77,8 +77,8 @@ def world_size() -> int:
 
 
 def _engine_args(**extra) -> dict:
-    """The engines' arguments, without ``tp_size`` (VerlEngine sets it; the caller of a plain
-    ``Engine`` passes it)."""
+    """The engines' arguments, without ``tp_size`` (``HostedEngine`` sets it; the caller of a
+    plain ``Engine`` passes it)."""
     args = engine_args(**({} if ON_CPU else {"mem_fraction_static": 0.2}), **extra)
     args.pop("tp_size", None)  # GPU_ENGINE_ARGS has one
     return args
@@ -88,11 +88,11 @@ def _greedy(engine):
     return greedy_each(engine, PROMPTS, MAX_NEW)
 
 
-def _verl_greedy(verl):
-    """``greedy_each`` through ``VerlEngine.generate``, which every rank calls and every
+def _hosted_greedy(host):
+    """``greedy_each`` through ``HostedEngine.generate``, which every rank calls and every
     rank gets the answer of."""
     return [
-        verl.generate(
+        host.generate(
             input_ids=[p],
             sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0},
         )[0]["output_ids"]
@@ -102,12 +102,11 @@ def _verl_greedy(verl):
 
 def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
     """FSDP2-style fp32 Shard(0) DTensors on every GPU -> one engine of TP 2 (or 4) over the
-    same GPUs (``VerlEngine``, engine-side resharding: NCCL point-to-point between the
-    engine's ranks). Every parameter equals SGLang's own load of the same values (checksums
+    same GPUs (``HostedEngine``: trainer_flow's update, as ``VerlEngine`` drives it;
+    engine-side resharding: NCCL point-to-point between the engine's ranks). Every parameter equals SGLang's own load of the same values (checksums
     of every TP rank), and greedy generation a freshly loaded engine's."""
+    from hosted_engine import HostedEngine
     from torch.distributed.device_mesh import init_device_mesh
-
-    from sglang.srt.entrypoints.verl_engine import VerlEngine
 
     rank, model_dir = world
     cpu_mesh = init_device_mesh("cpu", (world_size(),), mesh_dim_names=("tp",))
@@ -119,21 +118,21 @@ def test_fsdp2_on_two_gpus_updates_a_tp2_engine(world):
     if rank == 0:
         write_modified_checkpoint(model_dir, reference_dir, expected)
 
-    verl = VerlEngine(cpu_mesh, model_path=model_dir, **_engine_args())
+    host = HostedEngine(cpu_mesh, model_path=model_dir, **_engine_args())
     try:
-        verl.update_weights_from_tensor(shards)
-        verl.flush_cache()
-        got = _verl_greedy(verl)
+        host.update(shards)
+        host.call("flush_cache")
+        got = _hosted_greedy(host)
         # every TP rank's parameters, from the engine's leader (the checker gathers them)
-        updated = checksums(verl._engine) if verl._engine is not None else None
+        updated = checksums(host.engine) if host.engine is not None else None
         dist.barrier()
     finally:
-        verl.shutdown()
+        host.shutdown()
     dist.barrier()
-    fresh = VerlEngine(cpu_mesh, model_path=reference_dir, **_engine_args())
+    fresh = HostedEngine(cpu_mesh, model_path=reference_dir, **_engine_args())
     try:
-        want = _verl_greedy(fresh)
-        loaded = checksums(fresh._engine) if fresh._engine is not None else None
+        want = _hosted_greedy(fresh)
+        loaded = checksums(fresh.engine) if fresh.engine is not None else None
         dist.barrier()
     finally:
         fresh.shutdown()
@@ -159,7 +158,7 @@ def test_trainer_side_one_hop_into_two_tp1_engines(world, monkeypatch):
     shards = as_layout(weights, "fsdp32", trainer_mesh)
     own_gpu = {} if ON_CPU else {"base_gpu_id": rank}
     # a plain Engine started from a torchrun worker hangs at startup with torchrun's
-    # agent-store flag in its processes' environment (docs/usage.md); VerlEngine drops it
+    # agent-store flag in its processes' environment (docs/usage.md); HostedEngine drops it
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     engine = sglang.Engine(model_path=model_dir, tp_size=1, **_engine_args(**own_gpu))
     try:

@@ -1,6 +1,8 @@
-"""An engine scheduler dies or hangs during a distributed update driven through ``VerlEngine``.
+"""An engine scheduler dies or hangs during a distributed update its trainer ranks drive.
 
-Two trainer ranks (gloo) drive a TP-2 CPU engine that rank 0 hosts, with SGLang's own
+Two trainer ranks (gloo) drive a TP-2 CPU engine that rank 0 hosts
+(``hosted_engine.HostedEngine``: ``trainer_flow``'s update served by
+``Engine.update_weights_distributed``, as ``VerlEngine`` drives it), with SGLang's own
 signal handlers (as in a real job; not the test fixture's). After a good update the
 test SIGKILLs (``died``) or SIGSTOPs (``hung``) the TP-rank-1 scheduler, then both ranks
 start the next update. Measured before this suite: the host rank hung for over 10
@@ -38,23 +40,23 @@ SLACK_S = (
 )
 
 
-def verl_job(rank: int, world: int, job: dict) -> dict:
+def host_job(rank: int, world: int, job: dict) -> dict:
     """A good update, then (once the test has injured the engine) the next one; how it ended."""
     from engine import DEFAULT_ENGINE_ARGS, omp_bind
+    from hosted_engine import HostedEngine
     from torch.distributed.device_mesh import init_device_mesh
     from update_cases import as_layout, new_weights
 
-    from sglang.srt.entrypoints.verl_engine import VerlEngine
-
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(TP)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    verl = VerlEngine(
+    host = HostedEngine(
         mesh["tp"],
         weight_sync_timeout_s=TIMEOUT_S,
+        session=False,  # the scheduler's one-shot session, as VerlEngine's updates
         model_path=job["model_dir"],
         **DEFAULT_ENGINE_ARGS,
     )
-    first = verl.update_weights_from_tensor(
+    first = host.update(
         as_layout(new_weights(job["model_dir"], 1), "fsdp", mesh)
     ).success
     if rank == 0:
@@ -62,9 +64,7 @@ def verl_job(rank: int, world: int, job: dict) -> dict:
     job["go"].get(timeout=300)
     start = time.monotonic()
     try:
-        verl.update_weights_from_tensor(
-            as_layout(new_weights(job["model_dir"], 2), "fsdp", mesh)
-        )
+        host.update(as_layout(new_weights(job["model_dir"], 2), "fsdp", mesh))
         outcome = "returned"
     except Exception as e:  # noqa: BLE001 - how it failed is what the test checks
         outcome = f"{type(e).__name__}: {e}"
@@ -72,10 +72,10 @@ def verl_job(rank: int, world: int, job: dict) -> dict:
     generation = None
     if (
         rank == 0 and job["fault"] == "hung"
-    ):  # on the host only: VerlEngine.generate would broadcast the error
+    ):  # on the host only: HostedEngine.generate would broadcast the error
         start = time.monotonic()
         try:
-            verl._engine.generate(
+            host.engine.generate(
                 input_ids=[[5, 17, 42, 7]], sampling_params={"max_new_tokens": 2}
             )
             generation = ("served", time.monotonic() - start)
@@ -83,7 +83,7 @@ def verl_job(rank: int, world: int, job: dict) -> dict:
             generation = (f"ValueError: {e}", time.monotonic() - start)
     start = time.monotonic()
     if rank == 0:
-        verl.shutdown()  # the engine's processes, the stopped scheduler included
+        host.shutdown()  # the engine's processes, the stopped scheduler included
     return dict(
         first=first,
         elapsed=elapsed,
@@ -122,7 +122,7 @@ def run(model_dir, fault: str):
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, TP, os.path.join(tmp, "store"), verl_job, (job,), results),
+                args=(r, TP, os.path.join(tmp, "store"), host_job, (job,), results),
             )
             for r in range(TP)
         ]

@@ -78,11 +78,21 @@ def check_update(record, model_dir, config, seed, tp, prompts, ep=1):
 
 
 def run(
-    kind, tp, world, steps, tmp_path, generate=True, reports_dir=None, **engine_kwargs
+    kind,
+    tp,
+    world,
+    steps,
+    tmp_path,
+    generate=True,
+    reports_dir=None,
+    host=None,
+    **engine_kwargs,
 ):
     """Run the steps; each weight set gets prompts whose greedy path has no bf16 near-tie
     for it, which makes exact comparison with HF meaningful. With ``reports_dir`` every
-    rank writes its update reports there (``update_cases._write_report``)."""
+    rank writes its update reports there (``update_cases._write_report``). ``host``: what
+    hosts each engine (a picklable class with ``hosted_engine.HostedEngine``'s interface;
+    None: that one)."""
     model_dir, config = tiny_models.make_tiny_model(kind, tmp_path / kind)
     seeds = sorted(
         {
@@ -109,6 +119,7 @@ def run(
         generate=generate,
         forbidden_log=str(forbidden_log),
         reports_dir=reports_dir,
+        host=host,
     )
     results = [r for r in run_ranks(world, engine_job, job, timeout=600) if r]
     for records in results:
