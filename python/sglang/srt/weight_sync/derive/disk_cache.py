@@ -167,6 +167,7 @@ def write_record(path: Path, record: dict) -> None:
         ) as f:
             json.dump({**record, "format": FORMAT}, f, separators=(",", ":"))
         os.replace(f.name, path)
+        logger.info("weight sync: derived targets cached as %s", path)
     except OSError as e:
         logger.warning(
             "weight sync: could not cache derived targets at %s: %s", path, e
