@@ -18,7 +18,7 @@ checkpoint tensors (DeepSeek MLA's ``w_kc``/``w_vc``) are listed in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -499,7 +499,7 @@ def derive_engine_rank(
     """TP ``rank`` of the published engine layout: its model built on meta as that rank and
     loaded from ``checkpoint`` by SGLang's loaders, every layer of it unless ``derive`` says
     otherwise (``derive(build, checkpoint)``)."""
-    build = lambda: build_meta_model(model_config, load_config)  # noqa: E731
+    build = partial(build_meta_model, model_config, load_config)
     with as_engine_rank(rank):
         if derive is None:
             return derive_rank(build(), checkpoint)
