@@ -362,12 +362,6 @@ def execute_delta(
     bases, why_full = (
         snapshot.bases(epoch, plan.fingerprint) if snapshot else (None, "")
     )
-    local = plan.local_for(rank)
-    if local and deferred is not None:
-        deferred.landed(
-            [Landing(source_region(shards, m).clone(), m, m.dests[:1]) for m in local]
-        )
-        stats.bytes_copied_locally += sum(m.nbytes for m in local)
     side = _Side(rank, shards, params, data, timeout_s, deferred)
     problems: List[str] = []
     if digest:  # every base checked before anything lands: the records carry no digest
@@ -375,6 +369,12 @@ def execute_delta(
     # a base that differs lands nothing: the rounds still run, so that every peer's
     # exchanges are answered, and the refusal follows them
     land = not problems
+    local = plan.local_for(rank)
+    if local and deferred is not None and land:
+        deferred.landed(
+            [Landing(source_region(shards, m).clone(), m, m.dests[:1]) for m in local]
+        )
+        stats.bytes_copied_locally += sum(m.nbytes for m in local)
     for number, mine in enumerate(rounds, 1):
         sends = [m for m in mine if m.src == rank]
         recvs = [m for m in mine if _my_dests(m, rank)]
