@@ -66,6 +66,8 @@ OUT = ROOT / "dist" / "pr"
 
 # Where our files go in SGLang's tree.
 TEST_DEST = "test/manual/weight_sync"
+# Each test of a pull request's tiers is bounded as in `make test`.
+TEST_TIMEOUT_S = 600
 DOCS_DEST = "docs/docs/advanced_features"
 # Docs the pages link to each other by (their series names: ``doc_name``).
 DOC_NAMES = ("docs/usage.md", "docs/design.md", "docs/megatron.md", "docs/remote.md")
@@ -607,14 +609,18 @@ def scaffolding() -> Path:
     return scaffold
 
 
-def its_tests(tag: str, tiers: list[str], python: str, scaffold: Path) -> str:
+def its_tests(
+    tag: str, tiers: list[str], python: str, scaffold: Path
+) -> tuple[str, bool]:
     """Run the tests of ``tiers`` that the tree at ``tag`` holds, from that tree, with the
-    ``scaffold`` folder on the path (``stands_alone`` extracted the tree); pytest's summary
-    line (the whole output: build/pr/<tag>-tests.log)."""
+    ``scaffold`` folder on the path (``stands_alone`` extracted the tree). Returns pytest's
+    summary line (the whole output: build/pr/<tag>-tests.log) and whether they passed. Each
+    test is bounded as in ``make test`` (``--timeout``), so one hang fails that test, not the
+    command."""
     at = WORK / "at" / tag
     folders = [at / TEST_DEST / t for t in tiers if (at / TEST_DEST / t).is_dir()]
     if not folders:
-        return "no tests of these tiers"
+        return "no tests of these tiers", True
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(at / "python"), str(scaffold)])
     # The scaffold's sitecustomize sends the engines' schedulers to a zygote, which only this
@@ -623,7 +629,16 @@ def its_tests(tag: str, tiers: list[str], python: str, scaffold: Path) -> str:
     # series' tree they spawn, as SGLang starts them.
     env["SGLANG_TEST_FRESH_SPAWN"] = "1"
     r = subprocess.run(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, folders)],
+        [
+            python,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--timeout={TEST_TIMEOUT_S}",
+            *map(str, folders),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -631,7 +646,7 @@ def its_tests(tag: str, tiers: list[str], python: str, scaffold: Path) -> str:
     )
     (WORK / f"{tag}-tests.log").write_text(r.stdout + r.stderr)
     lines = [line for line in r.stdout.splitlines() if line.strip()]
-    return lines[-1] if lines else r.stderr[-300:]
+    return (lines[-1] if lines else r.stderr[-300:]), r.returncode == 0
 
 
 # ---------------------------------------------------------------------------- main
@@ -684,7 +699,7 @@ def main() -> None:
     fresh(OUT)
     check = fresh(WORK / "verify")
     upstream_source_tree(check)
-    rows, done = [], []
+    rows, done, failed = [], [], []
     owner = series.owner()
     python = os.path.abspath(ROOT / args.python) if args.python else None
     scaffold = scaffolding() if python else None
@@ -719,11 +734,13 @@ def main() -> None:
         )
         tag = f"pr-{pr.number}-{pr.key}"
         alone = stands_alone(tree, tag, done, python, scaffold) if python else None
-        tested = (
+        tested, passed = (
             its_tests(tag, args.test.split(","), python, scaffold)
             if python and args.test
-            else None
+            else (None, True)
         )
+        if alone or not passed:
+            failed.append(pr.key)
         (folder / "description.md").write_text(
             texts[pr.key]
             + f"\n---\n*Written by `make pr`:* {len(patches)} commits; lines added: "
@@ -778,6 +795,11 @@ def main() -> None:
         if not remaining
         else f"{len(remaining)} lint findings left (above)"
     )
+    if failed:
+        die(
+            f"pull requests {failed}: a module does not import from its own tree, or its "
+            f"tests failed there (build/pr/*-tests.log)"
+        )
 
 
 if __name__ == "__main__":
