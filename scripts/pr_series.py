@@ -31,6 +31,7 @@ __all__ = [
     "Region",
     "Series",
     "load_series",
+    "module_imports",
     "regions",
     "strip_regions",
 ]
@@ -240,8 +241,10 @@ def _known(dotted: str, modules: Set[str]) -> str:
     return dotted
 
 
-def _module_imports(tree: ast.AST, modules: Set[str]) -> Set[Tuple[str, int]]:
-    """(module, line) for each import of the package's ``modules`` in ``tree``."""
+def module_imports(tree: ast.AST, modules: Set[str]) -> Set[Tuple[str, int]]:
+    """(module, line) for each import of the package's ``modules`` in ``tree``: ``from
+    ...weight_sync.remote import engine`` imports ``remote.engine`` and, as Python runs it
+    first, ``remote`` (test_house.py reads the import graph through this too)."""
     found: Set[Tuple[str, int]] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -255,7 +258,7 @@ def _module_imports(tree: ast.AST, modules: Set[str]) -> Set[Tuple[str, int]]:
                 continue
             name = name[len(PACKAGE_PREFIX) + 1 :]
             subs = {f"{name}.{a.name}" for a in node.names} & modules
-            found |= {(m, node.lineno) for m in subs or ({name} & modules)}
+            found |= {(m, node.lineno) for m in subs | ({name} & modules)}
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith(PACKAGE_PREFIX + "."):
@@ -279,7 +282,7 @@ def module_references() -> Dict[str, Set[Reference]]:
         marked = regions(text, str(path))
         out[f"module:{name}"] = {
             (f"module:{m}", _region_of(line, marked))
-            for m, line in _module_imports(ast.parse(text), names)
+            for m, line in module_imports(ast.parse(text), names)
             if m != name
         }
     return out
@@ -325,7 +328,7 @@ def test_references() -> Dict[str, Set[Reference]]:
         tree = ast.parse(text)
         refs = {
             (f"module:{m}", _region_of(line, marked))
-            for m, line in _module_imports(tree, names)
+            for m, line in module_imports(tree, names)
         }
         for node in ast.walk(tree):
             heads = []

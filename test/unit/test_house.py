@@ -29,6 +29,7 @@ from typing import Dict, List, Set
 
 import pytest
 from house_ends import ENGINE_END, TRAINER_END
+from series_script import load_pr_series
 
 ROOT = Path(__file__).resolve().parents[2] / "python" / "sglang" / "srt"
 PACKAGE = ROOT / "weight_sync"
@@ -139,25 +140,10 @@ def test_the_planes_do_call_collectives_and_verl_engine_does_not():
 
 
 def _imports(tree: ast.Module) -> Set[str]:
-    """The package's modules ``tree`` imports, by their names in ``MODULES``: ``from
-    ...weight_sync.remote import engine`` is ``remote.engine``, ``from ...weight_sync.derive
-    import DerivedTargets`` is ``derive``."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.startswith(PREFIX + "."):
-                module = node.module[len(PREFIX) + 1 :]
-                found.add(module)
-                found |= {f"{module}.{a.name}" for a in node.names}
-            elif node.module == PREFIX:
-                found |= {a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {
-                a.name[len(PREFIX) + 1 :]
-                for a in node.names
-                if a.name.startswith(PREFIX + ".")
-            }
-    return found & set(MODULES)
+    """The package's modules ``tree`` imports, by their names in ``MODULES``, read as ``make
+    pr`` reads them: ``from ...weight_sync.remote import engine`` is ``remote.engine`` and
+    ``remote``, ``from ...weight_sync.derive import DerivedTargets`` is ``derive``."""
+    return {m for m, _ in load_pr_series().module_imports(tree, set(MODULES))}
 
 
 def test_no_import_cycle():

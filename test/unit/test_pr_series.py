@@ -9,24 +9,17 @@ is ordered:
 """
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from series_script import load_pr_series
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def series_module():
-    spec = importlib.util.spec_from_file_location(
-        "pr_series", ROOT / "scripts" / "pr_series.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
-    spec.loader.exec_module(module)
-    return module
+    return load_pr_series()
 
 
 @pytest.fixture(scope="module")
