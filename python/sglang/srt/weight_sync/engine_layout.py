@@ -114,20 +114,26 @@ class EngineLayout:
 
     # pr: scale end
     def live(
-        self, model: torch.nn.Module, derived: DerivedTargets, block_fp8: bool = False
+        self,
+        model: torch.nn.Module,
+        derived: DerivedTargets,
+        # pr: fp8
+        block_fp8: bool = False,
+        # pr: fp8 end
     ) -> LiveLayout:
         """``derived`` checked against this rank's live tensors: a live tensor whose shape
         differs from its derived one means the engine was not built the way the derivation
-        rebuilt it, refused (``ValueError`` naming the parameter). A block-FP8 engine's
-        weights are staged in their unquantized dtype (``fp8_targets``): only a caller that
-        quantizes them after its plan ran or from the buffers it received (``block_fp8``: the
-        colocated updates, engine-side and trainer-side, and remote engines through
-        ``fp8_staging``) may use them; any other refuses, naming a parameter."""
+        rebuilt it, refused (``ValueError`` naming the parameter)."""
         named = live_tensors(model)
         # block-FP8 weights: the dtype each is staged in, and its blocks
         staged: Dict[str, torch.dtype] = {}
         blocks: Dict[str, Tuple[int, int]] = {}
         # pr: fp8
+        # A block-FP8 engine's weights are staged in their unquantized dtype (``fp8_targets``):
+        # only a caller that quantizes them after its plan ran or from the buffers it received
+        # (``block_fp8``: the colocated updates, engine-side and trainer-side, and remote
+        # engines through ``fp8_staging``) may use them; any other is refused, naming a
+        # parameter.
         fp8 = self.block_fp8(derived, named)
         if fp8 is not None:
             if not block_fp8:

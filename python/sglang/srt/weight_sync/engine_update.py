@@ -558,7 +558,13 @@ class EngineWeightSync:
         rank, clock, kind = self.rank, received.clock, received.payload.kind
         try:
             with clock.phase(Phase.DESCRIBE):
-                live = self.layout.live(model, derived, block_fp8=True)
+                live = self.layout.live(
+                    model,
+                    derived,
+                    # pr: fp8
+                    block_fp8=True,
+                    # pr: fp8 end
+                )
                 targets, params, manifest = live.targets, live.params, live.manifest
             if kind != PayloadKind.PARAMS:
                 # the dtypes the trainer casts shards to, from its first payload on (a
