@@ -77,13 +77,15 @@ def run_in_session(manager, update, recv_req):
     update runs in that session and leaves it open. A distributed update while the
     weights are released is refused first (``refusal_while_released``).
     """
-    from sglang.srt.weight_sync.sglang_compat import has_weight_update_sessions
-
     refusal = refusal_while_released(manager, recv_req)
     if refusal is not None:
         return refusal
+    # pr: here
+    from sglang.srt.weight_sync.sglang_compat import has_weight_update_sessions
+
     if not has_weight_update_sessions():  # older releases: nothing to open
         return update(recv_req)
+    # pr: here end
     from sglang.srt.managers.io_struct import (
         BeginWeightUpdateReqInput,
         EndWeightUpdateReqInput,

@@ -1,18 +1,28 @@
-"""The few SGLang APIs that differ between the releases this package is built on (0.5.10.post1,
-0.5.12, 0.5.15.post1, 0.5.23), adapted here and nowhere else.
-
-Each function tries the newest release's API first and falls back to the older one. 0.5.15.post1
-sits between: msgspec requests, a ``runtime_context`` (parallel state only) and a scheduler
-weight-updater manager as 0.5.23 has them, but no weight-update sessions, no derived spawn ranks
-and no resolved server args, as the older releases; each function probes the API it needs.
+"""SGLang's private APIs that weight sync uses (parallel state, the loader's helpers, the
+post-load steps, request structs, the weight version), each behind one function here, so
+that a change in SGLang touches this module and no other.
 """
+
+# pr: here
+# This repository builds the package on four releases (0.5.10.post1, 0.5.12, 0.5.15.post1,
+# 0.5.23): each function takes 0.5.23's API and, in a region like this one, falls back to the
+# older one first. 0.5.15.post1 sits between: msgspec requests, a ``runtime_context``
+# (parallel state only) and a scheduler weight-updater manager as 0.5.23 has them, but no
+# weight-update sessions, no derived spawn ranks and no resolved server args, as the older
+# releases; each function probes the API it needs.
+# pr: here end
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from dataclasses import dataclass
+
+# isort: split
+# pr: here
+import dataclasses
+
+# pr: here end
 from typing import Any, Callable, Dict, Iterator, Tuple
 
 __all__ = (
@@ -22,7 +32,9 @@ __all__ = (
     "as_tp_rank",
     "clear_preprocess_cache",
     "field_names",
+    # pr: here
     "has_weight_update_sessions",
+    # pr: here end
     "initialize_meta_model",
     "load_synchronously",
     "module_globals",
@@ -54,6 +66,7 @@ class TpState:
     device_group: Any
 
 
+# pr: here
 def _has_runtime_context() -> bool:
     """0.5.15.post1 and 0.5.23 publish ranks and groups in ``runtime_context``; older releases
     in ``parallel_state``/``dp_attention`` module globals only."""
@@ -74,6 +87,10 @@ def _runtime_context_has(name: str) -> bool:
     )
 
 
+# pr: here end
+
+
+# pr: here
 def has_weight_update_sessions() -> bool:
     """Whether updates run inside ``begin_weight_update`` ... ``end_weight_update`` sessions,
     whose end runs the model's post-load fixups (0.5.23); older releases have none."""
@@ -82,9 +99,12 @@ def has_weight_update_sessions() -> bool:
     return hasattr(io_struct, "BeginWeightUpdateReqInput")
 
 
+# pr: here end
 def tp_state() -> TpState:
-    """0.5.23 publishes ranks and groups in ``runtime_context.get_parallel()``; older releases
-    through ``parallel_state`` and ``dp_attention`` getters."""
+    """This rank's place, as SGLang publishes ranks and groups in
+    ``runtime_context.get_parallel()``."""
+    # pr: here
+    # older releases: through parallel_state and dp_attention getters
     if not _has_runtime_context():
         from sglang.srt.distributed.parallel_state import (
             get_moe_expert_parallel_world_size,
@@ -101,6 +121,7 @@ def tp_state() -> TpState:
             group.cpu_group,
             group.device_group,
         )
+    # pr: here end
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()
@@ -117,27 +138,29 @@ def tp_state() -> TpState:
 def parallel_widths() -> Tuple[int, int, int, int, int, int]:
     """This engine's (tp, attention tp, MoE ep, pp, attention cp, MoE dp) sizes; read without
     touching a group's communicators, which a test's stand-in groups do not have."""
-    if _has_runtime_context():
-        from sglang.srt.runtime_context import get_parallel
+    # pr: here
+    if not _has_runtime_context():  # older releases: parallel_state's groups
+        from sglang.srt.distributed import parallel_state as ps
 
-        par = get_parallel()
         return (
-            par.tp_size,
-            par.attn_tp_size,
-            par.moe_ep_size,
-            par.pp_size,
-            par.attn_cp_size,
-            par.moe_dp_size,
+            ps.get_tp_group().world_size,
+            ps.get_attn_tp_group().world_size,
+            ps.get_moe_ep_group().world_size,
+            ps.get_pp_group().world_size,
+            ps.get_attn_cp_group().world_size,
+            ps.get_moe_dp_group().world_size,
         )
-    from sglang.srt.distributed import parallel_state as ps
+    # pr: here end
+    from sglang.srt.runtime_context import get_parallel
 
+    par = get_parallel()
     return (
-        ps.get_tp_group().world_size,
-        ps.get_attn_tp_group().world_size,
-        ps.get_moe_ep_group().world_size,
-        ps.get_pp_group().world_size,
-        ps.get_attn_cp_group().world_size,
-        ps.get_moe_dp_group().world_size,
+        par.tp_size,
+        par.attn_tp_size,
+        par.moe_ep_size,
+        par.pp_size,
+        par.attn_cp_size,
+        par.moe_dp_size,
     )
 
 
@@ -145,50 +168,62 @@ def parallel_widths() -> Tuple[int, int, int, int, int, int]:
 def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
     """This process as TP ``rank`` of its engine's layout while a model is built and loaded on
     meta: every rank SGLang's layers read is ``rank``'s, from SGLang's own formulas, and every
-    group is ``group(rank_in_group, world_size)``, a stand-in that carries placement only.
-    0.5.23 overrides its ``runtime_context``; older releases (0.5.15.post1's ``runtime_context``
-    reads the same globals) swap the ``parallel_state`` and ``dp_attention`` module globals
-    their getters read, restored on exit. Either way it holds
-    for the whole process, so it runs where the scheduler does nothing else (an update)."""
+    group is ``group(rank_in_group, world_size)``, a stand-in that carries placement only:
+    an override of SGLang's ``runtime_context``. It holds for the whole process, so it runs
+    where the scheduler does nothing else (an update)."""
     tp, attn_tp, ep, pp, attn_cp, moe_dp = parallel_widths()
     if (pp, attn_cp, moe_dp) != (1, 1, 1):
         raise ValueError(
             f"derived targets need pp_size, attn_cp_size and moe_dp_size of 1, the engine has "
             f"{pp}, {attn_cp}, {moe_dp}"
         )
-    if _runtime_context_has("derive_spawn_ranks"):
-        from sglang.srt.runtime_context import (
-            derive_attention_ranks,
-            derive_spawn_ranks,
-            get_parallel,
-        )
-
-        ranks = derive_spawn_ranks(
-            world_rank=rank,
-            tp_size=tp,
-            ep_join_rank_offset=0,
-            attn_cp_size=1,
-            attn_tp_size=attn_tp,
-            moe_dp_size=1,
-            moe_ep_size=ep,
-        )
-        attn_tp_rank, attn_dp_rank = derive_attention_ranks(
-            tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1
-        )
-        groups = dict(
-            tp_group=group(rank, tp),
-            attn_tp_group=group(attn_tp_rank, attn_tp),
-            moe_ep_group=group(ranks["moe_ep_rank"], ep),
-            moe_tp_group=group(ranks["moe_tp_rank"], tp // ep),
-            moe_dp_group=group(0, 1),
-            attn_cp_group=group(0, 1),
-            pp_group=group(0, 1),
-        )
-        with get_parallel().override(
-            **ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups
-        ):
+    # pr: here
+    if not _runtime_context_has("derive_spawn_ranks"):
+        with _as_tp_rank_in_globals(rank, group, tp, attn_tp, ep):
             yield
         return
+    # pr: here end
+    from sglang.srt.runtime_context import (
+        derive_attention_ranks,
+        derive_spawn_ranks,
+        get_parallel,
+    )
+
+    ranks = derive_spawn_ranks(
+        world_rank=rank,
+        tp_size=tp,
+        ep_join_rank_offset=0,
+        attn_cp_size=1,
+        attn_tp_size=attn_tp,
+        moe_dp_size=1,
+        moe_ep_size=ep,
+    )
+    attn_tp_rank, attn_dp_rank = derive_attention_ranks(
+        tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1
+    )
+    groups = dict(
+        tp_group=group(rank, tp),
+        attn_tp_group=group(attn_tp_rank, attn_tp),
+        moe_ep_group=group(ranks["moe_ep_rank"], ep),
+        moe_tp_group=group(ranks["moe_tp_rank"], tp // ep),
+        moe_dp_group=group(0, 1),
+        attn_cp_group=group(0, 1),
+        pp_group=group(0, 1),
+    )
+    with get_parallel().override(
+        **ranks, attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank, **groups
+    ):
+        yield
+
+
+# pr: here
+@contextlib.contextmanager
+def _as_tp_rank_in_globals(
+    rank: int, group: Callable[[int, int], Any], tp: int, attn_tp: int, ep: int
+) -> Iterator[None]:
+    """``as_tp_rank`` on releases before 0.5.23 (0.5.15.post1's ``runtime_context`` reads the
+    same globals): the ``parallel_state`` and ``dp_attention`` module globals their getters
+    read, swapped and restored on exit."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import dp_attention
     from sglang.srt.server_args import get_global_server_args
@@ -223,10 +258,12 @@ def as_tp_rank(rank: int, group: Callable[[int, int], Any]) -> Iterator[None]:
         yield
 
 
+# pr: here end
+
+
 @contextlib.contextmanager
 def module_globals(values: Dict[Any, Dict[str, Any]]) -> Iterator[None]:
-    """Module globals set to ``{module: {name: value}}`` for the block, then restored: where
-    releases before 0.5.23 keep parallel state and server args."""
+    """Module globals set to ``{module: {name: value}}`` for the block, then restored."""
     saved = {
         module: {name: getattr(module, name) for name in names}
         for module, names in values.items()
@@ -264,14 +301,16 @@ def _no_split_source(_pg) -> None:
 
 def server_args_dict() -> Dict[str, Any]:
     """The engine's server args as resolved at launch, by field name."""
-    if _runtime_context_has("resolved_server_args_dict"):
-        from sglang.srt.runtime_context import get_context
+    # pr: here
+    if not _runtime_context_has("resolved_server_args_dict"):  # older releases
+        from sglang.srt.server_args import get_global_server_args
 
-        return dict(get_context().resolved_server_args_dict())
-    from sglang.srt.server_args import get_global_server_args
+        args = get_global_server_args()
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    # pr: here end
+    from sglang.srt.runtime_context import get_context
 
-    args = get_global_server_args()
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    return dict(get_context().resolved_server_args_dict())
 
 
 def clear_preprocess_cache(tokenizer_manager) -> None:
@@ -309,34 +348,41 @@ def original_hf_config(model_config):
 
 def after_load(model) -> None:
     """What SGLang's default loader runs after ``model.load_weights``: each quant method's
-    post-load processing (0.5.23: ``DefaultModelLoader.postprocess_weights``; older releases
-    run the same loop inside ``load_weights_and_postprocess``, which also loads)."""
+    post-load processing (``DefaultModelLoader.postprocess_weights``)."""
     import torch
 
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    if hasattr(DefaultModelLoader, "postprocess_weights"):
-        DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    # pr: here
+    if not hasattr(DefaultModelLoader, "postprocess_weights"):
+        # older releases run the same loop inside ``load_weights_and_postprocess``
+        for module in model.modules():
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(module)
         return
-    for module in model.modules():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None:
-            quant_method.process_weights_after_loading(module)
+    # pr: here end
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
 
 
 def after_update(model) -> None:
-    """What follows an update that wrote parameters in place, bypassing ``load_weights``.
-    0.5.23: ``end_weight_update`` (the model's post-load fixups, then each quant method's
-    post-processing). Older releases have no session: their own tensor update goes through
-    ``model.load_weights``, which runs the model's post-load fixups itself (MLA's w_kc/w_vc), so
-    a distributed update runs those (``tensor_path.update_from_payload``) and nothing more."""
-    if has_weight_update_sessions():
-        from sglang.srt.model_loader.loader import post_load_weights
+    """What follows an update that wrote parameters in place, bypassing ``load_weights``:
+    what ``end_weight_update`` runs (the model's post-load fixups, then each quant method's
+    post-processing)."""
+    # pr: here
+    if not has_weight_update_sessions():
+        # Older releases have no session: their own tensor update goes through
+        # ``model.load_weights``, which runs the model's post-load fixups itself (MLA's
+        # w_kc/w_vc), so a distributed update runs those (``tensor_path.update_from_payload``)
+        # and nothing more.
+        if hasattr(model, "post_load_weights"):
+            model.post_load_weights()
+        return
+    # pr: here end
+    from sglang.srt.model_loader.loader import post_load_weights
 
-        post_load_weights(model)
-        after_load(model)
-    elif hasattr(model, "post_load_weights"):
-        model.post_load_weights()
+    post_load_weights(model)
+    after_load(model)
 
 
 def initialize_meta_model(model_config, load_config):
@@ -358,14 +404,16 @@ def initialize_meta_model(model_config, load_config):
 
 
 def rebind_parameter_aliases(model) -> None:
-    """What 0.5.23's presharded loader runs after writing parameters directly: parameter
+    """What SGLang's presharded loader runs after writing parameters directly: parameter
     aliases and tensors computed from them (Gemma norms' ``weight + 1``) refreshed in
-    place. Older releases have no such loader: nothing to run."""
+    place."""
     from sglang.srt.model_loader import loader
 
-    presharded = getattr(loader, "PreshardedModelLoader", None)
-    if presharded is not None:
-        presharded._rebind_parameter_aliases(model)
+    # pr: here
+    if not hasattr(loader, "PreshardedModelLoader"):  # older releases: nothing to run
+        return
+    # pr: here end
+    loader.PreshardedModelLoader._rebind_parameter_aliases(model)
 
 
 def load_synchronously(tensor):
@@ -377,41 +425,46 @@ def load_synchronously(tensor):
 
 
 def field_names(cls) -> Tuple[str, ...]:
-    """Fields of an io_struct request: msgspec Structs since 0.5.23, dataclasses before."""
-    if dataclasses.is_dataclass(cls):
+    """Fields of an io_struct request (a msgspec Struct)."""
+    # pr: here
+    if dataclasses.is_dataclass(cls):  # before 0.5.23
         return tuple(f.name for f in dataclasses.fields(cls))
+    # pr: here end
     return tuple(cls.__struct_fields__)
 
 
 def replace_fields(req, **changes):
-    """A copy of io_struct request ``req`` with ``changes``: msgspec Structs since 0.5.23,
-    dataclasses before."""
-    if dataclasses.is_dataclass(req):
+    """A copy of io_struct request ``req`` (a msgspec Struct) with ``changes``."""
+    # pr: here
+    if dataclasses.is_dataclass(req):  # before 0.5.23
         return dataclasses.replace(req, **changes)
+    # pr: here end
     import msgspec
 
     return msgspec.structs.replace(req, **changes)
 
 
 def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
-    """Request type ``cls`` with one more field (``field: type_ = default``), in the struct
-    kind this release's io_struct uses: msgspec Struct since 0.5.23, dataclass before."""
-    if dataclasses.is_dataclass(cls):
+    """Request type ``cls`` (a msgspec Struct) with one more field (``field: type_ =
+    default``)."""
+    # pr: here
+    if dataclasses.is_dataclass(cls):  # before 0.5.23
         return dataclasses.make_dataclass(
             name, [(field, type_, dataclasses.field(default=default))], bases=(cls,)
         )
+    # pr: here end
     return type(
         name, (cls,), {"__annotations__": {field: type_}, field: default}, kw_only=True
     )
 
 
 def weight_version(tokenizer_manager):
-    """The weight version the last update recorded: 0.5.23's tokenizer manager reads it with
-    ``config_value``; older releases keep it in ``server_args``."""
-    config_value = getattr(tokenizer_manager, "config_value", None)
-    if config_value is not None:
-        return config_value("weight_version")
-    return getattr(tokenizer_manager.server_args, "weight_version", None)
+    """The weight version the last update recorded, as the tokenizer manager reads it."""
+    # pr: here
+    if not hasattr(tokenizer_manager, "config_value"):  # older releases: in server_args
+        return getattr(tokenizer_manager.server_args, "weight_version", None)
+    # pr: here end
+    return tokenizer_manager.config_value("weight_version")
 
 
 def weights_released(holder) -> bool:
@@ -428,19 +481,21 @@ def settle_weight_update(
     holder, recv_req, success: bool, message: str
 ) -> Tuple[bool, str]:
     """What SGLang's own update handlers do after writing weights, for a scheduler-side hook:
-    record the weight version and flush the cache the old weights produced. 0.5.23 has both
-    steps on the scheduler's weight-updater manager (a refused flush fails the call); older
-    schedulers only flush (the version lives in the tokenizer manager), here with the same
-    refusal instead of their ``assert``."""
-    if hasattr(holder, "record_weight_version_after_update"):
-        holder.record_weight_version_after_update(recv_req.weight_version)
-        return holder.flush_cache_after_weight_update(recv_req, success, message)
-    if recv_req.flush_cache and not holder.flush_cache():
-        return False, (
-            "Weights were updated, but the cache was not flushed because requests are still "
-            "running or queued. Retract or finish them, then call /flush_cache."
-        )
-    return success, message
+    record the weight version and flush the cache the old weights produced, both steps on
+    the scheduler's weight-updater manager (a refused flush fails the call)."""
+    # pr: here
+    if not hasattr(holder, "record_weight_version_after_update"):
+        # older schedulers only flush (the version lives in the tokenizer manager), here
+        # with the same refusal instead of their ``assert``
+        if recv_req.flush_cache and not holder.flush_cache():
+            return False, (
+                "Weights were updated, but the cache was not flushed because requests are "
+                "still running or queued. Retract or finish them, then call /flush_cache."
+            )
+        return success, message
+    # pr: here end
+    holder.record_weight_version_after_update(recv_req.weight_version)
+    return holder.flush_cache_after_weight_update(recv_req, success, message)
 
 
 def record_served_weight_version(manager, version: str) -> None:

@@ -48,7 +48,6 @@ from sglang.srt.weight_sync.apply import (
     nonfinite_tensors,
     refresh_derived,
     release_cached_memory,
-    run_post_load,
     synchronize,
 )
 from sglang.srt.weight_sync.commit_vote import commit_to_write
@@ -88,12 +87,18 @@ from sglang.srt.weight_sync.remote.protocol import (
 from sglang.srt.weight_sync.remote.rendezvous import open_store
 from sglang.srt.weight_sync.sglang_compat import (
     field_names,
-    has_weight_update_sessions,
     settle_weight_update,
     tp_state,
     weights_released,
 )
 from sglang.srt.weight_sync.staging_budget import staging_cap
+
+# isort: split
+# pr: here
+from sglang.srt.weight_sync.apply import run_post_load
+from sglang.srt.weight_sync.sglang_compat import has_weight_update_sessions
+
+# pr: here end
 
 __all__ = ("Receive", "RemoteEngineSync", "Staging", "scheduler_step", "write_staged")
 
@@ -533,8 +538,10 @@ class RemoteEngineSync:
         try:
             wrote = write_staged(mine, params, req.timeout_s)
             refresh_derived(runner.model)
+            # pr: here
             if wrote and not has_weight_update_sessions():
                 run_post_load(runner.model)  # no session end runs them on this release
+            # pr: here end
             synchronize(params.values())
             release_cached_memory(params.values())
         except Exception as e:  # noqa: BLE001 - a peer died mid-stream or a copy failed
