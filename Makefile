@@ -34,14 +34,18 @@ install: venv $(BUILT)
 
 # Run from the repo root: python/sglang has no __init__.py, so `import sglang` resolves to the installed wheel.
 # TIER=unit|distributed|e2e|reliability runs one tier (pytest -m, markers from test/conftest.py); the
-# slowest tests are printed at the end.
+# slowest tests are printed at the end. JOBS pytest-xdist workers (whole files each: a module's
+# engine fixtures start once) share the machine: most tests wait on engine processes or on bounds
+# for part of their time (docs/results.md); JOBS=0 runs in one process.
 TIER ?=
+JOBS ?= 2
 # The older bases' smoke test is deselected: test_qwen2_every_entry_point_and_refusals[2] runs its
 # steps and more on the same kind of engine (test_distributed_update.py). So is slime's companion
 # test, 0.5.15.post1's smoke: its glue is the same on every base, and megatron_flow and
 # RemoteSync.update_megatron run here in test_megatron_update.py and the remote-engine tests.
 test: install
 	$(PY) -m pytest test -q --timeout=600 --durations=40 -p no:cacheprovider $(if $(TIER),-m "$(TIER)") \
+		-n $(JOBS) --dist loadfile \
 		--deselect test/e2e/test_distributed_update.py::test_smoke_fsdp_trainer_updates_engine \
 		--deselect test/e2e/test_slime_companion.py
 

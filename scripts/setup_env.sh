@@ -28,7 +28,13 @@ framework_deps() {
     cp "scripts/requirements-$fw.txt" "$VENV/.$fw-ready"
   done
 }
-[ -f "$VENV/.ready" ] && { framework_deps; exit 0; }
+# Test runners (scripts/requirements-test.txt), added to existing venvs too.
+test_deps() {
+  cmp -s scripts/requirements-test.txt "$VENV/.test-ready" && return 0
+  "$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" -r scripts/requirements-test.txt
+  cp scripts/requirements-test.txt "$VENV/.test-ready"
+}
+[ -f "$VENV/.ready" ] && { framework_deps; test_deps; exit 0; }
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
@@ -44,3 +50,4 @@ sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.libra
 "$PY" -c "import torchvision.transforms, sglang.srt.layers.linear" >/dev/null
 touch "$VENV/.ready"
 framework_deps
+test_deps
