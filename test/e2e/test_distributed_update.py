@@ -104,6 +104,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                 )
             check_update(record, model_dir, config, seed, tp, prompts)
             check_phases(record, tp, first=record is records[1])
+            # pr: scale
             if (
                 kind == "verl"
             ):  # the channel is opened first: shared memory from the start
@@ -111,6 +112,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                     record["step"],
                     record["inline_bytes"],
                 )
+            # pr: scale end
             last_good = record
             if dropped is not None and any(
                 dropped
