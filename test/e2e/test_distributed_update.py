@@ -104,6 +104,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                 )
             check_update(record, model_dir, config, seed, tp, prompts)
             check_phases(record, tp, first=record is records[1])
+            # pr: scale
             if (
                 kind == "verl"
             ):  # the channel is opened first: shared memory from the start
@@ -111,6 +112,7 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
                     record["step"],
                     record["inline_bytes"],
                 )
+            # pr: scale end
             last_good = record
             if dropped is not None and any(
                 dropped
@@ -127,8 +129,8 @@ def check_phases(record: dict, tp: int, first: bool) -> None:
     """Where a successful update's time went: a hosted update's trainer phases cover its
     measured wall time within 10 %; on 0.5.23 the engine's reply gives every TP rank's phases.
     The first update plans; an Engine.update_weights_distributed update of a layout seen
-    before finds its plan cached and waits on three control round trips: the agreement,
-    the commit vote (``engine_update._commit``) and the figures' share."""
+    before finds its plan cached and waits on its control round trips: the agreement and
+    the figures' share."""
     kind, layout, _ = record["step"]
     replies_phases = sglang.__version__.split("+")[0] == "0.5.23"
     if kind == "verl":
@@ -141,7 +143,11 @@ def check_phases(record: dict, tp: int, first: bool) -> None:
     elif kind == "engine" and layout == "fsdp" and replies_phases:
         engine = check_engine_breakdown(record["phases"], tp, float("inf"))
         assert engine["plan_cold"] == [0.0] * tp
-        assert engine["round_trips"] == [3.0] * tp
+        trips = 2.0
+        # pr: safety
+        trips += 1.0  # the commit vote (``engine_update._commit``)
+        # pr: safety end
+        assert engine["round_trips"] == [trips] * tp
 
 
 def test_smoke_fsdp_trainer_updates_engine(tmp_path):

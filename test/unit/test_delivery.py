@@ -112,8 +112,11 @@ def test_channel_must_be_private():
 
 def test_cpu_tensors_travel_inline_in_every_dtype_and_shape():
     """CPU payloads need no shared-memory manager or authkey: bytes inline, exact, nothing
-    pickled. A sender whose engine rank has not bound its segment socket yet (the first
-    update of a channel) sends inline; later ones share memory (test_shared_segment.py)."""
+    pickled."""
+    # pr: scale
+    # A sender whose engine rank has not bound its segment socket yet (the first update of
+    # a channel) sends inline; later ones share memory (test_shared_segment.py).
+    # pr: scale end
     channel, receiver = make_channel(), ShardReceiver(engine_rank=0)
     sent = every_dtype_and_shape()
     sender = ShardSender(channel, engine_rank=0)
@@ -200,10 +203,13 @@ def test_a_negative_size_in_the_header_drops_the_message():
     )
 
 
-def test_a_params_payload_carries_its_fp8_regions_inline_and_shared():
+def test_a_params_payload_carries_its_fp8_regions():
     """A trainer-side payload into a block-FP8 engine: a parameter buffer, an e4m3 region
     (bytes, then scales) and a bf16 region, listed in the header; the same regions and
-    bytes arrive, inline on the first update and through shared memory on the next."""
+    bytes arrive, update after update."""
+    # pr: scale
+    # inline on the first update and through shared memory on the next
+    # pr: scale end
     from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind, PayloadKind
 
     regions = (
@@ -238,9 +244,13 @@ def test_a_params_payload_carries_its_fp8_regions_inline_and_shared():
             for name, t in tensors.items():
                 got = payload.tensors[name]
                 assert got.dtype == t.dtype and torch.equal(got, t), (update, name)
+            # pr: scale
             shared = payload.runs is not None
+            # pr: scale end
             sender.release()
+        # pr: scale
         assert shared  # the second update came through the segment
+        # pr: scale end
     finally:
         sender.close()
         receiver.close()

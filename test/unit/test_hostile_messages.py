@@ -467,7 +467,9 @@ def test_a_layout_read_before_is_taken_as_it_was_checked():
         ("unknown layout key", "layout keys: unknown ['update_id']"),
         ("layout not an object", "is a JSON list, not an object"),
         ("bad tensors in a layout", "header field 'tensors'"),
+        # pr: scale
         ("segment without placements", "header field 'segment' is 'seg'"),
+        # pr: scale end
         ("frames", "expected a header, its layout and 1 more"),
     ],
 )
@@ -497,11 +499,13 @@ def test_malformed_split_headers_are_refused(case, text):
             json.dumps({**lay, "tensors": [["w", [1]]]}).encode(),
             data,
         ],
+        # pr: scale
         "segment without placements": lambda: [
             json.dumps({**h, "segment": "seg"}).encode(),
             layout,
             data,
         ],
+        # pr: scale end
         "frames": lambda: [head, layout],
     }[case]()
     with pytest.raises(DeliveryError, match=re_escape(text)):

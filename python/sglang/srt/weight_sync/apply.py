@@ -147,8 +147,8 @@ def release_cached_memory(tensors) -> None:
 
 def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     """``regions`` as few 1-d views as they allow: contiguous regions of one dtype that lie
-    back to back in one storage (a payload's shared-memory segment) become one run, read
-    in one operation; any other region stays as it is."""
+    back to back in one storage become one run, read in one operation; any other region
+    stays as it is."""
     groups: Dict[tuple, List[torch.Tensor]] = {}
     runs: List[torch.Tensor] = []
     for r in regions:
@@ -194,14 +194,20 @@ def _all_finite(regions: Iterable[torch.Tensor]) -> bool:
 
 
 def nonfinite_tensors(
-    tensors: Mapping[str, torch.Tensor], runs: Optional[Sequence[torch.Tensor]] = None
+    tensors: Mapping[str, torch.Tensor],
+    # pr: scale
+    runs: Optional[Sequence[torch.Tensor]] = None,
+    # pr: scale end
 ) -> List[str]:
     """Keys of the floating tensors holding NaN or inf (refused before any write): one
     check of all of them (``_all_finite``), and the tensors are looked at by name only
-    when it fails. ``runs``: 1-d views that cover exactly the bytes of ``tensors`` (a
-    payload's segment, ``Payload.runs``), checked instead when all are finite there."""
+    when it fails."""
+    # pr: scale
+    # ``runs``: 1-d views that cover exactly the bytes of ``tensors`` (a payload's
+    # shared-memory segment, ``Payload.runs``), checked instead when all are finite there
     if runs is not None and _all_finite(r for r in runs if r.is_floating_point()):
         return []
+    # pr: scale end
     floating = {k: t for k, t in tensors.items() if t.is_floating_point()}
     if _all_finite(floating.values()):
         return []

@@ -1,8 +1,7 @@
 """Deliver: each trainer rank hands only its own shards to the engine rank beside it.
 
 The channel is a private directory (mode 0700, named ``sglang-weights-*``)
-holding one ZeroMQ ``ipc://`` socket per engine TP rank for messages (and one datagram
-socket for shared-memory segments, below). A channel is an
+holding one ZeroMQ ``ipc://`` socket per engine TP rank for messages. A channel is an
 identity, not a string: it is resolved (``realpath``) and checked before any
 socket is bound or connected, so every spelling of one directory is one
 channel. A trainer rank PUSHes one message: a JSON header (the update
@@ -14,18 +13,25 @@ without a spec, and the HF tensors they hold pieces of come with
 (SGLang's ``MultiprocessingSerializer``), so no payload bytes are copied or
 gathered; the engine unpickles them naming only what rebuilds a CUDA tensor from
 its handle (``protocol.payload_globals``: no fd passing, nothing that connects to
-a socket or waits on a peer). CPU tensors (tests, CPU engines) are copied once into a
-shared-memory segment (``shared_segment``: a memfd passed over the channel's datagram
-socket) that the engine maps and reads in place, each tensor described in the header by
-dtype, shape and offset; until the engine has bound that socket (the first update of a
-channel), they travel inline, one frame each after the header. Either way: no
-shared-memory manager (torch's must answer within a second, which a loaded machine
-misses), no multiprocessing authkey (an engine launched separately has another), nothing
-left in /dev/shm, and nothing unpickled. The engine reads and checks the header
+a socket or waits on a peer). CPU tensors (tests, CPU engines) travel inline, one frame
+each after the header, each described in the header by dtype and shape: no shared-memory
+manager (torch's must answer within a second, which a loaded machine misses), no
+multiprocessing authkey (an engine launched separately has another), nothing left in
+/dev/shm, and nothing unpickled. The engine reads and checks the header
 (bounded: size, nesting, integers only, known keys and types) before it unpickles
 or decodes anything, drops a malformed message on arrival (logged), refuses update
 ids it has already consumed, and never dies of a malformed message.
 """
+
+# pr: scale
+# CPU tensors are copied once into a shared-memory segment (``shared_segment``: a memfd
+# passed over a datagram socket the channel holds beside each engine rank's message socket)
+# that the engine maps and reads in place, each tensor described in the header by dtype,
+# shape and offset, and cast on that copy where the engine keeps a smaller dtype
+# (``wire_dtypes``); until the engine has bound that socket (the first update of a
+# channel), they travel inline. A memfd has no name in /dev/shm and goes with its last
+# descriptor and mapping: still no shared-memory manager, and nothing unpickled.
+# pr: scale end
 
 from __future__ import annotations
 
@@ -39,7 +45,6 @@ import stat
 import time
 from dataclasses import dataclass
 from typing import (
-    Any,
     Deque,
     Dict,
     List,
@@ -57,6 +62,7 @@ from torch.distributed.tensor import DTensor
 
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.protocol import (
+    CPU_DTYPES,
     DEFAULT_TIMEOUT_S,
     ChannelError,
     DeliveryError,
@@ -70,20 +76,23 @@ from sglang.srt.weight_sync.protocol import (
     header_fields,
     payload_globals,
     resolve_channel,
-    segment_socket_path,
     socket_path,
-    with_head,
 )
+from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshRanks, MeshSpec
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.protocol import segment_socket_path, with_head
 from sglang.srt.weight_sync.shared_segment import (
-    SEGMENT_DTYPES,
     SegmentError,
     SegmentInbox,
     SegmentWriter,
     new_segment_id,
     send_segment,
 )
-from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshRanks, MeshSpec
 from sglang.srt.weight_sync.wire_dtypes import DtypeFile, dtypes_path
+
+# pr: scale end
 
 __all__ = (
     "ChannelError",
@@ -124,9 +133,11 @@ class Payload:
     names: Tuple[str, ...] = ()
     fingerprint: str = ""
     layout_memo: Optional[dict] = None
+    # pr: scale
     # 1-d views covering exactly the bytes of ``tensors`` when they came in one shared-memory
     # segment (``shared_segment.MappedSegment.runs``), else None
     runs: Optional[List[torch.Tensor]] = None
+    # pr: scale end
     # "params": regions of block-FP8 weights, each in its tensor of ``tensors`` (by key)
     fp8_regions: Tuple[Fp8Region, ...] = ()
 
@@ -152,6 +163,7 @@ def local_shard(
     return tensor, spec
 
 
+# pr: scale
 @dataclass(frozen=True)
 class _LayoutKey:
     """What a payload's layout in the segment is built from: the names, their spec objects
@@ -188,6 +200,7 @@ class _LayoutKey:
         )
 
 
+# pr: scale end
 def _tensor_wires(shards) -> List[Tuple[str, Optional[tuple]]]:
     """Each shard's name and its spec's wire form (None without a spec), each spec object's
     made once: tensors that share a ``MeshSpec`` object share its wire form."""
@@ -206,8 +219,8 @@ def _wire_of(spec: Union[MeshSpec, HoldersSpec], wires: Dict[int, tuple]) -> tup
     return known[1]
 
 
-# dtypes a CPU payload may carry inline, by the name the header gives them: those of a segment
-INLINE_DTYPES = SEGMENT_DTYPES
+# dtypes a CPU payload may carry inline, by the name the header gives them
+INLINE_DTYPES = {f"torch.{name}": getattr(torch, name) for name in CPU_DTYPES}
 
 
 def _inline_frame(t: torch.Tensor) -> memoryview:
@@ -267,32 +280,47 @@ def unpickle_handles(data: bytes, kind: PayloadKind, cuda: bool):
 
 
 class ShardSender:
-    """Trainer side: one PUSH socket to one engine rank. Keeps the last shards (CUDA) or
-    the shared-memory segment they were copied into (CPU) for the engine until it has
-    answered (``release()``, which the trainer's flows call on the reply), the next send
-    or ``close()``, since the engine maps that memory."""
+    """Trainer side: one PUSH socket to one engine rank. Keeps the last shards (CUDA: the
+    engine maps their memory) for the engine until it has answered (``release()``, which
+    the trainer's flows call on the reply), the next send or ``close()``."""
+
+    # pr: scale
+    # CPU shards: the shared-memory segment they were copied into is kept as long, since
+    # the engine maps it too.
+    # pr: scale end
 
     def __init__(self, channel: str, engine_rank: int) -> None:
         self.channel = resolve_channel(channel, engine_rank)
+        # pr: scale
         self._segment_path = segment_socket_path(self.channel, engine_rank)
+        # pr: scale end
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{socket_path(self.channel, engine_rank)}")
         self._alive: List[torch.Tensor] = []
+        # pr: scale
         self._segment = SegmentWriter()
         self._dtypes = DtypeFile(dtypes_path(self.channel, engine_rank))
+        # pr: scale end
         self._layouts = LayoutFrames()
+        # pr: scale
         # the last placements sent: (the segment's offsets object, dtypes, placements)
         self._placed: Optional[Tuple[list, list, list]] = None
         # the last header built for a payload in the segment, and what it was built from
-        self._header: Optional[Tuple[_LayoutKey, Dict[str, Any]]] = None
-        # bytes the last payload carried inline, through the socket (CPU tensors that
-        # shared memory did not carry: the engine had not bound its segment socket)
+        self._header: Optional[Tuple[_LayoutKey, dict]] = None
+        # pr: scale end
+        # bytes the last payload carried inline, through the socket (CPU tensors)
+        # pr: scale
+        # (those that shared memory did not carry: the engine had not bound its segment
+        # socket)
+        # pr: scale end
         self.inline_bytes = 0
+        # pr: scale
         # the last CPU send's description, the engine's dtypes it was cast for and the
         # dtypes each shard travelled in (``send``'s ``layout``)
         self._steady: Optional[Tuple[object, object, List[torch.dtype]]] = None
+        # pr: scale end
 
     def send(
         self,
@@ -305,49 +333,44 @@ class ShardSender:
         names: Sequence[str] = (),
         fingerprint: str = "",
         fp8_regions: Sequence[Fp8Region] = (),
+        # pr: scale
+        # the description ``shards`` come from (``source_layout.Described.sources``): the
+        # same object as the last send's stands for the same names, specs and local shapes,
+        # so the dtypes, the segment's layout and the header follow from the last send's
+        # instead of from each shard again
         layout: Optional[object] = None,
+        # pr: scale end
     ) -> None:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
         "params" payload); ``kind``, ``names``, ``fingerprint``, ``fp8_regions``: see
-        ``Payload``. ``layout``: the description ``shards`` come from
-        (``source_layout.Described.sources``): the same object as the last send's stands
-        for the same names, specs and local shapes, so the dtypes, the segment's layout and
-        the header follow from the last send's instead of from each shard again."""
+        ``Payload``."""
         tensors = [t for _, t, _ in shards]
-        inline = shared = token = None
+        inline = None
         self._alive = []
-        if any(t.is_cuda for t in tensors):
+        cuda = any(t.is_cuda for t in tensors)
+        # pr: scale
+        shared = token = None
+        if not cuda:
+            token, shared = self._to_segment(shards, tensors, layout)
+        # pr: scale end
+        if cuda:
             # a non-contiguous view would share its whole storage (other tensors' bytes): share a copy
             self._alive = [
                 t.detach() if t.is_contiguous() else t.detach().contiguous()
                 for t in tensors
             ]
             frames = [MultiprocessingSerializer.serialize(self._alive)]
+        # pr: scale
+        elif shared is not None:
+            frames = []
+        # pr: scale end
         else:
-            wanted = self._dtypes.get()  # one look at the engine's file per payload
-            steady = self._steady
-            if (
-                layout is None
-                or steady is None
-                or steady[0] is not layout
-                or steady[1] is not wanted
-            ):
-                dtypes = [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards]
-                steady = (layout, wanted, dtypes)
-                self._steady = steady if layout is not None else None
-            # what stands for this send's names, specs, shapes and dtypes: the same object
-            # while they stay (a new one when the engine's dtypes change)
-            token = steady if layout is not None else None
-            with torch.no_grad():  # copies of the values, never part of a graph
-                shared = self._share(tensors, steady[2], token)
-            if shared is not None:
-                frames = []
-            else:
-                contiguous = [t.detach().contiguous() for t in tensors]
-                inline = [(str(t.dtype), t.shape) for t in contiguous]
-                frames = [_inline_frame(t) for t in contiguous]
+            contiguous = [t.detach().contiguous() for t in tensors]
+            inline = [(str(t.dtype), t.shape) for t in contiguous]
+            frames = [_inline_frame(t) for t in contiguous]
         self.inline_bytes = sum(f.nbytes for f in frames) if inline is not None else 0
+        # pr: scale
         key = (  # a payload in the segment: its layout's header is built once
             _LayoutKey.of(shards, shared, kind, names, fingerprint, token)
             if shared is not None and not pieces and not fp8_regions
@@ -357,22 +380,54 @@ class ShardSender:
             header = with_head(
                 self._header[1], update_id, trainer_rank, rank_map, shared[0]
             )
-        else:
-            header = header_fields(
-                update_id,
-                trainer_rank,
-                rank_map,
-                _tensor_wires(shards),
-                [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
-                kind,
-                names,
-                fingerprint,
-                inline,
-                shared,
-                fp8_regions,
-            )
-            self._header = None if key is None else (key, header)
+            self._sock.send_multipart([*self._layouts.encode(header), *frames])
+            return
+        # pr: scale end
+        header = header_fields(
+            update_id,
+            trainer_rank,
+            rank_map,
+            _tensor_wires(shards),
+            [(name, spec.to_wire()) for name, spec in (pieces or {}).items()],
+            kind,
+            names,
+            fingerprint,
+            inline,
+            # pr: scale
+            shared,
+            # pr: scale end
+            fp8_regions,
+        )
+        # pr: scale
+        self._header = None if key is None else (key, header)
+        # pr: scale end
         self._sock.send_multipart([*self._layouts.encode(header), *frames])
+
+    # pr: scale
+    def _to_segment(
+        self,
+        shards: Sequence[Tuple[str, torch.Tensor, Optional[MeshSpec]]],
+        tensors: List[torch.Tensor],
+        layout: Optional[object],
+    ):
+        """CPU ``tensors`` (of ``shards``) into the segment, each in its ``_wire_dtype``, and
+        the segment to the engine rank: (what stands for this send's names, specs, shapes
+        and dtypes: the same object while they stay, a new one when the engine's dtypes
+        change; None without ``layout``), and ``_share``'s answer."""
+        wanted = self._dtypes.get()  # one look at the engine's file per payload
+        steady = self._steady
+        if (
+            layout is None
+            or steady is None
+            or steady[0] is not layout
+            or steady[1] is not wanted
+        ):
+            dtypes = [self._wire_dtype(wanted, n, t, spec) for n, t, spec in shards]
+            steady = (layout, wanted, dtypes)
+            self._steady = steady if layout is not None else None
+        token = steady if layout is not None else None
+        with torch.no_grad():  # copies of the values, never part of a graph
+            return token, self._share(tensors, steady[2], token)
 
     @staticmethod
     def _wire_dtype(
@@ -447,15 +502,19 @@ class ShardSender:
         updates so that the next finds its pages in place)."""
         return self._segment.nbytes
 
+    # pr: scale end
     def release(self) -> None:
-        """Drop the last shards: the engine has answered, so it no longer reads them (the
-        segment they were copied into may take the next update's)."""
+        """Drop the last shards: the engine has answered, so it no longer reads them."""
         self._alive = []
-        self._segment.release()
+        # pr: scale
+        self._segment.release()  # the segment they were copied into may take the next update's
+        # pr: scale end
 
     def close(self) -> None:
         self._alive = []
+        # pr: scale
         self._segment.close()
+        # pr: scale end
         self._sock.close()
         self._ctx.term()
 
@@ -471,7 +530,9 @@ class ShardReceiver:
         self._socks: collections.OrderedDict[str, zmq.Socket] = (
             collections.OrderedDict()
         )
+        # pr: scale
         self._inboxes: Dict[str, SegmentInbox] = {}  # by channel, beside its socket
+        # pr: scale end
         # the payload layouts read last, checked, with the specs decoded from each
         self._layouts = LayoutFrames()
         self._consumed: Set[str] = set()
@@ -503,7 +564,10 @@ class ShardReceiver:
                 self.max_channels,
             )
             sock.close()
+            # pr: scale
             self._inboxes.pop(old).close()
+            # pr: scale end
+        # pr: scale
         seg_path = segment_socket_path(real, self.engine_rank)
         try:
             inbox = SegmentInbox(seg_path)
@@ -511,6 +575,7 @@ class ShardReceiver:
             raise ChannelError(
                 f"engine rank {self.engine_rank}: channel {channel!r}: cannot bind {seg_path!r}: {e}"
             ) from None
+        # pr: scale end
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, -1)
@@ -518,12 +583,16 @@ class ShardReceiver:
             sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             sock.close()
+            # pr: scale
             inbox.close()
+            # pr: scale end
             raise ChannelError(
                 f"engine rank {self.engine_rank}: channel {channel!r}: cannot bind {path!r}: {e}"
             ) from None
         self._socks[real] = sock
+        # pr: scale
         self._inboxes[real] = inbox
+        # pr: scale end
         return sock
 
     def receive(
@@ -543,7 +612,9 @@ class ShardReceiver:
                 f"update id {update_id!r} was already consumed; a replay is refused"
             )
         sock = self._socket(channel)
+        # pr: scale
         inbox = self._inboxes[resolve_channel(channel, self.engine_rank)]
+        # pr: scale end
         deadline = time.monotonic() + timeout_s
         dropped: Deque[str] = collections.deque(maxlen=3)
         while True:
@@ -584,7 +655,13 @@ class ShardReceiver:
                 dropped.append(f"payload of update {header['update_id']!r}")
                 continue
             self._consume(update_id)
-            return self._payload(header, frames[header["data_at"] :], inbox)
+            return self._payload(
+                header,
+                frames[header["data_at"] :],
+                # pr: scale
+                inbox,
+                # pr: scale end
+            )
 
     def _consume(self, update_id: str) -> None:
         self._consumed.add(update_id)
@@ -593,13 +670,49 @@ class ShardReceiver:
             self._consumed.discard(self._consumed_order.popleft())
 
     def _payload(
-        self, header: dict, frames: List[bytes], inbox: SegmentInbox
+        self,
+        header: dict,
+        frames: List[bytes],
+        # pr: scale
+        inbox: SegmentInbox,
+        # pr: scale end
     ) -> Payload:
-        """The payload of the awaited update: checked, then (only then) decoded, mapped from
-        its shared-memory segment (taken from ``inbox``) or unpickled."""
+        """The payload of the awaited update: checked, then (only then) decoded: its shard
+        tensors read from inline frames or unpickled from CUDA IPC handles."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
         self._check_addressing(header, names)
-        tensors, runs = self._shards(header, frames, inbox, len(names))
+        # pr: scale
+        # or mapped from its shared-memory segment (taken from ``inbox``), with the
+        # segment's runs (``Payload.runs``)
+        runs = None
+        # pr: scale end
+        try:
+            if header["inline"] is not None:
+                tensors = [
+                    _from_frame(f, *desc) for f, desc in zip(frames, header["inline"])
+                ]
+            # pr: scale
+            elif header["shared"] is not None:
+                segment, placed = header["shared"]
+                tensors, runs = inbox.mapped(segment, placed)
+            # pr: scale end
+            else:
+                tensors = unpickle_handles(
+                    frames[0], header["kind"], torch.cuda.is_available()
+                )
+        except Exception as e:  # noqa: BLE001 - a dead sender, a blocked pickle, garbage: refuse, never die
+            raise self._error(
+                f"cannot read the shards of trainer rank {trainer} (is it alive?): "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        if (
+            not isinstance(tensors, list)
+            or len(tensors) != len(names)
+            or not all(isinstance(t, torch.Tensor) for t in tensors)
+        ):
+            raise self._error(
+                f"trainer rank {trainer} sent {type(tensors).__name__}, not {len(names)} tensors"
+            )
         return Payload(
             header["update_id"],
             trainer,
@@ -610,7 +723,9 @@ class ShardReceiver:
             tuple(header["names"]),
             header["fingerprint"],
             header["memo"],
+            # pr: scale
             runs,
+            # pr: scale end
             header["fp8_regions"],
         )
 
@@ -627,41 +742,6 @@ class ShardReceiver:
             raise self._error(
                 f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}"
             )
-
-    def _shards(
-        self, header: dict, frames: List[bytes], inbox: SegmentInbox, count: int
-    ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
-        """The ``count`` shard tensors, mapped from the payload's shared-memory segment,
-        read from inline frames or unpickled from CUDA IPC handles; with the segment's runs
-        (``Payload.runs``)."""
-        trainer = header["trainer_rank"]
-        runs = None
-        try:
-            if header["shared"] is not None:
-                segment, placed = header["shared"]
-                tensors, runs = inbox.mapped(segment, placed)
-            elif header["inline"] is None:
-                tensors = unpickle_handles(
-                    frames[0], header["kind"], torch.cuda.is_available()
-                )
-            else:
-                tensors = [
-                    _from_frame(f, *desc) for f, desc in zip(frames, header["inline"])
-                ]
-        except Exception as e:  # noqa: BLE001 - a dead sender, a blocked pickle, garbage: refuse, never die
-            raise self._error(
-                f"cannot read the shards of trainer rank {trainer} (is it alive?): "
-                f"{type(e).__name__}: {e}"
-            ) from None
-        if (
-            not isinstance(tensors, list)
-            or len(tensors) != count
-            or not all(isinstance(t, torch.Tensor) for t in tensors)
-        ):
-            raise self._error(
-                f"trainer rank {trainer} sent {type(tensors).__name__}, not {count} tensors"
-            )
-        return tensors, runs
 
     def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         """Each tensor's layout: a mesh and placements, or the holders of its pieces;
@@ -695,8 +775,10 @@ class ShardReceiver:
     def close(self) -> None:
         for sock in self._socks.values():
             sock.close()
+        self._socks.clear()
+        # pr: scale
         for inbox in self._inboxes.values():
             inbox.close()
-        self._socks.clear()
         self._inboxes.clear()
+        # pr: scale end
         self._ctx.term()

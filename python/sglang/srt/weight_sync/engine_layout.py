@@ -17,9 +17,7 @@ import torch
 
 from sglang.srt.weight_sync.derive import DerivedTargets, engine_derived_targets
 from sglang.srt.weight_sync.manifest import EngineManifest
-from sglang.srt.weight_sync.protocol import resolve_channel
 from sglang.srt.weight_sync.sglang_compat import update_refusals
-from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
 
 # isort: split
 # pr: fp8
@@ -30,16 +28,27 @@ from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, engine_block_fp8
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.derive import ProvenanceCheck
+from sglang.srt.weight_sync.protocol import resolve_channel
+from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
 
 # pr: scale end
 
-__all__ = ("CHANNELS_TOLD", "EngineLayout", "LiveLayout", "live_tensors")
+__all__ = (
+    # pr: scale
+    "CHANNELS_TOLD",
+    # pr: scale end
+    "EngineLayout",
+    "LiveLayout",
+    "live_tensors",
+)
 
 logger = logging.getLogger(__name__)
 
+# pr: scale
 CHANNELS_TOLD = (
     64  # channels remembered as told of the engine's dtypes (then told again)
 )
+# pr: scale end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +75,13 @@ class LiveLayout:
 
 class EngineLayout:
     """One engine TP rank's targets (derived, then with live dtypes), their manifest, the
-    provenance check of each derivation, the dtype each HF tensor is kept in, the block-FP8
-    transform of the targets (``fp8_targets``) and why the model cannot be updated in place
-    at all (``sglang_compat.update_refusals``)."""
+    provenance check of each derivation, the block-FP8 transform of the targets
+    (``fp8_targets``) and why the model cannot be updated in place at all
+    (``sglang_compat.update_refusals``)."""
+
+    # pr: scale
+    # Also the dtype each HF tensor is kept in, written into each channel (``kept_dtypes``).
+    # pr: scale end
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -78,9 +91,9 @@ class EngineLayout:
         self._live: Optional[
             Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
         ] = None
+        # pr: scale
         # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
         self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
-        # pr: scale
         self._provenance = ProvenanceCheck()
         # pr: scale end
         # pr: fp8
@@ -216,6 +229,7 @@ class EngineLayout:
             self._live = (derived, dtypes, targets, manifest)
         return self._live[2], self._live[3]
 
+    # pr: scale
     def kept_dtypes(
         self, manifest: EngineManifest, channel: str
     ) -> Dict[str, torch.dtype]:
@@ -242,6 +256,8 @@ class EngineLayout:
                     e,
                 )
         return kept
+
+    # pr: scale end
 
 
 def live_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

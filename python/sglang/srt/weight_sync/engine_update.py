@@ -92,11 +92,8 @@ from sglang.srt.weight_sync.sglang_compat import (
     field_names,
     tp_state,
 )
-from sglang.srt.weight_sync.source_layout import LayoutError, MeshSpec, SourceLayout
+from sglang.srt.weight_sync.source_layout import LayoutError, SourceLayout
 from sglang.srt.weight_sync.target_layout import restrict
-from sglang.srt.weight_sync.wire_dtypes import (
-    cast_problems,
-)
 
 # isort: split
 # pr: safety
@@ -112,6 +109,8 @@ from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, cut_for_groups
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.engine_trainer_side import local_step
+from sglang.srt.weight_sync.source_layout import MeshSpec
+from sglang.srt.weight_sync.wire_dtypes import cast_problems
 
 # pr: scale end
 
@@ -566,10 +565,12 @@ class EngineWeightSync:
                     # pr: fp8 end
                 )
                 targets, params, manifest = live.targets, live.params, live.manifest
+            # pr: scale
             if kind != PayloadKind.PARAMS:
                 # the dtypes the trainer casts shards to, from its first payload on (a
                 # "describe" opens an engine-side channel: ``trainer_flow._open``)
                 kept = self.layout.kept_dtypes(manifest, recv_req.channel)
+            # pr: scale end
             if kind == PayloadKind.DESCRIBE:
                 self._publish(manifest, recv_req.channel)
                 return _Validated([], local=_nothing)
@@ -586,7 +587,13 @@ class EngineWeightSync:
                 )
                 return _Validated(step.problems, local=step.run)
             # pr: scale end
-            sources, shards = _sources(received.payload, targets, kept)
+            sources, shards = _sources(
+                received.payload,
+                targets,
+                # pr: scale
+                kept,
+                # pr: scale end
+            )
             with clock.phase(Phase.PLAN):
                 misses = self.plans.misses
                 plan = self._plan(
@@ -939,18 +946,28 @@ def end_of_update(
 def _sources(
     payload: Payload,
     targets: DerivedTargets,
+    # pr: scale
     kept: Optional[Dict[str, torch.dtype]] = None,
+    # pr: scale end
 ):
     """Source layout from the payload's specs, and the local buffers it reads (by key);
     refuses names and shapes the model does not have, tensors SGLang's loader does not
-    copy (quantised, computed: an update cannot write them), and a tensor the trainer
-    cast to a dtype the engine does not keep it in (``kept``: ``wire_dtypes``)."""
+    copy (quantised, computed: an update cannot write them) and non-finite values."""
     sources = _described(payload, targets)
+    # pr: scale
+    # a tensor the trainer cast to a dtype the engine does not keep it in (``kept``:
+    # ``wire_dtypes``) is refused too
     held = {n: s.dtype for n, s in payload.specs.items() if isinstance(s, MeshSpec)}
     cast = cast_problems(payload.tensors, held, kept or {}, payload.trainer_rank)
     if cast:
         raise ValueError(cast[0] + (f" (and {len(cast) - 1} more)" if cast[1:] else ""))
-    bad = nonfinite_tensors(payload.tensors, payload.runs)
+    # pr: scale end
+    bad = nonfinite_tensors(
+        payload.tensors,
+        # pr: scale
+        payload.runs,
+        # pr: scale end
+    )
     if bad:
         raise ValueError(
             f"tensor {bad[0]!r}: the shard from trainer rank {payload.trainer_rank} holds NaN or inf "

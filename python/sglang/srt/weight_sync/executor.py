@@ -446,8 +446,11 @@ def check_inputs(
         needs = plan.memo[("inputs", rank)] = _InputNeeds.of(plan, rank)
     problems: List[str] = []
     castable: Dict[Tuple[torch.dtype, torch.dtype], bool] = {}
-    # the shards found fine last time (a weak reference and the address): a segment the
-    # engine keeps mapped hands the same tensors every update, each checked in full once
+    # the shards found fine last time (a weak reference and the address): a caller that
+    # hands the same tensors every update has each checked in full once
+    # pr: scale
+    # (an engine rank does, from the shared-memory segment it keeps mapped)
+    # pr: scale end
     fine = plan.memo.get(("inputs fine", rank))
     found: List[Tuple[Callable[[], Optional[torch.Tensor]], int]] = []
     for i, (move, h) in enumerate(needs.shards):
@@ -891,8 +894,8 @@ class _Regions:
     copies, and the views of every region its moves read and write. A view is made by
     slicing the first time (``Move.src_index``, ``Move.dest_index``) and then by one
     ``as_strided`` from its sizes, strides and offset in its base, for as long as the
-    base has the same shape and strides (a shared-memory segment mapped anew, the same
-    parameters): a MoE plan has tens of thousands of regions, and slicing one
+    base has the same shape and strides (a shard received anew, the same parameters): a
+    MoE plan has tens of thousands of regions, and slicing one
     costs several times that."""
 
     def __init__(self, plan: Plan, rank: int) -> None:

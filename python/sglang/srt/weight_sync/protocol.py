@@ -5,8 +5,8 @@
 * The request (``UpdateWeightsDistributedReqInput``): its checks, the flags it shares
   with the tensor path, and the control dict it becomes on the tensor path's reserved
   ``load_format`` (``DISTRIBUTED_LOAD_FORMAT``).
-* The channel: a private directory with two sockets per engine TP rank (``socket_path``
-  for messages, ``segment_socket_path`` for shared-memory segments).
+* The channel: a private directory holding the sockets of each engine TP rank
+  (``socket_path`` for messages).
 * The payload a trainer rank sends the engine rank beside it: its ``PayloadKind`` and the
   JSON header that describes it, checked before anything is decoded.
 * The reply: upstream's ``success``/``message``, per-rank ``FIGURES``, ``mixed``, and
@@ -37,6 +37,7 @@ __all__ = (
     "CARRIED_FIELDS",
     "CHANNEL_PREFIX",
     "CONTROL_FIELDS",
+    "CPU_DTYPES",
     "ChannelError",
     "DATA_GROUP_TIMEOUT_S",
     "DEFAULT_BUCKET_BYTES",
@@ -80,10 +81,14 @@ __all__ = (
     "reply_body",
     "request_problems",
     "resolve_channel",
+    # pr: scale
     "segment_socket_path",
+    # pr: scale end
     "socket_path",
     "trainer_bound_s",
+    # pr: scale
     "with_head",
+    # pr: scale end
 )
 
 # ---------------------------------------------------------------------------- bounds
@@ -212,12 +217,14 @@ def socket_path(channel: str, engine_rank: int) -> str:
     return os.path.join(channel, f"tp{engine_rank}.sock")
 
 
+# pr: scale
 def segment_socket_path(channel: str, engine_rank: int) -> str:
     """Where engine rank ``engine_rank`` takes the shared-memory segments of CPU payloads
     in ``channel`` (a unix datagram socket, ``shared_segment``)."""
     return os.path.join(channel, f"tp{engine_rank}.seg")
 
 
+# pr: scale end
 def resolve_channel(channel, engine_rank: int = 0) -> str:
     """The channel's real path, checked: an existing directory named ``sglang-weights-*``
     (not a symlink), owned by this user, not accessible to group or others, and short
@@ -455,17 +462,19 @@ def header_fields(
     names: Sequence[str],
     fingerprint: str,
     inline: Optional[Sequence[Tuple[str, Sequence[int]]]],
+    # pr: scale
+    # (segment id, (dtype, shape, offset) per tensor) when the tensors lie in a
+    # shared-memory segment passed beside the message (``shared_segment``)
     shared: Optional[Tuple[str, Sequence[Tuple[str, Sequence[int], int]]]] = None,
+    # pr: scale end
     fp8_regions: Sequence[Fp8Region] = (),
 ) -> Dict[str, Any]:
     """The fields of a payload's header: ``tensors`` and ``pieces`` as (name, wire layout or
     None); ``inline``: (dtype, shape) per tensor when they follow as raw frames;
-    ``shared``: (segment id, (dtype, shape, offset) per tensor) when they lie in a
-    shared-memory segment passed beside the message (``shared_segment``); ``fp8_regions``:
-    the block-FP8 regions a "params" payload carries (``Fp8Region``). Each distinct
-    device mesh is written once, in ``meshes``, and a tensor's layout names it by index:
-    a mesh lists every trainer rank, so repeating it per tensor would grow the header with
-    tensors times ranks."""
+    ``fp8_regions``: the block-FP8 regions a "params" payload carries (``Fp8Region``).
+    Each distinct device mesh is written once, in ``meshes``, and a tensor's layout names
+    it by index: a mesh lists every trainer rank, so repeating it per tensor would grow
+    the header with tensors times ranks."""
     meshes: Dict[str, int] = {}
     by_id: Dict[int, int] = {}  # tensors of one mesh share its object: encoded once
 
@@ -494,14 +503,17 @@ def header_fields(
         header["fp8_regions"] = [q.to_wire() for q in fp8_regions]
     if inline is not None:
         header["inline"] = [[str(d), [int(s) for s in shape]] for d, shape in inline]
+    # pr: scale
     if shared is not None:
         header["shared"] = [
             str(shared[0]),
             [[str(d), [int(s) for s in shape], int(o)] for d, shape, o in shared[1]],
         ]
+    # pr: scale end
     return header
 
 
+# pr: scale
 def with_head(
     fields: Mapping[str, Any],
     update_id: str,
@@ -522,6 +534,7 @@ def with_head(
     return out
 
 
+# pr: scale end
 def encode_header(*args, **kwargs) -> bytes:
     """``header_fields`` as one JSON frame (every field in one object; ``LayoutFrames``
     sends the same fields as two frames)."""
@@ -538,7 +551,9 @@ _LAYOUT_KEYS = frozenset(
         "fingerprint",
         "meshes",
         "inline",
+        # pr: scale
         "placements",
+        # pr: scale end
         "fp8_regions",
     )
 )
@@ -546,8 +561,8 @@ _LAYOUT_KEYS = frozenset(
 
 class LayoutFrames:
     """One end's memo of payload layouts. A payload's header is a small head (the update,
-    the trainer rank, the kind, the segment) and a layout frame (``_LAYOUT_KEYS``: every
-    tensor's name and layout, and where its bytes lie): a MoE model's layout is megabytes
+    the trainer rank, the kind) and a layout frame (``_LAYOUT_KEYS``: every tensor's name
+    and layout, and where its bytes lie): a MoE model's layout is megabytes
     that are the same every update, so the sender encodes it and the receiver parses and
     checks it only when it changed. Each end keeps its last ``keep`` layouts, by their
     fields (sender) or bytes (receiver); a receiver without a memo, or a header in one
@@ -564,9 +579,13 @@ class LayoutFrames:
         """``header_fields`` as [head, layout] frames."""
         head = {k: v for k, v in fields.items() if k not in _LAYOUT_KEYS}
         layout = {k: v for k, v in fields.items() if k in _LAYOUT_KEYS}
+        # pr: scale
+        # a payload in a shared-memory segment: the head names the segment, the layout
+        # places each tensor in it
         shared = head.pop("shared", None)
         if shared is not None:
             head["segment"], layout["placements"] = shared
+        # pr: scale end
         head["layout"] = True
         raw = next((b for f, b in self._sent if f == layout), None)
         if raw is None:
@@ -620,15 +639,20 @@ def decode_header(
             layout = _checked_layout(fields)
             if layouts is not None:
                 layouts.keep_read(frames[1], layout)
-        segment, data_at = head.get("segment"), 2
+        data_at = 2
+        # pr: scale
+        segment = head.get("segment")
         if (segment is None) != (layout["placements"] is None):
             raise DeliveryError(
                 f"header field 'segment' is {segment!r} for a layout "
                 f"{'with' if layout['placements'] is not None else 'without'} placements "
                 "in a segment"
             )
+        # pr: scale end
     else:
         _check_keys(head, _REQUIRED_KEYS, _HEADER_KEYS, "header")
+        fields = {k: head[k] for k in _LAYOUT_KEYS & set(head)}
+        # pr: scale
         shared = head.get("shared")
         _check(
             shared is None
@@ -641,13 +665,11 @@ def decode_header(
             shared,
             "null, or [segment id, [dtype, shape, offset] for each tensor]",
         )
-        segment, data_at = (None if shared is None else shared[0]), 1
-        layout = _checked_layout(
-            {
-                **{k: head[k] for k in _LAYOUT_KEYS & set(head)},
-                "placements": None if shared is None else shared[1],
-            }
-        )
+        segment = None if shared is None else shared[0]
+        fields["placements"] = None if shared is None else shared[1]
+        # pr: scale end
+        layout = _checked_layout(fields)
+        data_at = 1
     update_id, trainer = head["update_id"], head["trainer_rank"]
     _check(
         _is_str(update_id, MAX_UPDATE_ID_CHARS) and update_id,
@@ -681,14 +703,19 @@ def decode_header(
         f"{len(layout['fp8_regions'])} entries in a {kind!r} payload",
         'none outside a "params" payload',
     )
+    inline = layout["inline"]
+    expected = 1 if inline is None else len(inline)
+    # pr: scale
     _check(
         segment is None or _is_str(segment, MAX_SEGMENT_ID_CHARS),
         "segment",
         segment,
         f"null or a string of at most {MAX_SEGMENT_ID_CHARS} characters",
     )
-    inline, placements = layout["inline"], layout["placements"]
-    expected = (1 if placements is None else 0) if inline is None else len(inline)
+    placements = layout["placements"]
+    if placements is not None:
+        expected = 0  # every tensor lies in the segment
+    # pr: scale end
     if len(frames) - data_at != expected:
         raise DeliveryError(
             f"{len(frames)} frame(s); expected a header"
@@ -706,7 +733,9 @@ def decode_header(
         "fingerprint": layout["fingerprint"],
         "fp8_regions": layout["fp8_regions"],
         "inline": inline,
+        # pr: scale
         "shared": None if placements is None else [segment, placements],
+        # pr: scale end
         "data_at": data_at,
         "memo": layout["memo"],
     }
@@ -823,6 +852,7 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         "a list of [tensor key, kind, parameter, index, offsets, sizes, [rows, columns]], each "
         "naming one of the payload's tensors once",
     )
+    # pr: scale
     placements = fields.get("placements")
     _check(
         placements is None
@@ -843,13 +873,16 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         placements,
         "null, or (without inline) [dtype, shape, offset] for each tensor",
     )
+    # pr: scale end
     return {
         "tensors": tensors,
         "pieces": pieces,
         "names": names,
         "fingerprint": fingerprint,
         "inline": inline,
+        # pr: scale
         "placements": placements,
+        # pr: scale end
         "fp8_regions": tuple(Fp8Region.from_wire(q) for q in regions),
         # what a receiver derives from this layout (its specs), kept as long as the layout
         "memo": {},
@@ -863,7 +896,9 @@ MAX_RANK = 1 << 24
 MAX_SIZE = 1 << 62
 MAX_NDIM = 64
 MAX_NAME_CHARS = 4096
+# pr: scale
 MAX_SEGMENT_ID_CHARS = 64
+# pr: scale end
 _REQUIRED_KEYS = frozenset(
     ("update_id", "trainer_rank", "rank_map", "tensors", "pieces")
 )
@@ -872,12 +907,19 @@ _HEADER_KEYS = _REQUIRED_KEYS | {
     "names",
     "fingerprint",
     "inline",
+    # pr: scale
     "shared",
+    # pr: scale end
     "meshes",
     "fp8_regions",
 }
 _HEAD_REQUIRED = frozenset(("update_id", "trainer_rank", "rank_map", "layout"))
-_HEAD_KEYS = _HEAD_REQUIRED | {"kind", "segment"}
+_HEAD_KEYS = _HEAD_REQUIRED | {
+    "kind",
+    # pr: scale
+    "segment",
+    # pr: scale end
+}
 _KINDS = frozenset(k.value for k in PayloadKind)
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -1028,12 +1070,31 @@ def _is_entry(entry, is_wire, may_be_null: bool = False) -> bool:
     )
 
 
+# The dtypes a CPU tensor travels in, by their names in ``torch`` (a header names one as
+# ``str(dtype)``, "torch.bfloat16"): ``delivery.INLINE_DTYPES``
+CPU_DTYPES = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
+
 # What a pickled payload frame may name, by payload kind: only CUDA tensors travel pickled
 # (as CUDA IPC handles), so only the globals that rebuild one from its handle, and only on an
-# engine with CUDA; CPU tensors travel in a shared-memory segment or inline, described by the
-# header, and "describe" carries none. Nothing here
-# passes fds, connects to a socket or waits on a peer (SGLang's own unpickler allows fd
-# passing, ``DupFd``, which connects to a socket the sender names and waits there).
+# engine with CUDA; CPU tensors travel inline, described by the header (nothing unpickled),
+# and "describe" carries none. Nothing here passes fds, connects to a socket or waits on a
+# peer (SGLang's own unpickler allows fd passing, ``DupFd``, which connects to a socket the
+# sender names and waits there).
+# pr: scale
+# CPU tensors may also lie in a shared-memory segment (``shared_segment``), described by the
+# header too.
+# pr: scale end
 _DTYPES = (
     "bfloat16",
     "bool",

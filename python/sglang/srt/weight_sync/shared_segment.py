@@ -36,6 +36,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import contiguous_strides
+from sglang.srt.weight_sync.protocol import CPU_DTYPES
 
 __all__ = (
     "ALIGN",
@@ -59,22 +60,8 @@ _DATAGRAM = 64  # a datagram holds a segment id, nothing else
 _MAX_FDS = 4  # descriptors read per datagram; any beyond these are closed by the kernel
 _DRAIN = 64  # datagrams read per take: the queue is short, a peer cannot keep it busy
 
-# dtypes a segment may hold, by the name the header gives them
-SEGMENT_DTYPES = {
-    str(d): d
-    for d in (
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+# dtypes a segment may hold, by the name the header gives them: those a CPU tensor travels in
+SEGMENT_DTYPES = {f"torch.{name}": getattr(torch, name) for name in CPU_DTYPES}
 
 
 class SegmentError(RuntimeError):

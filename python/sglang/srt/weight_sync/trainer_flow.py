@@ -399,15 +399,25 @@ def deliver(
     chan: TrainerChannel,
     shards: Shards,
     pieces: Optional[Mapping[str, HoldersSpec]] = None,
+    # pr: scale
+    # the description kept for ``shards`` (``TrainerSync.described``: see
+    # ``ShardSender.send``)
     layout: Optional[SourceLayout] = None,
+    # pr: scale end
 ) -> str:
     """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
-    engine rank beside it; returns the update id. ``layout``: the description kept for
-    ``shards`` (``TrainerSync.described``: see ``ShardSender.send``)."""
+    engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
     _cuda_ipc_ready([t for _, t, _ in shards])
     chan.sender.send(
-        update_id, dist.get_rank(), chan.rank_map, shards, pieces, layout=layout
+        update_id,
+        dist.get_rank(),
+        chan.rank_map,
+        shards,
+        pieces,
+        # pr: scale
+        layout=layout,
+        # pr: scale end
     )
     return update_id
 
@@ -443,13 +453,11 @@ class UpdateReport:
     bound for it (needed - held); engine-side moves are counted by the engine (message).
     ``peak_buffer_bytes``: the largest chunk of parameter buffers held for the engine
     (with the block-FP8 regions that came quantized); ``handed_bytes``: what this rank
-    handed the engine rank beside it in all (trainer-side);
-    ``shared_bytes``: the shared memory this rank keeps for the engine rank beside it
-    (``shared_segment``: CPU payloads only); ``inline_bytes``: what its last payload
-    carried through the socket instead (0 while shared memory carries CPU payloads).
-    ``phases``: where this rank's seconds went (``phase_timing``: seconds by phase, and
-    counters); ``engine_phases``: the engine's, per name one value per engine TP rank, as
-    its last answer gave them (on the rank that called the engine; empty elsewhere)."""
+    handed the engine rank beside it in all (trainer-side); ``inline_bytes``: what its
+    last payload carried through the socket (CPU payloads). ``phases``: where this rank's
+    seconds went (``phase_timing``: seconds by phase, and counters); ``engine_phases``:
+    the engine's, per name one value per engine TP rank, as its last answer gave them (on
+    the rank that called the engine; empty elsewhere)."""
 
     mode: str
     update_id: str = ""
@@ -462,16 +470,22 @@ class UpdateReport:
     handed_bytes: int = 0
     chunks: int = 0
     described: bool = False
+    # pr: scale
+    # the shared memory this rank keeps for the engine rank beside it (``shared_segment``:
+    # CPU payloads only; ``inline_bytes`` is 0 while it carries them)
     shared_bytes: int = 0
+    # pr: scale end
     inline_bytes: int = 0
     phases: Dict[str, float] = field(default_factory=dict)
     engine_phases: Dict[str, List[float]] = field(default_factory=dict)
 
     def finish(self, clock: PhaseClock, rank: int, sender: ShardSender) -> UpdateReport:
-        """Take this rank's phases (and the engine's) from ``clock`` and the shared memory it
-        holds from ``sender``; log them in one line."""
+        """Take this rank's phases (and the engine's) from ``clock`` and what its last
+        payload carried inline from ``sender``; log them in one line."""
         self.phases, self.engine_phases = clock.snapshot(), dict(clock.engine)
-        self.shared_bytes = sender.shared_bytes
+        # pr: scale
+        self.shared_bytes = sender.shared_bytes  # the shared memory it holds
+        # pr: scale end
         self.inline_bytes = sender.inline_bytes
         moved = (
             f"; {self.chunks} chunk(s), received {self.bytes_received} bytes (lower bound "
@@ -542,7 +556,13 @@ def update_flow(
             chan,
             sources,
             {n: t for n, t, _ in shards},
-            lambda: deliver(chan, shards, layout=sources),
+            lambda: deliver(
+                chan,
+                shards,
+                # pr: scale
+                layout=sources,
+                # pr: scale end
+            ),
             mode,
             bucket_bytes,
             timeout_s,
@@ -577,9 +597,9 @@ def sources_flow(
                 sync, chan, sources, local, bucket_bytes, timeout_s, clock
             )
         )
-    # pr: scale end
     if chan.updates == 0 and sync.data_device.type == "cpu":
         yield from _open(chan, clock)
+    # pr: scale end
     with clock.phase(Phase.DELIVER):
         update_id = deliver_beside()
     return (yield from delivered_flow(chan, update_id, clock))
@@ -798,6 +818,7 @@ def delivered_flow(
     )
 
 
+# pr: scale
 def _ask_to_describe(
     chan: TrainerChannel, clock: PhaseClock, final: bool = True
 ) -> Generator[ControlRequest, Reply, Reply]:
@@ -843,7 +864,6 @@ def _open(
         )
 
 
-# pr: scale
 def _describe(
     sync: TrainerSync, chan: TrainerChannel, timeout_s: float, clock: PhaseClock
 ) -> Generator[ControlRequest, Reply, EngineManifest]:
