@@ -177,6 +177,14 @@ class _Updater:
         return (success, message) if self.flushed else (False, "not flushed")
 
 
+def test_settle_weight_update_records_the_version_and_flushes():
+    req = SimpleNamespace(weight_version="v3", flush_cache=True)
+    updater = _Updater()
+    assert settle_weight_update(updater, req, True, "Success") == (True, "Success")
+    assert updater.events == [("version", "v3"), "flush"]
+
+
+# pr: here
 class _OlderScheduler:
     """0.5.10.post1 / 0.5.12's scheduler: flush_cache() only (the version is the tokenizer's)."""
 
@@ -188,11 +196,8 @@ class _OlderScheduler:
         return self.flushed
 
 
-def test_settle_weight_update_records_and_flushes_as_each_release_does():
+def test_settle_weight_update_on_older_schedulers_flushes_only():
     req = SimpleNamespace(weight_version="v3", flush_cache=True)
-    updater = _Updater()
-    assert settle_weight_update(updater, req, True, "Success") == (True, "Success")
-    assert updater.events == [("version", "v3"), "flush"]
     older = _OlderScheduler()
     assert settle_weight_update(older, req, True, "Success") == (True, "Success")
     assert older.events == ["flush"]
@@ -203,3 +208,6 @@ def test_settle_weight_update_records_and_flushes_as_each_release_does():
     req = SimpleNamespace(weight_version=None, flush_cache=False)
     assert settle_weight_update(no_flush, req, True, "Success") == (True, "Success")
     assert no_flush.events == []
+
+
+# pr: here end
