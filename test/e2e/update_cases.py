@@ -342,7 +342,9 @@ def _write_report(job: dict, rank: int, step, report, seconds=None) -> None:
                         peak_staging_bytes=report.peak_staging_bytes,
                         peak_buffer_bytes=report.peak_buffer_bytes,
                         chunks=report.chunks,
+                        # pr: scale
                         described=report.described,
+                        # pr: scale end
                         phases=report.phases,
                         seconds=seconds,
                     )

@@ -79,69 +79,6 @@ def test_trainer_ranks_get_the_targets_of_the_engine_rank_beside_them():
         targets_by_trainer_rank(manifest, [(0, 1, 2)])
 
 
-class _LiveModel:
-    """What ``EngineLayout.live`` reads of a model: its named parameters and buffers."""
-
-    def __init__(self, params):
-        self.params = params
-
-    def named_parameters(self):
-        return list(self.params.items())
-
-    def named_buffers(self):
-        return []
-
-
-def test_engine_makes_its_manifest_once_per_layout_and_dtypes():
-    """Every update checks the engine's targets against its live tensors; the manifest (whose
-    fingerprint hashes every rank's targets, ~0.6 s at TP 256) is made again only when the
-    derived targets or a live dtype change."""
-    from sglang.srt.weight_sync.derive import DerivedTargets
-    from sglang.srt.weight_sync.engine_layout import EngineLayout
-
-    rules = model_targets_from_config(CONFIG, EngineParallel(2), torch.float32)
-    derived = DerivedTargets(
-        rules.parallel,
-        tuple(tuple(rules.for_rank(r)) for r in range(2)),
-        rules.tensor_shapes(),
-        dict(rules.aliases),
-    )
-    live = {
-        t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in derived.for_rank(1)
-    }
-    model = _LiveModel(live)
-    layout = EngineLayout(1)  # engine rank 1's, which keeps the manifest
-
-    first_live = layout.live(model, derived)
-    targets, params, manifest = (
-        first_live.targets,
-        first_live.params,
-        first_live.manifest,
-    )
-    assert params.keys() == live.keys()
-    assert {t.dtype for t in targets.for_rank(1)} == {
-        torch.bfloat16
-    }  # the live dtype, not the derived one
-    assert manifest == EngineManifest.of(targets)
-    again = layout.live(model, derived)
-    assert again.targets is targets and again.manifest is manifest
-
-    first = next(iter(live))
-    live[first] = live[first].float()  # one parameter now fp32
-    changed_live = layout.live(model, derived)
-    changed_targets, changed = changed_live.targets, changed_live.manifest
-    assert changed_targets.dtype_of[first] == torch.float32
-    assert changed.fingerprint != manifest.fingerprint and changed == EngineManifest.of(
-        changed_targets
-    )
-    rederived = DerivedTargets(
-        rules.parallel, derived.per_rank, rules.tensor_shapes(), dict(rules.aliases)
-    )
-    assert (
-        layout.live(model, rederived).manifest is not changed
-    )  # another derivation: made anew
-
-
 def test_block_fp8_weights_travel_with_their_block_and_are_bounded(tmp_path):
     """Version 2: the engine's block-FP8 weights and their block, so that a sender can
     quantize the blocks it holds whole; a manifest without any keeps version 1's content."""

@@ -247,7 +247,7 @@ def test_plan_cache_reuses_plans_for_unchanged_layouts():
 
 
 def test_plan_cache_takes_the_engine_layouts_digest_for_its_targets(monkeypatch):
-    """The engine keys its cache with its manifest's fingerprint instead of hashing every
+    """The engine keys its cache with its targets' digest instead of hashing every
     rank's targets on each update; the plan's fingerprint is that key (ranks agree on it),
     and a rank's own-local-copies plan is cached apart with the same fingerprint."""
     from sglang.srt.weight_sync import planner

@@ -118,11 +118,11 @@ class Payload:
     and the layouts of the HF tensors they hold (by HF name). ``kind`` "shards": for
     engine-side resharding; "params": parameter-shaped buffers already in this rank's
     layout (trainer-side, one hop), filled from the HF tensors ``names`` and planned
-    against the engine manifest ``fingerprint``; "describe": a request to publish the
-    engine's manifest (``manifest.py``). ``layout_memo``: a dict that lives as long as the
-    receiver keeps this payload's layout (``protocol.LayoutFrames``): what the engine
-    derives from the layout alone (its source layout, its plan) is kept there, so an update
-    in an unchanged layout (every step of an RL run) does not derive it per tensor again."""
+    against the engine layout's ``fingerprint``. ``layout_memo``: a dict that lives as
+    long as the receiver keeps this payload's layout (``protocol.LayoutFrames``): what the
+    engine derives from the layout alone (its source layout, its plan) is kept there, so an
+    update in an unchanged layout (every step of an RL run) does not derive it per tensor
+    again."""
 
     update_id: str
     trainer_rank: int

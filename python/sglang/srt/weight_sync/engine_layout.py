@@ -10,13 +10,14 @@ reaches into the other (docs/design.md, "State and lifetimes").
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.derive import DerivedTargets, engine_derived_targets
-from sglang.srt.weight_sync.manifest import EngineManifest
+from sglang.srt.weight_sync.planner import targets_key
 from sglang.srt.weight_sync.sglang_compat import update_refusals
 
 # isort: split
@@ -28,6 +29,7 @@ from sglang.srt.weight_sync.fp8_targets import EngineBlockFp8, engine_block_fp8
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.derive import ProvenanceCheck
+from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.protocol import resolve_channel
 from sglang.srt.weight_sync.wire_dtypes import engine_dtypes, write_dtypes
 
@@ -40,6 +42,7 @@ __all__ = (
     "EngineLayout",
     "LiveLayout",
     "live_tensors",
+    "targets_digest",
 )
 
 logger = logging.getLogger(__name__)
@@ -54,13 +57,14 @@ CHANNELS_TOLD = (
 @dataclasses.dataclass(frozen=True)
 class LiveLayout:
     """The derived targets with each parameter's live dtype, this rank's live tensors by
-    name (written in place: CUDA graphs hold their storage), the manifest of those targets
-    (``manifest``) and every live tensor of the model (``tensors``); for a block-FP8
-    engine, the targets' transform (``fp8``)."""
+    name (written in place: CUDA graphs hold their storage), a digest that identifies those
+    targets (``digest``: the plan's inputs, agreed by the TP ranks, and the plan caches'
+    keys) and every live tensor of the model (``tensors``); for a block-FP8 engine, the
+    targets' transform (``fp8``)."""
 
     targets: DerivedTargets
     params: Dict[str, torch.Tensor]
-    manifest: EngineManifest
+    digest: str
     tensors: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     # pr: fp8
     fp8: Optional[EngineBlockFp8] = None
@@ -71,10 +75,15 @@ class LiveLayout:
         return len(self.fp8.own.quantized) if self.fp8 is not None else 0
 
     # pr: fp8 end
+    # pr: scale
+    # the manifest of the targets (made by ``EngineLayout.live``, always; its fingerprint
+    # is ``digest``)
+    manifest: Optional[EngineManifest] = None
+    # pr: scale end
 
 
 class EngineLayout:
-    """One engine TP rank's targets (derived, then with live dtypes), their manifest, the
+    """One engine TP rank's targets (derived, then with live dtypes), their digest, the
     provenance check of each derivation, the block-FP8 transform of the targets
     (``fp8_targets``) and why the model cannot be updated in place at all
     (``sglang_compat.update_refusals``)."""
@@ -87,11 +96,10 @@ class EngineLayout:
         self.rank = rank
         # model config key -> derived targets (``derive.engine_derived_targets``' memo)
         self._derived: Dict[tuple, DerivedTargets] = {}
-        # (derived targets, live dtypes, the targets with them, their manifest)
-        self._live: Optional[
-            Tuple[DerivedTargets, tuple, DerivedTargets, EngineManifest]
-        ] = None
+        # (derived targets, live dtypes, the targets with them, their digest)
+        self._live: Optional[Tuple[DerivedTargets, tuple, DerivedTargets, str]] = None
         # pr: scale
+        self._manifest: Optional[EngineManifest] = None  # of the targets in ``_live``
         # (manifest fingerprint, the dtype each HF tensor is kept in, channels told of it)
         self._kept: Optional[Tuple[str, Dict[str, torch.dtype], set]] = None
         self._provenance = ProvenanceCheck()
@@ -176,11 +184,14 @@ class EngineLayout:
             params[target.name] = param.data
         dtype_of = {n: p.dtype for n, p in params.items()}
         dtype_of.update(staged)
-        targets, manifest = self._with_live_dtypes(derived, dtype_of, blocks)
-        layout = LiveLayout(targets, params, manifest, named)
+        targets, digest = self._with_live_dtypes(derived, dtype_of, blocks)
+        layout = LiveLayout(targets, params, digest, named)
         # pr: fp8
         layout = dataclasses.replace(layout, fp8=fp8)
         # pr: fp8 end
+        # pr: scale
+        layout = dataclasses.replace(layout, manifest=self._manifest)
+        # pr: scale end
         return layout
 
     # pr: fp8
@@ -190,7 +201,7 @@ class EngineLayout:
     ) -> Optional[EngineBlockFp8]:
         """The block-FP8 transform of ``derived`` on this rank (``fp8_targets``), None when no
         live parameter is e4m3: made once per derived targets, so that the staged targets keep
-        their identity (and their manifest and cached plans) across updates."""
+        their identity (and their digest and cached plans) across updates."""
         if self._fp8 is None or self._fp8[0] is not derived:
             self._fp8 = (derived, engine_block_fp8(derived, live, self.rank))
         return self._fp8[1]
@@ -214,10 +225,10 @@ class EngineLayout:
         derived: DerivedTargets,
         dtype_of: Dict[str, torch.dtype],
         blocks: Dict[str, Tuple[int, int]],
-    ) -> Tuple[DerivedTargets, EngineManifest]:
-        """``derived`` with the live dtypes, and its manifest (with the block-FP8 weights'
+    ) -> Tuple[DerivedTargets, str]:
+        """``derived`` with the live dtypes, and its digest (with the block-FP8 weights'
         ``blocks``, fixed by ``derived``): kept while both stay the same (every update of a
-        run), as making the manifest encodes and hashes every rank's targets."""
+        run), as the digest hashes every rank's targets."""
         dtypes = tuple(sorted((n, str(d)) for n, d in dtype_of.items()))
         if (
             self._live is None
@@ -225,8 +236,19 @@ class EngineLayout:
             or self._live[1] != dtypes
         ):
             targets = dataclasses.replace(derived, dtype_of=dtype_of)
-            manifest = EngineManifest.of(targets, blocks)
-            self._live = (derived, dtypes, targets, manifest)
+            digest = ""
+            # pr: scale
+            # with the manifest (made here, for the trainer), its fingerprint is the digest:
+            # the targets are hashed once
+            self._manifest = EngineManifest.of(targets, blocks)
+            digest = self._manifest.fingerprint
+            # pr: scale end
+            self._live = (
+                derived,
+                dtypes,
+                targets,
+                digest or targets_digest(targets, blocks),
+            )
         return self._live[2], self._live[3]
 
     # pr: scale
@@ -258,6 +280,29 @@ class EngineLayout:
         return kept
 
     # pr: scale end
+
+
+def targets_digest(
+    targets: DerivedTargets, blocks: Mapping[str, Tuple[int, int]]
+) -> str:
+    """A digest of every TP rank's ``targets`` and the block-FP8 weights' ``blocks``: what a
+    plan and its cut for block-FP8 weights depend on (``planner.targets_key``), for the plan
+    agreement and the plan caches, so that these hash the targets once per layout."""
+    h = hashlib.sha256()
+    p = targets.parallel
+    h.update(repr((p.tp_size, p.attn_tp_size, p.moe_ep_size)).encode())
+    for rank in range(p.tp_size):
+        h.update(repr((rank, targets_key(targets.for_rank(rank)))).encode())
+    h.update(
+        repr(
+            (
+                sorted(targets.aliases.items()),
+                sorted((n, tuple(s)) for n, s in targets.tensor_shapes().items()),
+                sorted((n, tuple(b)) for n, b in blocks.items()),
+            )
+        ).encode()
+    )
+    return h.hexdigest()
 
 
 def live_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -64,7 +64,6 @@ from sglang.srt.weight_sync.executor import (
     check_inputs,
     execute,
 )
-from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
 from sglang.srt.weight_sync.phase_timing import (
     Count,
     Phase,
@@ -83,7 +82,6 @@ from sglang.srt.weight_sync.protocol import (
     REFUSED,
     DeliveryError,
     HeaderBound,
-    PayloadKind,
     check_timeout,
     request_problems,
     resolve_channel,
@@ -102,13 +100,16 @@ from sglang.srt.weight_sync.commit_vote import commit_to_write
 # pr: safety end
 # isort: split
 # pr: fp8
-from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan
-from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, cut_for_groups
+from sglang.srt.weight_sync.fp8_sender import SenderFp8Plan, sender_quantized
+from sglang.srt.weight_sync.fp8_targets import QuantizedParam
+from sglang.srt.weight_sync.fp8_wire import ColocatedFp8, quantized_targets
 
 # pr: fp8 end
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.engine_trainer_side import local_step
+from sglang.srt.weight_sync.manifest import EngineManifest, write_manifest
+from sglang.srt.weight_sync.protocol import PayloadKind
 from sglang.srt.weight_sync.source_layout import MeshSpec
 from sglang.srt.weight_sync.wire_dtypes import cast_problems
 
@@ -189,14 +190,16 @@ class _Validated:
     # pr: fp8 end
 
 
+# pr: scale
 def _nothing() -> Tuple[int, int, int]:
     """The local work of a payload that writes nothing ("describe")."""
     return 0, 0, 0
 
 
+# pr: scale end
 class EngineWeightSync:
     """One engine TP rank's state across distributed updates: its channel sockets, the
-    derived targets, the targets with live dtypes and their manifest, cached plans, the
+    derived targets, the targets with live dtypes and their digest, cached plans, the
     data plane's own group over the TP ranks (``data_group``), and the TP group's control
     collectives. ``close()`` releases the sockets; the owner (tp worker or model runner)
     going away releases the rest."""
@@ -205,7 +208,7 @@ class EngineWeightSync:
         self.rank = rank
         self._receiver: Optional[ShardReceiver] = None
         self.plans = PlanCache()
-        # targets, their provenance check, live dtypes and manifest (shared with remote engines)
+        # targets, their provenance check, live dtypes and digest (shared with remote engines)
         self.layout = layout if layout is not None else EngineLayout(rank)
         self._data: Optional[DataGroup] = None
         self._control: Optional[ControlGroup] = None
@@ -448,8 +451,10 @@ class EngineWeightSync:
         self, model: torch.nn.Module, model_config, received: ReceivedShards, recv_req
     ) -> Tuple[bool, str]:
         """Validate, agree, plan and execute on this rank; every TP rank calls it together.
-        A "params" payload (trainer-side resharding) is only checked and copied in place; a
-        "describe" payload publishes this engine's manifest into the channel."""
+        A "params" payload (trainer-side resharding) is only checked and copied in place."""
+        # pr: scale
+        # A "describe" payload publishes this engine's manifest into the channel.
+        # pr: scale end
         bound = (
             _timeout(recv_req) + GRACE_S
         )  # every rank waited at most timeout_s for its payload
@@ -564,17 +569,16 @@ class EngineWeightSync:
                     block_fp8=True,
                     # pr: fp8 end
                 )
-                targets, params, manifest = live.targets, live.params, live.manifest
+                targets, params = live.targets, live.params
             # pr: scale
+            manifest = live.manifest
             if kind != PayloadKind.PARAMS:
                 # the dtypes the trainer casts shards to, from its first payload on (a
                 # "describe" opens an engine-side channel: ``trainer_flow._open``)
                 kept = self.layout.kept_dtypes(manifest, recv_req.channel)
-            # pr: scale end
             if kind == PayloadKind.DESCRIBE:
                 self._publish(manifest, recv_req.channel)
                 return _Validated([], local=_nothing)
-            # pr: scale
             if kind == PayloadKind.PARAMS:
                 step = local_step(
                     received.payload,
@@ -597,12 +601,12 @@ class EngineWeightSync:
             with clock.phase(Phase.PLAN):
                 misses = self.plans.misses
                 plan = self._plan(
-                    received.payload, sources, targets, manifest, recv_req
+                    received.payload, sources, targets, live.digest, recv_req
                 )
                 clock.count(Count.PLAN_COLD, self.plans.misses - misses)
             # pr: fp8
             if live.fp8 is not None:
-                return self._block_fp8(plan, live, sources, manifest, shards)
+                return self._block_fp8(plan, live, sources, shards)
             # pr: fp8 end
             return _Validated(
                 check_inputs(plan, rank, shards, params), plan, shards, params
@@ -619,6 +623,7 @@ class EngineWeightSync:
                 ]
             )
 
+    # pr: scale
     def _publish(self, manifest: EngineManifest, channel: str) -> None:
         """A "describe" payload's work: this rank's manifest written into the channel, for
         the trainer rank beside it (nothing is written to the model)."""
@@ -630,13 +635,13 @@ class EngineWeightSync:
             path,
         )
 
+    # pr: scale end
     # pr: fp8
     def _block_fp8(
         self,
         plan: Plan,
         live,
         sources: SourceLayout,
-        manifest: EngineManifest,
         shards: Dict[str, torch.Tensor],
     ) -> _Validated:
         """Block FP8: the blocks a sending rank holds whole travel quantized and land in the
@@ -647,7 +652,7 @@ class EngineWeightSync:
         fp8_params.update((q.scale, live.tensors[q.scale].data) for q in quantized)
         names = {q.weight for q in quantized}
         colocated = ColocatedFp8.of(
-            self._cut(plan, manifest, sources, targets),
+            self._cut(plan, quantized, sources, targets),
             rank,
             quantized,
             [
@@ -671,24 +676,30 @@ class EngineWeightSync:
     def _cut(
         self,
         plan: Plan,
-        manifest: EngineManifest,
+        quantized: Tuple[QuantizedParam, ...],
         sources: SourceLayout,
         targets: DerivedTargets,
     ) -> SenderFp8Plan:
-        """``plan`` cut for sender quantization (``fp8_wire.cut_for_groups``, every engine
-        rank receiving for itself): a pure function of the plan, so kept in the plan's memo
-        and gone with it."""
+        """``plan`` cut for sender quantization (``fp8_sender.sender_quantized``, every
+        engine rank receiving for itself, its block-FP8 weights those of ``quantized``'s
+        names and blocks, this rank's: the same on every TP rank): a pure function of the
+        plan, so kept in the plan's memo and gone with it."""
         cut = plan.memo.get(("fp8 cut",))
         if cut is not None:
             return cut
+        if not quantized:
+            raise ValueError("the engine has block-FP8 weights, but names none")
         shapes = {n: tuple(s) for n, s in targets.tensor_shapes().items()}
         shapes.update((n, tuple(s.shape)) for n, s in sources.items())
-        cut = cut_for_groups(plan, manifest, [tuple(range(self.control.size))], shapes)
-        if cut is None:
-            raise ValueError(
-                "the engine has block-FP8 weights, but its manifest names none "
-                "(block_fp8 empty)"
-            )
+        blocks = {q.weight: q.block for q in quantized}
+        cut = sender_quantized(
+            plan,
+            {
+                r: quantized_targets(targets.for_rank(r), blocks)
+                for r in range(self.control.size)
+            },
+            shapes,
+        )
         plan.memo[("fp8 cut",)] = cut
         return cut
 
@@ -740,7 +751,7 @@ class EngineWeightSync:
         payload: Payload,
         sources: SourceLayout,
         targets: DerivedTargets,
-        manifest: EngineManifest,
+        digest: str,
         recv_req,
     ) -> Plan:
         """This rank's plan for ``sources`` into ``targets`` (``PlanCache``): a pure function
@@ -754,7 +765,7 @@ class EngineWeightSync:
             payload,
             "plan",
             id(targets),
-            manifest.fingerprint,
+            digest,
             bucket_bytes,
             size,
             self.rank,
@@ -766,13 +777,13 @@ class EngineWeightSync:
             r: restrict(targets.for_rank(r), sources, targets.aliases)
             for r in range(size)
         }
-        # needed follows from the manifest and the sources' names: its fingerprint stands for it
+        # needed follows from the targets and the sources' names: their digest stands for it
         plan = self.plans.get(
             sources,
             needed,
             bucket_bytes=bucket_bytes,
             aliases=targets.aliases,
-            targets_digest=manifest.fingerprint,
+            targets_digest=digest,
             local_ranks=(self.rank,),
         )
         memo[key] = (targets, plan)
@@ -848,7 +859,11 @@ class EngineWeightSync:
                 self.rank,
                 *mine,
             )
-        if received.payload.kind != PayloadKind.DESCRIBE:
+        refresh = True
+        # pr: scale
+        refresh = received.payload.kind != PayloadKind.DESCRIBE  # it wrote nothing
+        # pr: scale end
+        if refresh:
             # Tensors computed from parameters in weight loaders (Gemma norms) are refreshed here, those
             # computed by post-load processing (MLA's w_kc/w_vc) by end_weight_update(); both in place.
             with clock.phase(Phase.REFRESH):

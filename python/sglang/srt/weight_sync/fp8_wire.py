@@ -12,8 +12,8 @@ its e4m3 weight and ``weight_scale_inv`` (``land_quantized``), or hands it to it
 (``QuantizedLanding``, an engine that writes in a pause). Both ends know every size from
 the plan; a payload of another size is refused by name.
 
-Which engine weights are block FP8 comes from the engines' manifests
-(``EngineManifest.block_fp8``, ``quantized_of``): every member derives the same cut.
+Which engine weights are block FP8, and their blocks, every member knows alike
+(``quantized_targets``): every member derives the same cut.
 
 A colocated engine rank resharding among the engine ranks (``engine_update``) runs its
 part through ``ColocatedFp8``: the cut plan into bf16 staging of only the weights with
@@ -52,16 +52,24 @@ from sglang.srt.weight_sync.fp8_targets import (
     QuantizedParam,
     staging_buffers,
 )
-from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import Plan
 from sglang.srt.weight_sync.target_layout import ParamTarget
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.manifest import EngineManifest
+
+# pr: scale end
 
 __all__ = (
     "ColocatedFp8",
     "QuantizedLanding",
+    # pr: scale
     "cut_for_engines",
     "cut_for_groups",
     "quantized_of",
+    # pr: scale end
+    "quantized_targets",
     "run_quantized",
 )
 
@@ -90,15 +98,25 @@ class QuantizedLanding:
         return self.nbytes
 
 
+def quantized_targets(
+    targets: Sequence[ParamTarget], blocks: Mapping[str, Tuple[int, int]]
+) -> Tuple[QuantizedParam, ...]:
+    """The block-FP8 weights of one TP rank's ``targets`` (staged dtypes), by ``blocks``
+    (block-FP8 weight -> its block: the same names on every TP rank): each staged target
+    of such a name, with its block."""
+    return tuple(
+        QuantizedParam(t.name, t.name + SCALE_SUFFIX, t.shape, block, t.dtype)
+        for t in targets
+        for block in (blocks.get(t.name),)
+        if block is not None
+    )
+
+
+# pr: scale
 def quantized_of(manifest: EngineManifest, tp_rank: int) -> Tuple[QuantizedParam, ...]:
     """TP rank ``tp_rank``'s block-FP8 weights as its manifest says (``block_fp8``): each
     staged target of that name, with its block."""
-    return tuple(
-        QuantizedParam(t.name, t.name + SCALE_SUFFIX, t.shape, block, t.dtype)
-        for t in manifest.ranks[tp_rank]
-        for block in (manifest.block_fp8.get(t.name),)
-        if block is not None
-    )
+    return quantized_targets(manifest.ranks[tp_rank], manifest.block_fp8)
 
 
 def cut_for_engines(
@@ -137,6 +155,7 @@ def cut_for_groups(
     return sender_quantized(plan, quantized, shapes)
 
 
+# pr: scale end
 @dataclass(frozen=True)
 class ColocatedFp8:
     """One colocated engine rank's block-FP8 weights in an update resharded among the engine

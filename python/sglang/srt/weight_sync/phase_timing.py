@@ -40,7 +40,7 @@ __all__ = (
 class Phase(str, enum.Enum):
     """The phases of an update, in the order an update runs them."""
 
-    DESCRIBE = "describe"  # sources (trainer); targets, their manifest, the provenance check (engine)
+    DESCRIBE = "describe"  # sources (trainer); targets, their digest, the provenance check (engine)
     DELIVER = (
         "deliver"  # trainer: hand the payload over; engine: take it from the channel
     )

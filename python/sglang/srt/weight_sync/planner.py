@@ -729,9 +729,9 @@ def inputs_fingerprint(
 ) -> str:
     """A digest of everything a plan depends on; equal digests give equal plans (``plan`` is
     deterministic), so ranks that agree on it run the same plan. ``targets_digest``, when
-    given, stands for ``targets``: a digest that identifies them (the engine's manifest
-    fingerprint, when ``targets`` are its targets restricted to the sources' names),
-    so a large engine's targets are not hashed again on every update."""
+    given, stands for ``targets``: a digest that identifies them (the engine's digest of
+    its targets, ``LiveLayout.digest``, when ``targets`` are those restricted to the
+    sources' names), so a large engine's targets are not hashed again on every update."""
     h = hashlib.sha256()
     h.update(sources_digest(sources).encode())
     if targets_digest:

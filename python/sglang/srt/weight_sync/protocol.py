@@ -365,7 +365,9 @@ class PayloadKind(str, enum.Enum):
 
     SHARDS = "shards"  # its local shards: the engine reshards within its TP group
     PARAMS = "params"  # parameter-shaped buffers in this rank's layout: the engine only copies
+    # pr: scale
     DESCRIBE = "describe"  # no tensors: publish the engine's manifest into the channel
+    # pr: scale end
 
 
 class Fp8RegionKind(str, enum.Enum):
@@ -1087,11 +1089,12 @@ CPU_DTYPES = (
 
 # What a pickled payload frame may name, by payload kind: only CUDA tensors travel pickled
 # (as CUDA IPC handles), so only the globals that rebuild one from its handle, and only on an
-# engine with CUDA; CPU tensors travel inline, described by the header (nothing unpickled),
-# and "describe" carries none. Nothing here passes fds, connects to a socket or waits on a
-# peer (SGLang's own unpickler allows fd passing, ``DupFd``, which connects to a socket the
-# sender names and waits there).
+# engine with CUDA; CPU tensors travel inline, described by the header (nothing unpickled).
+# Nothing here passes fds, connects to a socket or waits on a peer (SGLang's own unpickler
+# allows fd passing, ``DupFd``, which connects to a socket the sender names and waits
+# there).
 # pr: scale
+# A "describe" payload carries no tensors.
 # CPU tensors may also lie in a shared-memory segment (``shared_segment``), described by the
 # header too.
 # pr: scale end
@@ -1133,8 +1136,13 @@ CUDA_IPC_GLOBALS = frozenset(
 def payload_globals(kind: PayloadKind, cuda: bool) -> frozenset:
     """The globals a pickled frame of a ``kind`` payload may name on an engine with
     (``cuda``) or without CUDA: CUDA IPC's rebuild of a tensor, or nothing."""
-    if not cuda or PayloadKind(kind) == PayloadKind.DESCRIBE:
+    if not cuda:
         return frozenset()
+    kind = PayloadKind(kind)
+    # pr: scale
+    if kind == PayloadKind.DESCRIBE:  # it carries no tensors
+        return frozenset()
+    # pr: scale end
     return CUDA_IPC_GLOBALS
 
 

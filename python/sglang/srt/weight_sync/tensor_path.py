@@ -26,10 +26,15 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     DISTRIBUTED_LOAD_FORMAT,
     MIXED,
-    PayloadKind,
     carried,
 )
 from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.protocol import PayloadKind
+
+# pr: scale end
 
 __all__ = ("DISTRIBUTED_LOAD_FORMAT", "as_distributed_request", "update_from_payload")
 
@@ -47,7 +52,12 @@ def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
     success, message = apply_shards(
         runner.model, runner.model_config, received, recv_req
     )
-    if success and received.payload.kind != PayloadKind.DESCRIBE:
+    if (
+        success
+        # pr: scale
+        and received.payload.kind != PayloadKind.DESCRIBE  # it wrote nothing
+        # pr: scale end
+    ):
         try:
             with received.clock.phase(Phase.REFRESH):
                 run_post_load(runner.model)

@@ -51,12 +51,6 @@ from sglang.srt.weight_sync.control_plane import (
 )
 from sglang.srt.weight_sync.delivery import ShardSender, local_shard
 from sglang.srt.weight_sync.executor import data_device
-from sglang.srt.weight_sync.manifest import (
-    EngineManifest,
-    ManifestError,
-    fingerprint_int,
-    read_manifest,
-)
 from sglang.srt.weight_sync.phase_timing import (
     Count,
     Phase,
@@ -85,6 +79,12 @@ from sglang.srt.weight_sync.source_layout import (
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.executor import DataGroup
+from sglang.srt.weight_sync.manifest import (
+    EngineManifest,
+    ManifestError,
+    fingerprint_int,
+    read_manifest,
+)
 from sglang.srt.weight_sync.trainer_reshard import (
     TrainerPlans,
     TrainerSideResult,
@@ -145,9 +145,11 @@ class TrainerChannel:
     token: str
     control: ControlGroup  # the group's control collectives (its barriers, the engine's answer)
     updates: int = 0
+    # pr: scale
     manifest: Optional[EngineManifest] = (
         None  # the engine's published layout, read once
     )
+    # pr: scale end
 
     @property
     def rank_map(self) -> Dict[int, int]:
@@ -432,16 +434,17 @@ def _cuda_ipc_ready(tensors) -> None:
 @dataclass(frozen=True)
 class ControlRequest:
     """What the group's first rank asks the engine to do: take update ``update_id`` from
-    ``channel`` (``describe``: publish its layout there instead). ``final``: the last
-    request of this update, after which the engine may flush its cache. ``control``: the
-    group's control collectives, with which ``drive`` hears and shares the answer.
-    ``clock``: the update's phases on this rank (``drive`` adds its waits; ``as_reply``
-    keeps the engine's phases from its answer)."""
+    ``channel``. ``final``: the last request of this update, after which the engine may
+    flush its cache. ``control``: the group's control collectives, with which ``drive``
+    hears and shares the answer. ``clock``: the update's phases on this rank (``drive``
+    adds its waits; ``as_reply`` keeps the engine's phases from its answer)."""
 
     update_id: str
     channel: str
     control: ControlGroup = field(compare=False, repr=False)
-    describe: bool = False
+    # pr: scale
+    describe: bool = False  # publish the engine's layout into ``channel`` instead
+    # pr: scale end
     final: bool = True
     clock: Optional[PhaseClock] = field(default=None, compare=False, repr=False)
 
@@ -469,8 +472,10 @@ class UpdateReport:
     peak_buffer_bytes: int = 0
     handed_bytes: int = 0
     chunks: int = 0
-    described: bool = False
     # pr: scale
+    described: bool = (
+        False  # this update read the engines' layout first (``_describe``)
+    )
     # the shared memory this rank keeps for the engine rank beside it (``shared_segment``:
     # CPU payloads only; ``inline_bytes`` is 0 while it carries them)
     shared_bytes: int = 0
