@@ -677,42 +677,18 @@ class ShardReceiver:
         inbox: SegmentInbox,
         # pr: scale end
     ) -> Payload:
-        """The payload of the awaited update: checked, then (only then) decoded: its shard
-        tensors read from inline frames or unpickled from CUDA IPC handles."""
+        """The payload of the awaited update: checked, then (only then) decoded
+        (``_shards``)."""
         trainer, names = header["trainer_rank"], [name for name, _ in header["tensors"]]
         self._check_addressing(header, names)
-        # pr: scale
-        # or mapped from its shared-memory segment (taken from ``inbox``), with the
-        # segment's runs (``Payload.runs``)
-        runs = None
-        # pr: scale end
-        try:
-            if header["inline"] is not None:
-                tensors = [
-                    _from_frame(f, *desc) for f, desc in zip(frames, header["inline"])
-                ]
+        tensors, runs = self._shards(
+            header,
+            frames,
+            len(names),
             # pr: scale
-            elif header["shared"] is not None:
-                segment, placed = header["shared"]
-                tensors, runs = inbox.mapped(segment, placed)
+            inbox,
             # pr: scale end
-            else:
-                tensors = unpickle_handles(
-                    frames[0], header["kind"], torch.cuda.is_available()
-                )
-        except Exception as e:  # noqa: BLE001 - a dead sender, a blocked pickle, garbage: refuse, never die
-            raise self._error(
-                f"cannot read the shards of trainer rank {trainer} (is it alive?): "
-                f"{type(e).__name__}: {e}"
-            ) from None
-        if (
-            not isinstance(tensors, list)
-            or len(tensors) != len(names)
-            or not all(isinstance(t, torch.Tensor) for t in tensors)
-        ):
-            raise self._error(
-                f"trainer rank {trainer} sent {type(tensors).__name__}, not {len(names)} tensors"
-            )
+        )
         return Payload(
             header["update_id"],
             trainer,
@@ -742,6 +718,52 @@ class ShardReceiver:
             raise self._error(
                 f"tensor {twice[0]!r} delivered twice by trainer rank {trainer}"
             )
+
+    def _shards(
+        self,
+        header: dict,
+        frames: List[bytes],
+        count: int,
+        # pr: scale
+        inbox: SegmentInbox,
+        # pr: scale end
+    ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
+        """The ``count`` shard tensors, read from inline frames or unpickled from CUDA IPC
+        handles, and None."""
+        # pr: scale
+        # Or mapped from the payload's shared-memory segment (taken from ``inbox``), with the
+        # segment's runs (``Payload.runs``) instead of None.
+        # pr: scale end
+        trainer = header["trainer_rank"]
+        runs = None
+        try:
+            if header["inline"] is not None:
+                tensors = [
+                    _from_frame(f, *desc) for f, desc in zip(frames, header["inline"])
+                ]
+            # pr: scale
+            elif header["shared"] is not None:
+                segment, placed = header["shared"]
+                tensors, runs = inbox.mapped(segment, placed)
+            # pr: scale end
+            else:
+                tensors = unpickle_handles(
+                    frames[0], header["kind"], torch.cuda.is_available()
+                )
+        except Exception as e:  # noqa: BLE001 - a dead sender, a blocked pickle, garbage: refuse, never die
+            raise self._error(
+                f"cannot read the shards of trainer rank {trainer} (is it alive?): "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        if (
+            not isinstance(tensors, list)
+            or len(tensors) != count
+            or not all(isinstance(t, torch.Tensor) for t in tensors)
+        ):
+            raise self._error(
+                f"trainer rank {trainer} sent {type(tensors).__name__}, not {count} tensors"
+            )
+        return tensors, runs
 
     def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         """Each tensor's layout: a mesh and placements, or the holders of its pieces;
