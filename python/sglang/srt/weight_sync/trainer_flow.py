@@ -473,9 +473,8 @@ class UpdateReport:
     handed_bytes: int = 0
     chunks: int = 0
     # pr: scale
-    described: bool = (
-        False  # this update read the engines' layout first (``_describe``)
-    )
+    # this update read the engines' layout first (``_describe``)
+    described: bool = False
     # the shared memory this rank keeps for the engine rank beside it (``shared_segment``:
     # CPU payloads only; ``inline_bytes`` is 0 while it carries them)
     shared_bytes: int = 0
