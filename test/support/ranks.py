@@ -123,6 +123,26 @@ PRELOAD = [
 ]
 
 
+@contextlib.contextmanager
+def one_rank_world(timeout_s: float = 60.0):
+    """A gloo world of this process alone (what DTensors and groups need in a unit test),
+    destroyed at the end of the block."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(tmp, 'store')}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def _context(start_method: str):
     """By default a fork server that imported torch and sglang once (``PRELOAD``): every
     process it starts has this process's environment as the server started with it (the

@@ -254,3 +254,34 @@ def test_a_params_payload_carries_its_fp8_regions():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_parameters_local_shard_is_its_own_local_tensor():
+    """FSDP2 holds parameters as ``nn.Parameter`` DTensors, for which torch's ``to_local()``
+    makes a new view on every call. The trainer reads the DTensor's own local tensor
+    instead: the same object update after update (so what a trainer checked last update by
+    identity stays checked), the same bytes, and never an autograd view."""
+    from ranks import one_rank_world
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from sglang.srt.weight_sync.delivery import local_shard
+    from sglang.srt.weight_sync.source_layout import MeshRanks
+
+    with one_rank_world():
+        mesh = init_device_mesh("cpu", (1,))
+        plain = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)])
+        param = torch.nn.Parameter(
+            distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)])
+        )
+        ranks = MeshRanks()
+        for tensor in (plain, param):
+            with torch.enable_grad():
+                first, spec = local_shard(tensor, ranks=ranks)
+                second, again = local_shard(tensor, ranks=ranks)
+            assert first is second and again is spec
+            assert first.data_ptr() == tensor.to_local().data_ptr()
+            assert first.grad_fn is None
+            assert torch.equal(first, tensor.to_local().detach())
+        # both are laid out alike: one MeshSpec for them
+        assert local_shard(plain, ranks=ranks)[1] is local_shard(param, ranks=ranks)[1]

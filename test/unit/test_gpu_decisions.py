@@ -9,10 +9,7 @@ plane's own group, its warm-up on every rank, point-to-point fan-out) are in
 ``test/distributed/test_data_group.py``.
 """
 
-import contextlib
 import gc
-import os
-import tempfile
 import weakref
 from datetime import timedelta
 from types import SimpleNamespace
@@ -20,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import one_rank_world
 
 from sglang.srt.weight_sync import control_plane, executor
 from sglang.srt.weight_sync.control_plane import (
@@ -226,25 +224,8 @@ def test_the_trainer_refuses_a_timeout_its_nccl_group_would_cut_short(monkeypatc
     )
 
 
-@contextlib.contextmanager
-def _one_rank_world(timeout_s: float = 60.0):
-    """A gloo world of this process alone, destroyed at the end of the block."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{os.path.join(tmp, 'store')}",
-            rank=0,
-            world_size=1,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def test_group_timeout_is_read_from_the_group():
-    with _one_rank_world(77):
+    with one_rank_world(77):
         assert control_plane.group_timeout_s(None) == 77.0
         data = executor.DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0)
         assert data.group is not dist.group.WORLD
@@ -267,7 +248,7 @@ def test_the_weight_sync_group_is_never_split_from_a_bound_default_group(monkeyp
         return chosen[-1]
 
     monkeypatch.setattr(distributed_c10d, "_get_split_source", watched)
-    with _one_rank_world():
+    with one_rank_world():
         default = distributed_c10d._get_default_group()
         default.bound_device_id = torch.device("cuda", 0)
         try:

@@ -150,17 +150,26 @@ def local_shard(
     """A DTensor's local shard and layout (never ``full_tensor()``), or a plain tensor
     with its explicit spec. ``ranks``: see ``MeshSpec.of_dtensor``."""
     if isinstance(tensor, DTensor):
-        if torch.is_grad_enabled():
-            with torch.no_grad():  # the local tensor itself, not an autograd view of it
-                local = tensor.to_local()
-        else:  # callers with many tensors enter no_grad once
-            local = tensor.to_local()
-        return local, MeshSpec.of_dtensor(tensor, ranks)
+        return _own_local(tensor), MeshSpec.of_dtensor(tensor, ranks)
     if spec is None:
         raise DeliveryError(
             "a plain tensor needs an explicit MeshSpec (sharded or full)"
         )
     return tensor, spec
+
+
+def _own_local(tensor: DTensor) -> torch.Tensor:
+    """The DTensor's own local tensor, never an autograd view of it. ``to_local()`` under
+    no_grad returns exactly that, except for a parameter (``nn.Parameter`` of a DTensor, as
+    FSDP2 holds them), for which torch 2.13 makes a fresh view each call so that the
+    result is a parameter too: a dispatch per tensor that a MoE model's tens of thousands
+    pay every update, and a new object each time, so checks kept by identity from the last
+    update (``executor.check_inputs``) never apply. The same storage either way."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 # pr: scale

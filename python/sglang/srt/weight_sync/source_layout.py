@@ -438,6 +438,7 @@ class MeshRanks:
     def __init__(self) -> None:
         self._read: Dict[int, Tuple[object, NestedRanks]] = {}
         self._specs: Dict[tuple, MeshSpec] = {}
+        self._placed: Dict[int, Tuple[tuple, tuple]] = {}  # id -> (placements, key)
 
     def __call__(self, mesh) -> NestedRanks:
         known = self._read.get(id(mesh))
@@ -445,6 +446,7 @@ class MeshRanks:
             if len(self._read) >= self.MAX_MESHES:
                 self._read.clear()
                 self._specs.clear()
+                self._placed.clear()
             known = self._read[id(mesh)] = (mesh, mesh.mesh.tolist())
         return known[1]
 
@@ -463,7 +465,15 @@ class MeshRanks:
         a few, and ``describe_specs`` then describes each layout once."""
         mesh = tensor.device_mesh
         places = tensor.placements
-        key = (tensor.shape, tensor.dtype, id(mesh), tuple(map(_placement_key, places)))
+        # DTensors of one layout share their placements tuple: its key is made once (the
+        # tuple is kept, so its id stays its own)
+        placed = self._placed.get(id(places))
+        if placed is None or placed[0] is not places:
+            if len(self._placed) >= self.MAX_MESHES:
+                self._placed.clear()
+            placed = (places, tuple(map(_placement_key, places)))
+            self._placed[id(places)] = placed
+        key = (tensor.shape, tensor.dtype, id(mesh), placed[1])
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = MeshSpec(
