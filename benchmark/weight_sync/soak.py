@@ -49,9 +49,8 @@ def _segments(pid: int) -> int:
     return held
 
 
-SEGMENT_NAME = (
-    "memfd:sglang-weights"  # how /proc names a segment's descriptor and mapping
-)
+# how /proc names a segment's descriptor and mapping
+SEGMENT_NAME = "memfd:sglang-weights"
 
 
 def _sample(step: int) -> dict:

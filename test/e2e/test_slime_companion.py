@@ -36,9 +36,8 @@ from update_cases import MAX_NEW, new_weights
 from verl_helpers import check_server, wait_healthy
 
 TP = 2
-PADDED_VOCAB = (
-    520  # megatron-core pads the vocab to a multiple of TP (the tiny Qwen2 has 512)
-)
+# megatron-core pads the vocab to a multiple of TP (the tiny Qwen2 has 512)
+PADDED_VOCAB = 520
 SEED = 5
 RELEASED_SEED = 6  # the weights slime's released path sends first
 REMOTE_SEED = 7  # the weights the distributed updater with the patch sends last

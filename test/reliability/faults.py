@@ -192,9 +192,8 @@ def trainer_job(rank: int, world: int, job: dict) -> dict:
     if rank == job["die_rank"]:
         _arrange_death(job["when"])
     start = time.monotonic()
-    known = (
-        None  # what the survivor's error says of the engine's answer (PeerLost.outcome)
-    )
+    # what the survivor's error says of the engine's answer (PeerLost.outcome)
+    known = None
     try:
         update(2)
         outcome = "returned"

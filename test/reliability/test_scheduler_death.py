@@ -35,9 +35,8 @@ PHASES = (
     "while the engine applies the update",
     "hearing the engine's answer",
 )
-SLACK_S = (
-    10.0  # process start/exit and the 1 s watchdog poll, on a loaded 2-core machine
-)
+# process start/exit and the 1 s watchdog poll, on a loaded 2-core machine
+SLACK_S = 10.0
 
 
 def host_job(rank: int, world: int, job: dict) -> dict:

@@ -73,9 +73,8 @@ class CopyProgram:
         regions: int,
     ) -> None:
         self.copies = copies
-        self._wheres = (
-            wheres  # per region copy: its source tensor's, its target tensor's
-        )
+        # per region copy: its source tensor's, its target tensor's
+        self._wheres = wheres
         self.regions = regions
 
     @classmethod

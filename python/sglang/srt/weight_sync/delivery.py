@@ -106,9 +106,8 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-MAX_CHANNELS = (
-    8  # bound sockets per engine rank; the least recently used one is retired
-)
+# bound sockets per engine rank; the least recently used one is retired
+MAX_CHANNELS = 8
 CONSUMED_IDS = 4096  # update ids remembered per engine rank, to refuse replays
 
 

@@ -48,9 +48,8 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 # pr: scale
-CHANNELS_TOLD = (
-    64  # channels remembered as told of the engine's dtypes (then told again)
-)
+# channels remembered as told of the engine's dtypes (then told again)
+CHANNELS_TOLD = 64
 # pr: scale end
 
 

@@ -34,12 +34,10 @@ RECORD_PREFIX = "outcome-"
 class Outcome(str, enum.Enum):
     """What the record of an update says."""
 
-    COMMITTED = (
-        "committed"  # engine rank 0 is about to write: the update may be applied
-    )
-    ABANDONED = (
-        "abandoned"  # the tokenizer manager answered that it failed: never applied
-    )
+    # engine rank 0 is about to write: the update may be applied
+    COMMITTED = "committed"
+    # the tokenizer manager answered that it failed: never applied
+    ABANDONED = "abandoned"
 
 
 def record_path(channel: str, update_id: str) -> str:

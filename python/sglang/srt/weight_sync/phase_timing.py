@@ -41,15 +41,13 @@ class Phase(str, enum.Enum):
     """The phases of an update, in the order an update runs them."""
 
     DESCRIBE = "describe"  # sources (trainer); targets, their digest, the provenance check (engine)
-    DELIVER = (
-        "deliver"  # trainer: hand the payload over; engine: take it from the channel
-    )
+    # trainer: hand the payload over; engine: take it from the channel
+    DELIVER = "deliver"
     VALIDATE = "validate"  # checks of the payload and the plan's inputs, finite values
     AGREE = "agree"  # agreeing on problems, deliveries and the plan; the commit vote
     PLAN = "plan"  # planning, or finding the plan in the cache (``Count.PLAN_COLD``)
-    EXECUTE = (
-        "execute"  # rounds of point-to-point moves, waits included (``Count.WAIT_US``)
-    )
+    # rounds of point-to-point moves, waits included (``Count.WAIT_US``)
+    EXECUTE = "execute"
     APPLY = "apply"  # copies and casts into parameters (or the parameter buffers)
     REFRESH = "refresh"  # what SGLang derives from parameters
     CONTROL = "control"  # barriers, answers, figures, the request's way to the engine and back
@@ -61,14 +59,12 @@ class Count(str, enum.Enum):
     """Counters a clock keeps beside the phases."""
 
     ROUNDS = "rounds"  # executor rounds this rank took part in
-    BYTES_MOVED = (
-        "bytes_moved"  # bytes received between ranks plus bytes copied locally
-    )
+    # bytes received between ranks plus bytes copied locally
+    BYTES_MOVED = "bytes_moved"
     WAIT_US = "wait_us"  # microseconds of EXECUTE spent waiting for peers
     PLAN_COLD = "plan_cold"  # 1 when this update planned (no cached plan), else 0
-    ROUND_TRIPS = (
-        "round_trips"  # control collectives (and requests) this rank waited on
-    )
+    # control collectives (and requests) this rank waited on
+    ROUND_TRIPS = "round_trips"
     TOTAL_US = "total_us"  # the update's measured wall time on this rank
 
 

@@ -373,9 +373,8 @@ class PayloadKind(str, enum.Enum):
 class Fp8RegionKind(str, enum.Enum):
     """How a ``Fp8Region`` of a block-FP8 weight travels in a "params" payload."""
 
-    QUANTIZED = (
-        "e4m3"  # quantized by the trainer: e4m3 bytes, then float32 scales (uint8)
-    )
+    # quantized by the trainer: e4m3 bytes, then float32 scales (uint8)
+    QUANTIZED = "e4m3"
     STAGED = "staged"  # in the weight's staged dtype, shaped as the region: the engine quantizes
 
 

@@ -434,9 +434,8 @@ def map_tensors(fd: int, entries) -> MappedSegment:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     typed: Dict[torch.dtype, torch.Tensor] = {}
     tensors, runs = [], []
-    run: Optional[List[int]] = (
-        None  # [dtype's index, start, end] in the dtype's elements
-    )
+    # [dtype's index, start, end] in the dtype's elements
+    run: Optional[List[int]] = None
     for p in placed:
         if not p.nbytes:
             tensors.append(torch.empty(p.shape, dtype=p.dtype))

@@ -146,9 +146,8 @@ class TrainerChannel:
     control: ControlGroup  # the group's control collectives (its barriers, the engine's answer)
     updates: int = 0
     # pr: scale
-    manifest: Optional[EngineManifest] = (
-        None  # the engine's published layout, read once
-    )
+    # the engine's published layout, read once
+    manifest: Optional[EngineManifest] = None
     # pr: scale end
 
     @property
@@ -679,9 +678,8 @@ def _trainer_side(
         with clock.phase(Phase.DELIVER):
             chan.sender.release()  # the engine has answered: it no longer reads the buffers
         if not report.success:
-            chan.manifest = (
-                None  # the engine may have changed its layout: read it again next time
-            )
+            # the engine may have changed its layout: read it again next time
+            chan.manifest = None
             break
     return report.finish(clock, rank, chan.sender)
 

@@ -55,9 +55,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNWRITTEN = -1  # the scratch's bit pattern before loading (all ones: NaN for floats)
 _MEMO = 4  # derived-targets objects remembered (one per model runner)
 _RUN = 4  # elements that identify where a written value came from
-_CANDIDATES = (
-    4096  # elements with a written value's bits examined per checkpoint tensor
-)
+# elements with a written value's bits examined per checkpoint tensor
+_CANDIDATES = 4096
 
 
 class ProvenanceMismatch(ValueError):

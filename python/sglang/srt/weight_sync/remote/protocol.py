@@ -101,9 +101,8 @@ LAYOUT_LIMIT = (
 )  # a trainer's source layout (Megatron holders of a large model fit)
 MAX_GROUP_NAME_CHARS = 128
 MAX_WORLD = 1 << 20
-POLL_S = (
-    0.02  # how often the tokenizer manager asks the schedulers how far receiving is
-)
+# how often the tokenizer manager asks the schedulers how far receiving is
+POLL_S = 0.02
 
 
 def receive_bound_s(timeout_s: float) -> float:
@@ -149,12 +148,10 @@ class UpdateStep(str, enum.Enum):
     a caller sends ``UPDATE`` (the whole update) and never the others."""
 
     UPDATE = "update"
-    RECEIVE = (
-        "receive"  # start receiving into staging, in the background; serving goes on
-    )
-    STATUS = (
-        "status"  # how far every TP rank is (one small all-reduce over the TP group)
-    )
+    # start receiving into staging, in the background; serving goes on
+    RECEIVE = "receive"
+    # how far every TP rank is (one small all-reduce over the TP group)
+    STATUS = "status"
     APPLY = "apply"  # under the writer lock, between batches: write the staged regions
     ABORT = "abort"  # forget a receive that failed or was given up
 

@@ -208,9 +208,8 @@ class RemoteSync:
         self.updates = 0
         self.broken: Optional[str] = None
         self.left: List[str] = []  # engines that left at the last join (did not answer)
-        self._megatron = (
-            None  # a TrainerSync for Megatron coordinates, made on first use
-        )
+        # a TrainerSync for Megatron coordinates, made on first use
+        self._megatron = None
         # the last update's description, its wire form and digest (``update``)
         self.described = Described()
         self._pool = concurrent.futures.ThreadPoolExecutor(
