@@ -4,8 +4,15 @@ bucket, ``up_proj`` in the next). The buffer has the parameter's full shape; onl
 pieces of this chunk were written, the rest is whatever ``torch.empty`` returned."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers, write_regions
+from sglang.srt.weight_sync.apply import (
+    copy_buffers,
+    nonfinite_buffers,
+    nonfinite_tensors,
+    write_regions,
+)
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, restrict
 
@@ -67,3 +74,38 @@ def test_many_regions_are_written_as_one_by_one_casts_would_write_them():
     srcs.append(in_place)
     write_regions(views, srcs)
     assert torch.equal(param, want)
+
+
+BAD = (float("nan"), float("inf"), float("-inf"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(
+        [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    ),
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=12),
+    shared=st.booleans(),
+    huge=st.booleans(),
+    bad=st.lists(st.tuples(st.integers(0, 11), st.floats(0, 1), st.sampled_from(BAD))),
+)
+def test_finite_check_names_exactly_the_tensors_holding_nan_or_inf(
+    dtype, sizes, shared, huge, bad
+):
+    """``nonfinite_tensors`` over tensors small and large (checked together in one
+    multi-tensor reduction below ``apply._SMALL_RUN`` elements, one reduction each above
+    it), alone or back to back in one storage (read as one run), with values whose sums
+    overflow the dtype: it names exactly the tensors holding NaN or inf."""
+    fill = torch.finfo(dtype).max / 2 if huge else 1.0
+    if shared:  # views of one storage, back to back: one run
+        flat = torch.full((sum(sizes),), fill, dtype=dtype)
+        tensors = list(flat.split(sizes))
+    else:
+        tensors = [torch.full((n,), fill, dtype=dtype) for n in sizes]
+    for which, where, value in bad:
+        if which < len(tensors):
+            t = tensors[which]
+            t[min(int(where * t.numel()), t.numel() - 1)] = value
+    named = {f"t{i}": t for i, t in enumerate(tensors)}
+    expected = [k for k, t in named.items() if not bool(torch.isfinite(t).all())]
+    assert nonfinite_tensors(named) == expected

@@ -146,9 +146,9 @@ def release_cached_memory(tensors) -> None:
 
 
 def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
-    """``regions`` as few 1-d views as they allow: contiguous regions of one dtype that lie
-    back to back in one storage become one run, read in one operation; any other region
-    stays as it is."""
+    """``regions`` as few runs as they allow: contiguous regions of one dtype that lie
+    back to back in one storage become one 1-d view, read in one operation; any other
+    region (alone in its storage, or not contiguous) stays as it is."""
     groups: Dict[tuple, List[torch.Tensor]] = {}
     runs: List[torch.Tensor] = []
     for r in regions:
@@ -160,6 +160,9 @@ def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         key = (r.device, r.dtype, r.untyped_storage().data_ptr())
         groups.setdefault(key, []).append(r)
     for rs in groups.values():
+        if len(rs) == 1:  # alone in its storage: read as it is
+            runs.append(rs[0])
+            continue
         rs.sort(key=torch.Tensor.data_ptr)
         first, count = rs[0], rs[0].numel()
         for r in rs[1:]:
@@ -172,22 +175,41 @@ def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     return runs
 
 
+# Runs of fewer elements than this are checked together, one multi-tensor reduction per
+# device and dtype, where a reduction each would cost more in dispatch than in elements (a
+# MoE model's small shards, norms and biases). On a GPU every run is: one kernel for many
+# tensors instead of three launches per tensor.
+_SMALL_RUN = 2048
+
+
 def _all_finite(regions: Iterable[torch.Tensor]) -> bool:
     """Whether every region holds only finite values, reading each element once: per run
     of regions (``_runs``) one reduction that is finite exactly when the run is (a sum in
     its own dtype, which propagates NaN and inf; for float16, whose sums overflow early,
-    its minimum and maximum), unless finite values add up past the dtype's range (then
-    each region is tested on its own). The results gather on each device and the host
-    reads one value per device (one host sync per update on a GPU, not one per tensor)."""
+    its minimum and maximum; for small runs and on a GPU, the largest magnitude of each,
+    from one ``torch._foreach_norm`` over many), unless finite values add up past the
+    dtype's range (then each region is tested on its own). The results gather on each
+    device and the host reads one value per device (one host sync per update on a GPU,
+    not one per tensor)."""
     regions = list(regions)
     totals: Dict[torch.device, torch.Tensor] = {}
+    together: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+
+    def add(device: torch.device, s: torch.Tensor) -> None:
+        seen = totals.get(device)
+        totals[device] = s if seen is None else seen + s
+
     for run in _runs(regions):
-        if run.dtype == torch.float16:
-            s = torch.stack(torch.aminmax(run)).to(torch.float64).sum()
+        if run.is_cuda or run.numel() < _SMALL_RUN:
+            together.setdefault((run.device, run.dtype), []).append(run)
+        elif run.dtype == torch.float16:
+            add(run.device, torch.stack(torch.aminmax(run)).to(torch.float64).sum())
         else:
-            s = run.sum().to(torch.float64)
-        seen = totals.get(run.device)
-        totals[run.device] = s if seen is None else seen + s
+            add(run.device, run.sum().to(torch.float64))
+    for (device, _), runs in together.items():
+        # the largest |x| of each run: NaN or inf where the run holds one, never an overflow
+        norms = torch._foreach_norm(runs, float("inf"))
+        add(device, torch.stack(norms).to(torch.float64).sum())
     if all(bool(torch.isfinite(t)) for t in totals.values()):
         return True
     return all(bool(torch.isfinite(r).all()) for r in regions)
