@@ -3,11 +3,17 @@
 A ``ParamTarget`` is one SGLang parameter on one engine TP rank: its per-rank shape
 and dtype, the ``Piece``s (an HF tensor box landing at ``param[index][offsets...]``)
 that fill it, and zero-filled boxes. The engine derives them from SGLang's own
-loaders (``derive.derived_targets``); the planner, the executor, the manifest and trainer-side
-resharding consume them. ``ModelTargets`` is the same description as rules plus the
-engine's ``EngineParallel`` layout (the interface ``DerivedTargets`` shares); the
-simulator's hand-written rules live in ``benchmark/weight_sync/hand_rules.py``.
+loaders (``derive.derived_targets``); the planner and the executor consume them.
+``ModelTargets`` is the same description as rules plus the engine's ``EngineParallel``
+layout (the interface ``DerivedTargets`` shares).
 """
+
+# pr: scale
+# The engine's manifest publishes them, and trainer-side resharding plans with them.
+# pr: scale end
+# pr: here
+# The simulator's hand-written rules live in ``benchmark/weight_sync/hand_rules.py``.
+# pr: here end
 
 from __future__ import annotations
 

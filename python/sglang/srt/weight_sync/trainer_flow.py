@@ -1,19 +1,21 @@
 """The trainer side of a distributed weight update: every rank delivers only its own shards.
 
 Each trainer rank sits beside one engine TP rank (its rank in the inference-TP
-mesh). It keeps its local shards (``DTensor.to_local()``, never
+mesh). It keeps its local shards (the DTensor's own local tensor, never
 ``full_tensor()``), describes their layout (``MeshSpec``) and sends both to the
 engine rank beside it over the group's private channel. Nothing is gathered.
-
-When the shards beside an engine do not cover a tensor (FSDP over more GPUs
-than one engine has, train TP > infer TP across several engines), resharding
-runs on the trainer side instead (``mode="trainer"``, chosen automatically,
-``trainer_reshard.py``): in one hop straight to the layout the engine publishes
-(``manifest.py``), after which the engine only copies. An update is a short
-sequence of control requests (``update_flow``) that the caller serves with
-``drive``/``adrive``: the engine's layout is asked for once per channel.
-``sources_flow`` is the same for any source layout (Megatron-core buffers too).
+An update is a short sequence of control requests (``update_flow``) that the
+caller serves with ``drive``/``adrive``. ``sources_flow`` is the same for any
+source layout (Megatron-core buffers too).
 """
+
+# pr: scale
+# When the shards beside an engine do not cover a tensor (FSDP over more GPUs than one
+# engine has, train TP > infer TP across several engines), resharding runs on the trainer
+# side instead (``mode="trainer"``, chosen automatically, ``trainer_reshard.py``): in one
+# hop straight to the layout the engine publishes (``manifest.py``), after which the engine
+# only copies; the engine's layout is asked for once per channel.
+# pr: scale end
 
 from __future__ import annotations
 
