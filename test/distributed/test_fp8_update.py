@@ -542,6 +542,43 @@ def test_deepseek_v3_fp8_expert_parallel_engine_side(deepseek_loads):
         assert r["peak"] <= BUCKET, r
 
 
+def test_deepseek_v3_fp8_expert_parallel_trainer_side_one_hop(deepseek_loads):
+    """The DeepSeek-V3-shaped block-FP8 engine at TP 2 with expert parallelism 2 on the
+    trainer-side one hop: 4 FSDP2 ranks, two such engines (rank k beside engine rank k % 2),
+    each trainer rank planning over the world to the manifest of whole experts per rank. The
+    chunks cut every 256-row tensor's blocks at rows 64 and 192 (the experts', o_proj, the
+    dense and shared MLPs') and hold the 512-row q_b and kv_b's blocks whole: both kinds
+    reach the engine rank. Every parameter equals SGLang's load, each engine rank receives
+    its plan's bound and is handed exactly the quantized lower bound."""
+    bf16, loads = deepseek_loads
+    # the manifest publishes the engine's widths: (TP, attention TP, MoE EP)
+    widths = loads["ep2"][(2, 0)]["parallel"]
+    assert widths == (2, 2, 2), widths
+    results = run_ranks(4, update_rank, 2, str(bf16), loads["ep2"], 1 << 30)
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_VARIANTS["shared"][1], r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        assert r["peak"] <= r["staging_bound"], r
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
+        assert r["fp8_buffers"] == 0, r
+
+
+def test_deepseek_v3_fp8_expert_parallel_remote(deepseek_loads):
+    """A remote DeepSeek-V3-shaped block-FP8 engine at TP 2 with expert parallelism 2 (4
+    whole experts per rank) in a weight-sync group with 3 trainer ranks, whose chunks cut
+    every 256-row tensor's blocks at rows 86 and 172 and hold the 512-row ones' first and
+    last whole: as ``test_remote_fp8_engines_equal_sglang_load``."""
+    bf16, loads = deepseek_loads
+    engines = (("e0", 2),)
+    results = remote_update((bf16, loads["ep2"]), 3, engines, ONE_WINDOW)
+    check_remote_fp8(
+        results, 3, engines, ONE_WINDOW, DEEPSEEK_VARIANTS["shared"][1], False
+    )
+
+
 def test_deepseek_v3_engine_weight_sync_stages_only_cut_blocks(deepseek, tmp_path):
     """``EngineWeightSync``'s own steps (``_validate``, ``_agree``, ``_write``) on 2 engine
     ranks of the DeepSeek-V3-shaped block-FP8 engine, each fed the ``Shard(0)`` chunk of the
@@ -568,6 +605,90 @@ def test_deepseek_v3_remote_fp8_engines_equal_sglang_load(deepseek):
     engines = (("e0", 1), ("e1", 2))
     results = remote_update(deepseek[:2], 3, engines, ONE_WINDOW)
     check_remote_fp8(results, 3, engines, ONE_WINDOW, deepseek[2], False)
+
+
+# DeepSeek-V3-shaped at engine TP 4: ``DEEPSEEK`` with 8 heads (o_proj 512 columns, 128 per
+# rank; q_b_proj and kv_b_proj 1024 rows, 256 per rank) and intermediate sizes of 512 (the
+# dense layer's, each routed and the shared expert's: 128 rows of gate and up per rank), so
+# that every TP split is a multiple of 128; ``DEEPSEEK``'s 4 heads of v_head_dim 64 would cut
+# o_proj's blocks at 64 columns, which SGLang refuses. FSDP 4 chunks cut the 256-row tensors
+# (o, down, the experts' down) and kv_a's 192 rows inside blocks; the TP-split 512- and
+# 1024-row ones' chunks are each the blocks of the engine rank beside them, so q_lora_rank
+# 512: q_a's chunks are whole blocks that every rank needs (the fused q_a + kv_a is
+# replicated), which engine-side travel quantized between the ranks. Two layers, the dense
+# one and one with routed and shared experts, keep it within ONE_WINDOW's 16 MiB windows
+DEEPSEEK_TP4 = dict(
+    DEEPSEEK,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    intermediate_size=512,
+    moe_intermediate_size=512,
+    q_lora_rank=512,
+    num_hidden_layers=2,
+)
+# its e4m3 weights per engine rank: each layer's fused q_a + kv_a, q_b, kv_b and o; the dense
+# layer's gate_up and down; the MoE layer's w13 and w2 and its shared expert's gate_up and down
+DEEPSEEK_TP4_FP8 = 2 * 4 + 2 + 4
+
+
+@pytest.fixture(scope="module")
+def deepseek_tp4(tmp_path_factory):
+    """The BF16 checkpoint of ``DEEPSEEK_TP4`` and SGLang's loads at TP 4 (its shared expert
+    a layer of its own, as SGLang builds it on CPU)."""
+    work = tmp_path_factory.mktemp("fp8-deepseek-tp4")
+    bf16, _ = tiny_models.make_tiny_model(
+        "deepseek_v3", work / "bf16", seed=3, **DEEPSEEK_TP4
+    )
+    fp8 = write_fp8_checkpoint(bf16, work / "fp8")
+    return bf16, sglang_fp8_load(fp8, bf16, [(4, r) for r in range(4)], work)
+
+
+def test_deepseek_v3_fp8_engine_tp4_engine_side(deepseek_tp4):
+    """The DeepSeek-V3-shaped block-FP8 engine at TP 4, engine-side resharding from 4 FSDP2
+    ranks in rounds of a 64 KiB bucket: e4m3 and scales for the blocks one trainer shard
+    holds whole, bf16 for the blocks the chunks cut (quantized on the engine rank from
+    staging); every parameter equals SGLang's load of the reference checkpoint, and each
+    rank receives exactly the quantized lower bound counted block by block."""
+    bf16, loads = deepseek_tp4
+    for rank, r in enumerate(run_ranks(4, update_rank, 4, str(bf16), loads, BUCKET)):
+        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_TP4_FP8, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
+        assert r["received"] == r["lower_bound"] == r["planned"] == r["counted"], r
+        assert r["peak"] <= BUCKET, r
+        assert r["blocks_received_quantized"] > 0, r
+        assert r["blocks_quantized_here"] > 0 and r["fp8_staging_bytes"] > 0, r
+        assert r["received"] < r["bf16_lower_bound"], r
+
+
+def test_deepseek_v3_fp8_engine_tp4_trainer_side_one_hop(deepseek_tp4):
+    """The DeepSeek-V3-shaped block-FP8 engine at TP 4 on the trainer-side one hop from 4
+    FSDP2 ranks (``trainer_side_rank``): both kinds reach the engine rank (the 512- and
+    1024-row tensors' blocks e4m3 and scales, the cut ones' as bf16 regions); every parameter
+    equals SGLang's load, each engine rank receives its plan's bound and is handed exactly
+    the quantized lower bound."""
+    from fp8_sender_cases import trainer_side_rank
+
+    bf16, loads = deepseek_tp4
+    results = run_ranks(4, trainer_side_rank, 4, str(bf16), loads, 1 << 30, 1)
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_TP4_FP8, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        assert r["peak"] <= r["staging_bound"], r
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
+        assert r["fp8_buffers"] == 0, r
+
+
+def test_deepseek_v3_fp8_engine_tp4_remote(deepseek_tp4):
+    """A remote DeepSeek-V3-shaped block-FP8 engine of TP 4 in a weight-sync group with 2
+    trainer ranks (kv_a's 192 rows cut at row 96, inside a block; every other tensor's blocks
+    whole on one rank): as ``test_remote_fp8_engines_equal_sglang_load``."""
+    engines = (("e0", 4),)
+    results = remote_update(deepseek_tp4, 2, engines, ONE_WINDOW)
+    check_remote_fp8(results, 2, engines, ONE_WINDOW, DEEPSEEK_TP4_FP8, False)
 
 
 REFUSED = {

@@ -254,7 +254,7 @@ def _derived_refresh(model, expected_computed) -> dict:
 
 def run_job(job: dict, out_path: str) -> None:
     """``job``: {"fp8": dir, "bf16": dir, "variants": {name: [server args, [[T, r], ...]]}}.
-    Writes ``torch.save({name: {(T, r): {"checksums", "live", "derived",
+    Writes ``torch.save({name: {(T, r): {"checksums", "live", "derived", "parallel",
     "post_load_idempotent", "post_load_changed", "post_load_replaced", "computed",
     "refresh"}}})``: each variant's engine ranks built with its server arguments;
     ``computed`` the checksums of what SGLang derived after loading (``computed``),
@@ -287,7 +287,7 @@ def _load_ranks(cases, server_args: dict, fp8: Path, bf16: Path, full, layout) -
         derive_rank,
     )
     from sglang.srt.weight_sync.fp8_targets import derivation_config
-    from sglang.srt.weight_sync.sglang_compat import after_load
+    from sglang.srt.weight_sync.sglang_compat import after_load, parallel_widths
 
     out = {}
     for tp, rank in cases:
@@ -307,6 +307,8 @@ def _load_ranks(cases, server_args: dict, fp8: Path, bf16: Path, full, layout) -
                 "checksums": {n: checksum(p) for n, p in params.items()},
                 "live": {n: (tuple(p.shape), p.dtype) for n, p in params.items()},
                 "derived": derived,
+                # the engine's (TP, attention TP, MoE EP) widths, as it publishes them
+                "parallel": parallel_widths()[:3],
                 "post_load_idempotent": idempotent,
                 "post_load_changed": list(changed),
                 "post_load_replaced": replaced,

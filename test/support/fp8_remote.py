@@ -119,8 +119,11 @@ def _engine_rank(tp: int, tp_rank: int, loads: dict, shapes) -> Tuple:
         n: torch.randn(s, generator=garbage).to(d) for n, (s, d) in sorted(live.items())
     }
     model = module_of(tensors)
-    derived = DerivedTargets.of_ranks(
-        EngineParallel(tp), [loads[(tp, r)]["derived"] for r in range(tp)], shapes, {}
+    derived = DerivedTargets.of_ranks(  # the widths the engine publishes (EP, say)
+        EngineParallel(*loads[(tp, 0)]["parallel"]),
+        [loads[(tp, r)]["derived"] for r in range(tp)],
+        shapes,
+        {},
     )
     layout = EngineLayout(tp_rank)
     return model, layout, layout.live(model, derived, block_fp8=True)

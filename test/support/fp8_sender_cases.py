@@ -248,8 +248,11 @@ def trainer_side_rank(
     else:
         layout, local = fsdp_shards(full, world)
     del full  # the reference lives in ``loads``: no rank keeps a full tensor past here
-    derived = DerivedTargets.of_ranks(
-        EngineParallel(tp), [loads[(tp, r)]["derived"] for r in range(tp)], shapes, {}
+    derived = DerivedTargets.of_ranks(  # the widths the engine publishes (EP, say)
+        EngineParallel(*loads[(tp, 0)]["parallel"]),
+        [loads[(tp, r)]["derived"] for r in range(tp)],
+        shapes,
+        {},
     )
     mine = rank % tp
     live = loads[(tp, mine)]["live"]
