@@ -1,6 +1,7 @@
 """NCCL's set-up that blocks the host (communicator init in the warm-up, a pair's first
 connection) runs within the update's bound: ``setup_bound.issue_within`` and
-``executor.DataGroup.issue``.
+``executor.DataGroup.issue``; a NCCL data group is made with a watchdog that never ends the
+process (``nccl_watchdog.data_plane_env``).
 
 On gloo nothing blocks the host there, so the blocking is NCCL's as the data plane meets it,
 stood in for: the call that posts the warm-up's all-reduce blocks (NCCL's bootstrap root
@@ -8,6 +9,7 @@ waiting for a rank that never comes) on one rank and fails at once (the rank tha
 reach the root) on the other. What NCCL itself does there needs GPUs (docs/gpu.md).
 """
 
+import os
 import threading
 import time
 
@@ -18,6 +20,11 @@ from plan_samples import whole_tensor_plan
 from ranks import run_ranks
 
 from sglang.srt.weight_sync.control_plane import PeerLost
+from sglang.srt.weight_sync.nccl_watchdog import (
+    DATA_PLANE_ENV,
+    data_plane_env,
+    watchdog_settings,
+)
 from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
 
 BOUND_S = 2.0
@@ -131,116 +138,20 @@ def test_peer_lost_is_what_a_stranded_set_up_raises():
     release.set()
 
 
-# pr: scale
-def _one_rank_missed_a_making(rank: int, world: int) -> dict:
-    """Rank 0 makes the trainer's data group alone (its peer failed before it got there):
-    its making runs out its bound. Then both ranks agree, as ``agree_on_inputs`` does, that
-    one lacks a group and on its number (the highest proposal), make it together and a move
-    lands; the store keeps the keys of that group only. A count kept per rank or in the
-    store would have rank 0 one group ahead from then on: every later making would meet a
-    peer under another name and run out its bound."""
-    from sglang.srt.weight_sync.control_plane import _store
-    from sglang.srt.weight_sync.executor import DataGroup, execute
-    from sglang.srt.weight_sync.trainer_flow import TrainerSync
-
-    sync, out = TrainerSync(), {}
-    if rank == 0:
-        started = time.monotonic()
-        try:
-            sync.ready_data(0, BOUND_S)
-            out["alone"] = "made"
-        except Exception as e:  # noqa: BLE001 - what a lone making raises is asserted
-            out["alone"] = f"{type(e).__name__}: {e}"
-        out["alone_s"] = time.monotonic() - started
-    dist.barrier()
-    agreed = sync.world.agree(
-        [],
-        {},
-        {"no data group": sync.lacks_data},
-        30.0,
-        f"rank {rank}: agreeing on the data group",
-        {"data group number": DataGroup.number_proposal(None, sync.data_groups_made)},
-    )
-    out["raised"] = agreed.raised
-    number = agreed.highest["data group number"]
-    out["number"] = number
-    data = sync.ready_data(number, 30.0)
-    plan = whole_tensor_plan(0, {1}, world)
-    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    params = {"p": torch.zeros(6, 4)} if rank == 1 else {}
-    execute(plan, rank, {"w": full} if rank == 0 else {}, params, data, 30.0)
-    out["landed"] = all(torch.equal(p, full) for p in params.values())
-    dist.barrier()
-    out["groups_in_store"] = sorted(
-        {
-            k.split("/")[3]
-            for k in _store().list_keys()
-            if k.startswith("weight_sync/group/")
-        }
-    )
-    return out
-
-
-def test_a_rank_that_missed_a_making_takes_its_peers_number_next():
-    ahead, behind = run_ranks(2, _one_rank_missed_a_making)
-    assert ahead["alone"] != "made", ahead
-    assert ahead["alone_s"] < BOUND_S + 5, ahead
-    assert ahead["raised"] == behind["raised"] == ("no data group",)
-    assert ahead["number"] == behind["number"] == 1, (ahead, behind)
-    assert ahead["landed"] and behind["landed"]
-    assert ahead["groups_in_store"] == behind["groups_in_store"] == ["1"], ahead
-
-
-# pr: scale end
-def _control_group_alone(rank: int, world: int) -> dict:
-    """Rank 0 makes an engine-style control group (a gloo group of its own) that rank 1
-    never makes: ``PeerLost`` within its set-up bound, not gloo's hours-long group timeout."""
-    from sglang.srt.weight_sync.control_plane import ControlGroup
-
-    out = {}
-    if rank == 0:
-        started = time.monotonic()
-        try:
-            ControlGroup(None, "engine-0", own=True, setup_s=BOUND_S)
-            out["made"] = "made"
-        except PeerLost as e:
-            out["made"] = str(e)
-        out["seconds"] = time.monotonic() - started
-    dist.barrier()
-    return out
-
-
-def test_a_control_group_a_rank_never_makes_is_peer_lost_within_its_bound():
-    alone, _ = run_ranks(2, _control_group_alone)
-    assert alone["made"].startswith(
-        "making the control group 'engine-0' over ranks [0, 1]: a rank never came within "
-        f"{BOUND_S:g}s"
-    ), alone
-    assert alone["seconds"] < BOUND_S + 3, alone
-
-
-def test_a_made_group_forgets_earlier_groups_keys_never_a_later_ones():
-    """Once group ``n`` is made, each rank deletes the keys groups before it left. A peer
-    whose first use of group ``n`` failed at once (an unreachable NCCL root) is already
-    writing its address for group ``n + 1`` while a slower rank is still here: deleting
-    every other number's keys, as this did, took that address away, and both ranks then
-    waited out the next making's bound (the flaky ``never_finishes`` case above)."""
-    from sglang.srt.weight_sync.control_plane import forget_keys
-
-    store = dist.HashStore()
-    prefix = "weight_sync/group/0,1"
-    for key in ("0/rank_0", "0/rank_1", "1/rank_0", "2/rank_1", "10/rank_0", "x"):
-        store.set(f"{prefix}/{key}", "addr")
-    store.set("weight_sync/group/0,1,2/0/rank_0", "another group's")
-    assert forget_keys(store, prefix, below=1) == 2
-    assert sorted(store.list_keys()) == sorted(
-        [
-            f"{prefix}/1/rank_0",
-            f"{prefix}/2/rank_1",
-            f"{prefix}/10/rank_0",
-            f"{prefix}/x",
-            "weight_sync/group/0,1,2/0/rank_0",
-        ]
-    )
-    assert forget_keys(store, prefix) == 4  # a rendezvous every rank left: all of it
-    assert store.list_keys() == ["weight_sync/group/0,1,2/0/rank_0"]
+def test_nccl_data_groups_are_made_with_a_watchdog_that_never_ends_the_process(
+    monkeypatch,
+):
+    """Under ``data_plane_env`` a NCCL group reads CleanUpOnly error handling, no dump
+    signal, no monitor of its own; the environment is restored after; gloo is untouched."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    assert watchdog_settings().tears_down
+    with data_plane_env("cpu:gloo,cuda:nccl") as settings:
+        assert not settings.tears_down and not settings.dump_on_timeout
+        assert not settings.monitoring
+        assert all(os.environ[k] == v for k, v in DATA_PLANE_ENV.items())
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    with data_plane_env("gloo") as settings:
+        assert settings is None
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"

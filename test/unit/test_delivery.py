@@ -203,13 +203,12 @@ def test_a_negative_size_in_the_header_drops_the_message():
     )
 
 
+# pr: scale
 def test_a_params_payload_carries_its_fp8_regions():
     """A trainer-side payload into a block-FP8 engine: a parameter buffer, an e4m3 region
     (bytes, then scales) and a bf16 region, listed in the header; the same regions and
     bytes arrive, update after update."""
-    # pr: scale
     # inline on the first update and through shared memory on the next
-    # pr: scale end
     from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind, PayloadKind
 
     regions = (
@@ -244,16 +243,15 @@ def test_a_params_payload_carries_its_fp8_regions():
             for name, t in tensors.items():
                 got = payload.tensors[name]
                 assert got.dtype == t.dtype and torch.equal(got, t), (update, name)
-            # pr: scale
             shared = payload.runs is not None
-            # pr: scale end
             sender.release()
-        # pr: scale
         assert shared  # the second update came through the segment
-        # pr: scale end
     finally:
         sender.close()
         receiver.close()
+
+
+# pr: scale end
 
 
 def test_a_parameters_local_shard_is_its_own_local_tensor():

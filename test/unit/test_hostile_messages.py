@@ -27,8 +27,6 @@ from sglang.srt.weight_sync.protocol import (
     CUDA_IPC_GLOBALS,
     ChannelError,
     DeliveryError,
-    Fp8Region,
-    Fp8RegionKind,
     LayoutFrames,
     PayloadKind,
     decode_header,
@@ -38,6 +36,12 @@ from sglang.srt.weight_sync.protocol import (
     resolve_channel,
 )
 from sglang.srt.weight_sync.source_layout import MeshSpec
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind
+
+# pr: scale end
 
 NESTED = b"[" * 400_000 + b"]" * 400_000  # the issue's input: 400,000 levels
 
@@ -126,6 +130,7 @@ def test_header_fields_are_checked_by_type_and_range(field, value, text):
     assert text in str(e.value)
 
 
+# pr: scale
 def _params_header(regions) -> dict:
     """A "params" payload of one e4m3 region (16 x 16 of a 128-block weight) and one staged."""
     return json.loads(
@@ -191,6 +196,7 @@ def test_fp8_regions_only_in_a_params_payload():
         decode_header([json.dumps(header).encode(), b"", b""])
 
 
+# pr: scale end
 @pytest.mark.parametrize(
     "raw,text",
     [
@@ -393,12 +399,17 @@ def test_cuda_ipc_globals_load_and_nothing_loads_on_cpu():
     data = pickle.dumps(
         [torch.Size([2, 3]), torch.bfloat16, torch.Tensor, rebuild_cuda_tensor]
     )
-    assert unpickle_handles(data, PayloadKind.PARAMS, cuda=True) == [
-        torch.Size([2, 3]),
-        torch.bfloat16,
-        torch.Tensor,
-        rebuild_cuda_tensor,
-    ]
+    carrying = [PayloadKind.SHARDS]  # kinds whose CUDA tensors travel as IPC handles
+    # pr: scale
+    carrying.append(PayloadKind.PARAMS)
+    # pr: scale end
+    for kind in carrying:
+        assert unpickle_handles(data, kind, cuda=True) == [
+            torch.Size([2, 3]),
+            torch.bfloat16,
+            torch.Tensor,
+            rebuild_cuda_tensor,
+        ]
     refused = [(PayloadKind.SHARDS, False)]
     # pr: scale
     refused.append((PayloadKind.DESCRIBE, True))  # it carries no tensors

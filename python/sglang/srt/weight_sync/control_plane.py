@@ -27,6 +27,7 @@ collectives serving relies on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import time
@@ -37,7 +38,6 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang.srt.weight_sync.nccl_watchdog import data_plane_env
 from sglang.srt.weight_sync.protocol import (
     GRACE_S,
     MAX_TIMEOUT_S,
@@ -45,6 +45,12 @@ from sglang.srt.weight_sync.protocol import (
     trainer_bound_s,
 )
 from sglang.srt.weight_sync.sglang_compat import unsplit_groups
+
+# isort: split
+# pr: safety
+from sglang.srt.weight_sync.nccl_watchdog import data_plane_env
+
+# pr: safety end
 
 __all__ = (
     "Agreement",
@@ -588,9 +594,7 @@ def join_group(
     this world's: its ranks are their own "global" ranks (``get_global_rank`` is the
     identity), and a caller takes its own rank from ``group.rank()``, never ``get_rank``.
     ``ranks``: the group is one of this world's ranks instead (``fresh_group``), mapped as
-    ``new_group`` maps them. On NCCL it is made under ``nccl_watchdog.DATA_PLANE_ENV``: its
-    watchdog aborts its communicators on an error it finds itself and never ends the
-    process, writes no dump signal, runs no heartbeat monitor. Its communicator is its own, never split from the default
+    ``new_group`` maps them. Its communicator is its own, never split from the default
     group's (``unsplit_groups``). ``setup_s``: the bound of its making (gloo's rendezvous in
     the store and its connections to every peer wait for the group's timeout, hours for a
     group whose timeout is above every update's bound): made with ``setup_s``, then given
@@ -602,14 +606,24 @@ def join_group(
         _world,
     )
 
+    # the environment the group is made in: the process's own
+    making = contextlib.nullcontext()
+    # pr: safety
+    # on NCCL, ``nccl_watchdog.DATA_PLANE_ENV``: the group's watchdog aborts its
+    # communicators on an error it finds itself and never ends the process, writes no
+    # dump signal, runs no heartbeat monitor
+    making = data_plane_env(backend)
+    # pr: safety end
     # its own communicator: split from the trainer's default one (bound to a device), it
-    # would hold the trainer's ranks only; on NCCL, a watchdog that never ends the process
-    with unsplit_groups(), data_plane_env(backend) as watchdog:
+    # would hold the trainer's ranks only
+    with unsplit_groups(), making as watchdog:
+        # pr: safety
         if watchdog is not None and watchdog.tears_down:
             raise BoundTooLong(
                 f"group {prefix!r}: its NCCL watchdog would read TORCH_NCCL_ASYNC_ERROR_HANDLING="
                 f"{watchdog.async_error_handling} and end the process on an error it finds"
             )
+        # pr: safety end
         group, _ = _new_process_group_helper(
             size,
             rank,

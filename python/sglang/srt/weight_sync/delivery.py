@@ -66,7 +66,6 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     ChannelError,
     DeliveryError,
-    Fp8Region,
     HeaderBound,
     HeaderTooLarge,
     LayoutFrames,
@@ -82,7 +81,7 @@ from sglang.srt.weight_sync.source_layout import HoldersSpec, MeshRanks, MeshSpe
 
 # isort: split
 # pr: scale
-from sglang.srt.weight_sync.protocol import segment_socket_path, with_head
+from sglang.srt.weight_sync.protocol import Fp8Region, segment_socket_path, with_head
 from sglang.srt.weight_sync.shared_segment import (
     SegmentError,
     SegmentInbox,
@@ -136,9 +135,9 @@ class Payload:
     # 1-d views covering exactly the bytes of ``tensors`` when they came in one shared-memory
     # segment (``shared_segment.MappedSegment.runs``), else None
     runs: Optional[List[torch.Tensor]] = None
-    # pr: scale end
     # "params": regions of block-FP8 weights, each in its tensor of ``tensors`` (by key)
     fp8_regions: Tuple[Fp8Region, ...] = ()
+    # pr: scale end
 
 
 def local_shard(
@@ -340,8 +339,9 @@ class ShardSender:
         kind: PayloadKind = PayloadKind.SHARDS,
         names: Sequence[str] = (),
         fingerprint: str = "",
-        fp8_regions: Sequence[Fp8Region] = (),
         # pr: scale
+        # the block-FP8 regions of a "params" payload (``Payload.fp8_regions``)
+        fp8_regions: Sequence[Fp8Region] = (),
         # the description ``shards`` come from (``source_layout.Described.sources``): the
         # same object as the last send's stands for the same names, specs and local shapes,
         # so the dtypes, the segment's layout and the header follow from the last send's
@@ -351,8 +351,7 @@ class ShardSender:
     ) -> None:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
-        "params" payload); ``kind``, ``names``, ``fingerprint``, ``fp8_regions``: see
-        ``Payload``."""
+        "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
         tensors = [t for _, t, _ in shards]
         inline = None
         self._alive = []
@@ -403,8 +402,8 @@ class ShardSender:
             inline,
             # pr: scale
             shared,
-            # pr: scale end
             fp8_regions,
+            # pr: scale end
         )
         # pr: scale
         self._header = None if key is None else (key, header)
@@ -709,8 +708,8 @@ class ShardReceiver:
             header["memo"],
             # pr: scale
             runs,
-            # pr: scale end
             header["fp8_regions"],
+            # pr: scale end
         )
 
     def _check_addressing(self, header: dict, names: List[str]) -> None:

@@ -174,15 +174,18 @@ class ReceivedShards:
 
 @dataclass
 class _Validated:
-    """What step 2 found on this rank before any write: its problems, and either the plan
-    to execute (with the shards it reads and the parameters it writes) or the work this
-    rank does alone (``local``: returns its ``FIGURES``; the data plane is not used)."""
+    """What step 2 found on this rank before any write: its problems, and the plan to
+    execute (with the shards it reads and the parameters it writes)."""
 
     problems: List[str]
     plan: Optional[Plan] = None
     shards: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     params: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # pr: scale
+    # or, instead of a plan, the work this rank does alone (returns its ``FIGURES``; the
+    # data plane is not used)
     local: Optional[Callable[[], Tuple[int, int, int]]] = None
+    # pr: scale end
     # pr: fp8
     # block-FP8 weights: the plan cut for sender quantization, the staging of the blocks
     # left, the live e4m3 weights and scales (``params`` holds the staging instead)
@@ -450,10 +453,10 @@ class EngineWeightSync:
     def apply(
         self, model: torch.nn.Module, model_config, received: ReceivedShards, recv_req
     ) -> Tuple[bool, str]:
-        """Validate, agree, plan and execute on this rank; every TP rank calls it together.
-        A "params" payload (trainer-side resharding) is only checked and copied in place."""
+        """Validate, agree, plan and execute on this rank; every TP rank calls it together."""
         # pr: scale
-        # A "describe" payload publishes this engine's manifest into the channel.
+        # A "params" payload (trainer-side resharding) is only checked and copied in place;
+        # a "describe" payload publishes this engine's manifest into the channel.
         # pr: scale end
         bound = (
             _timeout(recv_req) + GRACE_S
@@ -486,7 +489,7 @@ class EngineWeightSync:
         if refusal is not None:
             return False, refusal
         data = None
-        if found.plan is not None and found.local is None:
+        if found.plan is not None:
             with clock.phase(Phase.AGREE):
                 data, refusal = self.ready_data_group(found.plan, number, bound)
             if refusal is not None:
@@ -809,6 +812,56 @@ class EngineWeightSync:
             checked=True,  # _validate checked them; the ranks agreed on it
         )
 
+    def _run(
+        self,
+        found: _Validated,
+        recv_req,
+        bound: float,
+        data: Optional[DataGroup],
+        clock: PhaseClock,
+    ) -> Tuple[int, int, int]:
+        """Execute the plan over ``data`` and make sure its writes are done: this rank's
+        figures (bytes received, their lower bound, the staging peak)."""
+        # pr: scale
+        if found.local is not None:  # the work this rank does alone: no data plane
+            with clock.phase(Phase.APPLY):
+                return found.local()
+        # pr: scale end
+        try:
+            with clock.phase(Phase.EXECUTE):
+                stats = self._execute(found, data, bound)
+                clock.add(Phase.APPLY, stats.copy_seconds)
+        except PeerLost:
+            self.drop_data_group()  # its pending work must not outlive the update
+            raise
+        clock.count(Count.ROUNDS, stats.rounds)
+        clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
+        clock.count(
+            Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
+        )
+        with clock.phase(Phase.APPLY):
+            written = list(found.params.values())
+            lower_bound = found.plan.lower_bound_bytes(self.rank)
+            # pr: fp8
+            if found.fp8 is not None:
+                # every element of every block left has met in staging: quantize in place
+                found.fp8.quantize_left()
+                written += found.fp8.fp8_params.values()
+                lower_bound = found.fp8.sender.lower_bound_bytes(self.rank)
+            # pr: fp8 end
+            synchronize(written)  # the trainer may reuse what we read once we reply
+        if stats.peak_staging_bytes:
+            release_cached_memory(found.params.values())
+        mine = (stats.bytes_received, lower_bound, stats.peak_staging_bytes)
+        logger.info(
+            "distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
+            "staged at most %d",
+            recv_req.update_id,
+            self.rank,
+            *mine,
+        )
+        return mine
+
     def _write(
         self,
         model,
@@ -819,46 +872,10 @@ class EngineWeightSync:
         data: Optional[DataGroup],
         trips: int,
     ) -> List[List[int]]:
-        """Run the plan (or the local step), refresh derived tensors, share the figures
+        """Run the plan (``_run``), refresh derived tensors, share the figures
         and this rank's phases (one all-reduce)."""
         clock = received.clock
-        if found.local is not None:
-            with clock.phase(Phase.APPLY):
-                mine = found.local()
-        else:
-            try:
-                with clock.phase(Phase.EXECUTE):
-                    stats = self._execute(found, data, bound)
-                    clock.add(Phase.APPLY, stats.copy_seconds)
-            except PeerLost:
-                self.drop_data_group()  # its pending work must not outlive the update
-                raise
-            clock.count(Count.ROUNDS, stats.rounds)
-            clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
-            clock.count(
-                Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
-            )
-            with clock.phase(Phase.APPLY):
-                written = list(found.params.values())
-                lower_bound = found.plan.lower_bound_bytes(self.rank)
-                # pr: fp8
-                if found.fp8 is not None:
-                    # every element of every block left has met in staging: quantize in place
-                    found.fp8.quantize_left()
-                    written += found.fp8.fp8_params.values()
-                    lower_bound = found.fp8.sender.lower_bound_bytes(self.rank)
-                # pr: fp8 end
-                synchronize(written)  # the trainer may reuse what we read once we reply
-            if stats.peak_staging_bytes:
-                release_cached_memory(found.params.values())
-            mine = (stats.bytes_received, lower_bound, stats.peak_staging_bytes)
-            logger.info(
-                "distributed weight update %s, engine rank %d: received %d bytes (lower bound %d), "
-                "staged at most %d",
-                recv_req.update_id,
-                self.rank,
-                *mine,
-            )
+        mine = self._run(found, recv_req, bound, data, clock)
         refresh = True
         # pr: scale
         refresh = received.payload.kind != PayloadKind.DESCRIBE  # it wrote nothing

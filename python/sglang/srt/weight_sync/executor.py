@@ -42,10 +42,14 @@ from sglang.srt.weight_sync.control_plane import (
     wait,
 )
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
-from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
 from sglang.srt.weight_sync.source_layout import Holder
 from sglang.srt.weight_sync.staging_budget import keep_for_stream
 
+# isort: split
+# pr: safety
+from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
+
+# pr: safety end
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.copy_program import CopyProgram
@@ -135,10 +139,7 @@ class DataGroup:
     write (the engine does), where a failure is still a refusal.
 
     On NCCL both block the host inside the call that posts the work (communicator init,
-    the pair's connection), before a poll could start: ``warm_up`` and ``connect`` post on
-    a thread of their own, waited for within the bound (``setup_bound.issue_within``); a
-    call still inside NCCL when the bound runs out leaves the group to that thread, which
-    aborts it once the call returns, and the owner drops it as after a failed wait.
+    the pair's connection), before a poll could start (``issue``).
 
     Every wait on the group goes through ``wait``: on NCCL it polls the work against the
     bound and aborts the group before it raises (``control_plane.poll``), never
@@ -252,28 +253,34 @@ class DataGroup:
             raise
 
     def issue(self, call, timeout_s: Optional[float], phase: str):
-        """``call()``, which posts works on this group, bounded on NCCL by ``timeout_s``
-        (``setup_bound.issue_within``: its NCCL set-up blocks the host). Still inside NCCL at
-        the bound: ``PeerLost`` naming ``phase``, the group lost, and left to that call's
-        thread, which aborts it once the call returns (nothing here touches it meanwhile).
-        A call that raises (NCCL's init failed; on gloo, a killed peer's closed connection)
-        abandons the group as a failed wait does."""
-        group = self.group
+        """``call()``, which posts works on this group (on NCCL its set-up may block the
+        host: the communicator's init, a pair's first connection). A call that raises
+        (NCCL's init failed; on gloo, a killed peer's closed connection) abandons the group
+        as a failed wait does."""
         try:
-            if not self.polled or timeout_s is None:
-                return call()
-            return issue_within(
-                call,
-                timeout_s,
-                self.device,
-                lambda: leave_group(group, destroy=False),
-                f"weight-sync set-up: {phase}"[:60],
-            )
+            # pr: safety
+            # bounded on NCCL by ``timeout_s`` (``setup_bound.issue_within``): still inside
+            # NCCL at the bound, ``PeerLost`` naming ``phase``, the group lost, and left to
+            # that call's thread, which aborts it once the call returns (nothing here
+            # touches it meanwhile)
+            group = self.group
+            if self.polled and timeout_s is not None:
+                return issue_within(
+                    call,
+                    timeout_s,
+                    self.device,
+                    lambda: leave_group(group, destroy=False),
+                    f"weight-sync set-up: {phase}"[:60],
+                )
+            # pr: safety end
+            return call()
+        # pr: safety
         except SetUpStranded as e:
             self.lost = f"{phase}: {e}; the group is dropped"
             self.abandoned = True  # its thread aborts it (``abandon`` leaves it alone)
             self.abandon()
             raise PeerLost(self.lost) from None
+        # pr: safety end
         except RuntimeError as e:
             self.lost = f"{phase}: {type(e).__name__}: {e}"
             self.abandon()

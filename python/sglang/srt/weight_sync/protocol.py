@@ -62,8 +62,10 @@ __all__ = (
     "MAX_RANK",
     "PayloadKind",
     "REFUSED",
+    # pr: scale
     "Fp8Region",
     "Fp8RegionKind",
+    # pr: scale end
     "WEIGHTS_RELEASED",
     "answer_bound_s",
     "as_tensor_request",
@@ -364,12 +366,13 @@ class PayloadKind(str, enum.Enum):
     """What a trainer rank's payload asks of the engine rank beside it."""
 
     SHARDS = "shards"  # its local shards: the engine reshards within its TP group
-    PARAMS = "params"  # parameter-shaped buffers in this rank's layout: the engine only copies
     # pr: scale
+    PARAMS = "params"  # parameter-shaped buffers in this rank's layout: the engine only copies
     DESCRIBE = "describe"  # no tensors: publish the engine's manifest into the channel
     # pr: scale end
 
 
+# pr: scale
 class Fp8RegionKind(str, enum.Enum):
     """How a ``Fp8Region`` of a block-FP8 weight travels in a "params" payload."""
 
@@ -453,6 +456,7 @@ def _is_region_wire(w) -> bool:
     )
 
 
+# pr: scale end
 def header_fields(
     update_id: str,
     trainer_rank: int,
@@ -467,15 +471,15 @@ def header_fields(
     # (segment id, (dtype, shape, offset) per tensor) when the tensors lie in a
     # shared-memory segment passed beside the message (``shared_segment``)
     shared: Optional[Tuple[str, Sequence[Tuple[str, Sequence[int], int]]]] = None,
-    # pr: scale end
+    # the block-FP8 regions a "params" payload carries (``Fp8Region``)
     fp8_regions: Sequence[Fp8Region] = (),
+    # pr: scale end
 ) -> Dict[str, Any]:
     """The fields of a payload's header: ``tensors`` and ``pieces`` as (name, wire layout or
-    None); ``inline``: (dtype, shape) per tensor when they follow as raw frames;
-    ``fp8_regions``: the block-FP8 regions a "params" payload carries (``Fp8Region``).
-    Each distinct device mesh is written once, in ``meshes``, and a tensor's layout names
-    it by index: a mesh lists every trainer rank, so repeating it per tensor would grow
-    the header with tensors times ranks."""
+    None); ``inline``: (dtype, shape) per tensor when they follow as raw frames. Each
+    distinct device mesh is written once, in ``meshes``, and a tensor's layout names it by
+    index: a mesh lists every trainer rank, so repeating it per tensor would grow the
+    header with tensors times ranks."""
     meshes: Dict[str, int] = {}
     by_id: Dict[int, int] = {}  # tensors of one mesh share its object: encoded once
 
@@ -500,8 +504,10 @@ def header_fields(
     }
     if meshes:
         header["meshes"] = [json.loads(m) for m in meshes]
+    # pr: scale
     if fp8_regions:
         header["fp8_regions"] = [q.to_wire() for q in fp8_regions]
+    # pr: scale end
     if inline is not None:
         header["inline"] = [[str(d), [int(s) for s in shape]] for d, shape in inline]
     # pr: scale
@@ -554,8 +560,8 @@ _LAYOUT_KEYS = frozenset(
         "inline",
         # pr: scale
         "placements",
-        # pr: scale end
         "fp8_regions",
+        # pr: scale end
     )
 )
 
@@ -698,12 +704,14 @@ def decode_header(
         kind,
         f"one of {sorted(_KINDS)}",
     )
+    # pr: scale
     _check(
         not layout["fp8_regions"] or kind == PayloadKind.PARAMS.value,
         "fp8_regions",
         f"{len(layout['fp8_regions'])} entries in a {kind!r} payload",
         'none outside a "params" payload',
     )
+    # pr: scale end
     inline = layout["inline"]
     expected = 1 if inline is None else len(inline)
     # pr: scale
@@ -732,9 +740,9 @@ def decode_header(
         "kind": PayloadKind(kind),
         "names": layout["names"],
         "fingerprint": layout["fingerprint"],
-        "fp8_regions": layout["fp8_regions"],
         "inline": inline,
         # pr: scale
+        "fp8_regions": layout["fp8_regions"],
         "shared": None if placements is None else [segment, placements],
         # pr: scale end
         "data_at": data_at,
@@ -841,6 +849,7 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         inline,
         "null or [dtype, shape] for each tensor",
     )
+    # pr: scale
     regions = fields.get("fp8_regions", [])
     keys = {n for n, _ in tensors}
     _check(
@@ -853,7 +862,6 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         "a list of [tensor key, kind, parameter, index, offsets, sizes, [rows, columns]], each "
         "naming one of the payload's tensors once",
     )
-    # pr: scale
     placements = fields.get("placements")
     _check(
         placements is None
@@ -883,8 +891,8 @@ def _checked_layout(fields: dict) -> Dict[str, Any]:
         "inline": inline,
         # pr: scale
         "placements": placements,
-        # pr: scale end
         "fp8_regions": tuple(Fp8Region.from_wire(q) for q in regions),
+        # pr: scale end
         # what a receiver derives from this layout (its specs), kept as long as the layout
         "memo": {},
     }
@@ -910,9 +918,9 @@ _HEADER_KEYS = _REQUIRED_KEYS | {
     "inline",
     # pr: scale
     "shared",
+    "fp8_regions",
     # pr: scale end
     "meshes",
-    "fp8_regions",
 }
 _HEAD_REQUIRED = frozenset(("update_id", "trainer_rank", "rank_map", "layout"))
 _HEAD_KEYS = _HEAD_REQUIRED | {
