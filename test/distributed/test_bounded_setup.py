@@ -155,3 +155,32 @@ def test_nccl_data_groups_are_made_with_a_watchdog_that_never_ends_the_process(
     with data_plane_env("gloo") as settings:
         assert settings is None
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_a_nccl_group_whose_watchdog_would_end_the_process_is_refused_unmade(
+    monkeypatch,
+):
+    """``join_group`` reads the settings a NCCL group would be made with and refuses, before
+    making it, a watchdog that would rethrow and end the process on an error it finds
+    (TearDown); the process's environment is restored after the refusal."""
+    from torch.distributed import distributed_c10d
+
+    from sglang.srt.weight_sync import nccl_watchdog
+    from sglang.srt.weight_sync.control_plane import BoundTooLong, join_group
+
+    monkeypatch.setitem(
+        nccl_watchdog.DATA_PLANE_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"
+    )
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the group was made")
+
+    monkeypatch.setattr(distributed_c10d, "_new_process_group_helper", never)
+    with pytest.raises(BoundTooLong) as e:
+        join_group(dist.HashStore(), "weights", 0, 2, "nccl", 60.0)
+    assert str(e.value) == (
+        "group 'weights': its NCCL watchdog would read TORCH_NCCL_ASYNC_ERROR_HANDLING=3 "
+        "and end the process on an error it finds"
+    )
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
