@@ -364,6 +364,24 @@ def remote_update(checkpoint, trainers: int, engines, bucket: int) -> list:
     return run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=300)
 
 
+def check_trainer_side_fp8(results, fp8_weights: int) -> None:
+    """What every rank of a trainer-side one hop into block-FP8 engines (``update_rank`` or
+    ``trainer_side_rank`` with more trainer ranks than engine TP) must find: each engine rank
+    quantized its ``fp8_weights`` e4m3 weights, every parameter equals SGLang's load, only
+    the FP8 KV-cache scales are not written, each rank received its plan's bound and staged
+    at most the staging bound, and was handed exactly the quantized lower bound with both
+    kinds (e4m3 regions and bf16 regions the engine quantizes), never an FP8 buffer."""
+    for rank, r in enumerate(results):
+        assert r["quantized"] == r["fp8_live"] == fp8_weights, r
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
+        assert r["received"] == r["lower_bound"] == r["planned"], r
+        assert r["peak"] <= r["staging_bound"], r
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
+        assert r["fp8_buffers"] == 0, r
+
+
 def check_remote_fp8(
     results, trainers: int, engines, bucket: int, fp8_weights: int, all_whole: bool
 ):
@@ -505,17 +523,14 @@ def test_deepseek_v3_fp8_params_equal_sglang_load(deepseek, world, tp):
     bf16, loads, fp8_weights = deepseek
     bucket = BUCKET if world == tp else 1 << 30
     results = run_ranks(world, update_rank, tp, str(bf16), loads, bucket)
+    if world != tp:  # trainer-side: both kinds reach the engine rank
+        check_trainer_side_fp8(results, fp8_weights)
+        return
     for rank, r in enumerate(results):
         assert r["quantized"] == r["fp8_live"] == fp8_weights, r
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
         assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
         assert r["received"] == r["lower_bound"] == r["planned"], r
-        if world != tp:  # trainer-side: both kinds reach the engine rank
-            assert r["peak"] <= r["staging_bound"], r
-            assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
-            assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
-            assert r["fp8_buffers"] == 0, r
-            continue
         assert r["received"] == r["counted"] and r["peak"] <= BUCKET, r
         if world == 2:
             assert r["blocks_received_quantized"] > 0, r
@@ -555,15 +570,7 @@ def test_deepseek_v3_fp8_expert_parallel_trainer_side_one_hop(deepseek_loads):
     widths = loads["ep2"][(2, 0)]["parallel"]
     assert widths == (2, 2, 2), widths
     results = run_ranks(4, update_rank, 2, str(bf16), loads["ep2"], 1 << 30)
-    for rank, r in enumerate(results):
-        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_VARIANTS["shared"][1], r
-        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
-        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
-        assert r["received"] == r["lower_bound"] == r["planned"], r
-        assert r["peak"] <= r["staging_bound"], r
-        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
-        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
-        assert r["fp8_buffers"] == 0, r
+    check_trainer_side_fp8(results, DEEPSEEK_VARIANTS["shared"][1])
 
 
 def test_deepseek_v3_fp8_expert_parallel_remote(deepseek_loads):
@@ -671,15 +678,7 @@ def test_deepseek_v3_fp8_engine_tp4_trainer_side_one_hop(deepseek_tp4):
 
     bf16, loads = deepseek_tp4
     results = run_ranks(4, trainer_side_rank, 4, str(bf16), loads, 1 << 30, 1)
-    for rank, r in enumerate(results):
-        assert r["quantized"] == r["fp8_live"] == DEEPSEEK_TP4_FP8, r
-        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
-        assert all(n.endswith((".k_scale", ".v_scale")) for n in r["not_written"]), r
-        assert r["received"] == r["lower_bound"] == r["planned"], r
-        assert r["peak"] <= r["staging_bound"], r
-        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
-        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
-        assert r["fp8_buffers"] == 0, r
+    check_trainer_side_fp8(results, DEEPSEEK_TP4_FP8)
 
 
 def test_deepseek_v3_fp8_engine_tp4_remote(deepseek_tp4):
