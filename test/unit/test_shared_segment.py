@@ -14,6 +14,7 @@ import tempfile
 import pytest
 import torch
 import zmq
+from engine import SHM_PREFIXES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from payload_samples import every_dtype_and_shape
@@ -264,8 +265,10 @@ def test_many_updates_leave_no_descriptor_mapping_or_shm_file(pair):
     assert _fds() - fds < updates, (fds, _fds())
     # no file in /dev/shm either (a segment is a memfd). /dev/shm is the machine's: under
     # pytest-xdist the other worker's engines and multiprocessing queues add SGLang's files
-    # and named semaphores meanwhile, which this process never makes
-    others = ("sem.mp-", "sgl_shm", "sglang_loads_", "multi_tokenizer_args_")
+    # and named semaphores meanwhile (``engine.SHM_PREFIXES``), which this process never
+    # makes; Python's own SharedMemory names ("psm_") stay counted, as a segment made that
+    # way would take them
+    others = tuple(p for p in SHM_PREFIXES if p != "psm_")
     new = set(os.listdir("/dev/shm")) - shm
     assert {n for n in new if not n.startswith(others)} == set(), new
 
