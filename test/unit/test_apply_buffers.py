@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang.srt.weight_sync import apply
 from sglang.srt.weight_sync.apply import (
     copy_buffers,
     nonfinite_buffers,
@@ -84,18 +85,28 @@ BAD = (float("nan"), float("inf"), float("-inf"))
     dtype=st.sampled_from(
         [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     ),
-    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=12),
+    sizes=st.lists(st.integers(1, 10000), min_size=1, max_size=12),
     shared=st.booleans(),
     huge=st.booleans(),
     bad=st.lists(st.tuples(st.integers(0, 11), st.floats(0, 1), st.sampled_from(BAD))),
+    chunk=st.sampled_from([1, 3000, 1 << 20]),
 )
 def test_finite_check_names_exactly_the_tensors_holding_nan_or_inf(
-    dtype, sizes, shared, huge, bad
+    dtype, sizes, shared, huge, bad, chunk
 ):
-    """``nonfinite_tensors`` over tensors small and large (checked together in one
-    multi-tensor reduction below ``apply._SMALL_RUN`` elements, one reduction each above
-    it), alone or back to back in one storage (read as one run), with values whose sums
-    overflow the dtype: it names exactly the tensors holding NaN or inf."""
+    """``nonfinite_tensors`` over tensors small and large (below ``apply._SMALL_RUN``
+    elements joined into chunks of ``apply._CHUNK``, each chunk reduced once; one
+    reduction each above it), alone or back to back in one storage (read as one run), with
+    values whose sums overflow the dtype: it names exactly the tensors holding NaN or inf,
+    whatever the chunks' size."""
+    kept, apply._CHUNK = apply._CHUNK, chunk
+    try:
+        check_finite_names(dtype, sizes, shared, huge, bad)
+    finally:
+        apply._CHUNK = kept
+
+
+def check_finite_names(dtype, sizes, shared, huge, bad):
     fill = torch.finfo(dtype).max / 2 if huge else 1.0
     if shared:  # views of one storage, back to back: one run
         flat = torch.full((sum(sizes),), fill, dtype=dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
@@ -175,37 +176,56 @@ def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     return runs
 
 
-# Runs of fewer elements than this are checked together, one multi-tensor reduction per
-# device and dtype, where a reduction each would cost more in dispatch than in elements (a
-# MoE model's small shards, norms and biases). On a GPU every run is: one kernel for many
-# tensors instead of three launches per tensor.
-_SMALL_RUN = 2048
+# On the host, runs of fewer elements than this are read together: joined into chunks of
+# ``_CHUNK`` elements (one copy each, joined in C++) and each chunk reduced once, where a reduction
+# each would cost more in dispatch than in elements (a MoE model's small expert shards,
+# norms and biases, each in a storage of its own). On a GPU every run is read by one
+# multi-tensor reduction: one kernel for many tensors instead of three launches per tensor.
+_SMALL_RUN = 8192
+_CHUNK = 1 << 20
+
+
+def _finite_sum(run: torch.Tensor) -> torch.Tensor:
+    """A float64 scalar that is finite exactly when ``run`` is, unless its finite values
+    add up past the dtype's range: its sum in its own dtype (NaN and inf propagate), or
+    for float16, whose sums overflow early, its minimum and maximum."""
+    if run.dtype == torch.float16:
+        return torch.stack(torch.aminmax(run)).to(torch.float64).sum()
+    return run.sum().to(torch.float64)
 
 
 def _all_finite(regions: Iterable[torch.Tensor]) -> bool:
     """Whether every region holds only finite values, reading each element once: per run
-    of regions (``_runs``) one reduction that is finite exactly when the run is (a sum in
-    its own dtype, which propagates NaN and inf; for float16, whose sums overflow early,
-    its minimum and maximum; for small runs and on a GPU, the largest magnitude of each,
-    from one ``torch._foreach_norm`` over many), unless finite values add up past the
-    dtype's range (then each region is tested on its own). The results gather on each
-    device and the host reads one value per device (one host sync per update on a GPU,
-    not one per tensor)."""
+    of regions (``_runs``) one reduction that is finite exactly when the run is
+    (``_finite_sum``; small host runs a chunk of them at a time, ``_SMALL_RUN``; on a GPU
+    the largest magnitude of each, from one ``torch._foreach_norm`` over many), unless
+    finite values add up past the dtype's range (then each region is tested on its own).
+    The results gather on each device and the host reads one value per device (one host
+    sync per update on a GPU, not one per tensor)."""
     regions = list(regions)
     totals: Dict[torch.device, torch.Tensor] = {}
     together: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    small: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
 
     def add(device: torch.device, s: torch.Tensor) -> None:
         seen = totals.get(device)
         totals[device] = s if seen is None else seen + s
 
     for run in _runs(regions):
-        if run.is_cuda or run.numel() < _SMALL_RUN:
+        if run.is_cuda:
             together.setdefault((run.device, run.dtype), []).append(run)
-        elif run.dtype == torch.float16:
-            add(run.device, torch.stack(torch.aminmax(run)).to(torch.float64).sum())
+        elif run.numel() < _SMALL_RUN and run.is_contiguous():
+            small.setdefault((run.device, run.dtype), []).append(run)
         else:
-            add(run.device, run.sum().to(torch.float64))
+            add(run.device, _finite_sum(run))
+    for (device, _), runs in small.items():
+        start, count = 0, 0
+        for i, run in enumerate(runs):
+            count += run.numel()
+            if count >= _CHUNK or i == len(runs) - 1:
+                joined = _flatten_dense_tensors(runs[start : i + 1])
+                add(device, _finite_sum(joined))
+                start, count = i + 1, 0
     for (device, _), runs in together.items():
         # the largest |x| of each run: NaN or inf where the run holds one, never an overflow
         norms = torch._foreach_norm(runs, float("inf"))
