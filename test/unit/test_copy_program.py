@@ -88,6 +88,38 @@ def test_tensors_that_lie_otherwise_are_refused_and_nothing_is_copied():
         assert torch.equal(p, b), "a refused program wrote"
 
 
+def test_shards_each_in_a_storage_of_its_own_are_read_as_they_are():
+    """A trainer rank's shards (each its own storage) packed into one send buffer in the
+    engine's dtype: each copy reads its shard itself, no view of it, and a later update's
+    shards (other storages, same shapes) are packed by the same program, cast exactly."""
+    shapes = [(3, 4), (2, 4), (5,), (1, 4, 2)]
+
+    def shards(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g) for s in shapes]
+
+    flat = torch.zeros(sum(torch.Size(s).numel() for s in shapes), dtype=torch.bfloat16)
+    dst, off = [], 0
+    for s in shapes:
+        n = torch.Size(s).numel()
+        dst.append(flat[off : off + n].view(s))
+        off += n
+    first = shards(0)
+    program = CopyProgram.compile(dst, first, [flat] * len(dst), first)
+    assert program is not None
+    assert [c.src_whole for c in program.copies] == [True] * len(shapes)
+    later = shards(1)
+    assert program.run([flat] * len(dst), later)
+    assert torch.equal(flat, torch.cat([t.flatten() for t in later]).bfloat16())
+    # a shard that is a view into a larger tensor is read through its view, not whole
+    wide = torch.randn(4, 4)
+    part = wide[1:3]
+    inner = CopyProgram.compile(dst[1:2], [part], [flat], [wide])
+    assert inner is not None and not inner.copies[0].src_whole
+    assert inner.run([flat], [wide])
+    assert torch.equal(dst[1], part.bfloat16())
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 40),

@@ -20,10 +20,13 @@ per joined copy; it returns False, copying nothing, when they do not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from sglang.srt.weight_sync.box import contiguous_strides
 
 __all__ = ("CopyProgram",)
 
@@ -48,6 +51,9 @@ class _Copy:
     dst_strides: Tuple[int, ...]
     src_offset: int
     dst_offset: int
+    # it reads all of its source slot's tensor as that lies: ``run`` reads the tensor
+    # itself, no view (a trainer's shards, each in a storage of its own, read whole)
+    src_whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,9 @@ class CopyProgram:
             _Copy(src, dst, (n,), (1,), (1,), s_off, d_off)
             for src, dst, _, _, s_off, d_off, n in _join_back_to_back(chunks)
         ]
-        return cls(_join_runs(flat + others), wheres, len(wheres))
+        return cls(
+            _whole_sources(_join_runs(flat + others), wheres), wheres, len(wheres)
+        )
 
     def run(
         self,
@@ -184,8 +192,11 @@ class CopyProgram:
                 seen[id(base)] = w
         views_d, views_s = [], []
         for c in self.copies:
+            src = tensors[c.src]
             views_s.append(
-                tensors[c.src].as_strided(c.sizes, c.src_strides, c.src_offset)
+                src
+                if c.src_whole
+                else src.as_strided(c.sizes, c.src_strides, c.src_offset)
             )
             views_d.append(
                 tensors[c.dst].as_strided(c.sizes, c.dst_strides, c.dst_offset)
@@ -225,6 +236,44 @@ def _lies(
     starts[w.slot] = start
     tensors[w.slot] = base
     return True
+
+
+def _whole_sources(
+    copies: List[_Copy], wheres: List[Tuple[_Where, _Where]]
+) -> List[_Copy]:
+    """``copies``, each marked ``src_whole`` where it reads its source slot's tensor (the
+    first of the slot's tensors ``run`` meets, which ``_lies`` checks lies as then) whole:
+    in its own shape and strides, or, contiguous, as the flat run of its elements (then
+    copied in the tensor's shape, contiguous on both ends: the same bytes)."""
+    first: Dict[int, _Where] = {}
+    for ws, wd in wheres:  # ``run``'s order: each region's source, then its target
+        first.setdefault(ws.slot, ws)
+        first.setdefault(wd.slot, wd)
+    out = []
+    for c in copies:
+        w = first[c.src]
+        shape = tuple(w.shape)
+        if c.src_offset != w.offset:
+            out.append(c)
+        elif c.sizes == shape and c.src_strides == w.strides:
+            out.append(replace(c, src_whole=True))
+        elif (
+            c.sizes == (math.prod(shape),)
+            and c.src_strides == c.dst_strides == (1,)
+            and w.strides == contiguous_strides(shape)
+        ):
+            out.append(
+                replace(
+                    c,
+                    sizes=shape,
+                    src_strides=w.strides,
+                    dst_strides=w.strides,
+                    src_whole=True,
+                )
+            )
+        else:
+            out.append(c)
+    return out
 
 
 def _join_back_to_back(chunks):
