@@ -32,6 +32,7 @@ __all__ = (
     "Phase",
     "PhaseClock",
     "REPORTED",
+    "collector_paused",
     "describe_phases",
     "from_wire",
 )
@@ -92,22 +93,17 @@ class PhaseClock:
         module's text); nothing is collected meanwhile, and the young generation's collection
         it held back runs as it ends, timed in it."""
         outer, self._open = self._open, phase.value
-        pause = outer is None and gc.isenabled()
-        if pause:
-            gc.disable()
+        paused = collector_paused() if outer is None else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
-            yield
+            with paused:
+                yield
         finally:
-            if pause:
-                _collect_what_was_deferred()
             spent = time.perf_counter() - t0
             self.seconds[phase.value] += spent
             if outer is not None:
                 self.seconds[outer] -= spent
             self._open = outer
-            if pause:
-                gc.enable()
 
     def add(self, phase: Phase, seconds: float) -> None:
         """Move ``seconds`` measured elsewhere (the executor's copies, say) into ``phase``,
@@ -139,11 +135,25 @@ class PhaseClock:
         ]
 
 
-def _collect_what_was_deferred() -> None:
-    """Run the young-generation collection the paused phase held back, when one is due,
-    so that it is timed in that phase rather than at an unnamed line after it."""
-    if gc.get_count()[0] >= gc.get_threshold()[0]:
-        gc.collect(0)
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for the block (when it was running), then
+    running again. An update's per-tensor objects then die by their reference counts
+    before any collection sees them: none is promoted, so none brings on a full
+    collection, which at a MoE model's heap takes most of a second. The young
+    generation's collection the pause held back runs as the block ends, in it."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        try:
+            if gc.get_count()[0] >= gc.get_threshold()[0]:
+                gc.collect(0)
+        finally:
+            gc.enable()
 
 
 def from_wire(columns: Sequence[Sequence[int]]) -> Dict[str, List[float]]:

@@ -52,6 +52,7 @@ from sglang.srt.weight_sync.control_plane import (
 from sglang.srt.weight_sync.delivery import local_shard
 from sglang.srt.weight_sync.executor import ExecutionError
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.protocol import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -136,9 +137,9 @@ def named_specs(
                 else ranks.full(tensor.shape, tensor.dtype, everyone)
             )
             shard, specs[name] = local_shard(tensor, spec, ranks)
-            local[name] = (
-                shard.detach()
-            )  # a plain tensor's detach: a DTensor's costs a dispatch
+            # the tensor itself unless autograd tracks it: the same object every update
+            # keeps ``executor.check_inputs``' memo of the shards found fine
+            local[name] = shard.detach() if shard.requires_grad else shard
     return specs, local
 
 
@@ -393,6 +394,7 @@ class RemoteSync:
 
     # ------------------------------------------------------------------ updates
 
+    @collector_paused()
     def update(
         self, named_tensors: Iterable[Tuple[str, torch.Tensor]], **kwargs
     ) -> RemoteReport:
@@ -403,6 +405,7 @@ class RemoteSync:
         sources = self.described.sources(list(specs.items()))
         return self.update_sources(specs, local, sources=sources, **kwargs)
 
+    @collector_paused()
     def update_megatron(
         self,
         model_chunks,
@@ -435,6 +438,7 @@ class RemoteSync:
         local = {k: t.detach() for k, t in buffers.items()}
         return self.update_sources(specs, local, **kwargs)
 
+    @collector_paused()
     def update_sources(
         self,
         specs: Mapping[str, Spec],
