@@ -13,6 +13,7 @@ device (a CPU-offloaded shard on an NCCL group), one round at a time.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ __all__ = (
     "ExecutionError",
     "ExecutionStats",
     "Landing",
+    "PackLanding",
     "check_inputs",
     "data_device",
     "dest_region",
@@ -379,6 +381,32 @@ class Landing:
         return self.buf.numel() * self.buf.element_size()
 
 
+@dataclass(frozen=True)
+class PackLanding:
+    """Small moves from one sender received in one buffer (``PACK_BELOW``: ``buf``, flat
+    bytes; ``bases``, per move the buffer in its dtype), written later by
+    ``write_landings`` as the rounds of ``execute`` write a pack: one object per pack
+    however many regions it holds (a MoE layer's experts are hundreds), its regions
+    viewed only where the pack's copy program (kept by the plan) cannot run."""
+
+    buf: torch.Tensor
+    bases: Tuple[torch.Tensor, ...]
+    pack: _Pack
+    regions: _Regions
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    def runs(self) -> List[torch.Tensor]:
+        """The buffer as few 1-d views, one per run of regions of one dtype (what a
+        NaN/inf check reads)."""
+        return [
+            self.bases[i].as_strided((count,), (1,), offset)
+            for i, offset, count in self.pack.runs
+        ]
+
+
 class Deferred:
     """A receiver whose writes into its parameters come later than the rounds (an engine
     that keeps serving while it receives): every region lands in staging of its own,
@@ -672,11 +700,20 @@ def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) 
             write_zeros(params[z.param][z.box.slices()])
 
 
-def write_landings(params: Mapping[str, torch.Tensor], landings: List[Landing]) -> int:
+def write_landings(
+    params: Mapping[str, torch.Tensor], landings: List[Union[Landing, PackLanding]]
+) -> int:
     """Write deferred landings into ``params`` (``apply.write_regions``, cast on the fly);
-    returns the bytes written. The buffers were allocated where they were received (another
-    thread, another stream): each is kept for this stream's writes (``record_stream``)."""
-    _finish_landings(params, [(x.buf, x.move, x.dests) for x in landings])
+    returns the bytes written. A pack is written as the rounds of ``execute`` write one
+    (``_Pack.land``: views kept by the plan from update to update, and one copy program
+    per pack, a MoE layer's experts in a few strided copies, not one copy each). The
+    buffers were allocated where they were received (another thread, another stream):
+    each is kept for this stream's writes (``record_stream``)."""
+    alone = [(x.buf, x.move, x.dests) for x in landings if isinstance(x, Landing)]
+    _finish_landings(params, alone)
+    for x in landings:
+        if isinstance(x, PackLanding):
+            x.pack.land(x.regions, params, list(x.bases))
     keep_for_stream(landing.buf for landing in landings)
     return sum(landing.nbytes for landing in landings)
 
@@ -743,7 +780,7 @@ def _start_round(
         if deferred is None:
             packs.append((pack, bases))
         else:
-            landings.extend(zip(pack.views(bases), pack.moves, pack.dests))
+            landings.append(PackLanding(flat, tuple(bases), pack, regions))
     stats.p2p_ops += len(ops)
     works = data.post(ops, f"rank {rank}: executor, posting a round") if ops else []
     return works, landings, packs
@@ -769,22 +806,30 @@ class _Pack:
     # per move: its dtype, the region's sizes and contiguous strides, and its offset in
     # elements of that dtype
     places: Tuple[Tuple[torch.dtype, Tuple[int, ...], Tuple[int, ...], int], ...]
+    # regions of one dtype back to back, as (the first one's move, its offset, elements)
+    runs: Tuple[Tuple[int, int, int], ...]
 
     @classmethod
     def of(cls, moves: List[Move], rank: int) -> _Pack:
         ordered = _packed(moves)
         places, offset = [], 0
-        for m in ordered:
+        runs: List[List[int]] = []
+        for i, m in enumerate(ordered):
             sizes = tuple(m.region.sizes)
-            places.append(
-                (m.dtype, sizes, contiguous_strides(sizes), offset // m.dtype.itemsize)
-            )
+            at, count = offset // m.dtype.itemsize, math.prod(sizes)
+            places.append((m.dtype, sizes, contiguous_strides(sizes), at))
+            last = runs[-1] if runs else None
+            if last and ordered[last[0]].dtype == m.dtype and last[1] + last[2] == at:
+                last[2] += count
+            elif count:
+                runs.append([i, at, count])
             offset += m.nbytes
         return cls(
             tuple(ordered),
             tuple(tuple(_my_dests(m, rank)) for m in ordered),
             offset,
             tuple(places),
+            tuple(tuple(r) for r in runs),
         )
 
     def buffer(
@@ -1007,7 +1052,12 @@ def _finish_round(
         wait_for(work)
     staging.stats.wait_seconds += time.perf_counter() - t0
     if deferred is not None:
-        deferred.landed([Landing(buf, m, tuple(d)) for buf, m, d in landings])
+        deferred.landed(
+            [
+                x if isinstance(x, PackLanding) else Landing(x[0], x[1], tuple(x[2]))
+                for x in landings
+            ]
+        )
         return
     t0 = time.perf_counter()
     _finish_landings(params, landings, regions)

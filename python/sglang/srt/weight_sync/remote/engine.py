@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -60,12 +60,14 @@ from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.executor import (
     Deferred,
     Landing,
+    PackLanding,
     write_landings,
     write_zero_fills,
 )
 from sglang.srt.weight_sync.fp8_staging import Fp8Staging
 from sglang.srt.weight_sync.fp8_wire import QuantizedLanding
 from sglang.srt.weight_sync.manifest import ManifestError
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
 from sglang.srt.weight_sync.remote.delta import DeltaFigures
 from sglang.srt.weight_sync.remote.group import (
@@ -136,9 +138,13 @@ class Staging(Deferred):
                     )
                 self.full = False
 
-    def landed(self, landings: List[Union[Landing, QuantizedLanding]]) -> None:
+    def landed(
+        self, landings: List[Union[Landing, PackLanding, QuantizedLanding]]
+    ) -> None:
         bad = not self.nonfinite and bool(
-            nonfinite_tensors({str(i): _values(x) for i, x in enumerate(landings)})
+            nonfinite_tensors(
+                {f"{i}.{j}": v for i, x in enumerate(landings) for j, v in _values(x)}
+            )
         )
         with self.cond:
             self.nonfinite = self.nonfinite or bad
@@ -204,9 +210,10 @@ class Receive:
             device = self.group.data.device
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            self.result = self.group.run_update(
-                None, timeout_s, check, params, self.staging
-            )
+            with collector_paused():
+                self.result = self.group.run_update(
+                    None, timeout_s, check, params, self.staging
+                )
         except GroupRefusal as e:
             self.refused, self.error = True, str(e)
         except Exception as e:  # noqa: BLE001 - a dead or stuck peer, named; never the scheduler's death
@@ -494,6 +501,7 @@ class RemoteEngineSync:
             return None
         return self.receiving[1]
 
+    @collector_paused()
     def apply(self, worker, req) -> Tuple[bool, str, bool, Dict[str, List[int]]]:
         """Write the staged regions into the live parameters (every TP rank together, in the
         pause): (success, message, mixed, figures per TP rank)."""
@@ -638,7 +646,7 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
             )
         if not landings:
             break
-        plain = [x for x in landings if isinstance(x, Landing)]
+        plain = [x for x in landings if isinstance(x, (Landing, PackLanding))]
         written = write_landings(params, plain) if plain else 0
         quantized = [x for x in landings if isinstance(x, QuantizedLanding)]
         if quantized:  # e4m3 and scales, straight into the live weights
@@ -655,10 +663,17 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
     return wrote or bool(plan.zero_fills)
 
 
-def _values(x: Union[Landing, QuantizedLanding]) -> torch.Tensor:
-    """What a landing's NaN/inf check reads: its region, or the scales of quantized blocks
-    (a non-finite value in a block makes its scale non-finite)."""
-    return x.scales if isinstance(x, QuantizedLanding) else x.buf
+def _values(
+    x: Union[Landing, PackLanding, QuantizedLanding],
+) -> Iterable[Tuple[int, torch.Tensor]]:
+    """What a landing's NaN/inf check reads, numbered: its region, a pack's runs of
+    regions, or the scales of quantized blocks (a non-finite value in a block makes its
+    scale non-finite)."""
+    if isinstance(x, QuantizedLanding):
+        return ((0, x.scales),)
+    if isinstance(x, PackLanding):
+        return enumerate(x.runs())
+    return ((0, x.buf),)
 
 
 def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
