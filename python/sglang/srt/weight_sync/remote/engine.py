@@ -608,7 +608,8 @@ class RemoteEngineSync:
             return False, message, mixed, figures
         logger.info(
             "remote weight update %s, %s: received %d bytes (lower bound %d), staged at most %d, "
-            "receiving %.3fs while serving, writing %.3fs in the pause",
+            "receiving %.3fs while serving, writing %.3fs in the pause; keeps %d bytes of "
+            "block-FP8 staging in host memory as the next delta's base",
             result.header.update_id,
             mine.group.who,
             mine_figures[0],
@@ -616,6 +617,7 @@ class RemoteEngineSync:
             mine_figures[2],
             mine_figures[3] / 1e6,
             applied_us / 1e6,
+            mine.kept.nbytes if mine.kept is not None else 0,
         )
         self.stale.pop(req.group_name, None)
         return True, "Success", False, figures
