@@ -776,9 +776,44 @@ DELTA_UPDATES = (
     ("full", 0.0),
 )
 # (trainer ranks, engines): at 2 every block lies whole on one trainer rank (all its delta
-# is taken after quantization); at 3 both kinds travel (the pieces the engine quantizes go
-# whole); TP 1 and TP 2 engines of different layouts in one group
+# is taken after quantization); at 3 both kinds travel (the pieces the engine quantizes
+# from its staging, where a shard edge cuts a block, against the staging it kept); TP 1 and
+# TP 2 engines of different layouts in one group
 DELTA_CASES = ((2, (("e0", 1), ("e1", 2))), (3, (("e0", 1), ("e1", 2))))
+# at 3 trainer ranks, after DELTA_UPDATES: a delta after every engine rank changed one
+# element of the bf16 staging it kept (refused by the digest), then a full update, then a
+# delta that must equal the full update after it (the full one rewrote the kept staging)
+KEPT_CORRUPTION = (
+    ("corrupt-kept", 0.01),
+    ("full", 0.0),
+    ("delta", 0.01),
+    ("full", 0.0),
+)
+
+
+def _kept_corruption_refused_then_rewritten(tops, engines) -> None:
+    """``KEPT_CORRUPTION``'s steps (after ``DELTA_UPDATES``'): each engine rank whose kept
+    staging changed refuses the delta by its digest, naming the tensor, and writes
+    nothing; the full update after it succeeds, and the delta after that equals the full
+    update of the same weights, at about the density of the pieces' bytes."""
+    at = len(DELTA_UPDATES)
+    assert any(r["steps"][at]["corrupted"] for r in engines)
+    for rank, r in enumerate(engines):
+        refused = r["steps"][at]
+        if refused["corrupted"]:
+            assert "digest mismatch" in refused["error"], (rank, refused)
+            assert "region" in refused["error"] and "model." in refused["error"]
+            assert refused["unchanged"], (rank, "the refused update wrote parameters")
+            assert refused["kept_bytes"] == 0, "a refused update left its base kept"
+        full, delta, then = (r["steps"][at + k] for k in (1, 2, 3))
+        assert "error" not in full and "error" not in delta, (rank, full, delta)
+        assert delta["checksums"] == then["checksums"], rank
+        assert delta["checksums"] != full["checksums"], rank
+        assert (delta["kept_bytes"] > 0) == (full["kept_bytes"] > 0), rank
+    figures = [t["steps"][at + 2]["figures"] for t in tops]
+    staged = sum(f["sent_staged"] for f in figures)
+    assert 0 < staged < 0.05 * sum(f["staged_full_bytes"] for f in figures), staged
+    assert all(not t["steps"][at + 2]["why_full"] for t in tops)
 
 
 @pytest.mark.parametrize(
@@ -790,11 +825,14 @@ def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engi
     """Delta updates of remote block-FP8 engines of different layouts in one group
     (``remote.delta``): the blocks a trainer rank quantizes travel as the bytes of their
     e4m3 values and scales that changed since the last delivery, the pieces an engine
-    quantizes from its staging travel whole. After each delta update every parameter of
-    every engine rank equals what the full update of the same weights writes next, and
-    the delta changed them (the first equals SGLang's load); the engines receive what the
-    trainer sent, below the full update's bytes at low density, at most 1% above it at
-    any."""
+    quantizes from its staging (shard edges inside blocks, at 3 trainer ranks) as their
+    bf16 values that changed since, against the staging the engine kept
+    (``KeptStaging``): about the density of their bytes, not whole. After each delta
+    update every parameter of every engine rank equals what the full update of the same
+    weights writes next, and the delta changed them (the first equals SGLang's load); the
+    engines receive what the trainer sent, below the full update's bytes at low density,
+    at most 1% above it at any. A kept staging changed behind the trainer's back refuses
+    the next delta by its digest; the full update after it rewrites it."""
     bf16, loads = checkpoints
     job = dict(
         port=free_port(),
@@ -806,6 +844,8 @@ def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engi
     )
     if trainers == 2:  # every block came quantized: a changed e4m3 byte has a digest
         job["updates"].append(["corrupt", 0.01])
+    else:  # pieces quantized from staging: a changed kept bf16 element has a digest
+        job["updates"] += [list(u) for u in KEPT_CORRUPTION]
     world = trainers + sum(tp for _, tp in engines)
     results = run_ranks(world, remote_fp8_job, job, str(bf16), loads, timeout=600)
     tops = results[:trainers]
@@ -820,8 +860,10 @@ def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engi
             assert r["unchanged"], (rank, "the refused update wrote parameters")
             del r["error"], r["unchanged"]
     assert all("error" not in r for r in results), [r.get("error") for r in results]
+    if trainers == 3:
+        _kept_corruption_refused_then_rewritten(tops, results[trainers:])
     rows = []
-    staged_whole = 0
+    staged_sent = 0
     for i, (kind, density) in enumerate(DELTA_UPDATES):
         figures = [t["steps"][i]["figures"] for t in tops]
         sent = sum(t["steps"][i]["sent"] for t in tops)
@@ -837,8 +879,9 @@ def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engi
         assert sum(g["wire_bytes"] for g in got) == wire, i
         assert sum(g["full_bytes"] for g in got) == full, i
         assert all(not t["steps"][i]["why_full"] for t in tops), i
-        whole = sum(f["sent_staged"] for f in figures)
-        staged_whole += whole
+        staged = sum(f["sent_staged"] for f in figures)
+        staged_full = sum(f["staged_full_bytes"] for f in figures)
+        staged_sent += staged
         for rank, r in enumerate(results[trainers:], start=trainers):
             after, then = r["steps"][i]["checksums"], r["steps"][i + 1]["checksums"]
             assert after == then, (
@@ -848,15 +891,27 @@ def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engi
             earlier = r["steps"][i - 1]["checksums"]
             assert after != earlier, f"update {i}: rank {rank}: nothing changed"
         assert wire <= 1.01 * full, (i, wire, full)
-        if density <= 0.03:  # what could be a delta (not sent whole) mostly is not sent
-            assert wire - whole < 0.5 * (full - whole), (i, density, wire, whole, full)
+        if density <= 0.03:  # most of a full update is not sent
+            assert wire < 0.5 * full, (i, density, wire, full)
+            # the pieces quantized from staging: their changed bf16 values and gaps, and
+            # the records' headers (24 bytes a region with its digest)
+            headers = 24 * sum(f["regions_staged"] for f in figures)
+            assert staged <= 2 * density * staged_full + headers, (
+                i,
+                staged,
+                staged_full,
+            )
         rows.append(
-            f"  density {density}: {wire} of {full} bytes ({whole} sent whole for the "
-            f"engines' staging), per engine rank "
+            f"  density {density}: {wire} of {full} bytes (the pieces the engines "
+            f"quantize from staging: {staged} of {staged_full}), per engine rank "
             f"{[(g['wire_bytes'], g['full_bytes']) for g in got]}"
         )
     for rank, r in enumerate(results[trainers:], start=trainers):
         assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
-    # the pieces no trainer rank holds whole: at 2 ranks none, at 3 some (sent whole)
-    assert (staged_whole > 0) == (trainers == 3), staged_whole
+    # the pieces no trainer rank holds whole: at 2 ranks none, at 3 some
+    assert (staged_sent > 0) == (trainers == 3), staged_sent
+    # what the engines keep between updates: those pieces' bf16 bytes, no more
+    kept = [r["steps"][0]["kept_bytes"] for r in results[trainers:]]
+    assert sum(kept) == sum(t["steps"][0]["figures"]["staged_full_bytes"] for t in tops)
+    rows.append(f"  kept bf16 staging per engine rank: {kept} bytes")
     print(f"FP8 delta, {trainers} trainer ranks -> TP 1 + TP 2:\n" + "\n".join(rows))

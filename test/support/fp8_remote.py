@@ -12,9 +12,13 @@ SGLang's own load of the reference-quantized checkpoint. ``job["amx"]`` marks a 
 SGLang's CPU AMX post-load step leaves it: refused before a byte moves. ``job["updates"]``
 runs several updates, full or delta, each after the trainer changed a share of its weights
 (``_step_weights``): the trainer ranks keep a ``remote.delta.Snapshot``, and every engine
-rank records its parameters' checksums and bytes after each; ("corrupt", density) is a
-delta update after each engine rank changed one e4m3 byte of a weight behind the trainer's
-back.
+rank records its parameters' checksums and bytes after each, keeping the bf16 staging of
+the pieces it quantizes itself between them (``remote.delta.KeptStaging``, as the engine
+does per membership); ("corrupt", density) is a delta update after each engine rank changed
+one e4m3 byte of a weight behind the trainer's back, ("corrupt-kept", density) one after
+each engine rank that keeps staging changed one bf16 element of it. An update an engine
+rank refuses is a step with its ``error`` (and whether its parameters stayed
+``unchanged``); the next steps go on.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def _trainer(rank: int, job: dict, group, weights) -> dict:
         part = TrainerPart(specs, local)
         if rank == 0:
             part.wire, digest = SyncGroup.wire_of(specs)
-            delta = kind in ("delta", "corrupt")
+            delta = kind in ("delta", "corrupt", "corrupt-kept")
             part.header = UpdateHeader(
                 f"fp8-u{i + 1}",
                 digest,
@@ -90,6 +94,7 @@ def _trainer(rank: int, job: dict, group, weights) -> dict:
                 len(specs),
                 delta=delta,
                 digest=delta,
+                keep_base=snapshot is not None,
             )
         try:
             result = group.run_update(part, 60, snapshot=snapshot)
@@ -143,6 +148,7 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     from fp8_cases import checksum
     from fp8_sender_cases import quantized_lower_bound
 
+    from sglang.srt.weight_sync.remote.delta import KeptStaging
     from sglang.srt.weight_sync.remote.engine import Receive, Staging, write_staged
     from sglang.srt.weight_sync.remote.group import SyncGroup
     from sglang.srt.weight_sync.remote.protocol import Membership
@@ -177,10 +183,16 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         live.manifest if first else None, None, 60, live.block_fp8_weights
     )
     steps = []
-    for kind, _ in job.get("updates", [("full", 0.0)]):
+    kept = KeptStaging()  # the engine keeps one per membership
+    updates = job.get("updates", [("full", 0.0)])
+    for kind, _ in updates:
         if kind == "corrupt":  # one e4m3 byte changed behind the trainer's back
             weight = live.params[min(q.weight for q in live.fp8.own.quantized)]
             weight.view(torch.uint8).view(-1)[0] ^= 1
+        corrupted = kind == "corrupt-kept" and bool(kept.regions)
+        if corrupted:  # one bf16 element of the kept staging, behind its back
+            region = kept.regions[min(kept.regions, key=repr)]
+            region.view(torch.int16).view(-1)[0] ^= 1
         before = {n: checksum(p) for n, p in model.named_parameters()}
         # each update as the engine takes it: a staging of its own, received while
         # serving, written in the pause
@@ -193,6 +205,7 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
             live.params,  # checked against the plan only, as the engine does
             60,
             fp8,
+            kept,
         )
         try:
             with (
@@ -204,9 +217,21 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
         except RuntimeError:
             receiving.thread.join(60)
             now = {n: checksum(p) for n, p in model.named_parameters()}
+            steps.append(
+                {
+                    "error": receiving.error,
+                    "unchanged": now == before,
+                    "corrupted": corrupted,
+                    "kept_bytes": kept.nbytes,
+                }
+            )
+            if len(steps) < len(updates):  # the group goes on: every round was run
+                continue
             group.close()
             out = {"error": receiving.error, "unchanged": now == before, "steps": steps}
-            if steps:  # the updates before this one: the first against SGLang's load
+            if (
+                len(steps) > 1
+            ):  # the updates before this one: the first against SGLang's load
                 load = loads[(member.tp_size, tp_rank)]
                 out["differ"] = _differ(steps[0], live, fp8, load)
             return out
@@ -219,6 +244,8 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
                 "wire_bytes": delta.wire_bytes if delta else 0,
                 "full_bytes": delta.full_bytes if delta else 0,
                 "regions_unchanged": delta.regions_unchanged if delta else 0,
+                "corrupted": corrupted,
+                "kept_bytes": kept.nbytes,
             }
         )
         if len(steps) == 1:

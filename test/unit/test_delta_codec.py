@@ -267,27 +267,108 @@ def test_the_report_says_what_comes_next():
     }
 
 
-def test_figures_carry_what_went_whole_for_block_fp8_staging():
-    """The regions sent whole because a block-FP8 engine quantizes them from staging it
-    lets go (``engine_quantized``) are counted per class, shared among the trainer ranks as
-    integers and read back, and a report names them; a report without any says nothing."""
+def test_figures_carry_what_block_fp8_staging_received():
+    """The pieces a block-FP8 engine quantizes from its staging (``engine_quantized``) are
+    counted apart per class (all their bytes, those sent whole, a full update's), shared
+    among the trainer ranks as integers and read back; a delta's report says none went
+    whole for want of a base, a full one why; a report without any says nothing."""
     from sglang.srt.weight_sync.remote.delta import DeltaFigures, delta_summary
 
     figures = DeltaFigures(wire_bytes=10)
-    figures.staged("model.layers.0.mlp.down_proj.weight", 300)
-    figures.staged("model.layers.0.self_attn.o_proj.weight", 40)
-    figures.staged("model.layers.1.mlp.up_proj.weight", 5)
+    figures.staged("model.layers.0.mlp.down_proj.weight", 300, 300, True)
+    figures.staged("model.layers.0.self_attn.o_proj.weight", 40, 4000, False)
+    figures.staged("model.layers.1.mlp.up_proj.weight", 5, 500, False)
     back = DeltaFigures.from_ints(figures.ints())
     assert back.sent_staged == 345 and back.regions_staged == 3
+    assert back.staged_whole == 300 and back.staged_full_bytes == 4800
     assert (
         back.staged_by_class["mlp"] == 305 and back.staged_by_class["attention"] == 40
     )
     assert back.wire_bytes == 10
     summary = delta_summary([back, DeltaFigures()], "", True)["engine_quantized"]
     assert summary["bytes"] == [345, 0] and summary["regions"] == 3
+    assert summary["bytes_whole"] == [300, 0] and summary["full_bytes"] == [4800, 0]
     assert summary["bytes_by_class"] == {"attention": 40, "mlp": 305}
-    assert "staging" in summary["why"]
+    assert summary["why"] == ""
+    full = delta_summary([back], "no update delivered yet", False)["engine_quantized"]
+    assert "no update delivered yet" in full["why"] and "staging" in full["why"]
     assert delta_summary([DeltaFigures()], "", True)["engine_quantized"] == {}
+
+
+def test_a_delta_header_asks_the_engines_to_keep_their_bases():
+    """A delta update's header says the group keeps bases (``keep_base``: a block-FP8
+    engine keeps the bf16 staging of the pieces it quantizes); one that does not, or a
+    field that is not a bool, is refused by name."""
+    import pytest
+
+    from sglang.srt.weight_sync.protocol import DeliveryError
+    from sglang.srt.weight_sync.remote.protocol import UpdateHeader
+
+    head = ("u1", "d" * 64, 10, 64 << 20, 3)
+    for header in (
+        UpdateHeader(*head),
+        UpdateHeader(*head, keep_base=True),
+        UpdateHeader(*head, delta=True, digest=True, keep_base=True),
+    ):
+        assert UpdateHeader.decode(header.encode()) == header
+    with pytest.raises(DeliveryError, match="delta=true without keep_base=true"):
+        UpdateHeader.decode(UpdateHeader(*head, delta=True).encode())
+    bad = UpdateHeader(*head, keep_base=1).encode()  # type: ignore[arg-type]
+    with pytest.raises(DeliveryError, match="keep_base=1: must be true or false"):
+        UpdateHeader.decode(bad)
+
+
+def test_kept_staging_is_what_the_pause_wrote_of_the_staged_pieces():
+    """``KeptStaging.keep`` copies out of the pause's staging the regions of the moves into
+    this rank's block-FP8 staging only (by the trainer's snapshot key, in host memory),
+    replacing what it kept; ``clear`` lets it go."""
+    from sglang.srt.weight_sync.remote.delta import KeptStaging, _key
+
+    plan, rank, staged, params = _staged_plan()
+    kept = KeptStaging()
+    kept.keep(plan, rank, params, staged)
+    moves = [
+        m for rnd in plan.rounds for m in rnd if any(d.rank == rank for d in m.dests)
+    ]
+    into = [m for m in moves if any((d.rank, d.param) in staged for d in m.dests)]
+    assert into and len(into) < len(moves)
+    assert set(kept.regions) == {_key(m) for m in into}
+    for m in into:
+        base = kept.base(m)
+        assert base.device.type == "cpu" and base.is_contiguous()
+        assert torch.equal(base, params[m.dests[0].param][m.region.slices()])
+    assert kept.nbytes == sum(m.nbytes for m in into)
+    params["w"].add_(1)  # what it kept is a copy
+    assert not torch.equal(kept.base(into[0]), params["w"][into[0].region.slices()])
+    kept.clear()
+    assert kept.nbytes == 0 and kept.base(into[0]) is None
+
+
+def _staged_plan():
+    """A receiving rank's plan (rank 1): pieces of weight ``w`` (block FP8, quantized from
+    staging on ranks 1 and 2) and a whole ``b`` (not), with the pause's buffers."""
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.planner import Dest, Move, Plan
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+
+    def move(name, shape, region, rank):
+        holder = MeshSpec.full(shape, torch.bfloat16, [0]).describe(name).holders[0]
+        dest = Dest(rank, name, (), (0,) * len(shape), shape)
+        return Move(name, region, holder, torch.bfloat16, torch.bfloat16, (dest,))
+
+    w, b = (384, 256), (256,)
+    moves = (
+        move("w", w, Box((0, 0), (100, 256)), 1),
+        move("w", w, Box((100, 0), (100, 256)), 1),
+        move("w", w, Box((200, 0), (100, 256)), 2),
+        move("b", b, Box((0,), (256,)), 1),
+    )
+    plan = Plan((), (moves,), (), (), {}, {}, 1 << 20, "p")
+    g = torch.Generator().manual_seed(0)
+    params = {
+        n: torch.randn(s, generator=g).bfloat16() for n, s in (("w", w), ("b", b))
+    }
+    return plan, 1, frozenset({(1, "w"), (2, "w")}), params
 
 
 def _membership(trainers: int, engines):

@@ -8,7 +8,6 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from sglang.srt.weight_sync.box import Box
@@ -100,7 +99,7 @@ def test_the_receiving_thread_makes_the_engine_rank_gpu_current_first(monkeypatc
         def __init__(self, device):
             self.data = SimpleNamespace(device=torch.device(device))
 
-        def run_update(self, part, timeout_s, check, params, staging):
+        def run_update(self, part, timeout_s, check, params, staging, kept=None):
             # the collector paused while it receives, as in the pause
             calls.append(
                 ("run_update", threading.current_thread().name, gc.isenabled())

@@ -11,10 +11,12 @@ place through ``apply.write_quantized`` (the one apply step the colocated paths 
 then lets the buffers go. Blocks a trainer rank quantized (``fp8_wire``) are written
 straight into the e4m3 weights and scales (``land``) and left out of that step.
 
-Because the buffers live for one pause only, a delta update (``remote.delta``) has no base
-for the pieces quantized here: the trainer sends them whole in every update, and takes
-the delta of the blocks it quantized after quantization, against the live e4m3 weights and
-scales (``live``, which the receiving reads).
+The buffers live for one pause only. A delta update (``remote.delta``) takes the delta of
+the blocks a trainer rank quantized after quantization, against the live e4m3 weights and
+scales (``live``, which the receiving reads); for the pieces quantized here the engine
+keeps a copy of what the pause wrote into these buffers, only those pieces and only while
+its group runs delta updates (``remote.delta.KeptStaging``, host memory), so a buffer made
+afresh each pause still gets every piece of every block it quantizes.
 """
 
 from __future__ import annotations

@@ -24,9 +24,15 @@ whole travel quantized (``fp8_sender``): the snapshot keeps the uint8 buffer it 
 byte, after the plan's rounds (``_quantized_rounds``, the same rounds as ``fp8_wire``);
 the engine reads its base from its live e4m3 weight and ``weight_scale_inv``
 (``fp8_sender.read_quantized``) and lands the result as ``fp8_wire.QuantizedLanding``.
-The pieces an engine quantizes from bf16 staging (blocks no trainer rank holds whole) have
-no base there: the engine keeps no bf16 copy between updates (``fp8_staging``), so they
-travel whole in every update (``engine_quantized``), and the report counts them.
+The pieces an engine quantizes from bf16 staging (blocks no trainer rank holds whole: a
+shard edge inside a block) are regions like any other at the trainer (snapshot, encoding);
+their base on the engine is the bf16 staging it keeps for them between the updates of a
+group that runs delta updates (``KeptStaging``: 2 bytes per element of those pieces, host
+memory, kept after every successful write, let go on any failure, refusal, full update of
+a group without deltas, or when the engine leaves). Every such piece lands in the pause
+(an unchanged one as its kept values), so the engine's staging holds whole blocks and
+quantizes them as a full update does. The report counts them apart
+(``engine_quantized``).
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ __all__ = (
     "DeltaFigures",
     "RECEIVER_FIGURES",
     "DeltaRefusal",
+    "KeptStaging",
     "Snapshot",
     "delta_summary",
     "engine_quantized",
@@ -124,6 +131,8 @@ class DeltaFigures:
     sent (once, however many receivers) or received, per class in ``by_class``;
     ``sent_*``: the wire bytes a sender sent or a receiver received, by what the records
     carry (changes, whole regions, nothing); ``regions_*``: the records by kind;
+    ``*staged*``: the same for the pieces a block-FP8 engine quantizes from its staging
+    (``engine_quantized``: all their records' bytes, those sent whole, a full update's);
     ``by_receiver``: a sender's ``RECEIVER_FIGURES`` per receiving group rank."""
 
     wire_bytes: int = 0
@@ -140,6 +149,8 @@ class DeltaFigures:
     sent_full: int = 0
     sent_unchanged: int = 0
     sent_staged: int = 0
+    staged_whole: int = 0
+    staged_full_bytes: int = 0
     regions_staged: int = 0
     by_class: Dict[str, List[int]] = field(default_factory=dict)
     by_receiver: Dict[int, List[int]] = field(default_factory=dict)
@@ -153,10 +164,13 @@ class DeltaFigures:
             out += self.by_class.get(c, [0, 0])
         return out + [self.staged_by_class.get(c, 0) for c in CLASSES]
 
-    def staged(self, tensor: str, wire: int) -> None:
-        """Count a region sent whole because an engine quantizes it from its staging
-        (``engine_quantized``): ``wire`` bytes to all its receivers."""
+    def staged(self, tensor: str, wire: int, full: int, whole: bool) -> None:
+        """Count a region an engine quantizes from its staging (``engine_quantized``):
+        ``wire`` bytes to all its receivers (``whole``: a whole region's record), ``full``
+        what a full update sends of it."""
         self.sent_staged += wire
+        self.staged_whole += wire if whole else 0
+        self.staged_full_bytes += full
         self.regions_staged += 1
         c = tensor_class(tensor)
         self.staged_by_class[c] = self.staged_by_class.get(c, 0) + wire
@@ -299,13 +313,64 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.regions.values())
 
 
+class KeptStaging:
+    """An engine rank's base for the pieces it quantizes from bf16 staging (blocks no
+    trainer rank holds whole), for one group membership: each such region's staged-dtype
+    values as the last successful update wrote them into its staging, by the same key as
+    the trainer's ``Snapshot`` (``_key``), in host memory (``device``).
+
+    Host, not the GPU: it is read once per update (a delta's base, its digest) and costs
+    2 bytes per element of the cut blocks beside their 1-byte e4m3 weights, memory the
+    engine's KV cache would otherwise have; ``release_memory_occupation`` releases GPU
+    memory, which this is not: kept on the GPU it would stay there while the engine gives
+    its memory back, and a host copy is untouched by a release and resume.
+    Kept only while the group runs delta updates (``UpdateHeader.keep_base``)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.regions: Dict[tuple, torch.Tensor] = {}
+
+    def base(self, move: Move) -> Optional[torch.Tensor]:
+        """The values the last update wrote for ``move``'s region, or None."""
+        return self.regions.get(_key(move))
+
+    def keep(
+        self,
+        plan: Plan,
+        rank: int,
+        params: Mapping[str, torch.Tensor],
+        staged: FrozenSet[Tuple[int, str]],
+    ) -> None:
+        """After the pause wrote every region of ``plan`` on group rank ``rank`` (the
+        staging buffers in ``params``), copy out the regions of ``staged`` weights (the
+        pieces quantized here): the next delta's bases. What was kept before goes."""
+        self.regions = {}
+        for mine in rank_rounds(plan, rank):
+            for move in mine:
+                dests = _my_dests(move, rank)
+                if dests and _staged_at(move, rank, staged):
+                    region = dest_region(params, dests[0], move)
+                    kept = torch.empty(
+                        region.shape, dtype=region.dtype, device=self.device
+                    )
+                    self.regions[_key(move)] = kept.copy_(region)
+
+    def clear(self) -> None:
+        """An update failed, was refused or was full without deltas: no base any more."""
+        self.regions = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.regions.values())
+
+
 def engine_quantized(
     engines: Sequence[Tuple[EngineManifest, int]],
 ) -> FrozenSet[Tuple[int, str]]:
     """(group rank, weight) of every block-FP8 weight of ``engines`` (each its manifest and
     first group rank): the pieces of them that travel in the staged dtype meet and are
-    quantized in the engine's staging, which it lets go after each update, so they have no
-    base to apply a delta to and travel whole in every update."""
+    quantized in the engine's staging; their base is what the engine keeps of that staging
+    (``KeptStaging``), and the report counts them apart."""
     return frozenset(
         (offset + t, q.weight)
         for manifest, offset in engines
@@ -318,6 +383,13 @@ def engine_quantized(
 def _staged(move: Move, staged: FrozenSet[Tuple[int, str]]) -> bool:
     """Whether ``move`` lands in an engine's block-FP8 staging (``engine_quantized``)."""
     return bool(staged) and any((d.rank, d.param) in staged for d in move.dests)
+
+
+def _staged_at(move: Move, rank: int, staged: FrozenSet[Tuple[int, str]]) -> bool:
+    """Whether ``move`` lands in ``rank``'s block-FP8 staging."""
+    return bool(staged) and any(
+        (d.rank, d.param) in staged for d in move.dests if d.rank == rank
+    )
 
 
 def _qkey(q: QuantizedMove) -> tuple:
@@ -346,14 +418,16 @@ def execute_delta(
     digest: bool,
     fp8: Optional[SenderFp8Plan] = None,
     staged: FrozenSet[Tuple[int, str]] = frozenset(),
+    kept: Optional[KeptStaging] = None,
 ) -> Tuple[ExecutionStats, DeltaFigures, str]:
     """Run ``plan``'s rounds as ``rank`` with delta records (see the module's text): a
     sender encodes against ``snapshot`` (and stages the new values in it), a receiver
     decodes against ``params`` into ``deferred``; then ``fp8``'s sender-quantized blocks
-    likewise (``_quantized_rounds``). Moves into block-FP8 staging (``staged``) travel
-    whole. Returns the executor's figures (bytes as they travelled), the delta figures and
-    why the update was full ("" for a delta). ``DeltaRefusal`` after the last round when
-    a base did not match or decode."""
+    likewise (``_quantized_rounds``). Moves into block-FP8 staging (``staged``) are
+    counted apart; a receiver decodes them against ``kept`` and lands every one. Returns
+    the executor's figures (bytes as they travelled), the delta figures and why the update
+    was full ("" for a delta). ``DeltaRefusal`` after the last round when a base did not
+    match or decode."""
     phase = f"rank {rank}: delta executor"
     stats, figures = ExecutionStats(), DeltaFigures()
     data.warm_up(timeout_s, phase)
@@ -362,10 +436,10 @@ def execute_delta(
     bases, why_full = (
         snapshot.bases(epoch, plan.fingerprint) if snapshot else (None, "")
     )
-    side = _Side(rank, shards, params, data, timeout_s, deferred)
+    side = _Side(rank, shards, params, data, timeout_s, deferred, staged, kept)
     problems: List[str] = []
     if digest:  # every base checked before anything lands: the records carry no digest
-        problems += _check_bases(rounds, fp8, side, bases, staged, stats, figures)
+        problems += _check_bases(rounds, fp8, side, bases, stats, figures)
     # a base that differs lands nothing: the rounds still run, so that every peer's
     # exchanges are answered, and the refusal follows them
     land = not problems
@@ -396,7 +470,7 @@ def execute_delta(
                 moves = [m for m in recvs if m.src == src]
                 figures.full_bytes += sum(m.nbytes for m in moves)
                 landings += _decode_from(
-                    src, raw, moves, rank, params, digest, problems, figures
+                    src, raw, moves, side, digest, problems, figures
                 )
             figures.decode_us += int((time.perf_counter() - t0) * 1e6)
             if deferred is not None:
@@ -416,7 +490,9 @@ def execute_delta(
 @dataclass(frozen=True)
 class _Side:
     """One rank's end of a delta update: its own shards (a sender), its live parameters
-    and staging (a receiver), the data group and the bound of its waits."""
+    and staging (a receiver), the data group and the bound of its waits; the weights
+    block-FP8 engines quantize from staging (``engine_quantized``) and a receiver's base
+    of those pieces (``KeptStaging``)."""
 
     rank: int
     shards: Mapping[str, torch.Tensor]
@@ -424,6 +500,23 @@ class _Side:
     data: DataGroup
     timeout_s: Optional[float]
     deferred: Optional[Deferred]
+    staged: FrozenSet[Tuple[int, str]] = frozenset()
+    kept: Optional[KeptStaging] = None
+
+    def base(self, move: Move, where: str) -> Tuple[Optional[torch.Tensor], str]:
+        """What this receiver holds for ``move``'s region (the kept staging of a piece it
+        quantizes, else its live parameter), or None and why it has no base."""
+        if _staged_at(move, self.rank, self.staged):
+            base = self.kept.base(move) if self.kept is not None else None
+            if base is None:
+                return None, (
+                    f"{where}: no kept block-FP8 staging for it (the last update did not "
+                    "keep one here): no base to apply the delta to"
+                )
+            return base, ""
+        base = dest_region(self.params, _my_dests(move, self.rank)[0], move)
+        problem = _no_base(base, move, where)
+        return (None, problem) if problem else (base, "")
 
 
 def _quantized_rounds(
@@ -513,18 +606,18 @@ def stage_full(
     for ``fp8``: every byte at its lower bound), the engine-dtype values this rank sent,
     staged in ``snapshot`` (the quantized blocks quantized again, on ``data``'s device as
     ``run_quantized`` did: what the engine holds; the moves into block-FP8 staging,
-    ``staged``, never: they always travel whole); the figures of a full update and why it
-    was full."""
+    ``staged``, as any other, counted apart: the engine keeps their staging); the figures
+    of a full update and why it was full."""
     figures = DeltaFigures()
     t0 = time.perf_counter()
     for mine in rank_rounds(plan, rank):
         for move in mine:
             if move.src != rank:
                 continue
-            if not _staged(move, staged):
-                snapshot.stage(move, source_region(shards, move).to(move.dtype))
-            else:
-                figures.staged(move.tensor, move.nbytes * len(_receivers(move)))
+            snapshot.stage(move, source_region(shards, move).to(move.dtype))
+            if _staged(move, staged):
+                sent = move.nbytes * len(_receivers(move))
+                figures.staged(move.tensor, sent, sent, True)
             _count_full(figures, move, move.nbytes, move.region.numel)
     for q in (q for rnd in (fp8.quantized if fp8 else ()) for q in rnd):
         if q.move.src == rank:
@@ -561,20 +654,19 @@ def _encode_round(
     staged: FrozenSet[Tuple[int, str]] = frozenset(),
 ) -> Dict[int, torch.Tensor]:
     """The round's records from this rank, one buffer per receiver; the new values staged
-    (but those of moves into block-FP8 staging: sent whole, ``engine_quantized``)."""
+    (those of moves into block-FP8 staging too, counted apart: ``engine_quantized``)."""
     if not sends:
         return {}
     t0 = time.perf_counter()
     news = [source_region(shards, m).to(m.dtype).contiguous() for m in sends]
-    whole = [_staged(m, staged) for m in sends]
-    olds = [
-        bases.get(_key(m)) if bases is not None and not w else None
-        for m, w in zip(sends, whole)
-    ]
-    for move, new, w in zip(sends, news, whole):
-        if snapshot is not None and not w:
+    olds = [bases.get(_key(m)) if bases is not None else None for m in sends]
+    for move, new in zip(sends, news):
+        if snapshot is not None:
             snapshot.stage(move, new)
-    out = _records([(m, m.nbytes) for m in sends], news, olds, digest, figures, whole)
+    into_staging = [_staged(m, staged) for m in sends]
+    out = _records(
+        [(m, m.nbytes) for m in sends], news, olds, digest, figures, into_staging
+    )
     figures.encode_us += int((time.perf_counter() - t0) * 1e6)
     return out
 
@@ -585,10 +677,11 @@ def _records(
     olds: List[Optional[torch.Tensor]],
     digest: bool,
     figures: DeltaFigures,
-    whole: Optional[List[bool]] = None,
+    into_staging: Optional[List[bool]] = None,
 ) -> Dict[int, torch.Tensor]:
     """Each region (its move and a full update's bytes of it) encoded against its base,
-    as one buffer of records per receiver, counted in ``figures``."""
+    as one buffer of records per receiver, counted in ``figures`` (apart too where
+    ``into_staging``: pieces an engine quantizes from its staging)."""
     encoded = encode_many(list(zip(olds, news)))
     records: Dict[int, List[Encoded]] = {}
     for i, ((move, full), enc) in enumerate(zip(sends, encoded)):
@@ -603,8 +696,9 @@ def _records(
         sent = (head + enc.nbytes) * len(receivers)
         figures.wire_bytes += sent
         figures.record(move.tensor, enc, sent)
-        if whole is not None and whole[i]:
-            figures.staged(move.tensor, sent)
+        if into_staging is not None and into_staging[i]:
+            whole = enc.kind == Kind.FULL
+            figures.staged(move.tensor, sent, full * len(receivers), whole)
     return {r: delta_records(recs) for r, recs in records.items()}
 
 
@@ -619,14 +713,16 @@ def _decode_from(
     src: int,
     raw: torch.Tensor,
     moves: List[Move],
-    rank: int,
-    params: Mapping[str, torch.Tensor],
+    side: _Side,
     digest: bool,
     problems: List[str],
     figures: DeltaFigures,
 ) -> List[Landing]:
     """The landings of one sender's records (``moves``: theirs, in the plan's order); a
-    problem is named in ``problems`` and its region lands nothing."""
+    problem is named in ``problems`` and its region lands nothing. A piece of block-FP8
+    staging lands even unchanged (its kept values): the pause makes that staging afresh
+    and quantizes whole blocks from it."""
+    rank, params = side.rank, side.params
     who = f"rank {rank}: from rank {src}"
     try:
         records = read_delta_records(
@@ -640,18 +736,21 @@ def _decode_from(
         figures.record(move.tensor, enc, _head_bytes(enc, digest) + enc.nbytes)
         dests = _my_dests(move, rank)
         where = _where(rank, move)
-        base = dest_region(params, dests[0], move)
+        device = dest_region(params, dests[0], move).device
         if enc.kind == Kind.FULL:
-            buf = torch.empty(move.region.sizes, dtype=move.dtype, device=base.device)
+            buf = torch.empty(move.region.sizes, dtype=move.dtype, device=device)
             decode_into(enc, buf)
             landings.append(Landing(buf, move, dests))
             continue
-        problem = _no_base(base, move, where)
+        base, problem = side.base(move, where)
         if problem:
             problems.append(problem)
             continue
-        old = base.clone(memory_format=torch.contiguous_format)
-        if _applied(enc, old, where, problems):
+        staged = _staged_at(move, rank, side.staged)
+        if enc.kind == Kind.UNCHANGED and not staged:
+            continue
+        old = torch.empty(base.shape, dtype=base.dtype, device=device).copy_(base)
+        if enc.kind == Kind.UNCHANGED or _applied(enc, old, where, problems):
             landings.append(Landing(old, move, dests))
     return landings
 
@@ -737,16 +836,16 @@ def _check_bases(
     fp8: Optional[SenderFp8Plan],
     side: _Side,
     bases: Optional[Mapping[tuple, torch.Tensor]],
-    staged: FrozenSet[Tuple[int, str]],
     stats: ExecutionStats,
     figures: DeltaFigures,
 ) -> List[str]:
     """The digest round, before the first round of the plan: every sender sends each
     receiver the digest of the base it will encode each region against (``NO_DIGEST``:
     none, the region travels whole), in the plan's order, its sender-quantized blocks
-    last; every receiver compares them with its live parameters. So a base changed behind
-    the trainer's back refuses the update before anything lands, even where the staging is
-    smaller than the rank's share and the pause writes while later rounds arrive.
+    last; every receiver compares them with its live parameters (the pieces it quantizes
+    from staging: with its kept staging). So a base changed behind the trainer's back
+    refuses the update before anything lands, even where the staging is smaller than the
+    rank's share and the pause writes while later rounds arrive.
     Returns the receiver's problems, naming tensor and region."""
     rank, data, timeout_s = side.rank, side.data, side.timeout_s
     phase = f"rank {rank}: delta base digests"
@@ -756,10 +855,10 @@ def _check_bases(
         data.connect([[q.move for q in quantized]], rank, timeout_s, phase)
     t0 = time.perf_counter()
     checks: Dict[int, List[int]] = {}
-    sent = [(m, _key(m), _staged(m, staged)) for m in moves if m.src == rank]
-    sent += [(q.move, _qkey(q), False) for q in quantized if q.move.src == rank]
-    for move, key, whole in sent:
-        base = bases.get(key) if bases is not None and not whole else None
+    sent = [(m, _key(m)) for m in moves if m.src == rank]
+    sent += [(q.move, _qkey(q)) for q in quantized if q.move.src == rank]
+    for move, key in sent:
+        base = bases.get(key) if bases is not None else None
         check = region_digest(base) if base is not None else NO_DIGEST
         figures.digests_checked += check != NO_DIGEST
         for receiver in _receivers(move):
@@ -787,8 +886,7 @@ def _check_bases(
             if check == NO_DIGEST:
                 continue
             where = _where(rank, move)
-            base = dest_region(side.params, _my_dests(move, rank)[0], move)
-            problem = _no_base(base, move, where)
+            base, problem = side.base(move, where)
             if problem:
                 problems.append(problem)
             else:
@@ -860,24 +958,30 @@ def delta_summary(
         "engines": {
             name: _engine_summary(row) for name, row in (engines or {}).items()
         },
-        "engine_quantized": _staged_summary(per_rank),
+        "engine_quantized": _staged_summary(per_rank, why_full),
     }
 
 
-def _staged_summary(per_rank: List[DeltaFigures]) -> Dict[str, object]:
-    """What a delta update sent whole because block-FP8 engines quantize it from staging
-    they do not keep (``engine_quantized``): bytes per trainer rank, regions, bytes per
-    tensor class, and why ({} when nothing was)."""
+def _staged_summary(per_rank: List[DeltaFigures], why_full: str) -> Dict[str, object]:
+    """What an update sent of the pieces block-FP8 engines quantize from their staging
+    (``engine_quantized``: blocks no trainer rank holds whole): bytes per trainer rank,
+    those sent whole, a full update's bytes of them, regions, bytes per tensor class, and
+    why they went whole ("" for a delta against the engines' kept staging; {} when the
+    update had none)."""
     regions = sum(f.regions_staged for f in per_rank)
     if not regions:
         return {}
     by_class = {c: sum(f.staged_by_class.get(c, 0) for f in per_rank) for c in CLASSES}
     return {
         "bytes": [f.sent_staged for f in per_rank],
+        "bytes_whole": [f.staged_whole for f in per_rank],
+        "full_bytes": [f.staged_full_bytes for f in per_rank],
         "regions": regions,
         "bytes_by_class": {c: n for c, n in by_class.items() if n},
-        "why": "blocks no trainer rank holds whole meet in a block-FP8 engine's bf16 "
-        "staging, which it lets go after each update: no base for a delta, sent whole",
+        "why": f"the update was full ({why_full}): the engines keep their bf16 staging of "
+        "these pieces from it as the next delta's base"
+        if why_full
+        else "",
     }
 
 

@@ -28,6 +28,11 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
 * An update of a group that failed or was refused on this rank leaves it ``stale``: the
   group's next delta update is refused before any byte moves (a trainer that does not hear
   the engines' answers committed its snapshot anyway), until a join or a full update.
+* A block-FP8 engine in a group that runs delta updates keeps, per membership, the bf16
+  staging of the pieces it quantizes itself (``remote.delta.KeptStaging``, host memory:
+  2 bytes per element of the blocks a trainer shard edge cuts) as the next delta's base;
+  written after each successful pause, let go on a failure, a refusal, when the group
+  stops running deltas, and when the engine leaves.
 
 The engine never dies of a request: every exception becomes ``success=False`` naming the
 rank and phase.
@@ -39,7 +44,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -69,7 +74,7 @@ from sglang.srt.weight_sync.fp8_wire import QuantizedLanding
 from sglang.srt.weight_sync.manifest import ManifestError
 from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
-from sglang.srt.weight_sync.remote.delta import DeltaFigures
+from sglang.srt.weight_sync.remote.delta import DeltaFigures, KeptStaging
 from sglang.srt.weight_sync.remote.group import (
     GroupRefusal,
     SyncGroup,
@@ -176,7 +181,8 @@ class Staging(Deferred):
 class Receive:
     """One update's receiving on this rank, in a thread of its own, on the group's device
     (the engine rank's GPU, made current in the thread); a block-FP8 engine's staged
-    weights (``fp8``), quantized once the pause wrote every region."""
+    weights (``fp8``), quantized once the pause wrote every region, and the base of their
+    pieces it keeps between the updates of a delta group (``kept``)."""
 
     def __init__(
         self,
@@ -186,8 +192,10 @@ class Receive:
         params,
         timeout_s,
         fp8: Optional[Fp8Staging] = None,
+        kept: Optional[KeptStaging] = None,
     ):
         self.group, self.staging, self.fp8 = group, staging, fp8
+        self.kept = kept if fp8 is not None else None
         if fp8 is not None:  # a delta of quantized blocks reads their e4m3 and scales
             params = {**params, **fp8.live}
         self.result: Optional[UpdateResult] = None
@@ -212,7 +220,7 @@ class Receive:
                 torch.cuda.set_device(device)
             with collector_paused():
                 self.result = self.group.run_update(
-                    None, timeout_s, check, params, self.staging
+                    None, timeout_s, check, params, self.staging, kept=self.kept
                 )
         except GroupRefusal as e:
             self.refused, self.error = True, str(e)
@@ -240,10 +248,13 @@ class _Member:
     group: SyncGroup
     store: object
     derived: object  # the engine's derived targets (target_cache)
+    # a block-FP8 engine's base for the pieces it quantizes itself, in a delta group
+    kept: KeptStaging = field(default_factory=KeptStaging)
 
     def close(self) -> None:
         self.group.close()
         self.store = None
+        self.kept.clear()
 
 
 class RemoteEngineSync:
@@ -447,6 +458,7 @@ class RemoteEngineSync:
             params,  # checked against the plan only: the FP8 weights have the staged shapes
             req.timeout_s,
             fp8,
+            member.kept,
         )
         self.receiving = (req.group_name, receive)
         return True, f"{who}: receiving"
@@ -492,6 +504,9 @@ class RemoteEngineSync:
         ]
 
     def _mark_stale(self, name: str, mine: Optional[Receive], why: str) -> None:
+        member = self.members.get(name)
+        if member is not None:  # what it kept may not be what the trainer delivered
+            member.kept.clear()
         result = mine.result if mine is not None else None
         update = result.header.update_id if result is not None else "an update"
         self.stale[name] = f"{update} of group {name!r} failed here: {why[:300]}"
@@ -601,7 +616,8 @@ class RemoteEngineSync:
             return False, message, mixed, figures
         logger.info(
             "remote weight update %s, %s: received %d bytes (lower bound %d), staged at most %d, "
-            "receiving %.3fs while serving, writing %.3fs in the pause",
+            "receiving %.3fs while serving, writing %.3fs in the pause; keeps %d bytes of "
+            "block-FP8 staging in host memory as the next delta's base",
             result.header.update_id,
             mine.group.who,
             mine_figures[0],
@@ -609,6 +625,7 @@ class RemoteEngineSync:
             mine_figures[2],
             mine_figures[3] / 1e6,
             applied_us / 1e6,
+            mine.kept.nbytes if mine.kept is not None else 0,
         )
         self.stale.pop(req.group_name, None)
         return True, "Success", False, figures
@@ -636,7 +653,9 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
     the staging streams in: the receiving thread refills what each write frees, so a round
     is written while the next is on the wire), until receiving ended, then the zero fills;
     then a block-FP8 engine's delivered blocks are quantized from their staging into the
-    live weights and scales (``fp8_staging``). Whether anything was written."""
+    live weights and scales (``fp8_staging``), the staging of their pieces kept first as
+    the next delta's base when the group runs deltas (``KeptStaging``, else let go).
+    Whether anything was written."""
     wrote = False
     while True:
         landings = mine.staging.take(timeout_s)
@@ -654,9 +673,16 @@ def write_staged(mine: Receive, params: Mapping[str, torch.Tensor], timeout_s) -
         mine.staging.written(written)
         wrote = True
     if mine.error is not None:
+        if mine.kept is not None:  # a failed or refused update: no base any more
+            mine.kept.clear()
         raise RuntimeError(mine.error)
     plan = mine.result.plan
     write_zero_fills(plan, mine.group.rank, params)
+    if mine.kept is not None:
+        if mine.result.header.keep_base:
+            mine.kept.keep(plan, mine.group.rank, params, mine.result.staged)
+        else:
+            mine.kept.clear()
     if wrote and mine.fp8 is not None:
         # every element of every block not sent quantized has met in staging
         mine.fp8.quantize(mine.result.fp8, mine.group.rank)

@@ -31,7 +31,8 @@ the same steps on every rank (``run_update``), each bounded by the update's time
    rank holds whole travel quantized, e4m3 and scales (``fp8_wire.run_quantized``, after
    the rest of the plan ran), and the engine quantizes only the rest. A delta update is
    cut the same way (``remote.delta``: the quantized blocks' delta is taken after
-   quantization; the pieces the engine quantizes travel whole).
+   quantization; the pieces the engine quantizes against the bf16 staging it keeps for
+   them, ``remote.delta.KeptStaging``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
 from sglang.srt.weight_sync.remote.delta import (
     DeltaFigures,
+    KeptStaging,
     Snapshot,
     engine_quantized,
     execute_delta,
@@ -142,6 +144,9 @@ class UpdateResult:
     why_full: str = ""
     # the blocks sent quantized (``plan`` is then what is left of the plan)
     fp8: Optional[SenderFp8Plan] = None
+    # (group rank, weight) of the block-FP8 weights engines quantize pieces of from their
+    # staging (``remote.delta.engine_quantized``)
+    staged: FrozenSet[Tuple[int, str]] = frozenset()
 
     def lower_bound_bytes(self, rank: int) -> int:
         """The least ``rank`` receives: the plan's, less what quantized blocks save."""
@@ -523,6 +528,7 @@ class SyncGroup:
         params: Optional[Mapping[str, torch.Tensor]] = None,
         deferred: Optional[Deferred] = None,
         snapshot: Optional[Snapshot] = None,
+        kept: Optional[KeptStaging] = None,
     ) -> UpdateResult:
         """Steps 1-6 on this rank. A trainer rank passes ``part``; every rank may pass
         ``check`` (its problems with the update: the header and specs), an engine rank its
@@ -533,7 +539,8 @@ class SyncGroup:
         rounds that end in ``PeerLost``. Raises ``GroupRefusal`` before any byte moved,
         ``PeerLost`` when a member did not answer within ``timeout_s``. A header that says
         ``delta`` runs the rounds as delta records (``remote.delta``: a trainer rank encodes
-        against its ``snapshot``, an engine rank decodes against ``params``)."""
+        against its ``snapshot``, an engine rank decodes against ``params``, and the pieces
+        it quantizes from block-FP8 staging against ``kept``)."""
         problems: List[str] = []
         plan, fp8, device = None, None, self.data.device
         local = part.local if part is not None else {}
@@ -552,7 +559,7 @@ class SyncGroup:
         self.agree(problems, plan, timeout_s)
         delta, why_full = None, ""
         args = (plan, self.rank, local, params or {}, self.data, timeout_s, deferred)
-        # block-FP8 pieces the engines quantize from staging: whole in every update
+        # block-FP8 pieces the engines quantize from staging: based on their kept staging
         staged = engine_quantized(self._engines()) if fp8 is not None else frozenset()
         try:
             if header.delta:
@@ -563,6 +570,7 @@ class SyncGroup:
                     header.digest,
                     fp8,
                     staged,
+                    kept,
                 )
             else:
                 stats = execute(*args, checked=True)
@@ -581,7 +589,7 @@ class SyncGroup:
                     )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None
-        return UpdateResult(header, plan, stats, delta, why_full, fp8)
+        return UpdateResult(header, plan, stats, delta, why_full, fp8, staged)
 
     @staticmethod
     def wire_of(

@@ -341,6 +341,10 @@ class UpdateHeader:
     # checks before anything lands
     delta: bool = False
     digest: bool = False
+    # the group runs delta updates (this one full or not): a block-FP8 engine keeps the
+    # bf16 staging of the blocks it quantizes itself as their base (``remote.delta.
+    # KeptStaging``); without it it lets that staging go
+    keep_base: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -359,13 +363,15 @@ class UpdateHeader:
             header.bucket_bytes, "bucket_bytes", MIN_BUCKET_BYTES, 1 << 62
         )
         problems += _int_problem(header.tensors, "tensors", 0, 1 << 31)
-        for name in ("delta", "digest"):
+        for name in ("delta", "digest", "keep_base"):
             if type(getattr(header, name)) is not bool:
                 problems.append(
                     f"{name}={getattr(header, name)!r}: must be true or false"
                 )
         if header.digest and not header.delta:
             problems.append("digest=true without delta=true")
+        if header.delta and not header.keep_base:
+            problems.append("delta=true without keep_base=true")
         if problems:
             raise DeliveryError("update header: " + "; ".join(problems))
         return header

@@ -25,7 +25,8 @@ trainer's own process group.
   the first update of an epoch, or after any failure, is full (``RemoteReport.delta``
   says which and why). For a block-FP8 engine the delta of the blocks a trainer rank
   quantizes is taken after quantization (e4m3 bytes and scales); the pieces the engine
-  quantizes itself travel whole (``RemoteReport.delta["engine_quantized"]``). Every
+  quantizes itself (blocks a shard edge cuts) are taken against the bf16 staging the
+  engine keeps for them (``RemoteReport.delta["engine_quantized"]``). Every
   ``digest_every``-th update the engines check that they hold what the trainer
   delivered; one that does not refuses, and the next update is full.
 * ``leave`` lets one engine go (it releases its groups); ``close`` lets all go and stops
@@ -485,6 +486,7 @@ class RemoteSync:
                 len(specs),
                 delta=planned,
                 digest=planned and self.updates % self.digest_every == 0,
+                keep_base=self.delta,
             )
             if drive:
                 body = dict(
