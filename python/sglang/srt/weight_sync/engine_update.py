@@ -123,7 +123,9 @@ __all__ = (
     "end_of_update",
     "header_bound",
     "receive_shards",
+    # pr: safety
     "release_data_group",
+    # pr: safety end
 )
 
 logger = logging.getLogger(__name__)
@@ -928,6 +930,7 @@ def receive_shards(recv_req, owner) -> ReceivedShards:
     return EngineWeightSync.of(owner).receive(recv_req, owner.model_config)
 
 
+# pr: safety
 def release_data_group(owner) -> None:
     """SGLang's memory saver released the engine's memory (``release_memory_occupation``):
     the weight sync's data group goes too (``drop_data_group``: NCCL's communicator and its
@@ -939,6 +942,7 @@ def release_data_group(owner) -> None:
         sync.drop_data_group()
 
 
+# pr: safety end
 def header_bound(targets: Optional[DerivedTargets]) -> HeaderBound:
     """The payload header bound of an engine with ``targets`` (``HeaderBound``): its HF
     tensors and their aliases, or the parameters of its largest rank, whichever are more;
