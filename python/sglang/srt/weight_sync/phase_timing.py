@@ -9,13 +9,6 @@ update's byte figures, so reporting them costs no round trip; they reach the rep
 one log line per update and rank. Seconds the phases do not cover are ``other``: on every
 rank the phases plus ``other`` are the update's measured wall time.
 
-While a phase runs, Python's cyclic garbage collector is paused (``PhaseClock.phase``): an
-update allocates a few small objects per tensor, and each collection those allocations
-trigger rescans every object alive, so at a MoE model's tens of thousands of tensors the
-collector took more time than the work (60 % of decoding a payload header). The young
-generation's collection that the pause held back runs as the outermost phase ends, timed in
-it, so it is not left to whatever line allocates next, outside every phase.
-
 Nothing here talks to a peer or keeps state beyond a clock's update.
 """
 
@@ -23,9 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import gc
 import time
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
+
+# isort: split
+# pr: scale
+import gc
+
+# pr: scale end
 
 __all__ = (
     "Count",
@@ -87,27 +85,37 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
         """Add the block's wall seconds to ``phase``; a phase opened inside another counts
-        only for the inner one (its seconds are taken out of the outer). The cyclic garbage
-        collector is paused inside the outermost phase, then restored as it was (see the
-        module's text); nothing is collected meanwhile, and the young generation's collection
-        it held back runs as it ends, timed in it."""
+        only for the inner one (its seconds are taken out of the outer)."""
         outer, self._open = self._open, phase.value
+        # pr: scale
+        # Python's cyclic garbage collector is paused inside the outermost phase, then
+        # restored as it was: an update allocates a few small objects per tensor, and each
+        # collection those allocations trigger rescans every object alive, so at a MoE
+        # model's tens of thousands of tensors the collector took more time than the work
+        # (60 % of decoding a payload header). The young generation's collection that the
+        # pause held back runs as the phase ends, timed in it, so it is not left to
+        # whatever line allocates next, outside every phase.
         pause = outer is None and gc.isenabled()
         if pause:
             gc.disable()
+        # pr: scale end
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            # pr: scale
             if pause:
                 _collect_what_was_deferred()
+            # pr: scale end
             spent = time.perf_counter() - t0
             self.seconds[phase.value] += spent
             if outer is not None:
                 self.seconds[outer] -= spent
             self._open = outer
+            # pr: scale
             if pause:
                 gc.enable()
+            # pr: scale end
 
     def add(self, phase: Phase, seconds: float) -> None:
         """Move ``seconds`` measured elsewhere (the executor's copies, say) into ``phase``,
@@ -139,6 +147,7 @@ class PhaseClock:
         ]
 
 
+# pr: scale
 def _collect_what_was_deferred() -> None:
     """Run the young-generation collection the paused phase held back, when one is due,
     so that it is timed in that phase rather than at an unnamed line after it."""
@@ -146,6 +155,7 @@ def _collect_what_was_deferred() -> None:
         gc.collect(0)
 
 
+# pr: scale end
 def from_wire(columns: Sequence[Sequence[int]]) -> Dict[str, List[float]]:
     """Per name, one value per rank (seconds for phases), from ``REPORTED`` rows of
     per-rank integers as a collective returns them."""
