@@ -1,23 +1,20 @@
-"""The buffers kept for the stream that writes them, and the remote staging's share of an
-engine rank's free GPU memory (``weight_sync.staging_budget``)."""
+"""The remote staging's share of an engine rank's free GPU memory, and the buffers kept for
+the stream that writes them (``weight_sync.staging_budget``)."""
 
 import torch
 
 from sglang.srt.weight_sync import staging_budget
-from sglang.srt.weight_sync.staging_budget import keep_for_stream
-
-# isort: split
-# pr: remote
-from sglang.srt.weight_sync.staging_budget import STAGING_SHARE_OF_FREE, staging_cap
-
-# pr: remote end
+from sglang.srt.weight_sync.staging_budget import (
+    STAGING_SHARE_OF_FREE,
+    keep_for_stream,
+    staging_cap,
+)
 
 
 def _gpu() -> torch.device:
     return torch.device("cuda", 3)
 
 
-# pr: remote
 def test_staging_within_the_free_share_is_not_cut():
     assert staging_cap(1 << 30, _gpu(), free_bytes=4 << 30) == (1 << 30, None)
 
@@ -46,7 +43,6 @@ def test_cpu_staging_is_never_cut():
     assert staging_cap(4 << 30, torch.device("cpu"), free_bytes=0) == (4 << 30, None)
 
 
-# pr: remote end
 class _CudaBuf:
     is_cuda = True
 

@@ -1,37 +1,26 @@
-"""How the data plane's buffers that cross CUDA streams are kept alive, and what a remote
-update's staging may take of an engine rank's GPU memory.
+"""What the data plane's buffers may take of an engine rank's GPU memory, and how buffers
+that cross CUDA streams are kept alive.
 
-A buffer allocated on one stream (the receiving thread's) and read or written on another is
-marked used by the second (``keep_for_stream``), so that, once freed, it is not handed out
-again before that stream's work on it ran.
+SGLang sizes its static memory (weights and the KV cache pool) as ``mem_fraction_static``
+of the GPU when the engine starts; the rest is left to what serving allocates as it runs
+(activations, CUDA graphs' pools, NCCL's buffers). Staging that a remote update holds while
+the engine keeps serving comes out of that rest: ``staging_cap`` gives it at most
+``STAGING_SHARE_OF_FREE`` of the memory free when the receive starts, so that serving
+keeps the other part; what does not fit streams in during the pause (``remote.engine``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional, Tuple
 
-# isort: split
-# pr: remote
-from typing import Optional, Tuple
-
-# pr: remote end
 import torch
 
 __all__ = (
-    "keep_for_stream",
-    # pr: remote
     "STAGING_SHARE_OF_FREE",
+    "keep_for_stream",
     "staging_cap",
-    # pr: remote end
 )
 
-# pr: remote
-# SGLang sizes its static memory (weights and the KV cache pool) as ``mem_fraction_static``
-# of the GPU when the engine starts; the rest is left to what serving allocates as it runs
-# (activations, CUDA graphs' pools, NCCL's buffers). Staging that a remote update holds while
-# the engine keeps serving comes out of that rest: ``staging_cap`` gives it at most
-# ``STAGING_SHARE_OF_FREE`` of the memory free when the receive starts, so that serving
-# keeps the other part; what does not fit streams in during the pause (``remote.engine``).
 STAGING_SHARE_OF_FREE = 0.5
 
 
@@ -55,7 +44,6 @@ def staging_cap(
     )
 
 
-# pr: remote end
 def keep_for_stream(buffers: Iterable[torch.Tensor]) -> None:
     """Mark CUDA ``buffers`` used by the current stream (``record_stream``): a buffer
     allocated on another stream (the receiving thread's) and read here is then not handed
