@@ -25,9 +25,12 @@ The engine never dies of an update: every exception becomes ``success=False`` wi
 message naming the rank; a failure after the commit is ``mixed`` (the reply's field,
 and ``protocol.MIXED`` in its message). The collectives run on a control group of the
 engine's own, made anew on every TP rank after a wait on it failed (``renew_control``).
-Releases before 0.5.23 have a single hook in the model runner: ``tensor_path.update_from_payload``
-runs all three steps and the post-load fixups.
 """
+
+# pr: here
+# Releases before 0.5.23 have a single hook in the model runner:
+# ``tensor_path.update_from_payload`` runs all three steps and the post-load fixups.
+# pr: here end
 
 from __future__ import annotations
 
