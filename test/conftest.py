@@ -4,7 +4,7 @@
   cases the reliability tests reuse) and the repository root (``benchmark``) go on
   ``sys.path``, so test modules import helpers as top-level modules::
 
-      from engine import cpu_engine, engine_greedy, hf_greedy
+      from engine import engine_greedy, hf_greedy, stable_prompts
       import tiny_models, sglang_fakes
 
   What several test modules share (runners, oracles, fakes, strategies) lives there too: no

@@ -9,7 +9,7 @@ folders are fine with that (see ``test/support/engine.py`` and the notes there).
 
 Helpers live in ``test/support`` and are imported as top-level modules::
 
-    from engine import cpu_engine, engine_greedy, hf_greedy
+    from engine import engine_greedy, hf_greedy, stable_prompts
     import tiny_models
 """
 
@@ -38,8 +38,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def _dev_shm_hygiene():
     """After the e2e tests, remove the /dev/shm files that appeared meanwhile and that no live
-    process uses: ``cpu_engine`` cleans up after itself, but engines started elsewhere (e.g.
-    inside trainer-rank processes) leave ``sglang_loads_*``/``sem.mp-*`` files behind. The
+    process uses: engines that do not clean up after themselves (those started inside
+    trainer-rank processes, say) leave ``sglang_loads_*``/``sem.mp-*`` files behind. The
     semaphores of this process's own queues stay: its exit removes them."""
     before, started = _shm_entries(), time.time()
     yield

@@ -165,6 +165,7 @@ def test_smoke_fsdp_trainer_updates_engine(tmp_path):
         check_phases(record, 2, first=record is records[1])
 
 
+# pr: scale
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])
 def test_models_at_tp2(kind, tmp_path):
     steps = [("verl", "fsdp", 1), ("verl", "tp", 2), ("utils", "fsdp", 3)]
@@ -183,6 +184,7 @@ def test_qwen2_at_tp4(tmp_path):
         check_update(record, model_dir, config, record["step"][2], 4, prompts)
 
 
+# pr: scale end
 def test_http_server_backend(tmp_path):
     """An engine hosted as a real HTTP server (``HostedEngine(backend="server")``, through
     HttpServerEngineAdapter): the update goes through POST /update_weights_distributed; a
@@ -205,6 +207,7 @@ def test_http_server_backend(tmp_path):
     )
 
 
+# pr: scale
 def test_moe_expert_parallel_parameters(tmp_path):
     """Experts split over EP 2 (MoE-TP 1). SGLang 0.5.23's CPU engine cannot run a forward
     pass with ep_size > 1 (its MoE path indexes expert -1), so only the parameters are
@@ -225,3 +228,6 @@ def test_moe_expert_parallel_parameters(tmp_path):
             prompts,
             engine_kwargs.get("ep_size", 1),
         )
+
+
+# pr: scale end

@@ -15,13 +15,19 @@ Every trainer process runs with ``full_tensor``, ``gather_object`` and
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+
+# isort: split
+# pr: safety
+import json
+from typing import Optional
+
+# pr: safety end
 
 MAX_NEW = 8
 BAD_NAME = "model.layers.0.self_attn.no_such_proj.weight"
@@ -219,6 +225,7 @@ def checksums(engine) -> Dict[int, Dict[str, str]]:
     }
 
 
+# pr: safety
 def _data_groups(host, leader: bool, groups_dir: str) -> Optional[List]:
     """The name of every engine TP rank's data group (None where it holds none), on the
     engine's leader rank (None elsewhere): a new group has a new name."""
@@ -230,6 +237,7 @@ def _data_groups(host, leader: bool, groups_dir: str) -> Optional[List]:
     return [json.load(open(os.path.join(groups_dir, f))) for f in names]
 
 
+# pr: safety end
 def _forbidden_calls(log_dir: str) -> int:
     """Calls of full_tensor/gather_object/all_gather_object recorded so far by any process."""
     return sum(
@@ -367,8 +375,10 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
         "forbidden_log"
     ]  # read by the engine's processes (sitecustomize)
     groups_dir = job["forbidden_log"] + "-groups"  # each rank's data group, by step
+    # pr: safety
     # whose data group every step records: jobs that release the engine's memory
     tracks_groups = any(step[0] == "memory" for step in job["steps"])
+    # pr: safety end
     os.makedirs(groups_dir, exist_ok=True)
     os.environ["SGLANG_TEST_PARAM_PTRS"] = groups_dir  # (sitecustomize)
     if tp > 1:
@@ -422,6 +432,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                 record["inline_bytes"] = report.inline_bytes
                 record["success"] = True
                 _write_report(job, rank, step, report, record["seconds"])
+            # pr: safety
             elif (
                 kind == "memory"
             ):  # the host's other duties: the same model must come back
@@ -445,6 +456,7 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
                     record["success"], record["message"] = False, str(e)
                 host.call("resume_memory_occupation")
                 host.call("flush_cache")
+            # pr: safety end
             elif (
                 kind == "verl_bad"
             ):  # a refused update raises on every rank, whatever the backend
@@ -506,15 +518,19 @@ def engine_job(rank: int, world: int, job: dict) -> dict:
             if kind not in (
                 "fail",
                 "verl_bad",
+                # pr: safety
                 "memory",
                 "released",
+                # pr: safety end
             ) and job.get("generate", True):
                 prompts = job["prompts"][seed]
             record["generation"] = generate()
             if leader:
                 record["checksums"] = checksums(host.engine)
+            # pr: safety
             if tracks_groups:  # (through Engine.collective_rpc: not the HTTP adapter)
                 record["data_group"] = _data_groups(host, leader, groups_dir)
+            # pr: safety end
             dist.barrier()  # every engine's weight checker (it gathers) is done before the next step counts
             records.append(record)
     finally:

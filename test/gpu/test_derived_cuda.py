@@ -1,4 +1,5 @@
-"""Derived targets on SGLang's CUDA branch equal its real load on the GPU (17 architectures).
+"""Derived targets on SGLang's CUDA branch equal its real load on the GPU (every architecture
+of ``test/support/derived_cases.py``).
 
 The same cases and checks as ``test/unit/test_derived_targets.py`` (which runs the generic
 and CPU branches on this machine's CPU; both take them from ``test/support/derived_cases.py``),

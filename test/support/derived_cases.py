@@ -1,7 +1,7 @@
 """The architectures and cases of the derived-targets tests, and their oracle, shared by the
 CPU (``test/unit/test_derived_targets.py``) and CUDA (``test/gpu/test_derived_cuda.py``) runs.
 
-``ARCHS`` (tiny configs of every architecture, their T and EP sizes), ``CASES`` (one per
+``ARCHS`` (tiny configs of the architectures checked, their T and EP sizes), ``CASES`` (one per
 architecture, T, EP and sampled rank), what a release refuses (``REFUSED``) or cannot load
 (``UNLOADABLE``), and ``load_problems``: what differs between SGLang's real load and the
 derived targets, element by element on index-encoded checkpoints.
@@ -24,7 +24,9 @@ __all__ = [
     "Case",
     "MOE_LAYOUTS",
     "REFUSED",
+    # pr: here
     "RULE_ARCHS",
+    # pr: here end
     "UNLOADABLE",
     "load_problems",
 ]
@@ -72,6 +74,7 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1,),
         {},
     ),
+    # pr: scale
     "mistral": (
         dict(
             model_type="mistral",
@@ -126,6 +129,7 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1,),
         {},
     ),
+    # pr: scale end
     "qwen3_moe": (
         dict(
             model_type="qwen3_moe",
@@ -142,6 +146,7 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1, 2, 4),
         {},
     ),
+    # pr: scale
     "deepseek_v2_lite": (
         dict(
             model_type="deepseek_v2",
@@ -170,7 +175,9 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1, 2, 4),
         {},
     ),
+    # pr: scale end
     "deepseek_v3": (_DSV3, (1, 2, 4, 8), (1, 2, 4), {}),
+    # pr: scale
     "deepseek_v3_fused_shared": (
         _DSV3,
         (1, 2, 4, 8),
@@ -234,6 +241,7 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1,),
         {},
     ),
+    # pr: scale end
     "gpt_oss": (
         dict(
             model_type="gpt_oss",
@@ -252,6 +260,7 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1,),
         {},
     ),
+    # pr: scale
     "olmo2": (
         dict(
             model_type="olmo2",
@@ -307,13 +316,16 @@ ARCHS: Dict[str, Tuple[dict, Tuple[int, ...], Tuple[int, ...], dict]] = {
         (1,),
         {},
     ),
+    # pr: scale end
 }
+# pr: here
 RULE_ARCHS = (
     "llama",
     "qwen2",
     "qwen3",
     "qwen3_moe",
 )  # the hand rules describe these too
+# pr: here end
 # (rope scaling and swiglu_limit as the released Gemma 3 and gpt-oss configs have them: SGLang 0.5.12 reads both)
 
 # What a release's own loading makes impossible to update in place, and what the refusal must

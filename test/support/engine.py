@@ -14,26 +14,13 @@ Environment:
 * TP > 1 on a 1-NUMA machine needs ``SGLANG_CPU_OMP_THREADS_BIND`` (one core list per
   rank, "0|1" for TP 2); ``cpu_engine`` sets it while it launches the engine.
 
-``cpu_engine(model_dir, tp_size, **kwargs)`` starts the engine with the arguments that work
-on CPU (``device="cpu"``, ``attention_backend="torch_native"``, ``skip_tokenizer_init``,
-a bounded ``max_total_tokens``), yields it, shuts it down and removes the ``/dev/shm``
-files the engine left behind.
-
-Two things a test author must know:
-
-* Upstream ``Engine.shutdown()`` kills **every** child process of the calling process
-  (``kill_process_tree(os.getpid(), include_parent=False)``), not only the engine's: a
-  second engine, trainer processes, a forkserver. ``cpu_engine`` narrows that call, while
-  it shuts down, to the processes that appeared while its engine started (minus
-  multiprocessing's shared resource tracker). Calling ``engine.shutdown()`` yourself
-  bypasses this.
-* A scheduler that dies makes the engine send SIGQUIT to the test process, whose upstream
-  handlers SIGKILL the whole process tree, pytest included. ``cpu_engine`` replaces them
-  and watches the engine's processes itself (``_EngineMonitor``): the running or next
-  ``engine.*`` call raises ``EngineDied`` and only the engine's processes are killed
-  (a failed start raises upstream's ``RuntimeError``).
-* The engine's tokenizer manager also handles SIGTERM on its event loop by killing every
-  child of the test process and exiting it (upstream ``sigterm_watchdog``).
+``DEFAULT_ENGINE_ARGS`` are the engine arguments that work on CPU (``device="cpu"``,
+``attention_backend="torch_native"``, ``skip_tokenizer_init``, a bounded
+``max_total_tokens``); ``cleanup_shm`` removes the ``/dev/shm`` files engines left behind;
+``hf_greedy`` and ``stable_prompts`` give what an engine's greedy generation is compared
+with. The engine's tokenizer manager handles SIGTERM on its event loop by killing every
+child of the process that started the engine and exiting it (upstream
+``sigterm_watchdog``).
 """
 
 from __future__ import annotations
@@ -41,14 +28,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+
+# isort: split
+# pr: safety
+import signal
+import time
+
+# pr: safety end
 
 SUPPORT_DIR = Path(__file__).resolve().parent
 SHM_DIR = Path("/dev/shm")
@@ -69,10 +61,12 @@ PathLike = Union[str, Path]
 Prompts = Sequence[Sequence[int]]
 
 
+# pr: safety
 class EngineDied(RuntimeError):
     """A scheduler/detokenizer process of the engine died while the engine was in use."""
 
 
+# pr: safety end
 # ----------------------------------------------------------------------------------------------
 # Environment
 
@@ -111,6 +105,7 @@ def configure_cpu_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# pr: safety
 # Modules that cache ``is_cpu()`` at import (``_is_cpu = is_cpu()``) and that the launching
 # process imports with ``sglang.Engine``.
 _CPU_FLAG_MODULES = (
@@ -155,6 +150,7 @@ def check_cpu_env() -> None:
         )
 
 
+# pr: safety end
 @contextlib.contextmanager
 def _env(values: Mapping[str, Optional[str]]) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
@@ -309,6 +305,22 @@ def cleanup_shm(
 # Process safety: a dying engine process must not take the test process with it.
 
 
+# pr: safety
+# ``cpu_engine(model_dir, tp_size, **kwargs)`` starts the engine in this process with
+# ``DEFAULT_ENGINE_ARGS``, yields it, shuts it down and removes the ``/dev/shm`` files the
+# engine left behind. Two things a test author must know:
+#
+# * Upstream ``Engine.shutdown()`` kills **every** child process of the calling process
+#   (``kill_process_tree(os.getpid(), include_parent=False)``), not only the engine's: a
+#   second engine, trainer processes, a forkserver. ``cpu_engine`` narrows that call, while
+#   it shuts down, to the processes that appeared while its engine started (minus
+#   multiprocessing's shared resource tracker). Calling ``engine.shutdown()`` yourself
+#   bypasses this.
+# * A scheduler that dies makes the engine send SIGQUIT to the test process, whose upstream
+#   handlers SIGKILL the whole process tree, pytest included. ``cpu_engine`` replaces them
+#   and watches the engine's processes itself (``_EngineMonitor``): the running or next
+#   ``engine.*`` call raises ``EngineDied`` and only the engine's processes are killed
+#   (a failed start raises upstream's ``RuntimeError``).
 def _children() -> List[int]:
     import psutil
 
@@ -371,6 +383,7 @@ def _kill_only(pids: Sequence[int]) -> Iterator[None]:
         engine_module.kill_process_tree = original
 
 
+# pr: safety end
 def _launch_sigquit_handler(
     signum, frame
 ):  # passed as Engine(custom_sigquit_handler=...)
@@ -379,6 +392,7 @@ def _launch_sigquit_handler(
     logger.error("SIGQUIT from an engine process during startup (a scheduler failed)")
 
 
+# pr: safety
 def _dead(pids: Sequence[int]) -> List[int]:
     import psutil
 
@@ -498,6 +512,7 @@ def _guard(engine, monitor: _EngineMonitor, method):
     return call
 
 
+# pr: safety end
 # ----------------------------------------------------------------------------------------------
 # The engine
 
@@ -519,6 +534,7 @@ DEFAULT_ENGINE_ARGS = dict(
     sleep_on_idle=True,
 )
 
+# pr: here
 # ``cpu_engine(..., env=COMPILED)``: the engine's processes run SGLang's torch.compile'd helpers
 # compiled, as a user's engine does (``configure_cpu_env`` disables dynamo for the others).
 # Inductor compiles in the scheduler itself: its pool of compile workers (one fresh interpreter
@@ -527,10 +543,12 @@ COMPILED: Mapping[str, Optional[str]] = {
     "TORCHDYNAMO_DISABLE": None,
     "TORCHINDUCTOR_COMPILE_THREADS": "1",
 }
+# pr: here end
 
 # The same, for engines that tests start in worker processes, whose warnings would only add noise.
 WORKER_ENGINE_ARGS = {**DEFAULT_ENGINE_ARGS, "log_level": "error"}
 
+# pr: safety
 _GUARDED = (
     "generate",
     "begin_weight_update",
@@ -627,6 +645,7 @@ def cpu_engine(
             logger.info("removed from /dev/shm: %s", removed)
 
 
+# pr: safety end
 # ----------------------------------------------------------------------------------------------
 # Greedy decoding: SGLang and HF
 
@@ -757,6 +776,7 @@ def hf_greedy(
     return _greedy(_as_hf_model(model, weights), prompts, max_new_tokens)[0]
 
 
+# pr: here
 def hf_greedy_margins(
     model,
     prompts: Prompts,
@@ -805,6 +825,7 @@ def greedy_mismatches(
     return problems
 
 
+# pr: here end
 def stable_prompts(
     models: Sequence,
     count: int,

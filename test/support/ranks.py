@@ -32,6 +32,7 @@ class ForbiddenCall(AssertionError):
 _ORIGINALS: dict = {}
 
 
+# pr: remote
 @contextlib.contextmanager
 def gathers_allowed():
     """The real functions back for a block: for a test that runs a framework's own gathering
@@ -57,6 +58,7 @@ def gathers_allowed():
             setattr(c10d, name, fn)
 
 
+# pr: remote end
 def forbid_gathers() -> None:
     """Replace the forbidden functions in this process with ones that raise."""
     import torch.distributed as dist

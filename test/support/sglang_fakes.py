@@ -101,6 +101,7 @@ def index_encoded(
     return out
 
 
+# pr: here
 def describe_value(value: float, full: Dict[str, torch.Tensor]) -> str:
     """Which HF element an index-encoded value came from (for failure messages)."""
     if value == 0:
@@ -120,6 +121,7 @@ def describe_value(value: float, full: Dict[str, torch.Tensor]) -> str:
     return f"{value!r} (not an HF element)"
 
 
+# pr: here end
 def describe_layout(
     param: torch.Tensor, full: Dict[str, torch.Tensor], max_runs: int = 24
 ) -> str:

@@ -21,7 +21,7 @@ HF's constant 1 and 0, so every tensor (and every shard of it) affects the outpu
 bf16 near-ties: even so, some greedy steps have top-1/top-2 logits within a few bf16
 ulps, and SGLang's and HF's roundings differ, so exact token comparison can flip on
 arbitrary prompts (seen: 3 of 48 steps at TP 1 with gaps of 1-3 ulps). Use
-``engine.stable_prompts`` for exact comparisons, or ``engine.greedy_mismatches``.
+``engine.stable_prompts`` for exact comparisons.
 
 Usage::
 

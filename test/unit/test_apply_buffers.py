@@ -1,22 +1,26 @@
-"""The engine's checks and copies of trainer-side buffers when a fused parameter's HF
-tensors arrive in different chunks (verl batches by HF tensor: ``gate_proj`` in one
-bucket, ``up_proj`` in the next). The buffer has the parameter's full shape; only the
-pieces of this chunk were written, the rest is whatever ``torch.empty`` returned."""
+"""Apply's writes of many regions at once and its finite check (``weight_sync.apply``), and
+the engine's checks and copies of trainer-side buffers when a fused parameter's HF tensors
+arrive in different chunks."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.weight_sync import apply
-from sglang.srt.weight_sync.apply import (
-    copy_buffers,
-    nonfinite_buffers,
-    nonfinite_tensors,
-    write_regions,
-)
+from sglang.srt.weight_sync.apply import nonfinite_tensors, write_regions
+
+# isort: split
+# pr: scale
+from sglang.srt.weight_sync.apply import copy_buffers, nonfinite_buffers
 from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, restrict
 
+# pr: scale end
+
+# pr: scale
+# verl batches by HF tensor (``gate_proj`` in one bucket, ``up_proj`` in the next): the
+# buffer has the parameter's full shape; only the pieces of this chunk were written, the
+# rest is whatever ``torch.empty`` returned.
 GATE_UP = ParamTarget(
     "model.layers.0.mlp.gate_up_proj.weight",
     (8, 4),
@@ -53,6 +57,7 @@ def test_nan_or_inf_in_a_delivered_piece_is_found():
     assert nonfinite_buffers([target], {target.name: buffer}) == [target.name]
 
 
+# pr: scale end
 def test_many_regions_are_written_as_one_by_one_casts_would_write_them():
     """``write_regions`` (one multi-tensor copy) writes every region as ``copy_`` would:
     fp32 sources cast to a bf16 fused parameter's strided expert slices, a permuted view,

@@ -13,13 +13,7 @@ loader branches) and SGLang's CPU engine, whose config adjustment pads heads and
 intermediate sizes that do not divide T (8 q / 2 kv heads at T 4 and 8 here): the padding
 is what the loader writes, so it is in the derived targets as zero boxes.
 
-The targets compared are the engine's derivation. Where it loads each kind of repeated layer
-once (its first and last layer) and renames the first for the others (``derive.repeated_layers``),
-every model here has a kind of 3 layers or more, so its middle layer is one SGLang's
-loaders never saw while deriving; that derivation must also equal loading every layer.
-
-Where the simulator's hand-written rules (``benchmark/weight_sync/hand_rules.py``) also describe a config, derived
-and rule targets must be the same pieces and zero boxes.
+The targets compared are the engine's derivation.
 """
 
 from __future__ import annotations
@@ -31,28 +25,31 @@ from typing import Dict, Tuple
 import pytest
 import sglang_fakes  # noqa: E402
 import torch
-import transformers
 from derived_cases import (
     ARCHS,
     BASE,
     CASES,
     REFUSED,
-    RULE_ARCHS,
     UNLOADABLE,
     load_problems,
 )
 
-from benchmark.weight_sync.hand_rules import (  # noqa: E402
-    model_targets_from_config,
-)
 from sglang.srt.weight_sync.derive.derived_targets import RankTargets  # noqa: E402
-from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
 
 # isort: split
 # pr: scale
 from sglang.srt.weight_sync.derive.repeated_layers import sample_layers  # noqa: E402
 
 # pr: scale end
+# isort: split
+# pr: here
+import transformers
+from derived_cases import RULE_ARCHS
+
+from benchmark.weight_sync.hand_rules import model_targets_from_config  # noqa: E402
+from sglang.srt.weight_sync.target_layout import EngineParallel  # noqa: E402
+
+# pr: here end
 
 MODES = ("default", "cpu")
 
@@ -151,11 +148,13 @@ def test_checkpoint_layout_is_what_save_pretrained_writes(loaded, arch):
     assert bool(layout.aliases) == bool(tied)
 
 
+# pr: here
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", RULE_ARCHS)
 def test_hand_rules_equal_derived_targets(loaded, mode, arch):
-    """The simulator's hand rules describe exactly what derivation finds, wherever both exist
-    (on the CPU engine, only where it does not pad)."""
+    """The simulator's hand-written rules (``benchmark/weight_sync/hand_rules.py``) describe
+    exactly what derivation finds, wherever both exist (on the CPU engine, only where it
+    does not pad): the same pieces and zero boxes."""
     result_set = loaded[mode]
     config = transformers.AutoConfig.from_pretrained(
         result_set["checkpoints"][arch]["dir"]
@@ -176,12 +175,15 @@ def test_hand_rules_equal_derived_targets(loaded, mode, arch):
     assert compared >= 1
 
 
+# pr: here end
 def test_builtins_round_trip(loaded):
     """A rank's description as cached on disk and exchanged between TP ranks is plain data and loses nothing."""
     for case_id in (
         "gpt_oss-tp2-ep1-r1",
         "deepseek_v3-tp8-ep2-r7",
+        # pr: scale
         "qwen2_moe-tp4-ep4-r3",
+        # pr: scale end
     ):
         derived = loaded["default"]["results"][case_id]["derived"]
         plain = derived.to_builtins()

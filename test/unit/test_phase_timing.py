@@ -74,6 +74,7 @@ def test_one_line_names_the_phases_that_took_time():
     assert "plan 0.000 s (cached)" in line and "apply" not in line
 
 
+# pr: scale
 def test_the_collector_is_paused_inside_phases_and_restored_after():
     """Inside the outermost phase no collection runs (an inner phase does not end the pause);
     after it, the collector is as it was, also when the phase raised, and a caller that had
@@ -127,3 +128,6 @@ def test_the_collection_a_phase_held_back_runs_inside_it():
         assert gc.get_count()[0] < gc.get_threshold()[0]
     finally:
         gc.callbacks.remove(seen)
+
+
+# pr: scale end

@@ -68,9 +68,11 @@ def test_the_open_references_are_exactly_what_the_code_does(series_module, serie
 
 def test_the_reference_reader_sees_imports_at_every_depth(series_module):
     refs = series_module.module_references()
-    # a lazy import inside a function counts (tensor_path imports engine_update at the top,
-    # trainer_flow imports protocol inside update_weights_distributed as well)
-    assert ("module:engine_update", None) in refs["module:tensor_path"]
+    # a lazy import inside a function counts, and each carries its region (tensor_path
+    # imports engine_update at the top in a region of this repository's, trainer_flow
+    # imports protocol inside update_weights_distributed as well)
+    assert ("module:engine_update", "here") in refs["module:tensor_path"]
+    assert ("module:protocol", None) in refs["module:tensor_path"]
     assert ("module:protocol", None) in refs["module:trainer_flow"]
     hooks = series_module.hook_references()
     assert ("module:trainer_flow", None) in hooks[

@@ -2,9 +2,7 @@
 
 Writes are in place (``copy_`` into the parameter's storage, never a new ``param.data``:
 CUDA graphs hold that storage), cast to the parameter's dtype on the fly. The executor
-lands what it receives through ``write_regions``/``write_zeros``; a trainer-side update's
-parameter-shaped buffers are checked and copied by ``check_buffers``/``copy_buffers``.
-After the writes, ``refresh_derived`` refreshes the tensors SGLang's loaders compute from
+lands what it receives through ``write_regions``/``write_zeros``. After the writes, ``refresh_derived`` refreshes the tensors SGLang's loaders compute from
 parameters (Gemma norms, parameter aliases) and ``run_post_load`` runs the model's
 post-load fixups where the release has no weight-update session to run them (MLA's
 ``w_kc``/``w_vc``). Nothing here reads a peer or decides what to write: the plan did.
@@ -12,26 +10,33 @@ post-load fixups where the release has no weight-update session to run them (MLA
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.sglang_compat import after_update, rebind_parameter_aliases
-from sglang.srt.weight_sync.target_layout import ParamTarget
 
 # isort: split
 # pr: fp8
+from sglang.srt.weight_sync.box import Box
 from sglang.srt.weight_sync.fp8_quant import quantize_blocks_into
 from sglang.srt.weight_sync.fp8_targets import QuantizedParam
+from sglang.srt.weight_sync.target_layout import ParamTarget
 
 # pr: fp8 end
+# isort: split
+# pr: scale
+from typing import Optional
+
+# pr: scale end
 
 __all__ = (
+    # pr: scale
     "check_buffers",
     "copy_buffers",
     "nonfinite_buffers",
+    # pr: scale end
     "nonfinite_tensors",
     "refresh_derived",
     "release_cached_memory",
@@ -269,6 +274,9 @@ def run_post_load(model: torch.nn.Module) -> None:
         after_update(model)
 
 
+# pr: scale
+# A trainer-side update's parameter-shaped buffers (``engine_trainer_side``) are checked and
+# copied here.
 def check_buffers(
     params: Mapping[str, torch.Tensor],
     targets: Sequence[ParamTarget],
@@ -341,3 +349,6 @@ def copy_buffers(
             copied += view.numel() * view.element_size()
     synchronize(params.values())
     return copied
+
+
+# pr: scale end

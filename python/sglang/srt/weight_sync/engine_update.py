@@ -25,9 +25,12 @@ The engine never dies of an update: every exception becomes ``success=False`` wi
 message naming the rank; a failure after the commit is ``mixed`` (the reply's field,
 and ``protocol.MIXED`` in its message). The collectives run on a control group of the
 engine's own, made anew on every TP rank after a wait on it failed (``renew_control``).
-Releases before 0.5.23 have a single hook in the model runner: ``tensor_path.update_from_payload``
-runs all three steps and the post-load fixups.
 """
+
+# pr: here
+# Releases before 0.5.23 have a single hook in the model runner:
+# ``tensor_path.update_from_payload`` runs all three steps and the post-load fixups.
+# pr: here end
 
 from __future__ import annotations
 
@@ -123,7 +126,9 @@ __all__ = (
     "end_of_update",
     "header_bound",
     "receive_shards",
+    # pr: safety
     "release_data_group",
+    # pr: safety end
 )
 
 logger = logging.getLogger(__name__)
@@ -928,6 +933,7 @@ def receive_shards(recv_req, owner) -> ReceivedShards:
     return EngineWeightSync.of(owner).receive(recv_req, owner.model_config)
 
 
+# pr: safety
 def release_data_group(owner) -> None:
     """SGLang's memory saver released the engine's memory (``release_memory_occupation``):
     the weight sync's data group goes too (``drop_data_group``: NCCL's communicator and its
@@ -939,6 +945,7 @@ def release_data_group(owner) -> None:
         sync.drop_data_group()
 
 
+# pr: safety end
 def header_bound(targets: Optional[DerivedTargets]) -> HeaderBound:
     """The payload header bound of an engine with ``targets`` (``HeaderBound``): its HF
     tensors and their aliases, or the parameters of its largest rank, whichever are more;

@@ -23,7 +23,6 @@ from typing import (
     List,
     Mapping,
     Optional,
-    Sequence,
     Set,
     Tuple,
     Union,
@@ -44,7 +43,6 @@ from sglang.srt.weight_sync.control_plane import (
 )
 from sglang.srt.weight_sync.planner import Dest, Move, Plan
 from sglang.srt.weight_sync.source_layout import Holder
-from sglang.srt.weight_sync.staging_budget import keep_for_stream
 
 # isort: split
 # pr: safety
@@ -52,10 +50,20 @@ from sglang.srt.weight_sync.setup_bound import SetUpStranded, issue_within
 
 # pr: safety end
 # isort: split
+# pr: fp8
+from typing import Sequence
+
+# pr: fp8 end
+# isort: split
 # pr: scale
 from sglang.srt.weight_sync.copy_program import CopyProgram
 
 # pr: scale end
+# isort: split
+# pr: remote
+from sglang.srt.weight_sync.staging_budget import keep_for_stream
+
+# pr: remote end
 
 __all__ = (
     "DataGroup",
@@ -66,14 +74,18 @@ __all__ = (
     "PackLanding",
     "check_inputs",
     "data_device",
+    "execute",
+    "write_zero_fills",
+    # pr: fp8
     "dest_region",
     "exchange_payloads",
     "exchange_round",
-    "execute",
     "rank_rounds",
     "source_region",
+    # pr: fp8 end
+    # pr: remote
     "write_landings",
-    "write_zero_fills",
+    # pr: remote end
 )
 
 
@@ -700,6 +712,7 @@ def write_zero_fills(plan: Plan, rank: int, params: Mapping[str, torch.Tensor]) 
             write_zeros(params[z.param][z.box.slices()])
 
 
+# pr: remote
 def write_landings(
     params: Mapping[str, torch.Tensor], landings: List[Union[Landing, PackLanding]]
 ) -> int:
@@ -718,6 +731,7 @@ def write_landings(
     return sum(landing.nbytes for landing in landings)
 
 
+# pr: remote end
 # A move smaller than this travels in one transfer with the round's other small moves
 # between the same two ranks (``_start_round``): a MoE layer's experts are hundreds of small
 # regions, and a point-to-point op costs far more than copying a small region once more.
@@ -1096,6 +1110,7 @@ def _finish_landings(params, landings, regions: Optional[_Regions] = None) -> No
     write_regions(views, bufs)
 
 
+# pr: fp8
 def exchange_payloads(
     data: DataGroup,
     rank: int,
@@ -1190,6 +1205,7 @@ def _src_view(shards, move: Move) -> torch.Tensor:
     return shards[move.holder.buffer][move.src_index]
 
 
+# pr: fp8 end
 def _dest_view(params, dest: Dest, move: Move) -> torch.Tensor:
     """The parameter region a move lands in, with its dims in the moved region's (HF) order
     (the move's index tuples: ``Move.dest_index``)."""

@@ -9,13 +9,6 @@ update's byte figures, so reporting them costs no round trip; they reach the rep
 one log line per update and rank. Seconds the phases do not cover are ``other``: on every
 rank the phases plus ``other`` are the update's measured wall time.
 
-While a phase runs, Python's cyclic garbage collector is paused (``PhaseClock.phase``): an
-update allocates a few small objects per tensor, and each collection those allocations
-trigger rescans every object alive, so at a MoE model's tens of thousands of tensors the
-collector took more time than the work (60 % of decoding a payload header). The young
-generation's collection that the pause held back runs as the outermost phase ends, timed in
-it, so it is not left to whatever line allocates next, outside every phase.
-
 Nothing here talks to a peer or keeps state beyond a clock's update.
 """
 
@@ -23,16 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import gc
 import time
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
+
+# isort: split
+# pr: scale
+import gc
+
+# pr: scale end
 
 __all__ = (
     "Count",
     "Phase",
     "PhaseClock",
     "REPORTED",
+    # pr: scale
     "collector_paused",
+    # pr: scale end
     "describe_phases",
     "from_wire",
 )
@@ -88,12 +88,17 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
         """Add the block's wall seconds to ``phase``; a phase opened inside another counts
-        only for the inner one (its seconds are taken out of the outer). The cyclic garbage
-        collector is paused inside the outermost phase, then restored as it was (see the
-        module's text); nothing is collected meanwhile, and the young generation's collection
-        it held back runs as it ends, timed in it."""
+        only for the inner one (its seconds are taken out of the outer)."""
         outer, self._open = self._open, phase.value
-        paused = collector_paused() if outer is None else contextlib.nullcontext()
+        paused = contextlib.nullcontext()
+        # pr: scale
+        # Python's cyclic garbage collector is paused inside the outermost phase
+        # (``collector_paused``): at a MoE model's tens of thousands of tensors the
+        # collections an update's allocations trigger took more time than the work (60 % of
+        # decoding a payload header)
+        if outer is None:
+            paused = collector_paused()
+        # pr: scale end
         t0 = time.perf_counter()
         try:
             with paused:
@@ -135,6 +140,7 @@ class PhaseClock:
         ]
 
 
+# pr: scale
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for the block (when it was running), then
@@ -156,6 +162,7 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+# pr: scale end
 def from_wire(columns: Sequence[Sequence[int]]) -> Dict[str, List[float]]:
     """Per name, one value per rank (seconds for phases), from ``REPORTED`` rows of
     per-rank integers as a collective returns them."""

@@ -26,7 +26,6 @@ import functools
 import hashlib
 import heapq
 import operator
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -44,6 +43,12 @@ from sglang.srt.weight_sync.source_layout import (
 )
 from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
 
+# isort: split
+# pr: scale
+import re
+
+# pr: scale end
+
 __all__ = (
     "DEFAULT_BUCKET_BYTES",
     "CoverageError",
@@ -57,17 +62,21 @@ __all__ = (
     "ZeroFill",
     "box_index",
     "first_uncovered",
-    "forget_indexes",
     "holder_boxes",
     "inputs_fingerprint",
     "landing",
     "landing_order",
-    "name_order",
     "plan",
     "resolve_aliases",
     "sources_digest",
     "targets_key",
     "uncovered",
+    # pr: scale
+    "name_order",
+    # pr: scale end
+    # pr: here
+    "forget_indexes",
+    # pr: here end
 )
 
 
@@ -75,6 +84,7 @@ class CoverageError(ValueError):
     """A target region no source rank holds."""
 
 
+# pr: scale
 _DIGITS = re.compile(r"(\d+)")
 
 
@@ -87,6 +97,7 @@ def name_order(name: str) -> Tuple:
     return (tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name)
 
 
+# pr: scale end
 @dataclass(frozen=True, slots=True)
 class Topology:
     """Where ranks live. Ranks on one device exchange over local IPC; on one node, NVLink."""
@@ -302,10 +313,12 @@ class _BoxIndex:
         self._disjoint: Optional[bool] = None
         self._groups: Tuple[Optional[Topology], Dict[Box, tuple]] = (None, {})
 
+    # pr: scale
     def boxes_of(self, rank: int) -> List[Box]:
         """The non-empty boxes ``rank`` holds."""
         return [box for box, _ in self.own_of(rank)]
 
+    # pr: scale end
     def own_of(self, rank: int) -> List[Tuple[Box, int]]:
         """(box, position) of every non-empty box ``rank`` holds."""
         if self._by_rank is None:
@@ -394,6 +407,7 @@ def box_index(source: SourceTensor) -> _BoxIndex:
     return slot[0]
 
 
+# pr: here
 def forget_indexes(sources: SourceLayout) -> None:
     """Drop the holder indexes of ``sources``' geometries (a cold start, for timing)."""
     for source in sources.values():
@@ -401,6 +415,7 @@ def forget_indexes(sources: SourceLayout) -> None:
             source.holders.geometry.index.clear()
 
 
+# pr: here end
 def holder_boxes(source: SourceTensor) -> List[Tuple[Box, Tuple[int, ...]]]:
     """The distinct non-empty boxes of ``source`` with the ranks holding each."""
     return box_index(source).boxes

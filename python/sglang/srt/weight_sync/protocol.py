@@ -73,7 +73,9 @@ __all__ = (
     "check_timeout",
     "control_dict",
     "decode_header",
+    # pr: safety
     "encode_header",
+    # pr: safety end
     "grace_from_env",
     "header_fields",
     "is_mixed",
@@ -542,12 +544,14 @@ def with_head(
 
 
 # pr: scale end
+# pr: safety
 def encode_header(*args, **kwargs) -> bytes:
     """``header_fields`` as one JSON frame (every field in one object; ``LayoutFrames``
     sends the same fields as two frames)."""
     return json.dumps(header_fields(*args, **kwargs)).encode()
 
 
+# pr: safety end
 # The fields of a header that describe the payload's tensors: the same every update of a
 # training run, so ``LayoutFrames`` sends them in a frame of their own, kept by both ends.
 _LAYOUT_KEYS = frozenset(

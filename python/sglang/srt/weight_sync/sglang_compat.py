@@ -36,21 +36,27 @@ __all__ = (
     "has_weight_update_sessions",
     # pr: here end
     "initialize_meta_model",
-    "load_synchronously",
     "module_globals",
     "original_hf_config",
     "parallel_widths",
     "rebind_parameter_aliases",
-    "record_served_weight_version",
-    "replace_fields",
     "server_args_dict",
-    "settle_weight_update",
     "subclass_with_field",
     "tp_state",
     "unsplit_groups",
     "update_refusals",
     "weight_version",
+    # pr: safety
     "weights_released",
+    # pr: safety end
+    # pr: scale
+    "load_synchronously",
+    # pr: scale end
+    # pr: remote
+    "record_served_weight_version",
+    "replace_fields",
+    "settle_weight_update",
+    # pr: remote end
 )
 
 
@@ -416,6 +422,7 @@ def rebind_parameter_aliases(model) -> None:
     loader.PreshardedModelLoader._rebind_parameter_aliases(model)
 
 
+# pr: scale
 def load_synchronously(tensor):
     """``tensor`` marked so that SGLang's loaders consume it in the calling thread (0.5.23's
     ``should_async_load`` hands host tensors to a thread pool unless they carry the RunAI
@@ -424,6 +431,7 @@ def load_synchronously(tensor):
     return tensor
 
 
+# pr: scale end
 def field_names(cls) -> Tuple[str, ...]:
     """Fields of an io_struct request (a msgspec Struct)."""
     # pr: here
@@ -433,17 +441,21 @@ def field_names(cls) -> Tuple[str, ...]:
     return tuple(cls.__struct_fields__)
 
 
+# pr: remote
 def replace_fields(req, **changes):
     """A copy of io_struct request ``req`` (a msgspec Struct) with ``changes``."""
+    # pr: remote end
     # pr: here
     if dataclasses.is_dataclass(req):  # before 0.5.23
         return dataclasses.replace(req, **changes)
     # pr: here end
+    # pr: remote
     import msgspec
 
     return msgspec.structs.replace(req, **changes)
 
 
+# pr: remote end
 def subclass_with_field(cls, name: str, field: str, type_: type, default: Any):
     """Request type ``cls`` (a msgspec Struct) with one more field (``field: type_ =
     default``)."""
@@ -467,6 +479,7 @@ def weight_version(tokenizer_manager):
     return tokenizer_manager.config_value("weight_version")
 
 
+# pr: safety
 def weights_released(holder) -> bool:
     """Whether SGLang's memory saver has released the weights
     (``release_memory_occupation(tags=["weights"])`` with no resume since): SGLang records
@@ -477,12 +490,15 @@ def weights_released(holder) -> bool:
     return GPU_MEMORY_TYPE_WEIGHTS in (getattr(holder, "offload_tags", None) or ())
 
 
+# pr: safety end
+# pr: remote
 def settle_weight_update(
     holder, recv_req, success: bool, message: str
 ) -> Tuple[bool, str]:
     """What SGLang's own update handlers do after writing weights, for a scheduler-side hook:
     record the weight version and flush the cache the old weights produced, both steps on
     the scheduler's weight-updater manager (a refused flush fails the call)."""
+    # pr: remote end
     # pr: here
     if not hasattr(holder, "record_weight_version_after_update"):
         # older schedulers only flush (the version lives in the tokenizer manager), here
@@ -494,10 +510,13 @@ def settle_weight_update(
             )
         return success, message
     # pr: here end
+    # pr: remote
     holder.record_weight_version_after_update(recv_req.weight_version)
     return holder.flush_cache_after_weight_update(recv_req, success, message)
 
 
+# pr: remote end
+# pr: remote
 def record_served_weight_version(manager, version: str) -> None:
     """Record in the tokenizer manager the weight version its engine now serves, as SGLang's
     own update handlers do after an update that named one (the private
@@ -505,6 +524,7 @@ def record_served_weight_version(manager, version: str) -> None:
     manager._update_weight_version_if_provided(version)
 
 
+# pr: remote end
 def update_refusals(model) -> list:
     """Why an in-place update of ``model`` must be refused before any write, because what
     SGLang derived from its weights after loading cannot be redone by its post-load step:

@@ -3,16 +3,30 @@ with the reserved ``load_format`` (``protocol.DISTRIBUTED_LOAD_FORMAT``), whose 
 payload is the update's small control dict, not weights.
 
 ``as_distributed_request`` turns it into the distributed request the engine's steps take
-(0.5.23's scheduler hook). On releases whose model runner is the only hook (0.5.10.post1,
-0.5.12), ``update_from_payload`` runs the three steps of ``engine_update`` in one call,
-then the model's post-load fixups. A payload that cannot be read becomes a request every
-rank refuses together, carrying why (``problem``).
+(0.5.23's scheduler hook). A payload that cannot be read becomes a request every rank
+refuses together, carrying why (``problem``).
 """
+
+# pr: here
+# On releases whose model runner is the only hook (0.5.10.post1, 0.5.12, 0.5.15.post1),
+# ``update_from_payload`` runs the three steps of ``engine_update`` in one call, then the
+# model's post-load fixups.
+# pr: here end
 
 from __future__ import annotations
 
 import functools
 import logging
+
+from sglang.srt.weight_sync.protocol import (
+    DEFAULT_TIMEOUT_S,
+    DISTRIBUTED_LOAD_FORMAT,
+    carried,
+)
+from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field
+
+# isort: split
+# pr: here
 from typing import Tuple
 
 from sglang.srt.weight_sync.apply import run_post_load
@@ -22,25 +36,22 @@ from sglang.srt.weight_sync.engine_update import (
     receive_shards,
 )
 from sglang.srt.weight_sync.phase_timing import Phase
-from sglang.srt.weight_sync.protocol import (
-    DEFAULT_TIMEOUT_S,
-    DISTRIBUTED_LOAD_FORMAT,
-    MIXED,
-    carried,
+from sglang.srt.weight_sync.protocol import MIXED, PayloadKind
+
+# pr: here end
+
+__all__ = (
+    "DISTRIBUTED_LOAD_FORMAT",
+    "as_distributed_request",
+    # pr: here
+    "update_from_payload",
+    # pr: here end
 )
-from sglang.srt.weight_sync.sglang_compat import field_names, subclass_with_field
-
-# isort: split
-# pr: scale
-from sglang.srt.weight_sync.protocol import PayloadKind
-
-# pr: scale end
-
-__all__ = ("DISTRIBUTED_LOAD_FORMAT", "as_distributed_request", "update_from_payload")
 
 logger = logging.getLogger(__name__)
 
 
+# pr: here
 def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
     """The three steps on releases whose model runner is the only hook (0.5.10, 0.5.12): it
     hands over this rank's control payload; the scheduler then flushes the cache and runs
@@ -53,10 +64,7 @@ def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
         runner.model, runner.model_config, received, recv_req
     )
     if (
-        success
-        # pr: scale
-        and received.payload.kind != PayloadKind.DESCRIBE  # it wrote nothing
-        # pr: scale end
+        success and received.payload.kind != PayloadKind.DESCRIBE  # it wrote nothing
     ):
         try:
             with received.clock.phase(Phase.REFRESH):
@@ -78,6 +86,7 @@ def update_from_payload(runner, own_payload) -> Tuple[bool, str]:
     return end_of_update(received, recv_req, success, message)
 
 
+# pr: here end
 def as_distributed_request(recv_req, deserialize_own_rank):
     """The distributed request behind a tensor-path request with the reserved load_format."""
     from sglang.srt.managers.io_struct import UpdateWeightsDistributedReqInput

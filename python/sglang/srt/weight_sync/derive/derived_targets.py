@@ -60,7 +60,9 @@ __all__ = (
     "derive_engine_rank",
     "derive_rank",
     "entries_to_target",
+    # pr: scale
     "tensor_specs",
+    # pr: scale end
 )
 
 # (name, shape, dtype) of every tensor of the checkpoint, as save_pretrained writes it.
@@ -506,8 +508,12 @@ def derive_engine_rank(
         return derive(build, checkpoint)
 
 
+# pr: scale
 def tensor_specs(
     model: torch.nn.Module,
 ) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every parameter and buffer of ``model``, as ``derive_rank`` sees them."""
     return [(n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)]
+
+
+# pr: scale end
