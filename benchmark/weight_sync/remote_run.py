@@ -19,6 +19,13 @@ received per engine rank (and the lower bound), the pause (the time the server's
 lock was held or waited for) and the time spent receiving while serving. Every engine
 rank's received bytes must equal its lower bound. The machine is shared: only what one run
 measures side by side compares.
+
+``--moe`` runs the same comparison at a MoE model's tensor count instead
+(``MOE_UPDATES`` updates): the ``qwen3_30b_a3b_count`` checkpoint (Qwen3-30B-A3B's 18,867
+tensors, 18,432 of them experts, at metadata-like sizes), two FSDP2 fp32 trainer ranks, one
+server of TP 2. The trainer keeps its parameters and changes them in place between updates,
+as an optimizer does. Reported besides: the CPU seconds each trainer rank and each engine
+scheduler spent per update (``/proc``), and upstream's broadcast path once.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ MODEL = dict(
 UPDATES = 4
 BROADCASTS = 2
 TP = 2
+MOE_UPDATES = 8
 
 
 def run() -> dict:
@@ -130,7 +138,151 @@ def run() -> dict:
     }
 
 
+def _scheduler_cpu_seconds() -> list:
+    """CPU seconds so far of every SGLang scheduler process on this host (its title starts
+    ``sglang::scheduler``; the kernel keeps 15 characters of it)."""
+    out = []
+    for pid in sorted(p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith("sglang::sched"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def moe_trainer_job(rank: int, world: int, job: dict) -> dict:
+    """Join the server, then ``job["updates"]`` updates of the same FSDP2 parameters, their
+    values changed in place before each (two weight sets taking turns); then upstream's
+    broadcast path once. Per update: seconds, this rank's CPU seconds, the schedulers'."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from ranks import gathers_allowed
+    from remote_cases import group_of, upstream_broadcast
+    from torch.distributed.device_mesh import init_device_mesh
+    from update_cases import as_layout, new_weights
+
+    mesh = init_device_mesh("cpu", (world,))
+    weights = [
+        as_layout(new_weights(job["model_dir"], seed), "fsdp32", mesh)
+        for seed in (1, 2)
+    ]
+    live = weights[0]
+    sync = group_of(job)
+    sync.join()
+    out = {"ours": [], "cpu": [], "engine_cpu": []}
+    for i in range(job["updates"]):
+        with torch.no_grad():
+            for (_, t), (_, u) in zip(live, weights[i % 2]):
+                t.to_local().copy_(u.to_local())
+        dist.barrier()
+        cpu, engines = time.process_time(), _scheduler_cpu_seconds()
+        report = sync.update(live, bucket_bytes=job["bucket"])
+        out["cpu"].append(time.process_time() - cpu)
+        out["engine_cpu"].append(
+            [b - a for a, b in zip(engines, _scheduler_cpu_seconds())]
+        )
+        out["ours"].append(dict(report.__dict__))
+    dist.barrier()
+    sync.close()
+    with gathers_allowed():
+        out["broadcast"] = upstream_broadcast(rank, weights[1], job)
+    dist.barrier()
+    return out
+
+
+def run_moe() -> dict:
+    import tiny_models
+    from ports import free_port
+    from ranks import run_ranks
+    from servers import http_server
+
+    with tempfile.TemporaryDirectory(prefix="remote_run_moe_") as tmp:
+        model_dir, _ = tiny_models.make_tiny_model(
+            "qwen3_30b_a3b_count", Path(tmp) / "model"
+        )
+        with http_server(model_dir, TP, log_dir=tmp) as server:
+            job = dict(
+                group="bench-moe",
+                port=free_port(),
+                broadcast_port=free_port(),
+                urls=[server.url],
+                model_dir=str(model_dir),
+                tp=TP,
+                updates=MOE_UPDATES,
+                bucket=64 << 20,
+                timeout=300,
+            )
+            results = run_ranks(2, moe_trainer_job, job, timeout=1800)
+    first = results[0]
+    ours = first["ours"]
+    for report in ours:
+        assert report["success"], report["message"]
+        for reply in report["engines"].values():
+            assert reply["bytes_received"] == reply["lower_bound_bytes"], reply
+    steady = range(1, len(ours))
+    replies = [list(ours[i]["engines"].values())[0] for i in steady]
+    cast = first["broadcast"]
+    median = statistics.median
+    return {
+        "model": "qwen3_30b_a3b_count (18,867 tensors, 18,432 experts)",
+        "trainer_ranks": 2,
+        "servers": f"1 x TP{TP} (bf16, CPU)",
+        "weight_sync_group": {
+            "seconds_median": median(ours[i]["seconds"] for i in steady),
+            "seconds_max": max(ours[i]["seconds"] for i in steady),
+            "seconds_first_update": ours[0]["seconds"],
+            "pause_seconds_median": median(r["pause_seconds"] for r in replies),
+            "apply_seconds_median": median(max(r["apply_us"]) / 1e6 for r in replies),
+            "receive_seconds_median": median(r["receive_seconds"] for r in replies),
+            "trainer_cpu_seconds_median": [
+                median(r["cpu"][i] for i in steady) for r in results
+            ],
+            "engine_cpu_seconds_median": [
+                median(first["engine_cpu"][i][k] for i in steady)
+                for k in range(len(first["engine_cpu"][0]))
+            ],
+            "bytes_received_per_engine_rank": replies[-1]["bytes_received"],
+        },
+        "rank0_broadcast": {
+            "seconds": cast["gather_s"] + cast["update_s"],
+            "gather_seconds": cast["gather_s"],
+            "broadcast_seconds": cast["update_s"],
+        },
+    }
+
+
+def main_moe() -> int:
+    result = run_moe()
+    if "--json" in sys.argv:
+        print(json.dumps(result, indent=1))
+        return 0
+    ours, cast = result["weight_sync_group"], result["rank0_broadcast"]
+    cpu = ", ".join(f"{c:.3f}" for c in ours["trainer_cpu_seconds_median"])
+    ecpu = ", ".join(f"{c:.3f}" for c in ours["engine_cpu_seconds_median"])
+    print(
+        f"{result['model']}, 2 FSDP2 fp32 trainer ranks -> {result['servers']} (CPU, gloo over loopback)\n"
+        f"| design | seconds per update | pause | CPU seconds per update |\n"
+        f"|---|---|---|---|\n"
+        f"| weight-sync group | {ours['seconds_median']:.3f} median, {ours['seconds_max']:.3f} max "
+        f"(first {ours['seconds_first_update']:.3f}) | {ours['pause_seconds_median']:.3f} s (writing "
+        f"{ours['apply_seconds_median']:.3f} s; receiving while serving "
+        f"{ours['receive_seconds_median']:.3f} s) | trainer ranks {cpu}; engine schedulers {ecpu} |\n"
+        f"| rank-0 broadcast | {cast['seconds']:.3f} (gather {cast['gather_seconds']:.3f} + broadcast "
+        f"{cast['broadcast_seconds']:.3f}) | the whole broadcast | |"
+    )
+    return 0
+
+
 def main() -> int:
+    if "--moe" in sys.argv:
+        return main_moe()
     result = run()
     if "--json" in sys.argv:
         print(json.dumps(result, indent=1))
