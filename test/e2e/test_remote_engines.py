@@ -50,6 +50,19 @@ def check_bytes(report, servers, what):
     assert sum(sent) == received, (what, sent, received)
 
 
+def check_phases(report, what):
+    """The trainer rank's phases cover its update: what no phase covered (``other``) is
+    under a tenth of its seconds, which are the phases' total; the rounds ran in
+    ``execute`` and the engines' answers were waited for in ``engine``."""
+    phases = report["phases"]
+    total = phases["total_us"] / 1e6
+    assert abs(report["seconds"] - total) < 1e-6, (what, report["seconds"], phases)
+    assert phases["other"] < 0.1 * total, (what, phases)
+    for name in ("describe", "validate", "plan", "agree", "execute", "engine"):
+        assert phases[name] > 0, (what, name, phases)
+    assert phases["rounds"] >= 1 and phases["bytes_moved"] == 0, (what, phases)
+
+
 def test_fsdp_trainer_updates_two_remote_engines(servers):
     servers, model_dir, config = servers
     prompts = {seed: prompts_for(model_dir, seed) for seed in (2, 3)}
@@ -69,11 +82,13 @@ def test_fsdp_trainer_updates_two_remote_engines(servers):
     results = run_ranks(4, fsdp_trainer_job, job, timeout=900)
     first = results[0]
     for step, seed in enumerate(job["seeds"]):
-        reports = [dict(r["ours"][step], seconds=0) for r in results]
+        reports = [dict(r["ours"][step], seconds=0, phases={}) for r in results]
         assert all(r == reports[0] for r in reports[1:]), (
             "trainer ranks report differently"
         )
         check_bytes(results[0]["ours"][step], servers, f"update {step}")
+        for r in results:
+            check_phases(r["ours"][step], f"update {step}")
     check_state(first["state"], model_dir, config, 2, prompts[2], "ours")
     broadcast = first["broadcast"]
     assert all(r["success"] for r in broadcast["replies"]), broadcast["replies"]
@@ -119,7 +134,8 @@ def test_megatron_tp2_pp2_trainer_updates_a_remote_engine(servers):
     results = run_ranks(4, megatron_trainer_job, job, timeout=900)
     report = results[0]
     same = [
-        {k: v for k, v in r.items() if k not in ("state", "seconds")} for r in results
+        {k: v for k, v in r.items() if k not in ("state", "seconds", "phases")}
+        for r in results
     ]
     assert all(r == same[0] for r in same[1:]), "trainer ranks report differently"
     check_bytes(report, servers[:1], "megatron")
@@ -160,6 +176,8 @@ def test_qwen3_30b_a3b_tensor_count_to_a_remote_engine(tmp_path):
         server.kill()
     report = results[0]["ours"][0]
     check_bytes(report, [server], "qwen3-30b-a3b count")
+    for rank in results:
+        check_phases(rank["ours"][0], "qwen3-30b-a3b count")
     weights = new_weights(model_dir, 1)
     assert sum(".mlp.experts." in n for n in weights) == 48 * 128 * 3
     expected = expected_checksums(config, weights, TP, 1)

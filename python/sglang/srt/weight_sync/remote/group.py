@@ -68,6 +68,7 @@ from sglang.srt.weight_sync.manifest import (
     ManifestError,
     fingerprint_int,
 )
+from sglang.srt.weight_sync.phase_timing import Count, Phase, PhaseClock
 from sglang.srt.weight_sync.planner import CoverageError, Plan, sources_digest
 from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
@@ -529,6 +530,7 @@ class SyncGroup:
         deferred: Optional[Deferred] = None,
         snapshot: Optional[Snapshot] = None,
         kept: Optional[KeptStaging] = None,
+        clock: Optional[PhaseClock] = None,
     ) -> UpdateResult:
         """Steps 1-6 on this rank. A trainer rank passes ``part``; every rank may pass
         ``check`` (its problems with the update: the header and specs), an engine rank its
@@ -540,56 +542,83 @@ class SyncGroup:
         ``PeerLost`` when a member did not answer within ``timeout_s``. A header that says
         ``delta`` runs the rounds as delta records (``remote.delta``: a trainer rank encodes
         against its ``snapshot``, an engine rank decodes against ``params``, and the pieces
-        it quantizes from block-FP8 staging against ``kept``)."""
+        it quantizes from block-FP8 staging against ``kept``). ``clock``: where the
+        update's seconds go on this rank (``phase_timing``)."""
+        clock = PhaseClock() if clock is None else clock
         problems: List[str] = []
         plan, fp8, device = None, None, self.data.device
         local = part.local if part is not None else {}
         try:
-            header, specs, sources = self.hear_update(part, timeout_s)
+            with clock.phase(Phase.CONTROL):
+                header, specs, sources = self.hear_update(part, timeout_s)
             if check is not None:
-                problems += check(header, specs)
+                with clock.phase(Phase.VALIDATE):
+                    problems += check(header, specs)
             if not problems:
-                plan, fp8 = self.plan(header, specs, sources)
-                problems += [
-                    f"{self.who}: {p}"
-                    for p in check_inputs(plan, self.rank, local, params or {}, device)
-                ]
+                with clock.phase(Phase.PLAN):
+                    plan, fp8 = self.plan(header, specs, sources)
+                with clock.phase(Phase.VALIDATE):
+                    problems += [
+                        f"{self.who}: {p}"
+                        for p in check_inputs(
+                            plan, self.rank, local, params or {}, device
+                        )
+                    ]
         except (CoverageError, LayoutError, KeyError, ValueError) as e:
             problems.append(f"{self.who}: {e}")
-        self.agree(problems, plan, timeout_s)
-        delta, why_full = None, ""
+        with clock.phase(Phase.AGREE):
+            self.agree(problems, plan, timeout_s)
         args = (plan, self.rank, local, params or {}, self.data, timeout_s, deferred)
         # block-FP8 pieces the engines quantize from staging: based on their kept staging
         staged = engine_quantized(self._engines()) if fp8 is not None else frozenset()
         try:
-            if header.delta:
-                stats, delta, why_full = execute_delta(
-                    *args,
-                    snapshot,
-                    self.membership.epoch,
-                    header.digest,
-                    fp8,
-                    staged,
-                    kept,
+            with clock.phase(Phase.EXECUTE):
+                stats, delta, why_full = self._rounds(
+                    args, header, fp8, staged, snapshot, kept
                 )
-            else:
-                stats = execute(*args, checked=True)
-                if fp8 is not None:
-                    run_quantized(fp8, *args[1:], stats)
-                if snapshot is not None:
-                    delta, why_full = stage_full(
-                        plan,
-                        self.rank,
-                        local,
-                        snapshot,
-                        self.membership.epoch,
-                        fp8,
-                        staged,
-                        self.data,
-                    )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None
+        clock.count(Count.ROUNDS, stats.rounds)
+        clock.count(Count.WAIT_US, stats.wait_seconds * 1e6)
+        clock.count(
+            Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
+        )
         return UpdateResult(header, plan, stats, delta, why_full, fp8, staged)
+
+    def _rounds(
+        self,
+        args: tuple,
+        header: UpdateHeader,
+        fp8: Optional[SenderFp8Plan],
+        staged: FrozenSet[Tuple[int, str]],
+        snapshot: Optional[Snapshot],
+        kept: Optional[KeptStaging],
+    ) -> Tuple[ExecutionStats, Optional[DeltaFigures], str]:
+        """Step 6: the plan's rounds (``execute``; a delta's records, ``execute_delta``;
+        then the blocks sent quantized, ``run_quantized``; a full update of a delta group
+        staged in ``snapshot``, ``stage_full``): (stats, delta figures, why it was full).
+        ``args``: ``execute``'s positional arguments."""
+        if header.delta:
+            return execute_delta(
+                *args, snapshot, self.membership.epoch, header.digest, fp8, staged, kept
+            )
+        stats = execute(*args, checked=True)
+        if fp8 is not None:
+            run_quantized(fp8, *args[1:], stats)
+        delta, why_full = None, ""
+        if snapshot is not None:
+            plan, _, local = args[:3]
+            delta, why_full = stage_full(
+                plan,
+                self.rank,
+                local,
+                snapshot,
+                self.membership.epoch,
+                fp8,
+                staged,
+                self.data,
+            )
+        return stats, delta, why_full
 
     @staticmethod
     def wire_of(

@@ -53,7 +53,13 @@ from sglang.srt.weight_sync.control_plane import (
 from sglang.srt.weight_sync.delivery import local_shard
 from sglang.srt.weight_sync.executor import ExecutionError
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
-from sglang.srt.weight_sync.phase_timing import collector_paused
+from sglang.srt.weight_sync.phase_timing import (
+    Count,
+    Phase,
+    PhaseClock,
+    collector_paused,
+    describe_phases,
+)
 from sglang.srt.weight_sync.protocol import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -151,7 +157,8 @@ class RemoteReport:
     ``decode_us``, a delta update's own figures under ``delta``: ``remote.protocol.
     delta_reply``, the ``pause_seconds`` its tokenizer manager measured); ``bytes_sent``:
     per trainer rank, in the engines' dtypes (a delta update's: its records); ``seconds``:
-    the update's wall time on the first rank; ``delta`` (``delta=True``):
+    the update's wall time on this rank, and ``phases`` where it went; ``delta``
+    (``delta=True``):
     ``remote.delta.delta_summary``: what travelled (delta, full, or refused before any
     byte), what was planned and why full, bytes on the wire against a full update's and by
     what the records carry (``sent_as``), encoding seconds per trainer rank, densities
@@ -168,6 +175,9 @@ class RemoteReport:
     seconds: float = 0.0
     left: List[str] = field(default_factory=list)
     delta: Dict[str, object] = field(default_factory=dict)
+    # where this trainer rank's seconds went (``phase_timing``: seconds per phase, then the
+    # counters; ``other`` what no phase covered), ``seconds`` their total
+    phases: Dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -402,9 +412,13 @@ class RemoteSync:
         """Update every engine of the group from this rank's tensors (DTensors: their local
         shards; plain tensors: whole on every trainer rank); every trainer rank calls it
         with the same names. See ``update_sources`` for the keyword arguments."""
-        specs, local = named_specs(named_tensors, self.trainers, self.described.meshes)
-        sources = self.described.sources(list(specs.items()))
-        return self.update_sources(specs, local, sources=sources, **kwargs)
+        clock = PhaseClock()
+        with clock.phase(Phase.DESCRIBE):
+            specs, local = named_specs(
+                named_tensors, self.trainers, self.described.meshes
+            )
+            sources = self.described.sources(list(specs.items()))
+        return self.update_sources(specs, local, sources=sources, clock=clock, **kwargs)
 
     @collector_paused()
     def update_megatron(
@@ -451,6 +465,7 @@ class RemoteSync:
         weight_version: Optional[str] = None,
         drive: bool = True,
         sources: Optional[SourceLayout] = None,
+        clock: Optional[PhaseClock] = None,
     ) -> RemoteReport:
         """One update from any source layout: ``specs`` (every HF tensor's spec, the same on
         every trainer rank) and this rank's ``local`` tensors by holder key. ``drive=False``:
@@ -458,16 +473,19 @@ class RemoteSync:
         this rank only takes part in the group. ``staging_bytes``: each engine rank's
         staging while it serves (default ``DEFAULT_STAGING_BYTES``). ``sources``: the
         layout ``specs`` describe, when the caller keeps it (``update``: ``described``,
-        whose memo then keeps its wire form and digest too)."""
+        whose memo then keeps its wire form and digest too). ``clock``: the update's phases
+        so far, when the caller timed a part of it (``update``: the description);
+        ``RemoteReport.phases`` says where this rank's time went."""
+        clock = PhaseClock() if clock is None else clock
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
             raise ValueError(
                 f"bucket_bytes={bucket_bytes!r}: at least {MIN_BUCKET_BYTES}"
             )
-        started = time.monotonic()
         self.left = []
         if self.group is None or self.broken:
-            self.join(timeout_s=timeout_s)
+            with clock.phase(Phase.CONTROL):
+                self.join(timeout_s=timeout_s)
         group, membership = self.group, self.membership
         self.updates += 1
         update_id = f"{self.group_name}-e{membership.epoch}-u{self.updates}"
@@ -477,7 +495,8 @@ class RemoteSync:
         # snapshot is the same on every trainer rank, so each decides alike
         planned = self.delta and self.snapshot.epoch == membership.epoch
         if self.rank == 0:
-            part.wire, digest = self._wire_of(specs, sources)
+            with clock.phase(Phase.DESCRIBE):
+                part.wire, digest = self._wire_of(specs, sources)
             part.header = UpdateHeader(
                 update_id,
                 digest,
@@ -508,6 +527,7 @@ class RemoteSync:
                 timeout_s,
                 check=lambda _h, _s: self._finite_problems(local),
                 snapshot=self.snapshot,
+                clock=clock,
             )
             sent, staged = result.stats.bytes_sent, result.stats.peak_staging_bytes
         except GroupRefusal as e:  # every member refused it before any byte moved
@@ -517,34 +537,19 @@ class RemoteSync:
         except RuntimeError as e:  # a peer's connection closed mid-round (gloo), named
             problem = f"trainer rank {self.rank}: {type(e).__name__}: {e}"
         try:
-            self.world.barrier(
-                trainer_bound_s(timeout_s),
-                f"trainer rank {self.rank}: after sending its regions",
-            )
-            problems = self.world.share_problems(
-                [problem] if problem else [],
-                trainer_bound_s(timeout_s),
-                f"trainer rank {self.rank}: sharing how the update went on every trainer rank",
-            )
-            mine = result.delta if result is not None and result.delta else None
-            mine = mine or DeltaFigures()
-            engine_ranks = [
-                range(m.offset, m.offset + m.tp_size) for m in membership.engines
-            ]
-            figures = self.world.share_figures(
-                [sent, staged, int(refused)]
-                + mine.ints()
-                + mine.engine_rows(engine_ranks),
-                timeout_s,
-                f"trainer rank {self.rank}: sharing the bytes every trainer rank sent",
-            )
-            answers = self._replies(replies, timeout_s) if self.rank == 0 else {}
-            answers = self.world.broadcast_object(
-                answers,
-                0,
-                trainer_bound_s(timeout_s) + GRACE_S,
-                f"trainer rank {self.rank}: hearing the engines' answers from trainer rank 0",
-            )
+            with clock.phase(Phase.CONTROL):
+                figures, problems = self._after_rounds(
+                    problem, result, refused, sent, staged, timeout_s
+                )
+            with clock.phase(Phase.ENGINE):
+                answers = self._replies(replies, timeout_s) if self.rank == 0 else {}
+                answers = self.world.broadcast_object(
+                    answers,
+                    0,
+                    trainer_bound_s(timeout_s) + GRACE_S,
+                    f"trainer rank {self.rank}: hearing the engines' answers from trainer rank 0",
+                )
+            clock.count(Count.ROUND_TRIPS, 4)
         except PeerLost as e:
             self._broken(str(e))
             if self.snapshot is not None:
@@ -565,7 +570,6 @@ class RemoteSync:
             engines=answers,
             bytes_sent=figures[0][: self.trainers],
             peak_staging_bytes=figures[1][: self.trainers],
-            seconds=time.monotonic() - started,
             left=list(self.left),
         )
         if self.delta:
@@ -593,15 +597,50 @@ class RemoteSync:
             }
         if problems or failed:
             self._broken(report.message)
+        report.phases = clock.snapshot()
+        report.seconds = report.phases[Count.TOTAL_US.value] / 1e6
         logger.info(
-            "weight update %s (epoch %d): %s; trainer ranks sent %s bytes in %.3fs",
+            "weight update %s (epoch %d): %s; trainer ranks sent %s bytes; trainer rank %d: %s",
             update_id,
             membership.epoch,
             report.message[:500],
             report.bytes_sent,
-            report.seconds,
+            self.rank,
+            describe_phases(report.phases),
         )
         return report
+
+    def _after_rounds(
+        self,
+        problem: Optional[str],
+        result: Optional[UpdateResult],
+        refused: bool,
+        sent: int,
+        staged: int,
+        timeout_s: float,
+    ) -> Tuple[List[List[int]], List[str]]:
+        """Every trainer rank's figures (bytes sent, peak staging, whether the group
+        refused, its delta figures) and problems, once all sent their regions."""
+        self.world.barrier(
+            trainer_bound_s(timeout_s),
+            f"trainer rank {self.rank}: after sending its regions",
+        )
+        problems = self.world.share_problems(
+            [problem] if problem else [],
+            trainer_bound_s(timeout_s),
+            f"trainer rank {self.rank}: sharing how the update went on every trainer rank",
+        )
+        mine = result.delta if result is not None and result.delta else None
+        mine = mine or DeltaFigures()
+        engine_ranks = [
+            range(m.offset, m.offset + m.tp_size) for m in self.membership.engines
+        ]
+        figures = self.world.share_figures(
+            [sent, staged, int(refused)] + mine.ints() + mine.engine_rows(engine_ranks),
+            timeout_s,
+            f"trainer rank {self.rank}: sharing the bytes every trainer rank sent",
+        )
+        return figures, problems
 
     def _wire_of(
         self, specs: Mapping[str, Spec], sources: Optional[SourceLayout]
