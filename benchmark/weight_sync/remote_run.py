@@ -138,12 +138,15 @@ def run() -> dict:
     }
 
 
-def _scheduler_cpu_seconds() -> list:
-    """CPU seconds so far of every SGLang scheduler process on this host (its title starts
-    ``sglang::scheduler``; the kernel keeps 15 characters of it)."""
+def _scheduler_cpu_seconds(pgid: int) -> list:
+    """CPU seconds so far of the server's SGLang scheduler processes (of process group
+    ``pgid``; a scheduler's title starts ``sglang::scheduler``, of which the kernel keeps
+    15 characters)."""
     out = []
     for pid in sorted(p for p in os.listdir("/proc") if p.isdigit()):
         try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
             with open(f"/proc/{pid}/comm") as f:
                 if not f.read().startswith("sglang::sched"):
                     continue
@@ -182,11 +185,11 @@ def moe_trainer_job(rank: int, world: int, job: dict) -> dict:
             for (_, t), (_, u) in zip(live, weights[i % 2]):
                 t.to_local().copy_(u.to_local())
         dist.barrier()
-        cpu, engines = time.process_time(), _scheduler_cpu_seconds()
+        cpu, engines = time.process_time(), _scheduler_cpu_seconds(job["pgid"])
         report = sync.update(live, bucket_bytes=job["bucket"])
         out["cpu"].append(time.process_time() - cpu)
         out["engine_cpu"].append(
-            [b - a for a, b in zip(engines, _scheduler_cpu_seconds())]
+            [b - a for a, b in zip(engines, _scheduler_cpu_seconds(job["pgid"]))]
         )
         out["ours"].append(dict(report.__dict__))
     dist.barrier()
@@ -213,6 +216,7 @@ def run_moe() -> dict:
                 port=free_port(),
                 broadcast_port=free_port(),
                 urls=[server.url],
+                pgid=server.process.pid,
                 model_dir=str(model_dir),
                 tp=TP,
                 updates=MOE_UPDATES,
@@ -249,6 +253,8 @@ def run_moe() -> dict:
                 for k in range(len(first["engine_cpu"][0]))
             ],
             "bytes_received_per_engine_rank": replies[-1]["bytes_received"],
+            # trainer rank 0's phases of the last update
+            "trainer_phases": ours[-1].get("phases", {}),
         },
         "rank0_broadcast": {
             "seconds": cast["gather_s"] + cast["update_s"],
@@ -259,6 +265,8 @@ def run_moe() -> dict:
 
 
 def main_moe() -> int:
+    from sglang.srt.weight_sync.phase_timing import describe_phases
+
     result = run_moe()
     if "--json" in sys.argv:
         print(json.dumps(result, indent=1))
@@ -275,7 +283,8 @@ def main_moe() -> int:
         f"{ours['apply_seconds_median']:.3f} s; receiving while serving "
         f"{ours['receive_seconds_median']:.3f} s) | trainer ranks {cpu}; engine schedulers {ecpu} |\n"
         f"| rank-0 broadcast | {cast['seconds']:.3f} (gather {cast['gather_seconds']:.3f} + broadcast "
-        f"{cast['broadcast_seconds']:.3f}) | the whole broadcast | |"
+        f"{cast['broadcast_seconds']:.3f}) | the whole broadcast | |\n"
+        f"trainer rank 0, last update: {describe_phases(ours['trainer_phases'])}"
     )
     return 0
 
