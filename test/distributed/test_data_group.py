@@ -321,3 +321,77 @@ def test_small_moves_between_two_ranks_travel_in_one_transfer():
     # p1..p63: 32 in bf16 (odd), 31 in fp32; e0 in fp32 ("wide"); the big one, 256 KiB
     payload = 32 * 6 * 4 * 2 + 31 * 6 * 4 * 4 + 6 * 4 * 4 + (256 << 10)
     assert sender["sent"] == receiver["received"] == payload, (sender, receiver)
+
+
+# pr: remote
+def _cast_moves(rank: int, world: int, pack_casts: bool) -> dict:
+    """Rank 0 holds eight fp32 tensors of 512 KiB (each above ``PACK_BELOW`` in bf16 too)
+    and one bf16 tensor as large; rank 1 stages every region (a remote engine's
+    ``Deferred``) and needs them all in bf16, then writes them."""
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.executor import (
+        PACK_BELOW,
+        DataGroup,
+        Deferred,
+        execute,
+        write_landings,
+    )
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+    n = PACK_BELOW // 2
+    g = torch.Generator().manual_seed(11)
+    full = {f"e{i}": torch.randn(n, generator=g) for i in range(8)}
+    full["same"] = torch.randn(n, generator=g).to(torch.bfloat16)
+    sources = {
+        name: MeshSpec.full((n,), t.dtype, [0]).describe(name)
+        for name, t in full.items()
+    }
+    targets = [
+        ParamTarget(
+            name, (n,), torch.bfloat16, (Piece(name, Box((0,), (n,)), (), (0,)),)
+        )
+        for name in full
+    ]
+    the_plan = plan(sources, {0: [], 1: targets})
+    data = DataGroup.over_ranks_of(None, DATA_GROUP_TIMEOUT_S, 0)
+    shards = dict(full) if rank == 0 else {}
+    params = {t.name: torch.zeros(n, dtype=torch.bfloat16) for t in targets}
+    landed = []
+    staging = type("Collect", (Deferred,), {"landed": lambda _, xs: landed.extend(xs)})
+    stats = execute(
+        the_plan,
+        rank,
+        shards,
+        params if rank else {},
+        data,
+        timeout_s=60,
+        deferred=staging() if rank else None,
+        pack_casts=pack_casts,
+    )
+    write_landings(params, landed)
+    exact = rank == 0 or all(
+        torch.equal(params[name], t.to(torch.bfloat16)) for name, t in full.items()
+    )
+    dist.barrier()
+    return dict(p2p=stats.p2p_ops, exact=exact, sent=stats.bytes_sent)
+
+
+@pytest.mark.parametrize("pack_casts", [False, True])
+def test_regions_a_sender_casts_travel_in_one_pack_to_a_staging_receiver(pack_casts):
+    """With ``pack_casts`` (a remote group: every engine rank stages what it receives), the
+    eight regions rank 0 casts to bf16 travel in one transfer whatever their size, beside
+    the one it sends as it is (2 operations on each end, not 9); every region lands
+    bit-exact and the bytes are the payload's either way."""
+    sender, receiver = run_ranks(2, _cast_moves, pack_casts)
+    assert sender["p2p"] == receiver["p2p"] == (2 if pack_casts else 9), (
+        sender,
+        receiver,
+    )
+    assert receiver["exact"], receiver
+    assert sender["sent"] == 9 * (256 << 10), sender
+
+
+# pr: remote end

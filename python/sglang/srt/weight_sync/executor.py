@@ -595,6 +595,9 @@ def execute(
     timeout_s: Optional[float] = None,
     deferred: Optional[Deferred] = None,
     checked: bool = False,
+    # pr: remote
+    pack_casts: bool = False,
+    # pr: remote end
 ) -> ExecutionStats:
     """Run ``plan`` as ``rank`` (a rank of ``group``): read ``shards`` (buffer key -> this
     rank's local tensor, see ``source_layout.Holder``), write ``params`` (parameter name
@@ -607,6 +610,12 @@ def execute(
     the caller ran ``check_inputs`` before its ranks agreed to the update (its problems
     part of the agreement), so it is not run again; otherwise a problem raises
     ``ExecutionError`` on this rank alone."""
+    # pr: remote
+    # ``pack_casts`` (every rank passes the same): the receivers stage every region (remote
+    # engines), so a move its sender casts travels in the pack to its receiver whatever
+    # its size: the sender copies it to cast it anyway, and a point-to-point operation per
+    # region is saved (a MoE model's experts are tens of thousands)
+    # pr: remote end
     data = group if isinstance(group, DataGroup) else DataGroup(group)
     problems = [] if checked else check_inputs(plan, rank, shards, params, data.device)
     if problems:
@@ -617,7 +626,11 @@ def execute(
 
     stats = ExecutionStats()
     staging = _Staging(stats, data.device)
-    regions = _Regions.of(plan, rank)
+    packing = False
+    # pr: remote
+    packing = pack_casts
+    # pr: remote end
+    regions = _Regions.of(plan, rank, packing)
     # every rank, before any round (a rank-local plan may have none on some ranks)
     data.warm_up(timeout_s, f"rank {rank}: executor")
     rounds = regions.rounds
@@ -910,7 +923,8 @@ class _Route:
     peers: Tuple[int, ...]
 
     @classmethod
-    def of(cls, moves: List[Move], rank: int) -> _Route:
+    def of(cls, moves: List[Move], rank: int, pack_casts: bool = False) -> _Route:
+        """``rank``'s part of a round of ``moves``; ``pack_casts``: see ``execute``."""
         ops: List[Tuple[Move, int, Tuple[Dest, ...]]] = []
         packs_out: Dict[int, List[Move]] = {}  # receiver -> the small moves sent to it
         packs_in: Dict[
@@ -921,7 +935,10 @@ class _Route:
             receivers = _receivers(move)
             # one receiver only: a move sent to several is staged once (``send_buffer``),
             # which keeps every rank's staging within the plan's cap on the bytes it moves
-            small = move.nbytes < PACK_BELOW and len(receivers) == 1
+            small = len(receivers) == 1 and (
+                move.nbytes < PACK_BELOW
+                or (pack_casts and move.src_dtype != move.dtype)
+            )
             if len(receivers) > 1:
                 broadcasts += 1
             mine = tuple(_my_dests(move, rank))
@@ -964,8 +981,8 @@ class _Regions:
     MoE plan has tens of thousands of regions, and slicing one
     costs several times that."""
 
-    def __init__(self, plan: Plan, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, plan: Plan, rank: int, pack_casts: bool = False) -> None:
+        self.rank, self.pack_casts = rank, pack_casts
         self.rounds = _rounds(plan, rank)
         self.pairs = _pairs(self.rounds)
         self.local = plan.local_for(rank)
@@ -977,17 +994,19 @@ class _Regions:
         # pr: scale end
 
     @classmethod
-    def of(cls, plan: Plan, rank: int) -> _Regions:
-        key = ("regions", rank)
+    def of(cls, plan: Plan, rank: int, pack_casts: bool = False) -> _Regions:
+        key = ("regions", rank, pack_casts)
         found = plan.memo.get(key)
         if found is None:
-            found = plan.memo[key] = cls(plan, rank)
+            found = plan.memo[key] = cls(plan, rank, pack_casts)
         return found
 
     def route(self, i: int) -> _Route:
         found = self._routes[i]
         if found is None:
-            found = self._routes[i] = _Route.of(self.rounds[i], self.rank)
+            found = self._routes[i] = _Route.of(
+                self.rounds[i], self.rank, self.pack_casts
+            )
         return found
 
     def copy(self, key, dst_bases, src_bases, views) -> None:

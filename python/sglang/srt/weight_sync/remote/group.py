@@ -602,7 +602,9 @@ class SyncGroup:
             return execute_delta(
                 *args, snapshot, self.membership.epoch, header.digest, fp8, staged, kept
             )
-        stats = execute(*args, checked=True)
+        # an engine rank stages every region it receives: a region its sender casts travels
+        # in the sender's pack to it, whatever its size
+        stats = execute(*args, checked=True, pack_casts=True)
         if fp8 is not None:
             run_quantized(fp8, *args[1:], stats)
         delta, why_full = None, ""
