@@ -369,6 +369,7 @@ def prepare_shards(
 
 
 _NAME, _TENSOR = operator.itemgetter(0), operator.itemgetter(1)
+_IS_CUDA = operator.attrgetter("is_cuda")
 _DEREF = weakref.ref.__call__
 _LOCAL, _SPEC = operator.attrgetter("_local_tensor"), operator.attrgetter("_spec")
 # what a DTensor's layout is read from (``MeshSpec.of_dtensor``) beside its shape and
@@ -495,7 +496,7 @@ def deliver(
     """Send this rank's shards (and buffers that ``pieces`` describe, spec None) to the
     engine rank beside it; returns the update id."""
     update_id = chan.next_update_id()
-    _cuda_ipc_ready([t for _, t, _ in shards])
+    _cuda_ipc_ready(map(_TENSOR, shards))
     chan.sender.send(
         update_id,
         dist.get_rank(),
@@ -510,7 +511,7 @@ def deliver(
 
 
 def _cuda_ipc_ready(tensors) -> None:
-    if any(t.is_cuda for t in tensors):
+    if any(map(_IS_CUDA, tensors)):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA IPC names GPUs by UUID (breaks CPU tensors, so GPU only)
