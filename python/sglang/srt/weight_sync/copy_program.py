@@ -248,9 +248,9 @@ class CopyProgram:
                 return None
             if not (
                 set(map(type, these)) <= _PLAIN_SET
-                and list(map(_DTYPE, these)) == end.dtypes
-                and list(map(_SHAPE, these)) == end.shapes
-                and list(map(torch.Tensor.stride, these)) == end.strides
+                and tuple(map(_DTYPE, these)) == end.dtypes
+                and tuple(map(_SHAPE, these)) == end.shapes
+                and tuple(map(torch.Tensor.stride, these)) == end.strides
             ):
                 return False
             picked.append(these)
@@ -261,8 +261,10 @@ class CopyProgram:
             starts[slot] = base.data_ptr() - w.byte_offset
             tensors[slot] = base
         return all(
-            list(map(operator.sub, map(torch.Tensor.data_ptr, these), end.byte_offsets))
-            == list(map(starts.__getitem__, end.slots))
+            tuple(
+                map(operator.sub, map(torch.Tensor.data_ptr, these), end.byte_offsets)
+            )
+            == tuple(map(starts.__getitem__, end.slots))
             for end, these in zip(self._ends, picked)
         )
 
@@ -290,11 +292,11 @@ class _End:
     reps: Tuple[int, ...]  # the first region of each distinct tensor
     group: Tuple[int, ...]  # per region, the index of its tensor among ``reps``
     wheres: Tuple[_Where, ...]  # per distinct tensor
-    dtypes: List[torch.dtype]
-    shapes: List[torch.Size]
-    strides: List[Tuple[int, ...]]
-    byte_offsets: List[int]
-    slots: List[int]
+    dtypes: Tuple[torch.dtype, ...]
+    shapes: Tuple[torch.Size, ...]
+    strides: Tuple[Tuple[int, ...], ...]
+    byte_offsets: Tuple[int, ...]
+    slots: Tuple[int, ...]
 
     @classmethod
     def of(cls, wheres: Sequence[_Where]) -> _End:
@@ -311,11 +313,11 @@ class _End:
             tuple(reps),
             tuple(group),
             tuple(distinct),
-            [w.dtype for w in distinct],
-            [w.shape for w in distinct],
-            [w.strides for w in distinct],
-            [w.byte_offset for w in distinct],
-            [w.slot for w in distinct],
+            tuple(w.dtype for w in distinct),
+            tuple(w.shape for w in distinct),
+            tuple(w.strides for w in distinct),
+            tuple(w.byte_offset for w in distinct),
+            tuple(w.slot for w in distinct),
         )
 
     def pick(self, bases: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:

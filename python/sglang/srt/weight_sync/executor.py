@@ -13,7 +13,6 @@ device (a CPU-offloaded shard on an NCCL group), one round at a time.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import operator
@@ -518,7 +517,7 @@ def _all_fine(
         all(map(operator.is_not, got, itertools.repeat(None)))
         and all(map(operator.is_, got, map(_CALL, refs)))
         and list(map(torch.Tensor.data_ptr, got)) == ptrs
-        and list(map(_SHAPE, got)) == needs.shapes
+        and tuple(map(_SHAPE, got)) == needs.shapes
     )
 
 
@@ -590,7 +589,7 @@ class _InputNeeds:
     zero_fills: Tuple[str, ...]
     # each shard's buffer key and shape, in ``shards``' order (``_all_fine``)
     buffers: Tuple[str, ...] = ()
-    shapes: List[Tuple[int, ...]] = dataclasses.field(default_factory=list)
+    shapes: Tuple[Tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> _InputNeeds:
@@ -616,7 +615,7 @@ class _InputNeeds:
             tuple((name, top, shape) for (name, _, shape), top in params.items()),
             tuple(dict.fromkeys(z.param for z in plan.zero_fills if z.rank == rank)),
             tuple(h.buffer for _, h in shards),
-            [tuple(h.buffer_shape) for _, h in shards],
+            tuple(tuple(h.buffer_shape) for _, h in shards),
         )
 
 
