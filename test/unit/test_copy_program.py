@@ -151,3 +151,94 @@ def test_any_evenly_or_unevenly_spaced_regions_copy_exactly(
     write_regions(dst_views_b, src)
     assert torch.equal(dst_a, dst_b)
     assert len(program.copies) <= max(1, len(idx))
+
+
+def test_same_dtype_copies_move_wider_elements_and_the_same_bytes():
+    """A bf16 MoE layer's copies run as int64 copies (``wide``), 4 elements each; the
+    bytes written are those of one copy per region, NaN payloads included."""
+    seg, params, dst, src, dst_bases, src_bases = _experts(16, 4, 8)
+    seg.view(torch.int16).copy_(
+        torch.randint(-(2**15), 2**15, seg.shape, dtype=torch.int16)
+    )  # every bit pattern: NaNs with payloads, infs, subnormals
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    assert [c.wide for c in program.copies] == [torch.int64] * len(program.copies)
+    expected = [torch.zeros_like(p) for p in params]
+    write_regions(_views_like(dst, params, expected), src)
+    assert program.run(dst_bases, src_bases)
+    for got, want in zip(params, expected):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.uint8]),
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 12),
+    src_pitch=st.integers(0, 9),
+    dst_pitch=st.integers(0, 9),
+    src_at=st.integers(0, 9),
+    dst_at=st.integers(0, 9),
+    n=st.integers(1, 6),
+)
+def test_any_strided_same_dtype_regions_copy_byte_exactly(
+    dtype, rows, cols, src_pitch, dst_pitch, src_at, dst_at, n
+):
+    """Row blocks ``rows`` x ``cols`` at any pitch and offset, ``n`` of them evenly
+    apart on both ends: widened or not (whatever the alignment allows), the program
+    writes exactly the bytes one copy per region writes."""
+    sp, dp = cols + src_pitch, cols + dst_pitch
+    whole = 8  # elements: each end's tensor views as int64 (when the copy allows it)
+    src_len = -(-(n * rows * sp + src_at) // whole) * whole
+    src_base = torch.randint(0, 256, (src_len * dtype.itemsize,))
+    src_base = src_base.to(torch.uint8).view(dtype)
+    dst_a = torch.zeros(-(-(n * rows * dp + dst_at + 3) // whole) * whole, dtype=dtype)
+    dst_b = dst_a.clone()
+
+    def blocks(base, at, pitch):
+        return [
+            base.as_strided((rows, cols), (pitch, 1), at + i * rows * pitch)
+            for i in range(n)
+        ]
+
+    src = blocks(src_base, src_at, sp)
+    program = CopyProgram.compile(
+        blocks(dst_a, dst_at, dp), src, [dst_a] * n, [src_base] * n
+    )
+    assert program is not None
+    if (dtype, cols % 4, src_pitch % 4, dst_pitch % 4, src_at % 4, dst_at % 4) == (
+        torch.bfloat16,
+        0,
+        0,
+        0,
+        0,
+        0,
+    ):
+        assert {c.wide for c in program.copies} == {torch.int64}
+    assert program.run([dst_a] * n, [src_base] * n)
+    write_regions(blocks(dst_b, dst_at, dp), src)
+    assert torch.equal(dst_a.view(torch.uint8), dst_b.view(torch.uint8))
+
+
+def test_tensors_met_at_several_regions_are_checked_however_they_repeat_now():
+    """The program checks each end's distinct tensors a list at a time; when a tensor it
+    met at several regions comes as several objects (a new view of the same parameter),
+    each is checked on its own: same bytes laid out alike copy, others are refused."""
+    seg, params, dst, src, dst_bases, src_bases = _experts(8, 2, 4)
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    w13, w2 = params
+    again = [
+        w13.view(w13.shape) if b is w13 and i % 2 else b
+        for i, b in enumerate(dst_bases)
+    ]
+    assert program.run(again, src_bases)
+    assert torch.equal(w13[3, :2], src_bases[9]) and torch.equal(
+        w2[3, :, 4:], src_bases[11]
+    )
+    before = [p.clone() for p in params]
+    other = [
+        torch.zeros_like(w13) if b is w13 and i == 3 else b
+        for i, b in enumerate(dst_bases)
+    ]
+    assert not program.run(other, src_bases)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b), "a refused program wrote"

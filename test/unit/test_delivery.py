@@ -283,3 +283,47 @@ def test_a_parameters_local_shard_is_its_own_local_tensor():
             assert torch.equal(first, tensor.to_local().detach())
         # both are laid out alike: one MeshSpec for them
         assert local_shard(plain, ranks=ranks)[1] is local_shard(param, ranks=ranks)[1]
+
+
+def test_prepare_shards_kept_answers_as_a_fresh_one_whatever_changed():
+    """``KeptShards`` hands the last answer back only while every DTensor, its local
+    tensor and its layout are the same objects: after each change below (a local tensor
+    replaced as FSDP2 does, a DTensor redistributed, renamed, dropped, a plain tensor
+    among them) the answer is what ``prepare_shards`` reads afresh."""
+    from ranks import one_rank_world
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from sglang.srt.weight_sync.source_layout import MeshRanks
+    from sglang.srt.weight_sync.trainer_flow import KeptShards, prepare_shards
+
+    def same(got, want):
+        assert [n for n, _, _ in got] == [n for n, _, _ in want]
+        assert all(a is b for (_, a, _), (_, b, _) in zip(got, want))
+        assert [s for _, _, s in got] == [s for _, _, s in want]
+
+    with one_rank_world():
+        mesh = init_device_mesh("cpu", (1,))
+        named = [
+            (f"w{i}", distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]))
+            for i in range(5)
+        ]
+        ranks, kept = MeshRanks(), KeptShards()
+        first = prepare_shards(named, ranks, kept)
+        same(first, prepare_shards(named, MeshRanks()))
+        assert kept.get(named) is not None  # the same tensors: kept
+        steps = [
+            lambda n: setattr(n[1][1], "_local_tensor", torch.randn(4, 2)),
+            lambda n: n.__setitem__(
+                2, ("w2", distribute_tensor(torch.randn(4, 2), mesh, [Replicate()]))
+            ),
+            lambda n: n.__setitem__(0, ("renamed", n[0][1])),
+            lambda n: n.pop(),
+            lambda n: n.append(("plain", torch.randn(3))),
+        ]
+        for step in steps:
+            step(named)
+            assert kept.get(named) is None
+            same(prepare_shards(named, ranks, kept), prepare_shards(named, MeshRanks()))
+        # a plain tensor among them: nothing kept, every answer fresh
+        assert kept.get(named) is None

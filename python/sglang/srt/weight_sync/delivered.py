@@ -53,11 +53,20 @@ def _names(payload: Optional[Payload], ignored: Tuple[str, ...]) -> List[str]:
 
 def delivery_digest(payload: Optional[Payload], ignored: Tuple[str, ...] = ()) -> int:
     """A digest of the tensor names ``payload`` delivered (60 bits), the same on every
-    engine rank whose trainer rank delivered the same tensors."""
+    engine rank whose trainer rank delivered the same tensors. Kept in the payload's
+    layout memo: the names are its layout's, and sorting a MoE model's tens of thousands
+    of them every update costs milliseconds."""
+    memo = payload.layout_memo if payload is not None else None
+    key = ("delivery digest", ignored)
+    if memo is not None and key in memo:
+        return memo[key]
     digest = hashlib.blake2b(
         "\n".join(_names(payload, ignored)).encode(), digest_size=8
     ).hexdigest()
-    return int(digest[:15], 16)
+    found = int(digest[:15], 16)
+    if memo is not None:
+        memo[key] = found
+    return found
 
 
 def explain_delivery(

@@ -39,6 +39,7 @@ import collections
 import io
 import logging
 import math
+import operator
 import os
 import pickle
 import stat
@@ -226,6 +227,10 @@ def _wire_of(spec: Union[MeshSpec, HoldersSpec], wires: Dict[int, tuple]) -> tup
     return known[1]
 
 
+# a shard's tensor, and whether a tensor is on a GPU: read by ``map``, a MoE model's tens
+# of thousands of shards in C rather than a Python loop each
+_TENSOR, _IS_CUDA = operator.itemgetter(1), operator.attrgetter("is_cuda")
+
 # dtypes a CPU payload may carry inline, by the name the header gives them
 INLINE_DTYPES = {f"torch.{name}": getattr(torch, name) for name in CPU_DTYPES}
 
@@ -352,10 +357,10 @@ class ShardSender:
         """``shards``: (key, local tensor, its MeshSpec, or None for a buffer that
         ``pieces`` (HF name -> HoldersSpec) describe, or a parameter buffer of a
         "params" payload); ``kind``, ``names``, ``fingerprint``: see ``Payload``."""
-        tensors = [t for _, t, _ in shards]
+        tensors = list(map(_TENSOR, shards))
         inline = None
         self._alive = []
-        cuda = any(t.is_cuda for t in tensors)
+        cuda = any(map(_IS_CUDA, tensors))
         # pr: scale
         shared = token = None
         if not cuda:

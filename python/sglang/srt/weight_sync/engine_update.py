@@ -996,8 +996,7 @@ def _sources(
     # pr: scale
     # a tensor the trainer cast to a dtype the engine does not keep it in (``kept``:
     # ``wire_dtypes``) is refused too
-    held = {n: s.dtype for n, s in payload.specs.items() if isinstance(s, MeshSpec)}
-    cast = cast_problems(payload.tensors, held, kept or {}, payload.trainer_rank)
+    cast = _cast_problems(payload, kept or {})
     if cast:
         raise ValueError(cast[0] + (f" (and {len(cast) - 1} more)" if cast[1:] else ""))
     # pr: scale end
@@ -1015,6 +1014,25 @@ def _sources(
     return sources, payload.tensors
 
 
+# pr: scale
+def _cast_problems(payload: Payload, kept: Dict[str, torch.dtype]) -> List[str]:
+    """``cast_problems`` of ``payload`` against the dtypes this engine keeps, kept in the
+    payload's layout memo for a payload in a shared-memory segment: there its layout
+    fixes every tensor's dtype (the header's placements), so the same layout and the same
+    ``kept`` give the same answer, read once instead of per tensor every update."""
+    memo = payload.layout_memo if payload.runs is not None else None
+    key = _layout_key(payload, "cast", payload.trainer_rank)
+    known = memo.get(key) if memo is not None else None
+    if known is not None and known[0] is kept:
+        return known[1]
+    held = {n: s.dtype for n, s in payload.specs.items() if isinstance(s, MeshSpec)}
+    found = cast_problems(payload.tensors, held, kept, payload.trainer_rank)
+    if memo is not None:
+        memo[key] = (kept, found)
+    return found
+
+
+# pr: scale end
 def _layout_key(payload: Payload, *rest) -> tuple:
     """A key of ``payload.layout_memo`` for what follows from the layout, the rank map (it
     travels in the head) and ``rest``."""

@@ -13,7 +13,9 @@ device (a CPU-offloaded shard on an NCCL group), one round at a time.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time
 import weakref
 from dataclasses import dataclass
@@ -492,24 +494,71 @@ def check_inputs(
     if needs is None:
         needs = plan.memo[("inputs", rank)] = _InputNeeds.of(plan, rank)
     problems: List[str] = []
-    castable: Dict[Tuple[torch.dtype, torch.dtype], bool] = {}
     # the shards found fine last time (a weak reference and the address): a caller that
     # hands the same tensors every update has each checked in full once
     # pr: scale
     # (an engine rank does, from the shared-memory segment it keeps mapped)
     # pr: scale end
     fine = plan.memo.get(("inputs fine", rank))
+    if fine is None or not _all_fine(needs, shards, *fine):
+        plan.memo[("inputs fine", rank)] = _check_shards(
+            needs, shards, fine, rank, device, problems
+        )
+    if params is not None:
+        for name, index, shape in needs.params:
+            problems.extend(_check_param(params, rank, name, index, shape, device))
+        problems.extend(
+            f"rank {rank}: no parameter {name!r}"
+            for name in needs.zero_fills
+            if name not in params
+        )
+    return sorted(set(problems))
+
+
+def _all_fine(
+    needs: _InputNeeds,
+    shards: Mapping[str, torch.Tensor],
+    refs: List[Callable[[], Optional[torch.Tensor]]],
+    ptrs: List[int],
+) -> bool:
+    """Whether every shard is the one found fine last time (``refs``), at the same address
+    (``ptrs``) and in its shape: a list at a time, a few passes over a MoE model's tens of
+    thousands of shards rather than a loop."""
+    got = list(map(shards.get, needs.buffers))
+    return (
+        all(map(operator.is_not, got, itertools.repeat(None)))
+        and all(map(operator.is_, got, map(_CALL, refs)))
+        and list(map(torch.Tensor.data_ptr, got)) == ptrs
+        and tuple(map(_SHAPE, got)) == needs.shapes
+    )
+
+
+_SHAPE = operator.attrgetter("shape")
+_CALL = operator.methodcaller("__call__")  # (``operator.call`` is Python 3.11's)
+
+
+def _check_shards(
+    needs: _InputNeeds,
+    shards: Mapping[str, torch.Tensor],
+    fine: Optional[Tuple[list, list]],
+    rank: int,
+    device: Optional[torch.device],
+    problems: List[str],
+) -> Tuple[List[Callable[[], Optional[torch.Tensor]]], List[int]]:
+    """``check_inputs`` of each shard, those found fine last time (``fine``) by identity,
+    the others in full; appends to ``problems`` and returns what to find fine next time."""
+    castable: Dict[Tuple[torch.dtype, torch.dtype], bool] = {}
     found: List[Tuple[Callable[[], Optional[torch.Tensor]], int]] = []
     for i, (move, h) in enumerate(needs.shards):
         shard = shards.get(h.buffer)
         if (
             fine is not None
             and shard is not None
-            and fine[i][0]() is shard
-            and shard.data_ptr() == fine[i][1]
+            and fine[0][i]() is shard
+            and shard.data_ptr() == fine[1][i]
             and shard.shape == h.buffer_shape
         ):
-            found.append(fine[i])
+            found.append((fine[0][i], fine[1][i]))
             continue
         found.append((_GONE, 0))
         if shard is not None and tuple(shard.shape) == h.buffer_shape:
@@ -536,16 +585,7 @@ def check_inputs(
                 f"rank {rank}: {where} local shard is on {shard.device}, which holds no data; "
                 f"the data group moves tensors on {device or 'its device'}"
             )
-    plan.memo[("inputs fine", rank)] = found
-    if params is not None:
-        for name, index, shape in needs.params:
-            problems.extend(_check_param(params, rank, name, index, shape, device))
-        problems.extend(
-            f"rank {rank}: no parameter {name!r}"
-            for name in needs.zero_fills
-            if name not in params
-        )
-    return sorted(set(problems))
+    return [ref for ref, _ in found], [ptr for _, ptr in found]
 
 
 @dataclass(frozen=True)
@@ -559,6 +599,9 @@ class _InputNeeds:
     shards: Tuple[Tuple[Move, Holder], ...]
     params: Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...]], ...]
     zero_fills: Tuple[str, ...]
+    # each shard's buffer key and shape, in ``shards``' order (``_all_fine``)
+    buffers: Tuple[str, ...] = ()
+    shapes: Tuple[Tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> _InputNeeds:
@@ -583,6 +626,8 @@ class _InputNeeds:
             tuple(shards),
             tuple((name, top, shape) for (name, _, shape), top in params.items()),
             tuple(dict.fromkeys(z.param for z in plan.zero_fills if z.rank == rank)),
+            tuple(h.buffer for _, h in shards),
+            tuple(tuple(h.buffer_shape) for _, h in shards),
         )
 
 

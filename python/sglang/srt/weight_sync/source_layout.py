@@ -18,6 +18,7 @@ dim; nothing here materialises a tensor.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import (
@@ -396,12 +397,13 @@ class Described:
     def sources(self, specs: Sequence[Tuple[str, object]]) -> SourceLayout:
         """The layout (name, spec) pairs ``specs`` describe (``describe_specs``); the last
         one when their names and spec objects are the last update's."""
-        names = [n for n, _ in specs]
-        objects = [s for _, s in specs]
+        names = list(map(operator.itemgetter(0), specs))
+        objects = list(map(operator.itemgetter(1), specs))
         if (
             self._sources is not None
             and names == self._names
-            and all(a is b for a, b in zip(objects, self._specs))
+            and len(objects) == len(self._specs)
+            and all(map(operator.is_, objects, self._specs))
         ):
             return self._sources
         self._sources = describe_specs(zip(names, objects))
