@@ -285,6 +285,7 @@ def test_a_parameters_local_shard_is_its_own_local_tensor():
         assert local_shard(plain, ranks=ranks)[1] is local_shard(param, ranks=ranks)[1]
 
 
+# pr: scale
 def test_prepare_shards_kept_answers_as_a_fresh_one_whatever_changed():
     """``KeptShards`` hands the last answer back only while every DTensor, its local
     tensor and its layout are the same objects: after each change below (a local tensor
@@ -327,3 +328,6 @@ def test_prepare_shards_kept_answers_as_a_fresh_one_whatever_changed():
             same(prepare_shards(named, ranks, kept), prepare_shards(named, MeshRanks()))
         # a plain tensor among them: nothing kept, every answer fresh
         assert kept.get(named) is None
+
+
+# pr: scale end

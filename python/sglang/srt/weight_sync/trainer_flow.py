@@ -100,7 +100,9 @@ from sglang.srt.weight_sync.trainer_reshard import (
 __all__ = (
     "ControlRequest",
     "Flow",
+    # pr: scale
     "KeptShards",
+    # pr: scale end
     "Mode",
     "TrainerChannel",
     "TrainerSync",
@@ -181,7 +183,9 @@ class TrainerSync:
     def __init__(self) -> None:
         self._channels: Dict[Tuple[int, ...], TrainerChannel] = {}
         self.described = Described()
+        # pr: scale
         self.shards = KeptShards()  # ``prepare_shards``' last answer
+        # pr: scale end
         self.megatron_coords: Dict[
             object, dict
         ] = {}  # MegatronRank -> every rank's coordinates
@@ -339,19 +343,23 @@ def _engine_groups(every: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...
 def prepare_shards(
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     ranks: Optional[MeshRanks] = None,
+    # pr: scale
     kept: Optional[KeptShards] = None,
+    # pr: scale end
 ) -> Shards:
     """Local shard and layout of each tensor: DTensors keep their own mesh; a plain
     tensor is the full tensor, held by every trainer rank. ``ranks``: the meshes and
-    layouts known so far (``TrainerSync.described``), each layout one ``MeshSpec``.
-    ``kept``: the last call's answer (``KeptShards``), reused while it still holds."""
+    layouts known so far (``TrainerSync.described``), each layout one ``MeshSpec``."""
     from torch.distributed.tensor import DTensor
 
     named = list(named_tensors)
+    # pr: scale
+    # ``kept``: the last call's answer (``KeptShards``), reused while it still holds
     if kept is not None:
         found = kept.get(named)
         if found is not None:
             return found
+    # pr: scale end
     everyone = list(range(dist.get_world_size()))
     out, ranks = [], ranks if ranks is not None else MeshRanks()
     with torch.no_grad():
@@ -363,13 +371,18 @@ def prepare_shards(
             )
             local, spec = local_shard(tensor, spec, ranks)
             out.append((name, local, spec))
+    # pr: scale
     if kept is not None:
         kept.keep(named, out)
+    # pr: scale end
     return out
 
 
 _NAME, _TENSOR = operator.itemgetter(0), operator.itemgetter(1)
 _IS_CUDA = operator.attrgetter("is_cuda")
+
+
+# pr: scale
 _DEREF = weakref.ref.__call__
 _LOCAL, _SPEC = operator.attrgetter("_local_tensor"), operator.attrgetter("_spec")
 # what a DTensor's layout is read from (``MeshSpec.of_dtensor``) beside its shape and
@@ -439,6 +452,9 @@ class KeptShards:
             return
         self._names = list(map(_NAME, named))
         self._specs = [spec for _, _, spec in out]
+
+
+# pr: scale end
 
 
 def described_side(
@@ -638,7 +654,13 @@ def update_flow(
     with clock.phase(Phase.CONTROL):
         chan = sync.channel(group_ranks, group, timeout_s)
     with clock.phase(Phase.DESCRIBE):
+        shards = None
+        # pr: scale
+        # the last update's answer while the same DTensors come (``KeptShards``)
         shards = prepare_shards(named_tensors, sync.described.meshes, sync.shards)
+        # pr: scale end
+        if shards is None:
+            shards = prepare_shards(named_tensors, sync.described.meshes)
         sources = sync.described.sources([(n, s) for n, _, s in shards])
     return (
         yield from sources_flow(
