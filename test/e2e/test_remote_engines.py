@@ -139,6 +139,8 @@ def test_megatron_tp2_pp2_trainer_updates_a_remote_engine(servers):
     ]
     assert all(r == same[0] for r in same[1:]), "trainer ranks report differently"
     check_bytes(report, servers[:1], "megatron")
+    for r in results:
+        check_phases(r, "megatron")
     check_state(report["state"], model_dir, config, seed, prompts, "megatron")
     reply = report["engines"][servers[0].url]
     print(

@@ -437,21 +437,23 @@ class RemoteSync:
         )
         from sglang.srt.weight_sync.trainer_flow import TrainerSync
 
-        me = this_rank()
-        model, buffers = describe_model_chunks(
-            model_chunks, hf_vocab, me, shared_expert_hf
-        )
+        clock, me = PhaseClock(), this_rank()
+        with clock.phase(Phase.DESCRIBE):
+            model, buffers = describe_model_chunks(
+                model_chunks, hf_vocab, me, shared_expert_hf
+            )
         if self._megatron is None:
             self._megatron = TrainerSync()
-        sources = megatron_sources(
-            model, all_coords(self._megatron, me, self.timeout_s)
-        )
-        specs = {
-            name: HoldersSpec(s.shape, s.dtype, tuple(s.holders))
-            for name, s in sources.items()
-        }
-        local = {k: t.detach() for k, t in buffers.items()}
-        return self.update_sources(specs, local, **kwargs)
+        with clock.phase(Phase.CONTROL):  # every rank's coordinates
+            coords = all_coords(self._megatron, me, self.timeout_s)
+        with clock.phase(Phase.DESCRIBE):
+            sources = megatron_sources(model, coords)
+            specs = {
+                name: HoldersSpec(s.shape, s.dtype, tuple(s.holders))
+                for name, s in sources.items()
+            }
+            local = {k: t.detach() for k, t in buffers.items()}
+        return self.update_sources(specs, local, clock=clock, **kwargs)
 
     @collector_paused()
     def update_sources(
