@@ -2,10 +2,11 @@
 
 Writes are in place (``copy_`` into the parameter's storage, never a new ``param.data``:
 CUDA graphs hold that storage), cast to the parameter's dtype on the fly. The executor
-lands what it receives through ``write_regions``/``write_zeros``. After the writes, ``refresh_derived`` refreshes the tensors SGLang's loaders compute from
-parameters (Gemma norms, parameter aliases) and ``run_post_load`` runs the model's
-post-load fixups where the release has no weight-update session to run them (MLA's
-``w_kc``/``w_vc``). Nothing here reads a peer or decides what to write: the plan did.
+lands what it receives through ``write_regions``/``write_zeros``. After the writes,
+``refresh_derived`` refreshes the tensors SGLang's loaders compute from parameters (Gemma
+norms, parameter aliases) and ``run_post_load`` runs the model's post-load fixups where
+the release has no weight-update session to run them (MLA's ``w_kc``/``w_vc``). Nothing
+here reads a peer or decides what to write: the plan did.
 """
 
 from __future__ import annotations
@@ -181,11 +182,11 @@ def _runs(regions: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     return runs
 
 
-# On the host, runs of fewer elements than this are read together: joined into chunks of
-# ``_CHUNK`` elements (one copy each, joined in C++) and each chunk reduced once, where a reduction
-# each would cost more in dispatch than in elements (a MoE model's small expert shards,
-# norms and biases, each in a storage of its own). On a GPU every run is read by one
-# multi-tensor reduction: one kernel for many tensors instead of three launches per tensor.
+# On the host, runs of fewer elements than this are read together: joined (in C++) into
+# chunks of ``_CHUNK`` elements and each chunk reduced once, where a reduction each would
+# cost more in dispatch than in elements (a MoE model's small expert shards, norms and
+# biases, each in a storage of its own). On a GPU every run is read by one multi-tensor
+# reduction: one kernel for many tensors instead of three launches per tensor.
 _SMALL_RUN = 8192
 _CHUNK = 1 << 20
 
