@@ -127,8 +127,8 @@ def test_qwen2_every_entry_point_and_refusals(tp, tmp_path):
 
 def check_phases(record: dict, tp: int, first: bool) -> None:
     """Where a successful update's time went: a hosted update's trainer phases cover its
-    measured wall time within 10 %; on 0.5.23 the engine's reply gives every TP rank's phases.
-    The first update plans; an Engine.update_weights_distributed update of a layout seen
+    clock within 10 %, and the clock the measured call; on 0.5.23 the engine's reply gives
+    every TP rank's phases. The first update plans; an Engine.update_weights_distributed update of a layout seen
     before finds its plan cached and waits on its control round trips: the agreement and
     the figures' share."""
     kind, layout, _ = record["step"]
