@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -98,6 +99,7 @@ from sglang.srt.weight_sync.source_layout import (
     MeshRanks,
     SourceLayout,
 )
+from sglang.srt.weight_sync.trainer_flow import KeptShards
 
 __all__ = (
     "EngineEndpoint",
@@ -122,32 +124,46 @@ def named_specs(
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     trainers: int,
     ranks: Optional[MeshRanks] = None,
+    kept: Optional[KeptShards] = None,
 ) -> Tuple[Dict[str, Spec], Dict[str, torch.Tensor]]:
     """Every tensor's layout and this rank's local part: a DTensor's own mesh and shard
     (never ``full_tensor()``), a plain tensor whole on every trainer rank. Rotary caches,
     which SGLang's loaders skip, are left out. ``ranks``: the meshes and layouts known so
-    far (``RemoteSync.described``), each layout one ``MeshSpec``."""
-    specs: Dict[str, Spec] = {}
-    local: Dict[str, torch.Tensor] = {}
+    far (``RemoteSync.described``), each layout one ``MeshSpec``; ``kept``: the last
+    call's answer (``KeptShards``), reused while the same DTensors come."""
     from torch.distributed.tensor import DTensor
 
-    everyone, ranks = list(range(trainers)), ranks if ranks is not None else MeshRanks()
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
-            if name in specs:
-                raise ValueError(f"tensor {name!r} is named twice in one update")
-            spec = (
-                None
-                if isinstance(tensor, DTensor)
-                else ranks.full(tensor.shape, tensor.dtype, everyone)
-            )
-            shard, specs[name] = local_shard(tensor, spec, ranks)
-            # the tensor itself unless autograd tracks it: the same object every update
-            # keeps ``executor.check_inputs``' memo of the shards found fine
-            local[name] = shard.detach() if shard.requires_grad else shard
-    return specs, local
+    named = [item for item in named_tensors if not item[0].endswith(IGNORED_SUFFIXES)]
+    out = kept.get(named) if kept is not None else None
+    if out is None:
+        out, seen = [], set()
+        everyone, ranks = (
+            list(range(trainers)),
+            ranks if ranks is not None else MeshRanks(),
+        )
+        with torch.no_grad():
+            for name, tensor in named:
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} is named twice in one update")
+                seen.add(name)
+                spec = (
+                    None
+                    if isinstance(tensor, DTensor)
+                    else ranks.full(tensor.shape, tensor.dtype, everyone)
+                )
+                shard, spec = local_shard(tensor, spec, ranks)
+                # the tensor itself unless autograd tracks it: the same object every
+                # update keeps ``executor.check_inputs``' memo of the shards found fine
+                out.append(
+                    (name, shard.detach() if shard.requires_grad else shard, spec)
+                )
+        if kept is not None:
+            kept.keep(named, out)
+    names = list(map(_NAME, out))
+    return dict(zip(names, map(_SPEC_OF, out))), dict(zip(names, map(_LOCAL_OF, out)))
+
+
+_NAME, _LOCAL_OF, _SPEC_OF = (operator.itemgetter(i) for i in range(3))
 
 
 @dataclass
@@ -224,6 +240,7 @@ class RemoteSync:
         self._megatron = None
         # the last update's description, its wire form and digest (``update``)
         self.described = Described()
+        self.shards = KeptShards()  # ``named_specs``' last answer
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="weight-sync-engines"
         )
@@ -415,7 +432,7 @@ class RemoteSync:
         clock = PhaseClock()
         with clock.phase(Phase.DESCRIBE):
             specs, local = named_specs(
-                named_tensors, self.trainers, self.described.meshes
+                named_tensors, self.trainers, self.described.meshes, self.shards
             )
             sources = self.described.sources(list(specs.items()))
         return self.update_sources(specs, local, sources=sources, clock=clock, **kwargs)
