@@ -203,8 +203,8 @@ def _floor(args, model_config) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from sglang.srt.weight_sync.derive import derived_targets, repeated_layers
+    from sglang.srt.weight_sync.phase_timing import collector_paused
     from sglang.srt.weight_sync.sglang_compat import original_hf_config
-    from sglang.srt.weight_sync.target_layout import paused_gc
 
     class RecordsNothing(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -216,7 +216,7 @@ def _floor(args, model_config) -> None:
 
     def cpu(fn) -> float:
         gc.collect()  # the models of earlier phases, outside the timer
-        with paused_gc():
+        with collector_paused():
             start = time.process_time()
             fn()
             return time.process_time() - start

@@ -30,12 +30,12 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.target_layout import (
     EngineParallel,
     ModelTargets,
     ParamTarget,
     Piece,
-    paused_gc,
 )
 
 __all__ = (
@@ -97,7 +97,7 @@ class EngineManifest:
             dict(tensor_shapes),
             block_fp8={n: tuple(b) for n, b in (block_fp8 or {}).items()},
         )
-        with paused_gc():
+        with collector_paused():
             return dataclasses.replace(m, fingerprint=_digest(m._body()))
 
     def _body(self) -> dict:
@@ -125,7 +125,7 @@ class EngineManifest:
 
     @staticmethod
     def from_json(text: str) -> EngineManifest:
-        with paused_gc():
+        with collector_paused():
             return EngineManifest._from_json(text)
 
     @staticmethod

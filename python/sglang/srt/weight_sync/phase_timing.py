@@ -16,23 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import time
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
-
-# isort: split
-# pr: scale
-import gc
-
-# pr: scale end
 
 __all__ = (
     "Count",
     "Phase",
     "PhaseClock",
     "REPORTED",
-    # pr: scale
     "collector_paused",
-    # pr: scale end
     "describe_phases",
     "from_wire",
 )
@@ -140,12 +133,12 @@ class PhaseClock:
         ]
 
 
-# pr: scale
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for the block (when it was running), then
-    running again. An update's per-tensor objects then die by their reference counts
-    before any collection sees them: none is promoted, so none brings on a full
+    running again. What an update or a plan makes per tensor (targets, pieces, moves,
+    shards: millions for a large engine) then dies by its reference counts, or lives on,
+    without a collection walking it: none is promoted, so none brings on a full
     collection, which at a MoE model's heap takes most of a second. The young
     generation's collection the pause held back runs as the block ends, in it."""
     if not gc.isenabled():
@@ -162,7 +155,6 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-# pr: scale end
 def from_wire(columns: Sequence[Sequence[int]]) -> Dict[str, List[float]]:
     """Per name, one value per rank (seconds for phases), from ``REPORTED`` rows of
     per-rank integers as a collective returns them."""

@@ -33,6 +33,7 @@ from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence
 import torch
 
 from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.protocol import DEFAULT_BUCKET_BYTES
 from sglang.srt.weight_sync.source_layout import (
     Holder,
@@ -41,7 +42,7 @@ from sglang.srt.weight_sync.source_layout import (
     SourceLayout,
     SourceTensor,
 )
-from sglang.srt.weight_sync.target_layout import ParamTarget, Piece, paused_gc
+from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
 
 # isort: split
 # pr: scale
@@ -554,7 +555,7 @@ def plan(
     rank lists its own; every rank's held
     bytes are counted either way, and the rounds are the same.
     """
-    with paused_gc():
+    with collector_paused():
         fingerprint = fingerprint or inputs_fingerprint(
             sources, targets, topology, bucket_bytes, aliases
         )
@@ -838,7 +839,7 @@ class PlanCache:
     ) -> Plan:
         """The plan of these inputs, made on the first call (``targets_digest``: see
         ``inputs_fingerprint``; ``local_ranks``: see ``plan``)."""
-        with paused_gc():
+        with collector_paused():
             fingerprint = inputs_fingerprint(
                 sources, targets, topology, bucket_bytes, aliases, targets_digest
             )

@@ -18,13 +18,10 @@ layout (the interface ``DerivedTargets`` shares).
 from __future__ import annotations
 
 import dataclasses
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import (
     Dict,
     Iterable,
-    Iterator,
     List,
     Mapping,
     Optional,
@@ -42,23 +39,9 @@ __all__ = (
     "ModelTargets",
     "ParamTarget",
     "Piece",
-    "paused_gc",
     "restrict",
     "restrict_to_names",
 )
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Build many small acyclic objects (targets, pieces, moves: millions for a large engine)
-    without the cyclic collector's passes, which only cost time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from sglang.srt.weight_sync.derive.load_recorder import (
     Opaque,
 )
 from sglang.srt.weight_sync.derive.view_geometry import unit_dim
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.sglang_compat import (
     after_load,
     after_update,
@@ -43,7 +44,6 @@ from sglang.srt.weight_sync.target_layout import (
     EngineParallel,
     ParamTarget,
     Piece,
-    paused_gc,
 )
 
 __all__ = (
@@ -206,7 +206,7 @@ class RankTargets:
         boxes = [Box(tuple(o), tuple(s)) for o, s in d["boxes"]]
         tuples = [tuple(t) for t in d["tuples"]]
         targets = []
-        with paused_gc():
+        with collector_paused():
             for name, shape, dtype, flat, zeros in d["targets"]:
                 pieces = tuple(
                     Piece(
@@ -243,7 +243,7 @@ def derive_rank(model: torch.nn.Module, checkpoint: CheckpointLayout) -> RankTar
     tensors under the recorder and describe what every tensor of the model now holds; then
     run what follows an update (``apply.refresh_derived``, then ``sglang_compat.after_update``)
     to see which computed tensors SGLang refreshes in place."""
-    with paused_gc():
+    with collector_paused():
         rec = LoadRecorder()
         rec.register_module_tensors(model)
         before = {n: rec.key(t) for n, t in _named_tensors(model)}

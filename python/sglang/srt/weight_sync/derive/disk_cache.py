@@ -25,12 +25,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Tuple
 
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.sglang_compat import (
     original_hf_config,
     parallel_widths,
     server_args_dict,
 )
-from sglang.srt.weight_sync.target_layout import paused_gc
 
 __all__ = (
     "CACHE_DIR_ENV",
@@ -144,7 +144,7 @@ def cache_key(model_config) -> str:
 
 def read_record(path: Path) -> Optional[dict]:
     try:
-        with paused_gc():
+        with collector_paused():
             record = json.loads(path.read_bytes())
         if record.get("format") != FORMAT or "derived" not in record:
             raise ValueError(

@@ -20,8 +20,9 @@ from sglang.srt.weight_sync.derive.derived_targets import (
     checkpoint_layout,
     derive_engine_rank,
 )
+from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.sglang_compat import original_hf_config, parallel_widths
-from sglang.srt.weight_sync.target_layout import EngineParallel, paused_gc
+from sglang.srt.weight_sync.target_layout import EngineParallel
 
 # isort: split
 # pr: scale
@@ -81,7 +82,7 @@ def engine_derived_targets(
             "error": f"engine rank {rank}: deriving its targets failed: {type(e).__name__}: {e}"
         }
     blobs = exchange(json.dumps(own, separators=(",", ":")).encode())
-    with paused_gc():
+    with collector_paused():
         records = [own if r == rank else json.loads(b) for r, b in enumerate(blobs)]
     errors = [r["error"] for r in records if "error" in r]
     if errors:
@@ -122,9 +123,8 @@ def derive_own_rank(model_config, rank: int) -> dict:
     # pr: scale
     derive = derive_once_per_layer_kind  # each kind of repeated layer once
     # pr: scale end
-    with (
-        paused_gc()
-    ):  # millions of small objects: the collector's full passes would free nothing
+    # millions of small objects: the collector's full passes would free nothing
+    with collector_paused():
         checkpoint = checkpoint_layout(original_hf_config(model_config))
         config = model_config
         # pr: fp8
@@ -154,7 +154,7 @@ def assemble(parallel: EngineParallel, records: Sequence[dict]) -> DerivedTarget
             raise ValueError(
                 f"engine rank {r} sent the targets of rank {record.get('rank')}"
             )
-    with paused_gc():
+    with collector_paused():
         ranks = [RankTargets.from_builtins(record["derived"]) for record in records]
         checkpoint = records[0]["checkpoint"]
         shapes = {n: tuple(s) for n, s in checkpoint["shapes"].items()}
