@@ -18,6 +18,7 @@ def remote_steps_job(rank: int, world: int, job: dict) -> list:
     """Steps: ("update", seed), ("arm", fault file) creates a fault file (first rank; the
     engine named by it acts on it), ("join", url) lets a (restarted) engine join,
     ("die", seed): trainer rank 1 dies inside its first executor round of that update,
+    ("nan", seed): that update with a NaN in trainer rank 0's shard of its first tensor,
     ("state", urls): the first rank records those servers' checksums and generation.
     ``job["delta"]``: the group sends delta updates (``RemoteSync(delta=True)``)."""
     from remote_cases import group_of
@@ -53,6 +54,8 @@ def remote_steps_job(rank: int, world: int, job: dict) -> list:
             records.append({"kind": kind, "epoch": sync.epoch})
             continue
         tensors = as_layout(new_weights(job["model_dir"], arg), "fsdp32", mesh)
+        if kind == "nan" and rank == 0:
+            tensors[0][1].to_local().view(-1)[0] = float("nan")
         if kind == "die" and rank == 1:
             original = executor._start_round
 

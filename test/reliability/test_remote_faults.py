@@ -1,6 +1,7 @@
-"""Faults in a weight-sync group with remote engines: an engine killed mid-update, the
-engine restarted and rejoining (with delta updates: its first update is full), a trainer
-rank killed mid-update.
+"""Faults in a weight-sync group with remote engines: an update the group refuses before
+any byte moves (the epoch goes on), an engine killed mid-update, the engine restarted and
+rejoining (with delta updates: its first update is full), a trainer rank killed
+mid-update.
 
 Two TP-1 SGLang HTTP servers (each in a process tree of its own) and two trainer ranks
 (FSDP2 fp32 shards). When a process dies mid-update every other process returns an error
@@ -71,6 +72,40 @@ def run(cluster, steps, urls, world=2, may_die=(), delta=False):
         delta=delta,
     )
     return run_ranks(world, remote_steps_job, job, timeout=900, may_die=may_die)
+
+
+def test_an_update_refused_before_any_byte_keeps_the_epoch(cluster):
+    """A NaN on trainer rank 0: the group refuses the update by agreement before any byte
+    moves, every trainer rank's report names the tensor and the rank, and both engines keep
+    their old weights. The epoch's groups were not used, so the next update runs in the
+    same epoch (no join) and is exact on both engines."""
+    a, b = cluster["servers"]
+    model_dir, config = cluster["model_dir"], cluster["config"]
+    steps = [("update", 1), ("nan", 2), ("state", [a.url, b.url]), ("update", 3)]
+    results = run(cluster, steps, [a.url, b.url])
+    held = results[0][2]["state"]
+    old = expected_checksums(config, new_weights(model_dir, 1), 1, 1)
+    assert [s["checksums"] for s in held] == [old, old], "a refused update wrote"
+    name = sorted(new_weights(model_dir, 2))[0]
+    for rank, records in enumerate(results):
+        first, refused, _, after = records
+        assert first["success"], first["message"]
+        assert not refused["success"], f"rank {rank}: a NaN update succeeded"
+        message = refused["message"]
+        assert "NaN" in message and "trainer rank 0" in message, message
+        assert name in message, message
+        assert sum(refused["bytes_sent"]) == 0, refused["bytes_sent"]
+        assert all(not r.get("mixed") for r in refused["engines"].values()), refused
+        assert after["success"], after["message"]
+        assert after["epoch"] == refused["epoch"] == first["epoch"], (
+            "a refusal agreed before any byte moved formed a new epoch",
+            [first["epoch"], refused["epoch"], after["epoch"]],
+        )
+        for reply in after["engines"].values():
+            assert reply["bytes_received"] == reply["lower_bound_bytes"], reply
+    assert (
+        state(a, model_dir, config, [3]) == 3 and state(b, model_dir, config, [3]) == 3
+    )
 
 
 def test_engine_killed_mid_update_leaves_and_a_restarted_one_rejoins(cluster):

@@ -638,12 +638,17 @@ class RemoteEngineSync:
         """Give up the group's receive: its data group is abandoned now (on NCCL the
         thread's pending round ends at once, on gloo at its bound), and a receive whose
         thread still runs stays known, so that no new receive starts beside it (``receive``
-        refuses while it runs; the trainer forms a new epoch after a failed update)."""
+        refuses while it runs; the trainer forms a new epoch after a failed update). A
+        receive the group refused by agreement (``GroupRefusal``: every member, before
+        any byte moved) never used the data group: it is kept, and so is the epoch."""
         mine = self.receive_of(req)
         if mine is None:
             return
         self._mark_stale(req.group_name, mine, mine.error or "its receive was aborted")
-        mine.group.data.abandon()
+        if mine.refused:
+            mine.thread.join(GRACE_S)  # it ends as its refusal is raised
+        if not (mine.refused and not mine.thread.is_alive()):
+            mine.group.data.abandon()
         if not mine.thread.is_alive():
             self._done(mine)
 

@@ -66,6 +66,7 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     GRACE_S,
     MIN_BUCKET_BYTES,
+    REFUSED,
     check_timeout,
     trainer_bound_s,
 )
@@ -614,7 +615,9 @@ class RemoteSync:
             report.delta["block_fp8"] = {
                 name: n for name, n in group.block_fp8.items() if n
             }
-        if problems or failed:
+        if (problems or failed) and not _agreed_refusal(
+            figures[2][: self.trainers], answers
+        ):
             self._broken(report.message)
         report.phases = clock.snapshot()
         report.seconds = report.phases[Count.TOTAL_US.value] / 1e6
@@ -673,7 +676,8 @@ class RemoteSync:
 
     def _broken(self, why: str) -> None:
         """Drop the epoch after a failed update: the next one forms a new epoch with the
-        engines that still answer (a dead engine leaves)."""
+        engines that still answer (a dead engine leaves). Not after a refusal the group
+        agreed on before any byte moved (``_agreed_refusal``)."""
         self.broken = why
         self._drop_group()
 
@@ -683,6 +687,17 @@ class RemoteSync:
             "(refused: an update never writes non-finite weights)"
             for name in nonfinite_tensors(local)
         ]
+
+
+def _agreed_refusal(refused: Sequence[int], answers: Mapping[str, dict]) -> bool:
+    """Whether an update that did not succeed was refused by the group's agreement before
+    any byte moved: on every trainer rank (``refused``: each one's flag), and every engine
+    that answered said it refused, nothing written. The epoch's groups were then not
+    used, and the next update runs in it (no new join, its plans kept)."""
+    return all(refused) and all(
+        a.get("success") or str(a.get("message", "")).startswith(REFUSED)
+        for a in answers.values()
+    )
 
 
 @dataclass(frozen=True)
