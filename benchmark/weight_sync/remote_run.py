@@ -176,7 +176,8 @@ def moe_trainer_job(rank: int, world: int, job: dict) -> dict:
         as_layout(new_weights(job["model_dir"], seed), "fsdp32", mesh)
         for seed in (1, 2)
     ]
-    live = weights[0]
+    # the trainer's own parameters, which each update's weights are copied into
+    live = as_layout(new_weights(job["model_dir"], 1), "fsdp32", mesh)
     sync = group_of(job)
     sync.join()
     out = {"ours": [], "cpu": [], "engine_cpu": []}

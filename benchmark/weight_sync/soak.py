@@ -1,7 +1,8 @@
 """Soak: many distributed weight updates in a row, then updates under generation load.
 
-``python -m benchmark.weight_sync.soak [--updates 1000] [--loaded 100] [--every 100]``
-starts a real TP-2 SGLang engine on CPU (tiny Qwen2) and, acting as both trainer ranks,
+``python -m benchmark.weight_sync.soak [--updates 1000] [--loaded 100] [--every 100]
+[--moe]`` starts a real TP-2 SGLang engine on CPU (tiny Qwen2; ``--moe``: Qwen3-30B-A3B's
+tensor count, ``qwen3_30b_a3b_count``) and, acting as both trainer ranks,
 delivers full shards to each engine rank and asks for the update, ``--updates`` times
 in a row; every ``--every`` updates it records the engine processes' RSS and open file
 descriptors, this process's, the files in ``/dev/shm``, and the payload segments
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--loaded", type=int, default=100)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--moe", action="store_true")
     parser.add_argument("--out", default="soak.json")
     args = parser.parse_args()
 
@@ -127,12 +129,11 @@ def main() -> None:
 
     from sglang.srt.weight_sync.protocol import make_channel
 
-    model_dir, _ = tiny_models.make_tiny_model(
-        "qwen2", Path(tempfile.mkdtemp()) / "qwen2"
-    )
+    kind = "qwen3_30b_a3b_count" if args.moe else "qwen2"
+    model_dir, _ = tiny_models.make_tiny_model(kind, Path(tempfile.mkdtemp()) / kind)
     weight_sets = [full_shards(new_weights(model_dir, seed)) for seed in (1, 2)]
     prompts = [[5, 17, 42, 7], [300, 2, 9, 11], [77, 1, 3, 120]]
-    samples, result = [], {}
+    samples, result = [], {"model": kind}
     with cpu_engine(model_dir, tp_size=TP) as eng:
         channel = make_channel()
         samples.append(_sample(0))
