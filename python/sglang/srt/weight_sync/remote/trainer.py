@@ -137,11 +137,8 @@ def named_specs(
     named = [item for item in named_tensors if not item[0].endswith(IGNORED_SUFFIXES)]
     out = kept.get(named) if kept is not None else None
     if out is None:
-        out, seen = [], set()
-        everyone, ranks = (
-            list(range(trainers)),
-            ranks if ranks is not None else MeshRanks(),
-        )
+        out, seen, everyone = [], set(), list(range(trainers))
+        ranks = ranks if ranks is not None else MeshRanks()
         with torch.no_grad():
             for name, tensor in named:
                 if name in seen:
