@@ -200,7 +200,10 @@ class Receive:
             params = {**params, **fp8.live}
         self.result: Optional[UpdateResult] = None
         self.error: Optional[str] = None
-        self.refused = False
+        self.refused = False  # this rank's thread raised ``GroupRefusal``
+        # some TP rank's did (``status``): every member of the group refused the update
+        # before any byte moved, this rank's thread too (or it is about to)
+        self.group_refused = False
         self.started = time.monotonic()
         self.seconds = 0.0
         self.thread = threading.Thread(
@@ -468,11 +471,13 @@ class RemoteEngineSync:
         mine = self.receive_of(req)
         state = mine.state if mine is not None else ReceiveState.IDLE
         bound = req.timeout_s + GRACE_S
-        states = self.control.share_figures(
-            [int(state)],
+        states, refused = self.control.share_figures(
+            [int(state), int(mine is not None and mine.refused)],
             bound,
             f"engine rank {self.rank}: sharing how far receiving is",
-        )[0]
+        )
+        if mine is not None and any(refused):
+            mine.group_refused = True
         worst = ReceiveState(max(states))
         if ReceiveState.IDLE in states:
             worst = ReceiveState.FAILED
@@ -486,8 +491,9 @@ class RemoteEngineSync:
         errors = self.control.share_problems(
             why, bound, f"engine rank {self.rank}: sharing why receiving failed"
         )
-        refused = mine is not None and mine.refused
-        return ReceiveState.FAILED, (REFUSED if refused else "") + "; ".join(errors)
+        return ReceiveState.FAILED, (REFUSED if any(refused) else "") + "; ".join(
+            errors
+        )
 
     def stale_problems(self, name: str, header, who: str) -> List[str]:
         """A delta update of group ``name`` refused while this rank's parameters may differ
@@ -640,14 +646,17 @@ class RemoteEngineSync:
         thread still runs stays known, so that no new receive starts beside it (``receive``
         refuses while it runs; the trainer forms a new epoch after a failed update). A
         receive the group refused by agreement (``GroupRefusal``: every member, before
-        any byte moved) never used the data group: it is kept, and so is the epoch."""
+        any byte moved) never used the data group: it is kept, and so is the epoch. That
+        is known on every TP rank once ``status`` has shared it, also on a rank whose
+        thread has yet to raise the refusal (it is past the agreement's collective)."""
         mine = self.receive_of(req)
         if mine is None:
             return
         self._mark_stale(req.group_name, mine, mine.error or "its receive was aborted")
-        if mine.refused:
+        refused = mine.refused or mine.group_refused
+        if refused:
             mine.thread.join(GRACE_S)  # it ends as its refusal is raised
-        if not (mine.refused and not mine.thread.is_alive()):
+        if not (refused and not mine.thread.is_alive()):
             mine.group.data.abandon()
         if not mine.thread.is_alive():
             self._done(mine)
