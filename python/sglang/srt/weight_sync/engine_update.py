@@ -839,11 +839,7 @@ class EngineWeightSync:
         except PeerLost:
             self.drop_data_group()  # its pending work must not outlive the update
             raise
-        clock.count(Count.ROUNDS, stats.rounds)
-        clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
-        clock.count(
-            Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
-        )
+        clock.count_execution(stats)
         with clock.phase(Phase.APPLY):
             written = list(found.params.values())
             lower_bound = found.plan.lower_bound_bytes(self.rank)

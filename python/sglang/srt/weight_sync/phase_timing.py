@@ -113,6 +113,13 @@ class PhaseClock:
     def count(self, counter: Count, n: int = 1) -> None:
         self.counts[counter.value] += int(n)
 
+    def count_execution(self, stats) -> None:
+        """Add an executor run's counters (``executor.ExecutionStats``): its rounds, the
+        microseconds it waited for peers, the bytes it received and copied locally."""
+        self.count(Count.ROUNDS, stats.rounds)
+        self.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
+        self.count(Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally)
+
     def snapshot(self) -> Dict[str, float]:
         """Phases in seconds and counters by name, as of now: the total is the wall time
         since the clock was made, ``other`` what no phase covered of it."""

@@ -466,11 +466,7 @@ class TrainerPlans:
                     kept.landings, staged, staging, manifest.block_fp8
                 )
             clock.add(Phase.APPLY, stats.copy_seconds)
-        clock.count(Count.ROUNDS, stats.rounds)
-        clock.count(Count.WAIT_US, round(stats.wait_seconds * 1e6))
-        clock.count(
-            Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
-        )
+        clock.count_execution(stats)
         return TrainerSideResult(buffers, stats, plan, sender, regions)
 
 

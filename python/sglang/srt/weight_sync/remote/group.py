@@ -68,7 +68,7 @@ from sglang.srt.weight_sync.manifest import (
     ManifestError,
     fingerprint_int,
 )
-from sglang.srt.weight_sync.phase_timing import Count, Phase, PhaseClock
+from sglang.srt.weight_sync.phase_timing import Phase, PhaseClock
 from sglang.srt.weight_sync.planner import CoverageError, Plan, sources_digest
 from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
@@ -578,11 +578,7 @@ class SyncGroup:
                 )
         except PeerLost as e:  # name the group ranks of the round
             raise PeerLost(f"{e} [{self.membership.legend()}]") from None
-        clock.count(Count.ROUNDS, stats.rounds)
-        clock.count(Count.WAIT_US, stats.wait_seconds * 1e6)
-        clock.count(
-            Count.BYTES_MOVED, stats.bytes_received + stats.bytes_copied_locally
-        )
+        clock.count_execution(stats)
         return UpdateResult(header, plan, stats, delta, why_full, fp8, staged)
 
     def _rounds(
