@@ -34,11 +34,11 @@ def test_a_kept_answer_is_a_fresh_one_whatever_changed():
         ]
         named.append(("model.rotary_emb.inv_freq", torch.randn(2)))
         ranks, kept = MeshRanks(), KeptShards()
-        first = named_specs(named, 1, ranks, kept)
+        first = named_specs(named, ranks, kept)
         assert "model.rotary_emb.inv_freq" not in first[0]
-        _same(first, named_specs(named, 1, MeshRanks()))
+        _same(first, named_specs(named, MeshRanks()))
         assert kept.get(named[:-1]) is not None  # the same DTensors: kept
-        _same(named_specs(named, 1, ranks, kept), first)
+        _same(named_specs(named, ranks, kept), first)
         steps = [
             lambda n: setattr(n[1][1], "_local_tensor", torch.randn(4, 2)),
             lambda n: n.__setitem__(
@@ -53,11 +53,11 @@ def test_a_kept_answer_is_a_fresh_one_whatever_changed():
             before = [n for n in named if not n[0].endswith("inv_freq")]
             assert kept.get(before) is None
             _same(
-                named_specs(named, 1, ranks, kept), named_specs(named, 1, MeshRanks())
+                named_specs(named, ranks, kept), named_specs(named, MeshRanks())
             )
         assert kept.get([n for n in named if not n[0].endswith("inv_freq")]) is None
         twice = [n for n in named if n[0] != "plain"]
-        named_specs(twice, 1, ranks, kept)
+        named_specs(twice, ranks, kept)
         assert kept.get([n for n in twice if not n[0].endswith("inv_freq")]) is not None
         with pytest.raises(ValueError, match="'w3' is named twice"):
-            named_specs(twice + [("w3", twice[2][1])], 1, ranks, kept)
+            named_specs(twice + [("w3", twice[2][1])], ranks, kept)

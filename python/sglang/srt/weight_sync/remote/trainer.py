@@ -51,7 +51,6 @@ from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
 )
-from sglang.srt.weight_sync.delivery import local_shard
 from sglang.srt.weight_sync.executor import ExecutionError
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
 from sglang.srt.weight_sync.phase_timing import (
@@ -100,7 +99,7 @@ from sglang.srt.weight_sync.source_layout import (
     MeshRanks,
     SourceLayout,
 )
-from sglang.srt.weight_sync.trainer_flow import KeptShards
+from sglang.srt.weight_sync.trainer_flow import KeptShards, prepare_shards
 
 __all__ = (
     "EngineEndpoint",
@@ -123,45 +122,34 @@ IGNORED_SUFFIXES = (
 
 def named_specs(
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
-    trainers: int,
     ranks: Optional[MeshRanks] = None,
     kept: Optional[KeptShards] = None,
 ) -> Tuple[Dict[str, Spec], Dict[str, torch.Tensor]]:
-    """Every tensor's layout and this rank's local part: a DTensor's own mesh and shard
-    (never ``full_tensor()``), a plain tensor whole on every trainer rank. Rotary caches,
-    which SGLang's loaders skip, are left out. ``ranks``: the meshes and layouts known so
-    far (``RemoteSync.described``), each layout one ``MeshSpec``; ``kept``: the last
-    call's answer (``KeptShards``), reused while the same DTensors come."""
-    from torch.distributed.tensor import DTensor
-
+    """Every tensor's layout and this rank's local part (``trainer_flow.prepare_shards``: a
+    DTensor's own mesh and shard, never ``full_tensor()``; a plain tensor whole on every
+    trainer rank, the default group's). Rotary caches, which SGLang's loaders skip, are
+    left out; a name given twice is refused. ``ranks``: the meshes and layouts known so far
+    (``RemoteSync.described``), each layout one ``MeshSpec``; ``kept``: the last call's
+    answer (``KeptShards``), reused while the same DTensors come."""
     named = [item for item in named_tensors if not item[0].endswith(IGNORED_SUFFIXES)]
-    out = kept.get(named) if kept is not None else None
-    if out is None:
-        out, seen, everyone = [], set(), list(range(trainers))
-        ranks = ranks if ranks is not None else MeshRanks()
-        with torch.no_grad():
-            for name, tensor in named:
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} is named twice in one update")
-                seen.add(name)
-                spec = (
-                    None
-                    if isinstance(tensor, DTensor)
-                    else ranks.full(tensor.shape, tensor.dtype, everyone)
-                )
-                shard, spec = local_shard(tensor, spec, ranks)
-                # the tensor itself unless autograd tracks it: the same object every
-                # update keeps ``executor.check_inputs``' memo of the shards found fine
-                out.append(
-                    (name, shard.detach() if shard.requires_grad else shard, spec)
-                )
-        if kept is not None:
-            kept.keep(named, out)
-    names = list(map(_NAME, out))
-    return dict(zip(names, map(_SPEC_OF, out))), dict(zip(names, map(_LOCAL_OF, out)))
+    names = list(map(_NAME, named))
+    if len(set(names)) != len(names):
+        seen = set()
+        for name in names:
+            if name in seen:
+                raise ValueError(f"tensor {name!r} is named twice in one update")
+            seen.add(name)
+    shards = prepare_shards(named, ranks, kept)
+    local = list(map(_LOCAL_OF, shards))
+    # the tensors themselves unless autograd tracks them: the same objects every update
+    # keep ``executor.check_inputs``' memo of the shards found fine
+    if any(map(_REQUIRES_GRAD, local)):
+        local = [t.detach() if t.requires_grad else t for t in local]
+    return dict(zip(names, map(_SPEC_OF, shards))), dict(zip(names, local))
 
 
 _NAME, _LOCAL_OF, _SPEC_OF = (operator.itemgetter(i) for i in range(3))
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass
@@ -430,7 +418,7 @@ class RemoteSync:
         clock = PhaseClock()
         with clock.phase(Phase.DESCRIBE):
             specs, local = named_specs(
-                named_tensors, self.trainers, self.described.meshes, self.shards
+                named_tensors, self.described.meshes, self.shards
             )
             sources = self.described.sources(list(specs.items()))
         return self.update_sources(specs, local, sources=sources, clock=clock, **kwargs)
