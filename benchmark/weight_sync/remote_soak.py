@@ -135,13 +135,14 @@ def soak_trainer_job(rank: int, world: int, job: dict) -> dict:
     for i in range(1, job["updates"] + 1):
         update(i)
         if i % job["every"] == 0:
-            poisoned = live[0][1].to_local()
-            kept = poisoned.flatten()[0].item()
-            with torch.no_grad():
-                poisoned.view(-1)[0] = float("nan") if rank == 0 else kept
+            poisoned = live[0][1].to_local().view(-1)
+            kept = poisoned[0].item()
+            if rank == 0:
+                with torch.no_grad():
+                    poisoned[0] = float("nan")
             report = sync.update(live, bucket_bytes=job["bucket"])
             with torch.no_grad():
-                poisoned.view(-1)[0] = kept
+                poisoned[0] = kept
             assert not report.success and "NaN" in report.message, report.message
             refused.append(report.message)
             update(i)  # the same weights again: the refusal left the old ones serving

@@ -653,11 +653,12 @@ class RemoteEngineSync:
         if mine is None:
             return
         self._mark_stale(req.group_name, mine, mine.error or "its receive was aborted")
-        refused = mine.refused or mine.group_refused
-        if refused:
+        if mine.refused or mine.group_refused:
             mine.thread.join(GRACE_S)  # it ends as its refusal is raised
-        if not (refused and not mine.thread.is_alive()):
-            mine.group.data.abandon()
+            if not mine.thread.is_alive():
+                self._done(mine)
+                return
+        mine.group.data.abandon()
         if not mine.thread.is_alive():
             self._done(mine)
 
