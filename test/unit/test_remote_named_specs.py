@@ -52,9 +52,7 @@ def test_a_kept_answer_is_a_fresh_one_whatever_changed():
             step(named)
             before = [n for n in named if not n[0].endswith("inv_freq")]
             assert kept.get(before) is None
-            _same(
-                named_specs(named, ranks, kept), named_specs(named, MeshRanks())
-            )
+            _same(named_specs(named, ranks, kept), named_specs(named, MeshRanks()))
         assert kept.get([n for n in named if not n[0].endswith("inv_freq")]) is None
         twice = [n for n in named if n[0] != "plain"]
         named_specs(twice, ranks, kept)
