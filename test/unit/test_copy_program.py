@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.weight_sync.apply import write_regions
-from sglang.srt.weight_sync.copy_program import CopyProgram
+from sglang.srt.weight_sync.copy_program import CopyProgram, FixedShards
 
 
 def _experts(n_experts: int, rows: int, cols: int, dtype=torch.bfloat16):
@@ -71,6 +71,67 @@ def test_a_new_segment_laid_out_the_same_is_copied_by_the_same_program():
     w13, w2 = params
     assert torch.equal(w13[3, :2], moved[9]) and torch.equal(w13[3, 2:], moved[10])
     assert torch.equal(w2[3, :, 4:], moved[11])
+
+
+def _fixed(src_bases):
+    """``src_bases`` as a receiver hands them: by key, in a ``FixedShards``."""
+    return FixedShards((f"t{i}", t) for i, t in enumerate(src_bases))
+
+
+def test_the_same_fixed_shards_are_copied_without_their_tensors():
+    """Sources handed as the ``FixedShards`` last found lying right need no look at each."""
+    seg, params, dst, src, dst_bases, src_bases = _experts(8, 2, 4)
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    shards = _fixed(src_bases)
+    assert not program.keeps(shards), "nothing was found lying right yet"
+    assert not program.run(dst_bases, None, shards), "no sources and none kept"
+    assert program.run(dst_bases, list(shards.values()), shards)
+    assert program.keeps(shards)
+    assert not program.keeps(_fixed(src_bases)), "an equal mapping is not the same"
+    assert not program.keeps(dict(shards)), "a plain dict is never kept"
+    seg.add_(1)  # the next update's values, in the same segment
+    assert program.run(dst_bases, None, shards)
+    w13, w2 = params
+    assert torch.equal(w13[3, :2], src_bases[9]) and torch.equal(
+        w13[3, 2:], src_bases[10]
+    )
+    assert torch.equal(w2[3, :, 4:], src_bases[11])
+    # the targets are still checked: one moved elsewhere refuses the program, and what it
+    # kept is let go
+    moved = list(dst_bases)
+    moved[0] = w13.clone()
+    assert not program.run(moved, list(shards.values()), shards)
+    assert not program.keeps(shards)
+
+
+def test_kept_sources_go_with_their_mapping():
+    """A program keeps its sources weakly: the mapping let go, its segment goes."""
+    seg, params, dst, src, dst_bases, src_bases = _experts(4, 2, 4)
+    program = CopyProgram.compile(dst, src, dst_bases, src_bases)
+    shards = _fixed(src_bases)
+    assert program.run(dst_bases, list(shards.values()), shards)
+    del shards, src_bases, src, seg
+    assert program._kept is not None and program._kept[0]() is None
+    assert not program.keeps(_fixed([torch.zeros(2, 4)] * 12))
+
+
+def test_fixed_shards_are_read_only():
+    shards = _fixed([torch.zeros(2)])
+    for change in (
+        lambda: shards.__setitem__("t1", torch.zeros(2)),
+        lambda: shards.__delitem__("t0"),
+        lambda: shards.update(t1=torch.zeros(2)),
+        lambda: shards.pop("t0"),
+        lambda: shards.popitem(),
+        lambda: shards.setdefault("t1", torch.zeros(2)),
+        shards.clear,
+    ):
+        try:
+            change()
+        except TypeError:
+            continue
+        raise AssertionError("a FixedShards changed")
+    assert list(shards) == ["t0"]
 
 
 def test_tensors_that_lie_otherwise_are_refused_and_nothing_is_copied():
@@ -242,3 +303,42 @@ def test_tensors_met_at_several_regions_are_checked_however_they_repeat_now():
     assert not program.run(other, src_bases)
     for p, b in zip(params, before):
         assert torch.equal(p, b), "a refused program wrote"
+
+
+def test_check_inputs_knows_the_fixed_shards_it_found_fine():
+    """``executor.check_inputs`` looks at no shard of the ``FixedShards`` it found fine
+    last time; one with a problem is looked at every time, and named every time."""
+    from sglang.srt.weight_sync import executor
+    from sglang.srt.weight_sync.box import Box
+    from sglang.srt.weight_sync.planner import plan
+    from sglang.srt.weight_sync.source_layout import MeshSpec
+    from sglang.srt.weight_sync.target_layout import ParamTarget, Piece
+
+    names = [f"e{i}" for i in range(3)]
+    src = {n: MeshSpec.full((4, 3), torch.float32, [0]).describe(n) for n in names}
+    pieces = tuple(
+        Piece(n, Box((0, 0), (4, 3)), (i,), (0, 0)) for i, n in enumerate(names)
+    )
+    p = plan(src, {0: [ParamTarget("w", (3, 4, 3), torch.float32, pieces)]})
+    params = {"w": torch.zeros(3, 4, 3)}
+    shards = FixedShards((n, torch.ones(4, 3)) for n in names)
+    assert executor.check_inputs(p, 0, shards, params) == []
+    looked = []
+    real = executor._check_shards, executor._all_fine
+    try:
+        executor._check_shards = lambda *a: looked.append("check") or real[0](*a)
+        executor._all_fine = lambda *a: looked.append("fine") or real[1](*a)
+        assert executor.check_inputs(p, 0, shards, params) == []
+        assert looked == [], "the same FixedShards was looked at again"
+        assert executor.check_inputs(p, 0, dict(shards), params) == []
+        assert looked == ["fine"], "a plain dict is looked at, by identity per shard"
+        looked.clear()
+        bad = FixedShards(
+            (n, torch.ones(2, 3) if n == "e1" else torch.ones(4, 3)) for n in names
+        )
+        for _ in range(2):
+            problems = executor.check_inputs(p, 0, bad, params)
+            assert len(problems) == 1 and "tensor 'e1'" in problems[0], problems
+        assert looked.count("check") == 2, looked
+    finally:
+        executor._check_shards, executor._all_fine = real

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from payload_samples import every_dtype_and_shape
 
 from sglang.srt.weight_sync.apply import nonfinite_buffers, nonfinite_tensors
 from sglang.srt.weight_sync.box import Box
+from sglang.srt.weight_sync.copy_program import FixedShards
 from sglang.srt.weight_sync.delivery import DeliveryError, ShardReceiver, ShardSender
 from sglang.srt.weight_sync.protocol import (
     decode_header,
@@ -172,6 +174,9 @@ def test_cpu_tensors_travel_through_one_segment_whose_mapping_serves_the_next_up
     )
     payload.tensors["bf16"].add_(1)  # the engine may write what it received
     first = dict(payload.tensors)
+    # the tensors come as FixedShards: the same mapping of the same views while kept
+    assert isinstance(payload.tensors, FixedShards)
+    shards = weakref.ref(payload.tensors)
     del payload, got
     gc.collect()
     # the channel keeps the engine's mapping: the sender fills the same segment next time
@@ -183,6 +188,7 @@ def test_cpu_tensors_travel_through_one_segment_whose_mapping_serves_the_next_up
     for name, t in resent:
         assert payload.tensors[name] is first[name], name  # mapped once, viewed once
         assert torch.equal(payload.tensors[name], t), name
+    assert payload.tensors is shards()
     assert _mappings() == before + 2
     # another layout: the kept mapping goes, the new segment's is kept instead
     sender.release()
@@ -190,6 +196,7 @@ def test_cpu_tensors_travel_through_one_segment_whose_mapping_serves_the_next_up
     _send(sender, "u3", [("w", torch.arange(6.0))])
     payload = receiver.receive(channel, "u3", timeout_s=30)
     assert torch.equal(payload.tensors["w"], torch.arange(6.0))
+    assert isinstance(payload.tensors, FixedShards) and shards() is None
     del payload
     gc.collect()
     assert _mappings() == before + 2

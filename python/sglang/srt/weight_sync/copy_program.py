@@ -15,25 +15,45 @@ Each copy is kept as strides and an offset in the storage of one of the update's
 (its *slot*), so the program serves every later update whose tensors lie the same way:
 ``run`` checks that each tensor still shares storage with its slot's other tensors at the
 same offset and strides (a segment mapped anew does), then copies with one view
-per joined copy; it returns False, copying nothing, when they do not.
+per joined copy; it returns False, copying nothing, when they do not. Sources handed as
+the same ``FixedShards`` it checked last time are known to lie as they did, without a
+look at each of them.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.weight_sync.box import contiguous_strides
 
-__all__ = ("CopyProgram",)
+__all__ = ("CopyProgram", "FixedShards")
 
 # How many of the next regions of the same length a run may start towards: enough for a
 # kind that alternates with a few others (an expert's gate and up between its downs).
 _STEPS_TRIED = 4
+
+
+class FixedShards(dict):
+    """Buffers by key that stay the same tensor objects, lying the same way, for as long
+    as this mapping lives: a receiver's views of a shared-memory segment it keeps mapped,
+    handed every update of an unchanged layout. Read-only (a dict for lookups at C speed);
+    ``executor.check_inputs`` and ``CopyProgram.run`` know one they checked before by its
+    identity instead of looking at each of its tensors (a MoE model's experts are tens of
+    thousands of shards)."""
+
+    __slots__ = ("__weakref__",)
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("FixedShards is read-only: its tensors are checked by identity")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -98,6 +118,10 @@ class CopyProgram:
                 if w.slot not in firsts:
                     firsts[w.slot] = (w.slot, e, self._ends[e].group[i])
         self._firsts = tuple(firsts.values())
+        self._src_slots = frozenset(self._ends[0].slots)
+        # the sources last found lying right, when they came as ``FixedShards``: a weak
+        # reference to it, and each source slot's tensor (weakly) and start
+        self._kept: Optional[tuple] = None
 
     @classmethod
     def compile(
@@ -189,20 +213,51 @@ class CopyProgram:
             len(wheres),
         )
 
+    def keeps(self, src_from: Optional[Mapping[str, torch.Tensor]]) -> bool:
+        """Whether ``src_from`` is the ``FixedShards`` this program last found its sources
+        in, lying right: ``run`` then needs no source tensors."""
+        kept = self._kept
+        return kept is not None and src_from is not None and kept[0]() is src_from
+
     def run(
         self,
         dst_bases: Sequence[torch.Tensor],
-        src_bases: Sequence[torch.Tensor],
+        src_bases: Optional[Sequence[torch.Tensor]],
+        src_from: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> bool:
         """Copy, if ``dst_bases``/``src_bases`` (this update's tensors, in the order the
-        program was compiled from) lie as they did then; False (nothing copied) if not."""
-        if len(dst_bases) != self.regions or len(src_bases) != self.regions:
+        program was compiled from) lie as they did then; False (nothing copied) if not.
+        ``src_from``: the mapping the sources are read from; ``src_bases`` None: the same
+        ``FixedShards`` as last time (``keeps``)."""
+        if len(dst_bases) != self.regions:
             return False
         tensors: Dict[int, torch.Tensor] = {}
         starts: Dict[int, int] = {}
-        found = self._found(src_bases, dst_bases, starts, tensors)
-        if found is None:  # the tensors repeat otherwise than they did: one by one
-            found = _each_lies(self._wheres, zip(src_bases, dst_bases), starts, tensors)
+        if src_bases is None:
+            if not self._sources_kept(src_from, starts, tensors):
+                return False
+            found = self._found(None, dst_bases, starts, tensors)
+            if found is None:
+                found = _each_lies(
+                    self._wheres, ((None, db) for db in dst_bases), starts, tensors
+                )
+        else:
+            self._kept = None
+            if len(src_bases) != self.regions:
+                return False
+            found = self._found(src_bases, dst_bases, starts, tensors)
+            if found is None:  # the tensors repeat otherwise than they did: one by one
+                found = _each_lies(
+                    self._wheres, zip(src_bases, dst_bases), starts, tensors
+                )
+            if found and isinstance(src_from, FixedShards):
+                self._kept = (
+                    weakref.ref(src_from),
+                    tuple(
+                        (slot, weakref.ref(tensors[slot]), starts[slot])
+                        for slot in self._src_slots
+                    ),
+                )
         if not found:
             return False
         views_d, views_s = [], []
@@ -230,9 +285,26 @@ class CopyProgram:
             torch._foreach_copy_(views_d, views_s)
         return True
 
+    def _sources_kept(
+        self,
+        src_from: Optional[Mapping[str, torch.Tensor]],
+        starts: Dict[int, int],
+        tensors: Dict[int, torch.Tensor],
+    ) -> bool:
+        """``keeps(src_from)``, each source slot's tensor still alive: then ``starts``
+        and ``tensors`` have them."""
+        if not self.keeps(src_from):
+            return False
+        for slot, ref, start in self._kept[1]:
+            base = ref()
+            if base is None:
+                return False
+            starts[slot], tensors[slot] = start, base
+        return True
+
     def _found(
         self,
-        src_bases: Sequence[torch.Tensor],
+        src_bases: Optional[Sequence[torch.Tensor]],
         dst_bases: Sequence[torch.Tensor],
         starts: Dict[int, int],
         tensors: Dict[int, torch.Tensor],
@@ -240,9 +312,14 @@ class CopyProgram:
         """Whether every tensor lies where ``_lies`` wants it, checked a list at a time
         (each end's distinct tensors read in a few passes, not one call each: a MoE
         layer's experts are thousands of shards); None when a tensor the program met at
-        several regions is not the same one at each of them now (``_each_lies`` then)."""
-        picked = []
+        several regions is not the same one at each of them now (``_each_lies`` then).
+        ``src_bases`` None: the sources are kept (``_sources_kept``), the targets alone
+        are checked."""
+        picked: List[Optional[List[torch.Tensor]]] = []
         for end, bases in zip(self._ends, (src_bases, dst_bases)):
+            if bases is None:
+                picked.append(None)
+                continue
             these = end.pick(bases)
             if these is None:
                 return None
@@ -255,6 +332,8 @@ class CopyProgram:
                 return False
             picked.append(these)
         for slot, e, k in self._firsts:
+            if picked[e] is None or slot in starts:
+                continue
             base, w = picked[e][k], self._ends[e].wheres[k]
             if base.storage_offset() != w.offset:
                 return False
@@ -266,16 +345,18 @@ class CopyProgram:
             )
             == tuple(map(starts.__getitem__, end.slots))
             for end, these in zip(self._ends, picked)
+            if these is not None
         )
 
 
 def _each_lies(wheres, pairs, starts, tensors) -> bool:
     """``CopyProgram._found``, one region at a time (each of ``pairs``, a region's source
-    and target tensor, where ``wheres`` says): any tensors in any repetition."""
+    and target tensor, where ``wheres`` says; a source None is kept, not looked at): any
+    tensors in any repetition."""
     seen: Dict[int, _Where] = {}  # id of a tensor found where it should be -> where
     for (ws, wd), (sb, db) in zip(wheres, pairs):
         for w, base in ((ws, sb), (wd, db)):
-            if seen.get(id(base)) is w:
+            if base is None or seen.get(id(base)) is w:
                 continue
             if not _lies(w, base, starts, tensors):
                 return False

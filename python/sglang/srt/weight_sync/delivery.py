@@ -696,7 +696,7 @@ class ShardReceiver:
         tensors, runs = self._shards(
             header,
             frames,
-            len(names),
+            names,
             # pr: scale
             inbox,
             # pr: scale end
@@ -705,7 +705,7 @@ class ShardReceiver:
             header["update_id"],
             trainer,
             header["rank_map"],
-            dict(zip(names, tensors)),
+            tensors,
             self._specs(header),
             header["kind"],
             tuple(header["names"]),
@@ -735,18 +735,19 @@ class ShardReceiver:
         self,
         header: dict,
         frames: List[bytes],
-        count: int,
+        names: List[str],
         # pr: scale
         inbox: SegmentInbox,
         # pr: scale end
-    ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
-        """The ``count`` shard tensors, read from inline frames or unpickled from CUDA IPC
-        handles, and None."""
+    ) -> Tuple[Dict[str, torch.Tensor], Optional[List[torch.Tensor]]]:
+        """The shard tensors by ``names``, read from inline frames or unpickled from CUDA
+        IPC handles, and None."""
         # pr: scale
-        # Or mapped from the payload's shared-memory segment (taken from ``inbox``), with the
+        # Or mapped from the payload's shared-memory segment (taken from ``inbox``): the
+        # same ``FixedShards`` every update the inbox keeps its mapping for, with the
         # segment's runs (``Payload.runs``) instead of None.
         # pr: scale end
-        trainer = header["trainer_rank"]
+        trainer, count = header["trainer_rank"], len(names)
         runs = None
         try:
             if header["inline"] is not None:
@@ -756,7 +757,8 @@ class ShardReceiver:
             # pr: scale
             elif header["shared"] is not None:
                 segment, placed = header["shared"]
-                tensors, runs = inbox.mapped(segment, placed)
+                shards, runs = inbox.mapped(segment, placed, names)
+                return shards, runs
             # pr: scale end
             else:
                 tensors = unpickle_handles(
@@ -775,7 +777,7 @@ class ShardReceiver:
             raise self._error(
                 f"trainer rank {trainer} sent {type(tensors).__name__}, not {count} tensors"
             )
-        return tensors, runs
+        return dict(zip(names, tensors)), runs
 
     def _specs(self, header: dict) -> Dict[str, Union[MeshSpec, HoldersSpec]]:
         """Each tensor's layout: a mesh and placements, or the holders of its pieces;

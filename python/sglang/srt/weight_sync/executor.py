@@ -58,7 +58,7 @@ from typing import Sequence
 # pr: fp8 end
 # isort: split
 # pr: scale
-from sglang.srt.weight_sync.copy_program import CopyProgram
+from sglang.srt.weight_sync.copy_program import CopyProgram, FixedShards
 
 # pr: scale end
 # isort: split
@@ -497,13 +497,27 @@ def check_inputs(
     # the shards found fine last time (a weak reference and the address): a caller that
     # hands the same tensors every update has each checked in full once
     # pr: scale
-    # (an engine rank does, from the shared-memory segment it keeps mapped)
+    # (an engine rank does, from the shared-memory segment it keeps mapped: there, the
+    # same ``FixedShards`` as last time, found fine then, is fine without a look at each)
     # pr: scale end
     fine = plan.memo.get(("inputs fine", rank))
-    if fine is None or not _all_fine(needs, shards, *fine):
-        plan.memo[("inputs fine", rank)] = _check_shards(
-            needs, shards, fine, rank, device, problems
+    same = False
+    # pr: scale
+    kept = plan.memo.get(("inputs fixed", rank))
+    same = kept is not None and kept() is shards
+    # pr: scale end
+    if not same:
+        if fine is None or not _all_fine(needs, shards, *fine):
+            plan.memo[("inputs fine", rank)] = _check_shards(
+                needs, shards, fine, rank, device, problems
+            )
+        # pr: scale
+        plan.memo[("inputs fixed", rank)] = (
+            weakref.ref(shards)
+            if isinstance(shards, FixedShards) and not problems
+            else None
         )
+        # pr: scale end
     if params is not None:
         for name, index, shape in needs.params:
             problems.extend(_check_param(params, rank, name, index, shape, device))
@@ -709,11 +723,12 @@ def execute(
             regions.copy(
                 "local",
                 [params[m.dests[0].param] for m in local],
-                [shards[m.holder.buffer] for m in local],
+                lambda: [shards[m.holder.buffer] for m in local],
                 lambda: (
                     [regions.dest(params, m.dests[0], m) for m in local],
                     [regions.src(shards, m) for m in local],
                 ),
+                shards,
             )
             stats.bytes_copied_locally += regions.local_bytes
         except BaseException:
@@ -841,8 +856,9 @@ def _start_round(
         regions.copy(  # cast to the engine's dtype on the way
             id(pack),
             bases,
-            [shards[m.holder.buffer] for m in pack.moves],
+            lambda: [shards[m.holder.buffer] for m in pack.moves],
             lambda: (pack.views(bases), [regions.src(shards, m) for m in pack.moves]),
+            shards,
         )
         ops.append(dist.P2POp(dist.isend, flat, to_global(receiver), group))
     packs: List[Tuple[_Pack, List[torch.Tensor]]] = []
@@ -946,7 +962,7 @@ class _Pack:
         regions.copy(
             id(self),
             [params[d.param] for _, d in pairs],
-            [bases[j] for j, _ in pairs],
+            lambda: [bases[j] for j, _ in pairs],
             views,
         )
 
@@ -1054,21 +1070,24 @@ class _Regions:
             )
         return found
 
-    def copy(self, key, dst_bases, src_bases, views) -> None:
-        """Copy regions of ``src_bases`` into regions of ``dst_bases`` (``apply.
+    def copy(self, key, dst_bases, src_bases, views, src_from=None) -> None:
+        """Copy regions of ``src_bases()`` into regions of ``dst_bases`` (``apply.
         write_regions`` of ``views()``: destination and source views); ``key`` names the
         copies of one kind of an update (the local ones, one round's landings)."""
         # pr: scale
         # as the few strided copies of the ``CopyProgram`` kept under ``key``, while the
         # tensors lie as they did when it was made; made from this update's views otherwise
+        # (``src_from``: the mapping the sources come from, ``CopyProgram.run``)
         program = self._programs.get(key)
-        if program is not None and program.run(dst_bases, src_bases):
+        if program is not None and program.run(
+            dst_bases, None if program.keeps(src_from) else src_bases(), src_from
+        ):
             return
         # pr: scale end
         dst, src = views()
         # pr: scale
         if key not in self._programs or program is not None:
-            self._programs[key] = CopyProgram.compile(dst, src, dst_bases, src_bases)
+            self._programs[key] = CopyProgram.compile(dst, src, dst_bases, src_bases())
         # pr: scale end
         write_regions(dst, src)
 

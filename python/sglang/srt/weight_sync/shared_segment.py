@@ -36,6 +36,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.weight_sync.box import contiguous_strides
+from sglang.srt.weight_sync.copy_program import FixedShards
 from sglang.srt.weight_sync.protocol import CPU_DTYPES
 
 __all__ = (
@@ -283,15 +284,20 @@ class SegmentInbox:
             raise
         self._sock.setblocking(False)
         self._ino = os.lstat(path).st_ino
-        # (the segment's device and inode, the entries that placed it, its mapping)
-        self._kept: Optional[Tuple[Tuple[int, int], object, MappedSegment]] = None
+        # (the segment's device and inode, the entries that placed it, the names, its
+        # tensors by name and its runs)
+        self._kept: Optional[tuple] = None
 
-    def mapped(self, segment_id: str, entries) -> MappedSegment:
-        """``map_tensors`` of the segment sent under ``segment_id``, or the last mapping
-        when it is of the same segment placed by the same ``entries`` (the object a kept
-        layout frame gives every update: ``protocol.LayoutFrames``). The same inode is the
-        same segment while the kept mapping holds it open; sealed against shrinking, it
-        cannot have lost a byte since it was checked."""
+    def mapped(
+        self, segment_id: str, entries, names: Sequence[str]
+    ) -> Tuple[FixedShards, List[torch.Tensor]]:
+        """The tensors of ``map_tensors`` of the segment sent under ``segment_id``, by
+        ``names`` (one each, in order), and its runs; or the last of these when it is the
+        same segment placed by the same ``entries`` (the object a kept layout frame gives
+        every update: ``protocol.LayoutFrames``). The same inode is the same segment while
+        the kept mapping holds it open; sealed against shrinking, it cannot have lost a
+        byte since it was checked. The tensors come as ``FixedShards``: the same mapping
+        of the same views for as long as this one is kept."""
         fd = self.take(segment_id)
         try:
             st = os.fstat(fd)
@@ -300,13 +306,23 @@ class SegmentInbox:
             raise SegmentError(f"cannot read the segment: {e}") from None
         key = (st.st_dev, st.st_ino)
         kept = self._kept
-        if kept is not None and kept[0] == key and kept[1] is entries:
+        if (
+            kept is not None
+            and kept[0] == key
+            and kept[1] is entries
+            and kept[2] == names
+        ):
             os.close(fd)
-            return kept[2]
+            return kept[3], kept[4]
         self._kept = None  # the sender's segment or layout changed: let the old one go
         found = map_tensors(fd, entries)
-        self._kept = (key, entries, found)
-        return found
+        if len(found.tensors) != len(names):
+            raise SegmentError(
+                f"the header places {len(found.tensors)} tensors and names {len(names)}"
+            )
+        shards = FixedShards(zip(names, found.tensors))
+        self._kept = (key, entries, list(names), shards, found.runs)
+        return shards, found.runs
 
     def take(self, segment_id: str) -> int:
         """The descriptor sent under ``segment_id`` (the caller owns it), or SegmentError.
