@@ -203,6 +203,31 @@ def test_fp8_engine_tp4_trainer_side_one_hop(tp4):
         assert r["fp8_buffers"] == 0, r
 
 
+def test_fp8_engine_tp4_trainer_side_delta(tp4):
+    """The trainer-side one hop into a block-FP8 engine of TP 4 with delta updates
+    (``reshard_delta``): a full update, a delta to weights with a few elements changed on
+    every trainer rank, a delta back; the engine rank's parameters garbage before each. The
+    delta is taken after quantization (e4m3 bytes and scales against the blocks last sent,
+    the cut blocks in bf16), and the last update's parameters equal SGLang's load, with
+    each engine rank handed the quantized lower bound as before."""
+    from fp8_sender_cases import trainer_side_rank
+
+    bf16, loads = tp4
+    results = run_ranks(4, trainer_side_rank, 4, str(bf16), loads, 1 << 30, 1, 0, True)
+    for rank, r in enumerate(results):
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        assert r["quantized_regions"] > 0 and r["staged_regions"] > 0, r
+        first, changed, back = r["deltas"]
+        assert first["mode"] == "full", first
+        assert first["bytes_received"] == first["full_bytes_received"] > 0, first
+        for d in (changed, back):
+            assert d["mode"] == "delta" and d["digest_checked"], d
+            assert 0 < d["density"] < 0.05, d
+            assert d["bytes_received"] <= 0.05 * d["full_bytes_received"], d
+            assert d["regions"]["delta"] > 0, d
+
+
 def test_fp8_engine_tp4_remote(tp4):
     """A remote block-FP8 engine of TP 4 in a weight-sync group with 2 trainer ranks (the
     640-row tensors cut at row 320, inside a block; every 512-row tensor's blocks whole on
@@ -823,7 +848,7 @@ def _kept_corruption_refused_then_rewritten(tops, engines) -> None:
 )
 def test_remote_fp8_delta_updates_equal_full_updates(checkpoints, trainers, engines):
     """Delta updates of remote block-FP8 engines of different layouts in one group
-    (``remote.delta``): the blocks a trainer rank quantizes travel as the bytes of their
+    (``delta_rounds``): the blocks a trainer rank quantizes travel as the bytes of their
     e4m3 values and scales that changed since the last delivery, the pieces an engine
     quantizes from its staging (shard edges inside blocks, at 3 trainer ranks) as their
     bf16 values that changed since, against the staging the engine kept

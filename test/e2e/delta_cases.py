@@ -131,13 +131,13 @@ def delta_trainer_job(rank: int, world: int, job: dict) -> list:
 def delta_death_job(rank: int, world: int, job: dict) -> dict:
     """A trainer rank dies in the middle of a delta update: one full update, one AdamW step
     and a delta update, another step, then trainer rank 1 exits inside its first round of
-    delta records (``remote.delta``'s exchange). Returns (first rank) the reports, what the
+    delta records (``delta_rounds``'s exchange). Returns (first rank) the reports, what the
     update that lost a rank raised or reported and how long it took, and the servers'
     parameters against the weights delivered last and the new ones."""
     import os
     import time
 
-    from sglang.srt.weight_sync.remote import delta
+    from sglang.srt.weight_sync import delta_rounds as delta
 
     model, optimizer, generator, sync = _trainer(world, job)
     vocab = model.config.vocab_size
@@ -345,3 +345,126 @@ def megatron_delta_job(rank: int, world: int, job: dict) -> list:
     dist.barrier()
     sync.close()
     return records
+
+
+def _reshard_once(sync, model, manifest, groups, bucket: int, delta) -> dict:
+    """One trainer-side update of this rank's buffers (the agreement, then every chunk),
+    without an engine: its buffers, the bytes it exchanged, its seconds and the delta's
+    summary."""
+    import time
+
+    from sglang.srt.weight_sync.phase_timing import PhaseClock
+    from sglang.srt.weight_sync.trainer_flow import agree_on_inputs, prepare_shards
+
+    rank = dist.get_rank()
+    dist.barrier()
+    start = time.perf_counter()
+    shards = prepare_shards(list(model.named_parameters()))
+    sources = {n: spec.describe(n) for n, _, spec in shards}
+    local = {n: t for n, t, _ in shards}
+    parts = agree_on_inputs(
+        sync, sources, local, manifest, groups, bucket, 120, PhaseClock(), delta
+    )
+    buffers, received, sent = {}, 0, 0
+    for part in parts:
+        result = sync.plans.reshard_to_engines(
+            sources,
+            local,
+            manifest,
+            groups,
+            rank,
+            bucket,
+            part,
+            120,
+            sync.data,
+            checked=True,
+            delta=delta,
+        )
+        buffers.update({n: b.clone() for n, b in result.buffers.items()})
+        received += result.stats.bytes_received
+        sent += result.stats.bytes_sent
+    seconds = time.perf_counter() - start
+    summary = {}
+    if delta is not None:
+        summary = delta.summary()
+        delta.commit(sync.plans.inputs_digest(sources, manifest, groups, bucket))
+    return dict(
+        buffers=buffers, received=received, sent=sent, seconds=seconds, delta=summary
+    )
+
+
+def reshard_delta_bench_job(rank: int, world: int, job: dict) -> list:
+    """``benchmark.weight_sync.reshard_delta_run``: after every AdamW step (each of
+    ``job["lrs"]`` for ``job["steps"]`` steps), the trainer-side buffers of two bf16
+    engines of TP 2 beside the ranks filled twice, in full and as a delta (each through the
+    agreement, with a ``TrainerSync`` of its own); the delta's buffers must equal the full
+    update's bit for bit. Returns one row per step (max over ranks of bytes and seconds)."""
+    from remote_cases import fsdp2_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    from benchmark.weight_sync.hand_rules import model_targets_from_config
+    from sglang.srt.weight_sync.manifest import EngineManifest
+    from sglang.srt.weight_sync.reshard_delta import ReshardDelta
+    from sglang.srt.weight_sync.target_layout import EngineParallel
+    from sglang.srt.weight_sync.trainer_flow import TrainerSync
+
+    init_device_mesh("cpu", (world,))
+    model = fsdp2_model(job["model_dir"], 1, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["lrs"][0], foreach=False)
+    generator = torch.Generator().manual_seed(1234)
+    config = AutoConfig.from_pretrained(job["model_dir"])
+    manifest = EngineManifest.of(
+        model_targets_from_config(config, EngineParallel(2), torch.bfloat16)
+    )
+    groups = [list(range(j, j + 2)) for j in range(0, world, 2)]
+    full_sync, delta_sync = TrainerSync(), TrainerSync()
+    delta_sync.delta = ReshardDelta()
+
+    def both() -> dict:
+        full = _reshard_once(full_sync, model, manifest, groups, job["bucket"], None)
+        delta = _reshard_once(
+            delta_sync, model, manifest, groups, job["bucket"], delta_sync.delta
+        )
+        same = full["buffers"].keys() == delta["buffers"].keys() and all(
+            torch.equal(b, delta["buffers"][n]) for n, b in full["buffers"].items()
+        )
+        mine = [
+            full["received"],
+            full["seconds"],
+            delta["received"],
+            delta["seconds"],
+            delta["delta"]["encode_seconds"],
+            delta["delta"]["decode_seconds"],
+            float(not same),
+        ]
+        every = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(every, op=dist.ReduceOp.MAX)
+        keys = (
+            "full_bytes",
+            "full_seconds",
+            "delta_bytes",
+            "delta_seconds",
+            "encode_seconds",
+            "decode_seconds",
+            "differ",
+        )
+        row = dict(zip(keys, every.tolist()))
+        row.update(
+            mode=delta["delta"]["mode"],
+            density=delta["delta"]["density"],
+            kept_bytes=delta["delta"]["kept_bytes"],
+        )
+        return row
+
+    rows = [dict(lr=None, step=-1, loss=None, **both())]
+    for lr in job["lrs"]:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for step in range(job["steps"]):
+            loss = _train_step(model, optimizer, generator, model.config.vocab_size)
+            rows.append(dict(lr=lr, step=step, loss=loss, **both()))
+    dist.barrier()
+    full_sync.close()
+    delta_sync.close()
+    return rows

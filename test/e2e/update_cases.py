@@ -353,6 +353,9 @@ def _write_report(job: dict, rank: int, step, report, seconds=None) -> None:
                         # pr: scale
                         described=report.described,
                         # pr: scale end
+                        # pr: remote
+                        delta=report.delta,
+                        # pr: remote end
                         phases=report.phases,
                         seconds=seconds,
                     )

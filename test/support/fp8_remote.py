@@ -11,9 +11,9 @@ writes, then the quantization). Afterwards every parameter must have the checksu
 SGLang's own load of the reference-quantized checkpoint. ``job["amx"]`` marks a layer as
 SGLang's CPU AMX post-load step leaves it: refused before a byte moves. ``job["updates"]``
 runs several updates, full or delta, each after the trainer changed a share of its weights
-(``_step_weights``): the trainer ranks keep a ``remote.delta.Snapshot``, and every engine
+(``_step_weights``): the trainer ranks keep a ``delta_rounds.Snapshot``, and every engine
 rank records its parameters' checksums and bytes after each, keeping the bf16 staging of
-the pieces it quantizes itself between them (``remote.delta.KeptStaging``, as the engine
+the pieces it quantizes itself between them (``delta_rounds.KeptStaging``, as the engine
 does per membership); ("corrupt", density) is a delta update after each engine rank changed
 one e4m3 byte of a weight behind the trainer's back, ("corrupt-kept", density) one after
 each engine rank that keeps staging changed one bf16 element of it. An update an engine
@@ -62,9 +62,9 @@ def _step_weights(weights, step: int, density: float):
 
 def _trainer(rank: int, job: dict, group, weights) -> dict:
     """Every update of ``job["updates"]`` ((kind, density) each; one full update when
-    absent) from this trainer rank, keeping a ``remote.delta.Snapshot`` committed after
+    absent) from this trainer rank, keeping a ``delta_rounds.Snapshot`` committed after
     each success: what it sent, and each update's delta figures."""
-    from sglang.srt.weight_sync.remote.delta import Snapshot
+    from sglang.srt.weight_sync.delta_rounds import Snapshot
     from sglang.srt.weight_sync.remote.group import SyncGroup, TrainerPart
     from sglang.srt.weight_sync.remote.protocol import UpdateHeader
     from sglang.srt.weight_sync.source_layout import MeshSpec
@@ -148,7 +148,7 @@ def remote_fp8_job(rank: int, world: int, job: dict, bf16: str, loads: dict) -> 
     from fp8_cases import checksum
     from fp8_sender_cases import quantized_lower_bound
 
-    from sglang.srt.weight_sync.remote.delta import KeptStaging
+    from sglang.srt.weight_sync.delta_rounds import KeptStaging
     from sglang.srt.weight_sync.remote.engine import Receive, Staging, write_staged
     from sglang.srt.weight_sync.remote.group import SyncGroup
     from sglang.srt.weight_sync.remote.protocol import Membership

@@ -202,6 +202,7 @@ def trainer_side_rank(
     bucket: int,
     batches: int,
     megatron_pp: int = 0,
+    delta: bool = False,
 ) -> dict:
     """Rank ``rank`` of ``world`` FSDP2 trainer ranks (with ``megatron_pp``: Megatron-core
     ranks at TP ``world / megatron_pp`` x PP ``megatron_pp``, ``fp8_cases.megatron_shards``)
@@ -213,33 +214,26 @@ def trainer_side_rank(
     to the engine rank against the quantized lower bound of its layout (``handed_bound``:
     counted block by block from the trainer's shards, each unquantized parameter's
     buffer whole; ``handed_bf16``: every parameter's buffer whole in its staged dtype, as
-    before sender quantization)."""
+    before sender quantization). With ``delta`` (one batch): three updates through the
+    trainer's agreement with a ``ReshardDelta`` (``reshard_delta``), the engine rank's
+    parameters garbage before each: the weights (full), the weights with a few values
+    changed on every rank (a delta), the weights again (a delta back, checked against
+    SGLang's load); ``deltas``: each update's summary."""
     import dataclasses
-    import json
 
     import tiny_models
     import torch.distributed as dist
     from fp8_cases import (
-        batches_of,
         checksum,
         fsdp_shards,
-        local_of,
         megatron_shards,
     )
 
-    from sglang.srt.weight_sync.delivery import Payload
     from sglang.srt.weight_sync.derive.derived_targets import DerivedTargets
-    from sglang.srt.weight_sync.engine_trainer_side import local_step
     from sglang.srt.weight_sync.fp8_targets import engine_block_fp8
     from sglang.srt.weight_sync.manifest import EngineManifest
-    from sglang.srt.weight_sync.protocol import (
-        Fp8RegionKind,
-        PayloadKind,
-        decode_header,
-        header_fields,
-    )
-    from sglang.srt.weight_sync.target_layout import EngineParallel, restrict
-    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans, chunks
+    from sglang.srt.weight_sync.target_layout import EngineParallel
+    from sglang.srt.weight_sync.trainer_reshard import TrainerPlans
 
     full = tiny_models.load_checkpoint(bf16)
     shapes = {n: tuple(t.shape) for n, t in full.items()}
@@ -274,6 +268,13 @@ def trainer_side_rank(
         for n in sorted(written)
     }
     plans = TrainerPlans()
+    sync = None
+    if delta:
+        from sglang.srt.weight_sync.reshard_delta import ReshardDelta
+        from sglang.srt.weight_sync.trainer_flow import TrainerSync
+
+        sync = TrainerSync()
+        sync.delta, plans = ReshardDelta(digest=True), sync.plans
     figures = dict.fromkeys(
         RANK_FIGURES
         + (
@@ -286,17 +287,115 @@ def trainer_side_rank(
         ),
         0,
     )
+    updates = [local]
+    if delta:
+        changed = {k: t.clone() for k, t in local.items()}
+        for t in changed.values():
+            # a few values 2 bf16 ulps up: rarely a block's largest, so scales rarely move
+            t.view(-1)[rank::4099] *= 1 + 2**-6
+        updates = [local, changed, local]
+    deltas = []
+    for number, weights in enumerate(updates):
+        if number:  # the engine rank's parameters garbage again
+            for t in params.values():
+                t.copy_(torch.randn(t.shape, generator=garbage).to(t.dtype))
+            figures = dict.fromkeys(figures, 0)
+        _one_update(
+            sync,
+            plans,
+            layout,
+            weights,
+            manifest,
+            groups,
+            rank,
+            bucket,
+            batches,
+            (targets, mine, fp8, params, blocks),
+            figures,
+            deltas,
+        )
+    dist.barrier()
+    expected = loads[(tp, mine)]["checksums"]
+    return {
+        "differ": sorted(n for n, t in params.items() if checksum(t) != expected[n]),
+        "compared": len(params),
+        "not_written": sorted(set(live) - written),
+        "quantized": len(fp8.own.quantized),
+        "fp8_live": sum(1 for _, d in live.values() if d == torch.float8_e4m3fn),
+        # the per-rank planner's bound (``rank_plan``): half the cap plus a row, received
+        # and sent per round
+        "staging_bound": bucket
+        + 2 * max(t.element_size() * math.prod(t.shape[1:]) for t in local.values()),
+        "deltas": deltas,
+        **figures,
+    }
+
+
+def _one_update(
+    sync,
+    plans,
+    layout,
+    local,
+    manifest,
+    groups,
+    rank,
+    bucket,
+    batches,
+    engine,
+    figures,
+    deltas,
+) -> None:
+    """One update of ``trainer_side_rank`` (through the trainer's agreement and its delta
+    when ``sync`` is given), each chunk handed to the engine rank's own step."""
+    import json
+
+    from fp8_cases import batches_of, local_of
+
+    from sglang.srt.weight_sync.delivery import Payload
+    from sglang.srt.weight_sync.engine_trainer_side import local_step
+    from sglang.srt.weight_sync.phase_timing import PhaseClock
+    from sglang.srt.weight_sync.protocol import (
+        Fp8RegionKind,
+        PayloadKind,
+        decode_header,
+        header_fields,
+    )
+    from sglang.srt.weight_sync.target_layout import restrict
+    from sglang.srt.weight_sync.trainer_flow import agree_on_inputs
+    from sglang.srt.weight_sync.trainer_reshard import chunks
+
+    targets, mine, fp8, params, blocks = engine
     for names in batches_of(layout, batches):
         sources = {n: layout[n] for n in names}
+        mine_local = local_of(layout, local, names, rank)
+        delta = data = None
+        if sync is not None:
+            delta = sync.delta
+            agree_on_inputs(
+                sync,
+                sources,
+                mine_local,
+                manifest,
+                groups,
+                bucket,
+                30,
+                PhaseClock(),
+                delta,
+            )
+            data = sync.data
         for part in chunks(manifest, names, 1 << 40):
             result = plans.reshard_to_engines(
                 sources,
-                local_of(layout, local, names, rank),
+                mine_local,
                 manifest,
                 groups,
                 rank,
                 bucket,
                 part,
+                30,
+                data,
+                checked=sync is not None,
+                delta=delta,
             )
             regions = result.fp8_regions
             tensors = [(n, t) for n, t in result.buffers.items()]
@@ -356,17 +455,6 @@ def trainer_side_rank(
             figures["quantized_regions"] += kinds.count(Fp8RegionKind.QUANTIZED)
             figures["staged_regions"] += kinds.count(Fp8RegionKind.STAGED)
             figures["fp8_buffers"] += sum(1 for n in result.buffers if n in blocks)
-    dist.barrier()
-    expected = loads[(tp, mine)]["checksums"]
-    return {
-        "differ": sorted(n for n, t in params.items() if checksum(t) != expected[n]),
-        "compared": len(params),
-        "not_written": sorted(set(live) - written),
-        "quantized": len(fp8.own.quantized),
-        "fp8_live": sum(1 for _, d in live.values() if d == torch.float8_e4m3fn),
-        # the per-rank planner's bound (``rank_plan``): half the cap plus a row, received
-        # and sent per round
-        "staging_bound": bucket
-        + 2 * max(t.element_size() * math.prod(t.shape[1:]) for t in local.values()),
-        **figures,
-    }
+        if delta is not None:
+            deltas.append(delta.summary())
+            delta.commit(plans.inputs_digest(sources, manifest, groups, bucket))

@@ -84,6 +84,9 @@ class HostedEngine:
         weight_sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
         session: bool = True,
+        # pr: remote
+        weight_sync_delta: bool = False,
+        # pr: remote end
         **engine_kwargs: Any,
     ) -> None:
         if backend not in ("engine", "server"):
@@ -95,6 +98,12 @@ class HostedEngine:
         self._session = session
         self._control = ControlGroup(self._group, "hosted-engine")
         self._sync = TrainerSync()
+        # pr: remote
+        if weight_sync_delta:  # the trainer-side hop sends only what changed
+            from sglang.srt.weight_sync.reshard_delta import ReshardDelta
+
+            self._sync.delta = ReshardDelta(digest=True)
+        # pr: remote end
         tp_rank, per_node = mesh.get_local_rank(), mesh.size() // nnodes
         args = dict(
             engine_kwargs,

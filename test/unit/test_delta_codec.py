@@ -142,8 +142,8 @@ def test_digest_sees_one_changed_element_and_a_swap():
 def test_records_read_back_and_malformed_ones_are_refused():
     """The wire form of a round's records (``remote.protocol``): read back exactly; a wrong
     kind code, count, size or trailing byte is refused naming the record."""
+    from sglang.srt.weight_sync.delta_codec import delta_records, read_delta_records
     from sglang.srt.weight_sync.protocol import DeliveryError
-    from sglang.srt.weight_sync.remote.protocol import delta_records, read_delta_records
 
     old = torch.zeros(100, dtype=torch.bfloat16)
     new = old.clone()
@@ -178,9 +178,14 @@ def test_base_digests_read_back_and_malformed_ones_are_refused():
     """The digests a sender sends before a delta update's first round (``base_digests``):
     read back exactly, ``NO_DIGEST`` included; a buffer of another size or a digest out
     of range is refused."""
-    from sglang.srt.weight_sync.delta_codec import DIGEST_BITS, NO_DIGEST, region_digest
+    from sglang.srt.weight_sync.delta_codec import (
+        DIGEST_BITS,
+        NO_DIGEST,
+        base_digests,
+        read_base_digests,
+        region_digest,
+    )
     from sglang.srt.weight_sync.protocol import DeliveryError
-    from sglang.srt.weight_sync.remote.protocol import base_digests, read_base_digests
 
     checks = [region_digest(torch.arange(6.0)), NO_DIGEST, 0, (1 << DIGEST_BITS) - 1]
     raw = base_digests(checks)
@@ -196,9 +201,9 @@ def test_base_digests_read_back_and_malformed_ones_are_refused():
 
 
 def test_the_snapshot_advances_only_on_commit():
-    """A trainer rank's delivered values (``remote.delta.Snapshot``): no base before a commit,
+    """A trainer rank's delivered values (``delta_rounds.Snapshot``): no base before a commit,
     in another epoch or under another plan; a drop makes the next update full and says why."""
-    from sglang.srt.weight_sync.remote.delta import Snapshot
+    from sglang.srt.weight_sync.delta_rounds import Snapshot
 
     snap = Snapshot()
     assert snap.bases(1, "plan")[0] is None
@@ -216,7 +221,7 @@ def test_the_snapshot_advances_only_on_commit():
 def test_figures_per_engine_and_by_what_the_records_carry():
     """A sender's figures per receiving rank, summed per engine (its group ranks), and the
     summary's densities per class for each engine."""
-    from sglang.srt.weight_sync.remote.delta import (
+    from sglang.srt.weight_sync.delta_rounds import (
         RECEIVER_FIGURES,
         DeltaFigures,
         delta_summary,
@@ -250,7 +255,7 @@ def test_figures_per_engine_and_by_what_the_records_carry():
 def test_the_report_says_what_comes_next():
     """After each update the report says whether the next one may be a delta: after a
     commit it may (in the same epoch), after a drop it is full and says why."""
-    from sglang.srt.weight_sync.remote.delta import Snapshot
+    from sglang.srt.weight_sync.delta_rounds import Snapshot
 
     snap = Snapshot()
     assert snap.next_update(1) == {
@@ -272,7 +277,7 @@ def test_figures_carry_what_block_fp8_staging_received():
     counted apart per class (all their bytes, those sent whole, a full update's), shared
     among the trainer ranks as integers and read back; a delta's report says none went
     whole for want of a base, a full one why; a report without any says nothing."""
-    from sglang.srt.weight_sync.remote.delta import DeltaFigures, delta_summary
+    from sglang.srt.weight_sync.delta_rounds import DeltaFigures, delta_summary
 
     figures = DeltaFigures(wire_bytes=10)
     figures.staged("model.layers.0.mlp.down_proj.weight", 300, 300, True)
@@ -322,7 +327,7 @@ def test_kept_staging_is_what_the_pause_wrote_of_the_staged_pieces():
     """``KeptStaging.keep`` copies out of the pause's staging the regions of the moves into
     this rank's block-FP8 staging only (by the trainer's snapshot key, in host memory),
     replacing what it kept; ``clear`` lets it go."""
-    from sglang.srt.weight_sync.remote.delta import KeptStaging, _key
+    from sglang.srt.weight_sync.delta_rounds import KeptStaging, _key
 
     plan, rank, staged, params = _staged_plan()
     kept = KeptStaging()
@@ -381,7 +386,7 @@ def _membership(trainers: int, engines):
 def test_an_update_refused_before_any_byte_says_so(planned):
     """An update the group refused at its agreement (nothing sent, no rank has a result):
     the report says it was refused, what it was to be, and no bytes or densities."""
-    from sglang.srt.weight_sync.remote.delta import RECEIVER_FIGURES, DeltaFigures
+    from sglang.srt.weight_sync.delta_rounds import RECEIVER_FIGURES, DeltaFigures
     from sglang.srt.weight_sync.remote.trainer import DeltaOutcome, _delta_report
 
     membership = _membership(2, [("a", 2)])
@@ -403,7 +408,7 @@ def test_an_engine_reply_counts_what_it_received():
     """A receiver counts each record it read (``DeltaFigures.record``): its bytes by what it
     carries and its changes per tensor class; the reply (``delta_reply``) gives them per
     TP rank, with the densities."""
-    from sglang.srt.weight_sync.remote.delta import DeltaFigures
+    from sglang.srt.weight_sync.delta_rounds import DeltaFigures
     from sglang.srt.weight_sync.remote.protocol import (
         DELTA_REPLY_FIGURES,
         delta_reply,

@@ -25,6 +25,7 @@ from sglang.srt.weight_sync.protocol import (
     DEFAULT_TIMEOUT_S,
     check_timeout,
 )
+from sglang.srt.weight_sync.reshard_delta import ReshardDelta
 from sglang.srt.weight_sync.trainer_flow import (
     ControlRequest,
     Mode,
@@ -64,13 +65,17 @@ class VerlEngine:
         weight_sync_mode: Mode = "auto",
         weight_sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
+        weight_sync_delta: bool = False,
         **kwargs,
     ):
         """``kwargs`` are ``Engine`` (or ``HttpServerEngineAdapter``) arguments;
         ``weight_sync_mode`` overrides where resharding runs ("engine" or "trainer");
         ``weight_sync_bucket_bytes`` caps the trainer side's staging and buffers;
         ``weight_sync_timeout_s`` bounds every wait of an update (a dead peer is
-        reported, on every surviving rank, within about twice that)."""
+        reported, on every surviving rank, within about twice that);
+        ``weight_sync_delta``: trainer-side updates send the other trainer ranks only what
+        changed since the last update (worth it where the trainer spans hosts; the
+        engine still receives whole buffers). Every rank passes the same."""
         self._device_mesh_cpu = device_mesh_cpu
         self._group = device_mesh_cpu.get_group()
         self._ranks = [int(r) for r in device_mesh_cpu.mesh.tolist()]
@@ -81,6 +86,8 @@ class VerlEngine:
         self._timeout_s = check_timeout(weight_sync_timeout_s)
         self._control = ControlGroup(self._group, "verl-engine")
         self._sync = TrainerSync()
+        if weight_sync_delta:
+            self._sync.delta = ReshardDelta()
         tp_size_per_node = self._tp_size // nnodes
         node_rank = self._tp_rank // tp_size_per_node
         first_rank_in_node = self._tp_rank % tp_size_per_node == 0

@@ -11,11 +11,11 @@ place through ``apply.write_quantized`` (the one apply step the colocated paths 
 then lets the buffers go. Blocks a trainer rank quantized (``fp8_wire``) are written
 straight into the e4m3 weights and scales (``land``) and left out of that step.
 
-The buffers live for one pause only. A delta update (``remote.delta``) takes the delta of
+The buffers live for one pause only. A delta update (``delta_rounds``) takes the delta of
 the blocks a trainer rank quantized after quantization, against the live e4m3 weights and
 scales (``live``, which the receiving reads); for the pieces quantized here the engine
 keeps a copy of what the pause wrote into these buffers, only those pieces and only while
-its group runs delta updates (``remote.delta.KeptStaging``, host memory), so a buffer made
+its group runs delta updates (``delta_rounds.KeptStaging``, host memory), so a buffer made
 afresh each pause still gets every piece of every block it quantizes.
 """
 

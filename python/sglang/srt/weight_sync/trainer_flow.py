@@ -16,6 +16,11 @@ source layout (Megatron-core buffers too).
 # hop straight to the layout the engine publishes (``manifest.py``), after which the engine
 # only copies; the engine's layout is asked for once per channel.
 # pr: scale end
+# pr: remote
+# With ``TrainerSync.delta`` (``VerlEngine(weight_sync_delta=True)``) only what changed since
+# the last update crosses between the trainer ranks (``reshard_delta.py``): worth it where
+# their exchange crosses hosts; the engine still gets whole buffers.
+# pr: remote end
 
 from __future__ import annotations
 
@@ -95,6 +100,11 @@ from sglang.srt.weight_sync.trainer_reshard import (
 )
 
 # pr: scale end
+# isort: split
+# pr: remote
+from sglang.srt.weight_sync.reshard_delta import ReshardDelta, agreement_values
+
+# pr: remote end
 
 
 __all__ = (
@@ -197,6 +207,10 @@ class TrainerSync:
         # number (``ready_data``)
         self.data_groups_made = 0
         # pr: scale end
+        # pr: remote
+        # the trainer-side hop's bases while the owner asks for delta updates
+        self.delta: Optional[ReshardDelta] = None
+        # pr: remote end
         self._finalizer = weakref.finalize(self, TrainerSync._close_all, self._channels)
 
     @classmethod
@@ -581,6 +595,12 @@ class UpdateReport:
     # CPU payloads only; ``inline_bytes`` is 0 while it carries them)
     shared_bytes: int = 0
     # pr: scale end
+    # pr: remote
+    # trainer-side with delta updates (``reshard_delta``): full or delta and why, the bytes
+    # this rank sent and received between the trainer ranks against a full update's, the
+    # density of the changes, the seconds encoding and decoding, the bases' host memory
+    delta: Dict[str, object] = field(default_factory=dict)
+    # pr: remote end
     inline_bytes: int = 0
     phases: Dict[str, float] = field(default_factory=dict)
     engine_phases: Dict[str, List[float]] = field(default_factory=dict)
@@ -731,7 +751,7 @@ def _trainer_side(
     the inputs agreed, then per chunk this rank's moves over the trainer's world into
     parameter-shaped buffers handed to the engine rank beside it, one request each."""
     report = UpdateReport("trainer")
-    rank, names = dist.get_rank(), sorted(sources)
+    rank = dist.get_rank()
     check_bound(
         None,
         timeout_s,
@@ -747,6 +767,12 @@ def _trainer_side(
     if describe:
         report.described = True
         chan.manifest = yield from _describe(sync, chan, timeout_s, clock)
+    delta = None
+    # pr: scale end
+    # pr: remote
+    delta = sync.delta
+    # pr: remote end
+    # pr: scale
     parts = agree_on_inputs(
         sync,
         sources,
@@ -756,7 +782,43 @@ def _trainer_side(
         bucket_bytes,
         timeout_s,
         clock,
+        # pr: scale end
+        # pr: remote
+        delta,
+        # pr: remote end
+        # pr: scale
     )
+    flow = _chunks_flow(
+        sync, chan, sources, local, parts, bucket_bytes, timeout_s, clock, report, delta
+    )
+    # pr: scale end
+    # pr: remote
+    if delta is not None:
+        inputs = sync.plans.inputs_digest(
+            sources, chan.manifest, chan.engine_groups, bucket_bytes
+        )
+        flow = _delta_outcome(flow, delta, rank, inputs)
+    # pr: remote end
+    # pr: scale
+    yield from flow
+    return report.finish(clock, rank, chan.sender)
+
+
+def _chunks_flow(
+    sync: TrainerSync,
+    chan: TrainerChannel,
+    sources: SourceLayout,
+    local: Mapping[str, torch.Tensor],
+    parts: List[Tuple[str, ...]],
+    bucket_bytes: int,
+    timeout_s: float,
+    clock: PhaseClock,
+    report: UpdateReport,
+    delta=None,
+) -> Flow:
+    """The agreed update's chunks on this rank, one request each, into ``report``; stops
+    at the first the engine does not apply."""
+    rank, names = dist.get_rank(), sorted(sources)
     for i, part in enumerate(parts):
         result = sync.plans.reshard_to_engines(
             sources,
@@ -771,6 +833,11 @@ def _trainer_side(
             clock,
             _segment_buffers(chan.sender) if sync.data_device.type == "cpu" else None,
             checked=True,
+            # pr: scale end
+            # pr: remote
+            delta=delta,
+            # pr: remote end
+            # pr: scale
         )
         with clock.phase(Phase.DELIVER):
             _count_chunk(report, result, rank)
@@ -790,9 +857,32 @@ def _trainer_side(
             # the engine may have changed its layout: read it again next time
             chan.manifest = None
             break
-    return report.finish(clock, rank, chan.sender)
+    return report
 
 
+# pr: scale end
+# pr: remote
+def _delta_outcome(flow: Flow, delta: ReshardDelta, rank: int, inputs: str) -> Flow:
+    """``flow``'s chunks, then ``delta``'s bases kept when the engine applied the update,
+    dropped when it did not or anything raised here (``reshard_delta``: the next update's
+    agreement then finds the ranks apart, and that update is full on every rank)."""
+    try:
+        report = yield from flow
+    except BaseException as e:
+        delta.drop(
+            f"the last update failed on trainer rank {rank}: {type(e).__name__}: {e}"
+        )
+        raise
+    report.delta = delta.summary()
+    if report.success:
+        delta.commit(inputs)
+    else:
+        delta.drop(f"the engine did not apply the last update: {report.message}")
+    return report
+
+
+# pr: remote end
+# pr: scale
 def _count_chunk(report: UpdateReport, result, rank: int) -> None:
     """Add one trainer-side chunk's figures to ``report``."""
     report.chunks += 1
@@ -839,6 +929,11 @@ def agree_on_inputs(
     bucket_bytes: int,
     timeout_s: float,
     clock: PhaseClock,
+    # pr: scale end
+    # pr: remote
+    delta: Optional[ReshardDelta] = None,
+    # pr: remote end
+    # pr: scale
 ) -> List[Tuple[str, ...]]:
     """The update's chunks, once every trainer rank agreed (one all-reduce) that all plan
     from the same inputs and that every rank's ``local`` tensors fit its plans
@@ -848,6 +943,12 @@ def agree_on_inputs(
     ``PeerLost``. Different inputs raise ``ValueError`` on every rank. The agreement also
     says whether some rank lacks a data group (the first update, or a wait on it failed):
     then every rank makes a new one (``TrainerSync.ready_data``)."""
+    # pr: scale end
+    # pr: remote
+    # With ``delta`` (``reshard_delta``) it also settles whether the update is a delta: every
+    # rank asks for deltas or none does, and all hold bases of the same update.
+    # pr: remote end
+    # pr: scale
     rank, names = dist.get_rank(), sorted(sources)
     with clock.phase(Phase.PLAN):
         digest = sync.plans.inputs_digest(
@@ -864,21 +965,39 @@ def agree_on_inputs(
             rank,
             sync.data_device,
         )
+    values = {"inputs": fingerprint_int(digest)}
+    proposals = {
+        "data group number": DataGroup.number_proposal(
+            None, sync.data_groups_made, sync.lacks_data
+        )
+    }
+    # pr: scale end
+    # pr: remote
+    more_values, more_proposals = agreement_values(delta, digest)
+    values.update(more_values)
+    proposals.update(more_proposals)
+    # pr: remote end
+    # pr: scale
     with clock.phase(Phase.AGREE):
         agreed = sync.world.agree(
             problems,
-            {"inputs": fingerprint_int(digest)},
+            values,
             {"no data group": sync.lacks_data},
             timeout_s,
             f"trainer rank {rank}: checking that every rank plans alike, from tensors "
             "that fit its plan",
-            {
-                "data group number": DataGroup.number_proposal(
-                    None, sync.data_groups_made, sync.lacks_data
-                )
-            },
+            proposals,
         )
-    if agreed.unequal:
+    # pr: scale end
+    # pr: remote
+    if "delta" in agreed.unequal:
+        raise ValueError(
+            f"trainer rank {rank}: some trainer ranks ask for delta updates and some do "
+            f"not (this rank: delta={delta is not None}); every rank must ask alike"
+        )
+    # pr: remote end
+    # pr: scale
+    if "inputs" in agreed.unequal:
         raise ValueError(
             f"trainer rank {rank}: the trainer ranks described different tensors or layouts for this update "
             f"(this rank's inputs {digest[:12]}): each rank plans only its own moves, so all must plan from "
@@ -898,6 +1017,12 @@ def agree_on_inputs(
             ),
             timeout_s,
         )
+    # pr: scale end
+    # pr: remote
+    if delta is not None:
+        delta.begin(agreed, digest)
+    # pr: remote end
+    # pr: scale
     return parts
 
 

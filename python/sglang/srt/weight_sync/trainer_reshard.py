@@ -56,6 +56,11 @@ from sglang.srt.weight_sync.planner import (
 )
 from sglang.srt.weight_sync.protocol import Fp8Region, Fp8RegionKind
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
+
+# pr: remote
+from sglang.srt.weight_sync.reshard_delta import ReshardDelta
+
+# pr: remote end
 from sglang.srt.weight_sync.source_layout import (
     SourceLayout,
 )
@@ -405,6 +410,9 @@ class TrainerPlans:
             Callable[[Sequence[ParamTarget]], Optional[Dict[str, torch.Tensor]]]
         ] = None,
         checked: bool = False,
+        # pr: remote
+        delta: Optional[ReshardDelta] = None,
+        # pr: remote end
     ) -> TrainerSideResult:
         """Plan (``plan_to_engines``) and run one chunk: this rank's buffers, filled from
         ``local`` (this rank's tensors by holder key), on the data group's device. Every
@@ -417,6 +425,10 @@ class TrainerPlans:
         Into one, the plan is cut for sender quantization (cached with it) and the
         result carries the block-FP8 weights' regions (``fp8_regions``). ``checked``: every rank's ``shard_problems`` were agreed on (none), so the executor
         does not check the shards again."""
+        # pr: remote
+        # ``delta``: this rank's bases (``reshard_delta``): only what changed since the last
+        # update crosses between the trainer ranks, the buffers filled as a full update's
+        # pr: remote end
         clock = clock if clock is not None else PhaseClock()
         params = tuple(params)
         with clock.phase(Phase.PLAN):
@@ -449,19 +461,35 @@ class TrainerPlans:
                 for t in staged
             }
             run = plan if sender is None else sender.plan
-            stats = execute(
-                run,
-                rank,
-                local,
-                {**buffers, **staging},
-                data,
-                timeout_s,
-                checked=checked,
-            )
+            kept = _Kept()
+            stats = None
+            # pr: remote
+            if delta is not None:
+                stats, kept.landings = delta.run(
+                    plan,
+                    sender,
+                    rank,
+                    local,
+                    {**buffers, **staging},
+                    data,
+                    timeout_s,
+                    checked,
+                )
+            # pr: remote end
+            if stats is None:
+                stats = execute(
+                    run,
+                    rank,
+                    local,
+                    {**buffers, **staging},
+                    data,
+                    timeout_s,
+                    checked=checked,
+                )
+                if sender is not None:
+                    run_quantized(sender, rank, local, {}, data, timeout_s, kept, stats)
             regions: List[Tuple[Fp8Region, torch.Tensor]] = []
             if sender is not None:
-                kept = _Kept()
-                run_quantized(sender, rank, local, {}, data, timeout_s, kept, stats)
                 regions = fp8_regions(
                     kept.landings, staged, staging, manifest.block_fp8
                 )

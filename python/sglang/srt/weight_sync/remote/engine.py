@@ -29,7 +29,7 @@ first request and held by the tp worker; it goes with it. The hooks hand it the 
   group's next delta update is refused before any byte moves (a trainer that does not hear
   the engines' answers committed its snapshot anyway), until a join or a full update.
 * A block-FP8 engine in a group that runs delta updates keeps, per membership, the bf16
-  staging of the pieces it quantizes itself (``remote.delta.KeptStaging``, host memory:
+  staging of the pieces it quantizes itself (``delta_rounds.KeptStaging``, host memory:
   2 bytes per element of the blocks a trainer shard edge cuts) as the next delta's base;
   written after each successful pause, let go on a failure, a refusal, when the group
   stops running deltas, and when the engine leaves.
@@ -61,6 +61,7 @@ from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
 )
+from sglang.srt.weight_sync.delta_rounds import DeltaFigures, KeptStaging
 from sglang.srt.weight_sync.engine_layout import EngineLayout
 from sglang.srt.weight_sync.executor import (
     Deferred,
@@ -74,7 +75,6 @@ from sglang.srt.weight_sync.fp8_wire import QuantizedLanding
 from sglang.srt.weight_sync.manifest import ManifestError
 from sglang.srt.weight_sync.phase_timing import collector_paused
 from sglang.srt.weight_sync.protocol import MIXED, REFUSED
-from sglang.srt.weight_sync.remote.delta import DeltaFigures, KeptStaging
 from sglang.srt.weight_sync.remote.group import (
     GroupRefusal,
     SyncGroup,

@@ -30,9 +30,9 @@ the same steps on every rank (``run_update``), each bounded by the update's time
    every rank cuts the same plan (``fp8_wire.cut_for_engines``): the blocks a trainer
    rank holds whole travel quantized, e4m3 and scales (``fp8_wire.run_quantized``, after
    the rest of the plan ran), and the engine quantizes only the rest. A delta update is
-   cut the same way (``remote.delta``: the quantized blocks' delta is taken after
+   cut the same way (``delta_rounds``: the quantized blocks' delta is taken after
    quantization; the pieces the engine quantizes against the bf16 staging it keeps for
-   them, ``remote.delta.KeptStaging``).
+   them, ``delta_rounds.KeptStaging``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ from sglang.srt.weight_sync.control_plane import (
     join_group,
     leave_group,
 )
+from sglang.srt.weight_sync.delta_rounds import (
+    DeltaFigures,
+    KeptStaging,
+    Snapshot,
+    engine_quantized,
+    execute_delta,
+    stage_full,
+)
 from sglang.srt.weight_sync.executor import (
     DataGroup,
     Deferred,
@@ -72,14 +80,6 @@ from sglang.srt.weight_sync.phase_timing import Phase, PhaseClock
 from sglang.srt.weight_sync.planner import CoverageError, Plan, sources_digest
 from sglang.srt.weight_sync.protocol import DATA_GROUP_TIMEOUT_S
 from sglang.srt.weight_sync.rank_plan import Receivers, plan_for_rank
-from sglang.srt.weight_sync.remote.delta import (
-    DeltaFigures,
-    KeptStaging,
-    Snapshot,
-    engine_quantized,
-    execute_delta,
-    stage_full,
-)
 from sglang.srt.weight_sync.remote.protocol import (
     HEADER_LIMIT,
     MEMBERSHIP_LIMIT,
@@ -140,13 +140,13 @@ class UpdateResult:
     header: UpdateHeader
     plan: Plan
     stats: ExecutionStats
-    # a delta update's figures (``remote.delta``), and why it was full ("" when not)
+    # a delta update's figures (``delta_rounds``), and why it was full ("" when not)
     delta: Optional[DeltaFigures] = None
     why_full: str = ""
     # the blocks sent quantized (``plan`` is then what is left of the plan)
     fp8: Optional[SenderFp8Plan] = None
     # (group rank, weight) of the block-FP8 weights engines quantize pieces of from their
-    # staging (``remote.delta.engine_quantized``)
+    # staging (``delta_rounds.engine_quantized``)
     staged: FrozenSet[Tuple[int, str]] = frozenset()
 
     def lower_bound_bytes(self, rank: int) -> int:
@@ -540,7 +540,7 @@ class SyncGroup:
         problems are part of it: one raising after it would leave the peers waiting in
         rounds that end in ``PeerLost``. Raises ``GroupRefusal`` before any byte moved,
         ``PeerLost`` when a member did not answer within ``timeout_s``. A header that says
-        ``delta`` runs the rounds as delta records (``remote.delta``: a trainer rank encodes
+        ``delta`` runs the rounds as delta records (``delta_rounds``: a trainer rank encodes
         against its ``snapshot``, an engine rank decodes against ``params``, and the pieces
         it quantizes from block-FP8 staging against ``kept``). ``clock``: where the
         update's seconds go on this rank (``phase_timing``)."""

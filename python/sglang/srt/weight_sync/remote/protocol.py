@@ -30,16 +30,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
-import torch
-
-from sglang.srt.weight_sync.delta_codec import (
-    DIGEST_BITS,
-    NO_DIGEST,
-    Encoded,
-    Kind,
-    gaps_bytes_bounds,
-    payload_bytes,
-)
+from sglang.srt.weight_sync.delta_codec import CLASSES
 from sglang.srt.weight_sync.protocol import (
     GRACE_S,
     MAX_UPDATE_ID_CHARS,
@@ -56,10 +47,8 @@ from sglang.srt.weight_sync.source_layout import HoldersSpec, LayoutError, MeshS
 
 __all__ = (
     "BACKENDS",
-    "CLASSES",
     "DEFAULT_STAGING_BYTES",
     "DELTA_REPLY_FIGURES",
-    "DIGEST_BYTES",
     "HEADER_LIMIT",
     "LAYOUT_LIMIT",
     "MEMBERSHIP_LIMIT",
@@ -68,20 +57,14 @@ __all__ = (
     "POLL_S",
     "REMOTE_FIGURES",
     "ReceiveState",
-    "RECORD_BYTES",
-    "SIZE_BYTES",
     "Spec",
     "UpdateHeader",
     "UpdateStep",
-    "base_digests",
-    "delta_records",
     "delta_reply",
     "epoch_prefix",
     "join_problems",
     "layout_wire",
     "leave_problems",
-    "read_base_digests",
-    "read_delta_records",
     "read_layout",
     "receive_bound_s",
     "remote_reply",
@@ -126,9 +109,6 @@ REMOTE_FIGURES = (
     "apply_us",
     "decode_us",  # a delta update's decoding, inside receive_us
 )
-
-# the tensor classes whose density a delta update's report and reply give
-CLASSES = ("embedding", "attention", "mlp", "norm", "other")
 
 # Per engine TP rank in a delta update's reply (its ``delta``; empty for an update sent
 # without delta records): the bytes of the records received by what they carry (changes,
@@ -342,7 +322,7 @@ class UpdateHeader:
     delta: bool = False
     digest: bool = False
     # the group runs delta updates (this one full or not): a block-FP8 engine keeps the
-    # bf16 staging of the blocks it quantizes itself as their base (``remote.delta.
+    # bf16 staging of the blocks it quantizes itself as their base (``delta_rounds.
     # KeptStaging``); without it it lets that staging go
     keep_base: bool = False
 
@@ -375,109 +355,6 @@ class UpdateHeader:
         if problems:
             raise DeliveryError("update header: " + "; ".join(problems))
         return header
-
-
-# ---------------------------------------------------------------------------- delta records
-
-# A record's header: one int64, kind | changed << 3 (the payload's size follows from them and
-# the region's), then, for a GAPS payload (whose size depends on the positions), its size.
-KIND_BITS = 3
-RECORD_BYTES = 8
-DIGEST_BYTES = 8
-SIZE_BYTES = 8
-
-
-def delta_records(records: List[Encoded]) -> torch.Tensor:
-    """One sender's records for one receiver in one round, in the plan's order of their
-    moves: each its header, then its payload."""
-    parts = []
-    for enc in records:
-        words = [int(enc.kind) | (enc.changed << KIND_BITS)]
-        if payload_bytes(enc.kind, enc.numel, enc.changed, enc.itemsize) is None:
-            words.append(enc.nbytes)
-        device = enc.payload.device
-        parts += [
-            torch.tensor(words, dtype=torch.int64, device=device).view(torch.uint8),
-            enc.payload.reshape(-1),
-        ]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def read_delta_records(
-    raw: torch.Tensor, regions: List[Tuple[int, int]], who: str
-) -> List[Encoded]:
-    """The records of ``raw`` for ``regions`` (each ``(numel, itemsize)``, in the plan's
-    order): every header checked against its region (a known kind, at most ``numel``
-    changed, ``FULL`` with all) and the buffer read exactly to its end; ``DeliveryError``
-    names the record."""
-    raw = raw.reshape(-1)
-    host = raw.cpu()  # the headers are read here; payloads stay where they landed
-    out, offset = [], 0
-    for i, (numel, itemsize) in enumerate(regions):
-        where = (
-            f"{who}: delta record {i} of {len(regions)} (a region of {numel} elements)"
-        )
-        if offset + RECORD_BYTES > raw.numel():
-            raise DeliveryError(f"{where}: the payload ends before its header")
-        word = int(host[offset : offset + RECORD_BYTES].clone().view(torch.int64))
-        offset += RECORD_BYTES
-        code, changed = word & ((1 << KIND_BITS) - 1), word >> KIND_BITS
-        if code not in [k.value for k in Kind]:
-            raise DeliveryError(f"{where}: unknown kind {code}")
-        kind = Kind(code)
-        ok_changed = (
-            changed == numel
-            if kind == Kind.FULL
-            else (changed == 0 if kind == Kind.UNCHANGED else 0 < changed <= numel)
-        )
-        if not ok_changed:
-            raise DeliveryError(f"{where}: {kind.name} with {changed} changed")
-        size = payload_bytes(kind, numel, changed, itemsize)
-        if size is None:  # a GAPS payload: its size follows the header
-            if offset + SIZE_BYTES > raw.numel():
-                raise DeliveryError(f"{where}: the payload ends before its size")
-            size = int(host[offset : offset + SIZE_BYTES].clone().view(torch.int64))
-            offset += SIZE_BYTES
-            low, high = gaps_bytes_bounds(changed, itemsize)
-            if not low <= size <= high:
-                raise DeliveryError(
-                    f"{where}: a GAPS payload of {size} bytes; expected {low}-{high}"
-                )
-        if offset + size > raw.numel():
-            raise DeliveryError(f"{where}: the payload ends inside it")
-        payload = raw[offset : offset + size]
-        offset += size
-        out.append(Encoded(kind, numel, itemsize, changed, payload))
-    if offset != raw.numel():
-        raise DeliveryError(
-            f"{who}: {raw.numel() - offset} bytes after the last of {len(regions)} records"
-        )
-    return out
-
-
-def base_digests(checks: List[int], device=None) -> torch.Tensor:
-    """The digests of the bases one sender's regions for one receiver apply to, in the
-    plan's order (``NO_DIGEST``: sent whole, no base), one int64 each, sent before the
-    update's first round so that the receiver checks every base before anything lands."""
-    return torch.tensor(checks, dtype=torch.int64, device=device).view(torch.uint8)
-
-
-def read_base_digests(raw: torch.Tensor, count: int, who: str) -> List[int]:
-    """The ``count`` digests of ``raw`` (``base_digests``); ``DeliveryError`` for a buffer
-    of another size or a digest out of range."""
-    raw = raw.reshape(-1).cpu()
-    if raw.numel() != count * DIGEST_BYTES:
-        raise DeliveryError(
-            f"{who}: {raw.numel()} bytes of base digests; expected {count * DIGEST_BYTES} "
-            f"({count} regions)"
-        )
-    checks = raw.clone().view(torch.int64).tolist() if count else []
-    for i, check in enumerate(checks):
-        if check != NO_DIGEST and not 0 <= check < (1 << DIGEST_BITS):
-            raise DeliveryError(
-                f"{who}: base digest {i} of {count}: {check} is out of range"
-            )
-    return checks
 
 
 def _strict_json(raw: bytes):

@@ -20,7 +20,7 @@ trainer's own process group.
   dropped; the next update forms a new one with the engines that still answer, so a dead
   engine leaves and the others go on; an engine restarted joins again with ``join``.
 * ``delta=True``: every trainer rank keeps the engine-dtype values it last delivered
-  (``remote.delta.Snapshot``, host memory) and sends each region as what changed since
+  (``delta_rounds.Snapshot``, host memory) and sends each region as what changed since
   (``delta_codec``); the snapshot advances only when every engine answered success, and
   the first update of an epoch, or after any failure, is full (``RemoteReport.delta``
   says which and why). For a block-FP8 engine the delta of the blocks a trainer rank
@@ -51,6 +51,12 @@ from sglang.srt.weight_sync.control_plane import (
     ControlGroup,
     PeerLost,
 )
+from sglang.srt.weight_sync.delta_rounds import (
+    RECEIVER_FIGURES,
+    DeltaFigures,
+    Snapshot,
+    delta_summary,
+)
 from sglang.srt.weight_sync.executor import ExecutionError
 from sglang.srt.weight_sync.manifest import EngineManifest, ManifestError
 from sglang.srt.weight_sync.phase_timing import (
@@ -68,12 +74,6 @@ from sglang.srt.weight_sync.protocol import (
     REFUSED,
     check_timeout,
     trainer_bound_s,
-)
-from sglang.srt.weight_sync.remote.delta import (
-    RECEIVER_FIGURES,
-    DeltaFigures,
-    Snapshot,
-    delta_summary,
 )
 from sglang.srt.weight_sync.remote.endpoints import (
     EngineEndpoint,
@@ -161,7 +161,7 @@ class RemoteReport:
     per trainer rank, in the engines' dtypes (a delta update's: its records); ``seconds``:
     the update's wall time on this rank, and ``phases`` where it went; ``delta``
     (``delta=True``):
-    ``remote.delta.delta_summary``: what travelled (delta, full, or refused before any
+    ``delta_rounds.delta_summary``: what travelled (delta, full, or refused before any
     byte), what was planned and why full, bytes on the wire against a full update's and by
     what the records carry (``sent_as``), encoding seconds per trainer rank, densities
     overall and per tensor class, per engine its bytes, densities and decoding seconds per

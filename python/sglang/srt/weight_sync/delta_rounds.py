@@ -1,11 +1,13 @@
 """A delta update's rounds: each region sent as what changed since the last update, exactly.
 
-The plan is the same as a full update's (``rank_plan``); only what crosses the wire
-differs. A trainer rank keeps a ``Snapshot``: the engine-dtype values it last delivered for
+Used by the weight-sync group of remote engines (``remote.group``: trainer ranks send,
+engine ranks receive) and by the trainer-side hop between trainer ranks
+(``reshard_delta``: the receiver's base is its own copy of what it received). The plan is
+the same as a full update's (``rank_plan``); only what crosses the wire differs. A trainer rank keeps a ``Snapshot``: the engine-dtype values it last delivered for
 its own regions, in host memory, valid for one membership epoch and one plan. In each round
 it encodes every region it sends against that snapshot (``delta_codec``: nothing, indices,
 a bitmask or the whole region, whichever is fewest bytes; the whole region when it has no
-valid base) and sends each receiver one buffer of records (``remote.protocol.delta_records``)
+valid base) and sends each receiver one buffer of records (``delta_codec.delta_records``)
 through ``executor.exchange_payloads``. An engine rank reads the records, takes the base of
 each region from its live parameter (the values the trainer last delivered, unless
 something changed them) and decodes into staging of its own that the pause writes as usual
@@ -45,11 +47,19 @@ import torch
 
 from sglang.srt.weight_sync.control_plane import GroupRefusal
 from sglang.srt.weight_sync.delta_codec import (
+    CLASSES,
+    DIGEST_BYTES,
     NO_DIGEST,
+    RECORD_BYTES,
+    SIZE_BYTES,
     Encoded,
     Kind,
+    base_digests,
     decode_into,
+    delta_records,
     encode_many,
+    read_base_digests,
+    read_delta_records,
     region_digest,
 )
 from sglang.srt.weight_sync.executor import (
@@ -72,16 +82,6 @@ from sglang.srt.weight_sync.fp8_wire import QuantizedLanding, quantized_of
 from sglang.srt.weight_sync.manifest import EngineManifest
 from sglang.srt.weight_sync.planner import Move, Plan
 from sglang.srt.weight_sync.protocol import DeliveryError
-from sglang.srt.weight_sync.remote.protocol import (
-    CLASSES,
-    DIGEST_BYTES,
-    RECORD_BYTES,
-    SIZE_BYTES,
-    base_digests,
-    delta_records,
-    read_base_digests,
-    read_delta_records,
-)
 
 __all__ = (
     "CLASSES",
@@ -119,8 +119,8 @@ def tensor_class(name: str) -> str:
 
 
 class DeltaRefusal(GroupRefusal):
-    """An engine rank's base differs from what the trainer delivered (a digest mismatch),
-    or it cannot decode a region: nothing is written, the next update is full."""
+    """A receiver's base differs from what its sender delivered (a digest mismatch), or
+    it cannot decode a region: nothing is written, the next update is full."""
 
 
 @dataclass
@@ -292,6 +292,10 @@ class Snapshot:
     def stage(self, move: Move, values: torch.Tensor) -> None:
         self.stage_values(_key(move), values)
 
+    def stage_quantized(self, q: QuantizedMove, values: torch.Tensor) -> None:
+        """Stage a sender-quantized block's uint8 buffer (e4m3 bytes, then scales)."""
+        self.stage_values(_qkey(q), values)
+
     def stage_values(self, key: tuple, values: torch.Tensor) -> None:
         """Stage the values delivered for region ``key`` (kept at ``commit``)."""
         self.pending[key] = values.detach().to(self.device, copy=True)
@@ -301,6 +305,10 @@ class Snapshot:
         self.regions.update(self.pending)
         self.pending = {}
         self.epoch, self.fingerprint = epoch, fingerprint
+
+    def unstage(self) -> None:
+        """Forget what an update staged and never committed (its bases stay)."""
+        self.pending = {}
 
     def drop(self, why: str) -> None:
         """The update was not answered success everywhere: the next one is full."""
@@ -419,12 +427,16 @@ def execute_delta(
     fp8: Optional[SenderFp8Plan] = None,
     staged: FrozenSet[Tuple[int, str]] = frozenset(),
     kept: Optional[KeptStaging] = None,
+    received: Optional[Mapping[tuple, torch.Tensor]] = None,
 ) -> Tuple[ExecutionStats, DeltaFigures, str]:
     """Run ``plan``'s rounds as ``rank`` with delta records (see the module's text): a
     sender encodes against ``snapshot`` (and stages the new values in it), a receiver
     decodes against ``params`` into ``deferred``; then ``fp8``'s sender-quantized blocks
     likewise (``_quantized_rounds``). Moves into block-FP8 staging (``staged``) are
-    counted apart; a receiver decodes them against ``kept`` and lands every one. Returns
+    counted apart; a receiver decodes them against ``kept`` and lands every one.
+    ``received``: the receiver keeps its own copies of what it last received, by region
+    (a trainer rank in trainer-side mode, ``reshard_delta``): every base is taken from
+    them, and every region lands, an unchanged one as its base. Returns
     the executor's figures (bytes as they travelled), the delta figures and why the update
     was full ("" for a delta). ``DeltaRefusal`` after the last round when a base did not
     match or decode."""
@@ -436,7 +448,9 @@ def execute_delta(
     bases, why_full = (
         snapshot.bases(epoch, plan.fingerprint) if snapshot else (None, "")
     )
-    side = _Side(rank, shards, params, data, timeout_s, deferred, staged, kept)
+    side = _Side(
+        rank, shards, params, data, timeout_s, deferred, staged, kept, received
+    )
     problems: List[str] = []
     if digest:  # every base checked before anything lands: the records carry no digest
         problems += _check_bases(rounds, fp8, side, bases, stats, figures)
@@ -492,7 +506,8 @@ class _Side:
     """One rank's end of a delta update: its own shards (a sender), its live parameters
     and staging (a receiver), the data group and the bound of its waits; the weights
     block-FP8 engines quantize from staging (``engine_quantized``) and a receiver's base
-    of those pieces (``KeptStaging``)."""
+    of those pieces (``KeptStaging``); ``received``: a receiver's own copies of every
+    region it last received (``execute_delta``), its bases instead of its parameters."""
 
     rank: int
     shards: Mapping[str, torch.Tensor]
@@ -502,10 +517,20 @@ class _Side:
     deferred: Optional[Deferred]
     staged: FrozenSet[Tuple[int, str]] = frozenset()
     kept: Optional[KeptStaging] = None
+    received: Optional[Mapping[tuple, torch.Tensor]] = None
+
+    def lands_unchanged(self, move: Move) -> bool:
+        """Whether an unchanged region lands anyway (as its base): a receiver that keeps
+        copies of what it received fills new buffers, and block-FP8 staging is made
+        afresh each pause."""
+        return self.received is not None or _staged_at(move, self.rank, self.staged)
 
     def base(self, move: Move, where: str) -> Tuple[Optional[torch.Tensor], str]:
-        """What this receiver holds for ``move``'s region (the kept staging of a piece it
-        quantizes, else its live parameter), or None and why it has no base."""
+        """What this receiver holds for ``move``'s region (its copy of what it received,
+        the kept staging of a piece it quantizes, else its live parameter), or None and
+        why it has no base."""
+        if self.received is not None:
+            return self._received(_key(move), where)
         if _staged_at(move, self.rank, self.staged):
             base = self.kept.base(move) if self.kept is not None else None
             if base is None:
@@ -517,6 +542,31 @@ class _Side:
         base = dest_region(self.params, _my_dests(move, self.rank)[0], move)
         problem = _no_base(base, move, where)
         return (None, problem) if problem else (base, "")
+
+    def quantized_base(
+        self, q: QuantizedMove, where: str, problems: List[str]
+    ) -> Optional[torch.Tensor]:
+        """What this receiver holds for ``q`` (its copy of what it received, else its e4m3
+        weight and scales: ``read_quantized``), or None with the problem named."""
+        if self.received is not None:
+            base, problem = self._received(_qkey(q), where)
+            if problem:
+                problems.append(problem)
+            return base
+        try:
+            return read_quantized(q, self.rank, self.params)
+        except KeyError as e:
+            problems.append(f"{where}: no e4m3 weight or scales {e} to apply it to")
+            return None
+
+    def _received(self, key: tuple, where: str) -> Tuple[Optional[torch.Tensor], str]:
+        base = self.received.get(key)
+        if base is None:
+            return None, (
+                f"{where}: this rank kept no copy of it from the last update: no base "
+                "to apply the delta to"
+            )
+        return base, ""
 
 
 def _quantized_rounds(
@@ -534,7 +584,7 @@ def _quantized_rounds(
     its live e4m3 weights and scales (``read_quantized``) into ``QuantizedLanding``s."""
     bases, snapshot, digest, land = against
     rank, shards, data, deferred = side.rank, side.shards, side.data, side.deferred
-    params, timeout_s = side.params, side.timeout_s
+    timeout_s = side.timeout_s
     phase = f"rank {rank}: delta of sender-quantized blocks"
     data.connect(
         [[q.move for q in rnd] for rnd in sender.quantized], rank, timeout_s, phase
@@ -576,7 +626,7 @@ def _quantized_rounds(
             mine = [q for q in recvs if q.move.src == src]
             figures.full_bytes += sum(q.nbytes for q in mine)
             landings += _decode_quantized(
-                src, raw, mine, rank, params, digest, problems, figures
+                src, raw, mine, side, digest, problems, figures
             )
         figures.decode_us += int((time.perf_counter() - t0) * 1e6)
         if deferred is not None:
@@ -703,7 +753,7 @@ def _records(
 
 
 def _head_bytes(enc: Encoded, digest: bool) -> int:
-    """A record's header bytes (``remote.protocol.delta_records``), with its base's digest
+    """A record's header bytes (``delta_codec.delta_records``), with its base's digest
     when the update checks them (sent before the rounds, ``base_digests``)."""
     head = RECORD_BYTES + (DIGEST_BYTES if digest else 0)
     return head + (SIZE_BYTES if enc.kind == Kind.GAPS else 0)
@@ -746,8 +796,7 @@ def _decode_from(
         if problem:
             problems.append(problem)
             continue
-        staged = _staged_at(move, rank, side.staged)
-        if enc.kind == Kind.UNCHANGED and not staged:
+        if enc.kind == Kind.UNCHANGED and not side.lands_unchanged(move):
             continue
         old = torch.empty(base.shape, dtype=base.dtype, device=device).copy_(base)
         if enc.kind == Kind.UNCHANGED or _applied(enc, old, where, problems):
@@ -786,14 +835,15 @@ def _decode_quantized(
     src: int,
     raw: torch.Tensor,
     moves: List[QuantizedMove],
-    rank: int,
-    params: Mapping[str, torch.Tensor],
+    side: _Side,
     digest: bool,
     problems: List[str],
     figures: DeltaFigures,
 ) -> List[QuantizedLanding]:
     """The landings of one sender's records of quantized blocks (``moves``: theirs, in
-    round order), each decoded against what ``rank``'s e4m3 weight and scales hold."""
+    round order), each decoded against what ``side``'s rank holds for it
+    (``_Side.quantized_base``: its e4m3 weight and scales, or its copy)."""
+    rank = side.rank
     who = f"rank {rank}: sender-quantized blocks from rank {src}"
     try:
         records = read_delta_records(raw, [(q.nbytes, 1) for q in moves], who)
@@ -809,26 +859,15 @@ def _decode_quantized(
             decode_into(enc, buf)
             landings.append(QuantizedLanding(buf, q, rank))
             continue
-        old = _quantized_base(q, rank, params, where, problems)
-        if old is not None and _applied(enc, old, where, problems):
+        base = side.quantized_base(q, where, problems)
+        if base is None:
+            continue
+        old = base.clone() if side.received is not None else base
+        if _applied(enc, old, where, problems) or (
+            enc.kind == Kind.UNCHANGED and side.received is not None
+        ):
             landings.append(QuantizedLanding(old, q, rank))
     return landings
-
-
-def _quantized_base(
-    q: QuantizedMove,
-    rank: int,
-    params: Mapping[str, torch.Tensor],
-    where: str,
-    problems: List[str],
-) -> Optional[torch.Tensor]:
-    """What ``rank``'s e4m3 weight and scales hold for ``q`` (``read_quantized``), or None
-    with the problem named."""
-    try:
-        return read_quantized(q, rank, params)
-    except KeyError as e:
-        problems.append(f"{where}: no e4m3 weight or scales {e} to apply it to")
-        return None
 
 
 def _check_bases(
@@ -895,7 +934,7 @@ def _check_bases(
             if check == NO_DIGEST:
                 continue
             where = _where(rank, q.move, "block-FP8 tensor")
-            old = _quantized_base(q, rank, side.params, where, problems)
+            old = side.quantized_base(q, where, problems)
             if old is not None:
                 _compare(old, check, where, problems, figures)
     figures.decode_us += int((time.perf_counter() - t0) * 1e6)
