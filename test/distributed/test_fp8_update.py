@@ -228,6 +228,25 @@ def test_fp8_engine_tp4_trainer_side_delta(tp4):
             assert d["regions"]["delta"] > 0, d
 
 
+def test_megatron_into_fp8_engines_trainer_side_delta(checkpoints):
+    """Megatron-core TP 2 x PP 2 (a real ``GPTModel``'s local parameters, fused buffers)
+    into block-FP8 engines of TP 2 on the trainer-side one hop with delta updates, as
+    ``test_fp8_engine_tp4_trainer_side_delta``: full, a delta, a delta back to the
+    reference weights, after which every parameter equals SGLang's load."""
+    from fp8_sender_cases import trainer_side_rank
+
+    bf16, loads = checkpoints
+    results = run_ranks(4, trainer_side_rank, 2, str(bf16), loads, 1 << 30, 1, 2, True)
+    for rank, r in enumerate(results):
+        assert not r["differ"], f"rank {rank}: differ from SGLang's load: {r['differ']}"
+        assert r["handed"] == r["handed_bound"] < r["handed_bf16"], r
+        first, changed, back = r["deltas"]
+        assert first["mode"] == "full", first
+        for d in (changed, back):
+            assert d["mode"] == "delta" and d["digest_checked"], d
+            assert d["bytes_received"] <= 0.05 * d["full_bytes_received"], d
+
+
 def test_fp8_engine_tp4_remote(tp4):
     """A remote block-FP8 engine of TP 4 in a weight-sync group with 2 trainer ranks (the
     640-row tensors cut at row 320, inside a block; every 512-row tensor's blocks whole on
