@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.weight_sync.delta_codec import (
+    Encoded,
     Kind,
     bits_of,
     choose,
     decode,
     decode_into,
+    decode_many,
     encode,
     encode_many,
     payload_bytes,
@@ -452,3 +454,60 @@ def test_large_regions_beside_small_ones(density):
         pairs.append((old, new))
     for (old, new), enc in zip(pairs, encode_many(pairs)):
         assert _bits_equal(decode(enc, old), new) and enc.nbytes <= enc.full_bytes
+
+
+def test_thousands_of_small_regions_encode_like_one_by_one():
+    """A MoE model's experts are thousands of small regions of one bucket: encoded in one
+    pass (the group's changed positions and ``GAPS`` payloads found together), each equals
+    its encoding alone (kind, count, payload bytes), at every density in one group, empty
+    and one-element regions included."""
+    g = torch.Generator().manual_seed(11)
+    pairs = []
+    for i in range(2000):
+        numel = [0, 1, 64, 700, 4096][i % 5]
+        density = [0.0, 0.0005, 0.01, 0.05, 0.5, 1.0][i % 6]
+        old = torch.randn(numel, generator=g).to(torch.bfloat16)
+        new = old.clone()
+        bits_of(new)[torch.rand(numel, generator=g) < density] ^= 1 << (i % 15)
+        pairs.append((old, new))
+    batch = encode_many(pairs)
+    kinds = set()
+    for (old, new), enc in zip(pairs, batch):
+        single = encode(old, new)
+        assert (enc.kind, enc.changed) == (single.kind, single.changed)
+        assert torch.equal(enc.payload, single.payload), enc.kind
+        kinds.add(enc.kind)
+    # every kind but INDICES, which GAPS beats wherever gaps take fewer than 4 bytes
+    assert kinds == set(Kind) - {Kind.INDICES}, kinds
+    # decoded in one pass, each onto a copy of its base: the new values, bases untouched
+    olds = [old for old, _ in pairs]
+    kept = [old.clone() for old in olds]
+    news, errors = decode_many(batch, olds)
+    assert not any(errors), [e for e in errors if e][:3]
+    for (old, new), got, before in zip(pairs, news, kept):
+        assert _bits_equal(got, new) and _bits_equal(old, before)
+
+
+def test_one_bad_record_among_many_is_named_and_the_others_decode():
+    """A GAPS record naming a position past its region, among many that fit: that one is
+    refused with ``decode_into``'s message, every other decodes exactly."""
+    g = torch.Generator().manual_seed(5)
+    pairs = []
+    for _ in range(50):
+        old = torch.randn(300, generator=g).to(torch.bfloat16)
+        new = old.clone()
+        bits_of(new)[torch.rand(300, generator=g) < 0.01] ^= 1
+        bits_of(new)[-1] ^= 1  # at least one change, the last element
+        pairs.append((old, new))
+    batch = encode_many(pairs)
+    assert all(enc.kind == Kind.GAPS for enc in batch)
+    bad = batch[7]
+    # the last gap one larger: the last position falls one past the region
+    payload = bad.payload.clone()
+    payload[-1] += 1
+    batch[7] = Encoded(bad.kind, bad.numel, bad.itemsize, bad.changed, payload)
+    news, errors = decode_many(batch, [old for old, _ in pairs])
+    assert news[7] is None and "outside [0, 300)" in errors[7], errors[7]
+    for i, ((_, new), got) in enumerate(zip(pairs, news)):
+        if i != 7:
+            assert not errors[i] and _bits_equal(got, new), i

@@ -52,6 +52,7 @@ __all__ = (
     "choose",
     "decode",
     "decode_into",
+    "decode_many",
     "delta_records",
     "encode",
     "encode_many",
@@ -169,17 +170,26 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].bool()
 
 
-def _varints(values: torch.Tensor) -> torch.Tensor:
-    """Non-negative int64 ``values`` as LEB128 varints, one after another (vectorised: the
-    first byte of every value in one pass, then only the values that need more)."""
-    if values.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=values.device)
+def _varint_lengths(values: torch.Tensor) -> torch.Tensor:
+    """How many LEB128 bytes each non-negative int64 of ``values`` takes."""
     bounds = torch.tensor(
         [1 << (7 * k) for k in range(1, MAX_VARINT_BYTES)],
         dtype=torch.int64,
         device=values.device,
     )
-    lengths = torch.bucketize(values, bounds, right=True) + 1
+    return torch.bucketize(values, bounds, right=True) + 1
+
+
+def _varints(
+    values: torch.Tensor, lengths: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Non-negative int64 ``values`` as LEB128 varints, one after another (vectorised: the
+    first byte of every value in one pass, then only the values that need more);
+    ``lengths``: ``_varint_lengths(values)``, when known."""
+    if values.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    if lengths is None:
+        lengths = _varint_lengths(values)
     ends = lengths.cumsum(0)
     starts = ends - lengths
     out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=values.device)
@@ -325,41 +335,99 @@ def encode_many(
 
 def _encode_group(pairs, members: List[int], itemsize: int, out: list) -> None:
     """The encodings of ``pairs[i]`` for ``i`` in ``members`` (one element size), from one
-    comparison over their concatenation, into ``out``."""
-    olds = [bits_of(pairs[i][0].to(pairs[i][1].device)) for i in members]
-    news = [bits_of(pairs[i][1]) for i in members]
+    comparison over their concatenation, into ``out``; the group's changed positions and
+    ``GAPS`` payloads found in one pass too (``_GroupGaps``), so that thousands of small
+    regions cost a few tensor operations, not a few per region."""
+    olds, news = [], []
+    for i in members:
+        old, new = pairs[i]
+        olds.append(bits_of(old if old.device == new.device else old.to(new.device)))
+        news.append(bits_of(new))
     sizes = [n.numel() for n in news]
     if len(members) == 1:
-        masks_all = olds[0] != news[0]
-        counts = [int(torch.count_nonzero(masks_all))]
-    else:
-        masks_all = torch.cat(olds) != torch.cat(news)
-        counts = _segment_counts(masks_all, sizes)
+        mask = olds[0] != news[0]
+        changed = int(torch.count_nonzero(mask))
+        kind, payload = _smallest(news[0], mask, sizes[0], changed, itemsize)
+        out[members[0]] = Encoded(
+            kind,
+            sizes[0],
+            itemsize,
+            sizes[0] if kind == Kind.FULL else changed,
+            payload,
+        )
+        return
+    new_all = torch.cat(news)
+    masks_all = torch.cat(olds) != new_all
+    gaps = _GroupGaps(masks_all, new_all, sizes)
     offset = 0
-    for i, new_bits, numel, changed in zip(members, news, sizes, counts):
-        mask = masks_all[offset : offset + numel]
+    for r, (i, new_bits, numel) in enumerate(zip(members, news, sizes)):
+        changed = gaps.counts[r]
+        kind = choose(numel, changed, itemsize)
+        if kind != Kind.UNCHANGED and gaps.nbytes(r) < payload_bytes(
+            kind, numel, changed, itemsize
+        ):
+            kind, payload = Kind.GAPS, gaps.payload(r)
+        else:
+            payload = _payload(kind, new_bits, masks_all[offset : offset + numel])
         offset += numel
-        kind, payload = _smallest(new_bits, mask, numel, changed, itemsize)
         out[i] = Encoded(
             kind, numel, itemsize, numel if kind == Kind.FULL else changed, payload
         )
 
 
-def _segment_counts(mask: torch.Tensor, sizes: Sequence[int]) -> List[int]:
-    """How many elements are set in each consecutive segment of ``mask`` (one cumulative
-    count and one read of the boundaries)."""
-    if len(sizes) == 1:
-        return [int(mask.sum())]
-    ends = torch.tensor(sizes, device=mask.device).cumsum(0)
-    cum = torch.cat(
-        [
-            torch.zeros(1, dtype=torch.int64, device=mask.device),
-            mask.to(torch.int64).cumsum(0),
-        ]
-    )
-    at_ends = cum[ends]
-    starts = torch.cat([cum[:1], at_ends[:-1]])
-    return (at_ends - starts).tolist()
+class _GroupGaps:
+    """The changed elements of consecutive regions (``sizes`` elements each) of ``mask``
+    over ``new_all``, found in one pass: how many each region has (``counts``) and every
+    region's ``GAPS`` payload, as ``_gaps_payload`` makes one (its changed values, then
+    each position's gap to the previous one of the region as varints), laid out region
+    after region in one buffer."""
+
+    def __init__(
+        self, mask: torch.Tensor, new_all: torch.Tensor, sizes: List[int]
+    ) -> None:
+        device, itemsize = mask.device, new_all.element_size()
+        idx = torch.nonzero(mask).reshape(-1)
+        bounds = torch.tensor([0] + sizes, device=device).cumsum(0)
+        at = torch.searchsorted(idx, bounds)  # each region's first changed element
+        self.counts: List[int] = (at[1:] - at[:-1]).tolist()
+        region = torch.searchsorted(bounds[1:], idx, right=True)
+        local = idx - bounds[region]
+        first = torch.ones_like(idx, dtype=torch.bool)
+        first[1:] = region[1:] != region[:-1]
+        prev = torch.cat([local.new_zeros(1), local[:-1]])
+        gaps = torch.where(first, local, local - prev - 1)
+        lengths = _varint_lengths(gaps)
+        varint_bytes = torch.zeros(len(sizes), dtype=torch.int64, device=device)
+        varint_bytes.scatter_add_(0, region, lengths)
+        value_bytes = (at[1:] - at[:-1]) * itemsize
+        total = value_bytes + varint_bytes
+        self.at: List[int] = [0] + total.cumsum(0).tolist()
+        starts = total.cumsum(0) - total
+        buf = torch.empty(self.at[-1], dtype=torch.uint8, device=device)
+        if idx.numel():
+            values = _as_bytes(new_all[idx])
+            varints = _varints(gaps, lengths)
+            # each region's values at its start, its varints after them
+            shift = starts - (at[:-1] * itemsize)
+            buf[
+                torch.arange(values.numel(), device=device)
+                + torch.repeat_interleave(shift, value_bytes)
+            ] = values
+            varint_at = varint_bytes.cumsum(0) - varint_bytes
+            shift = starts + value_bytes - varint_at
+            buf[
+                torch.arange(varints.numel(), device=device)
+                + torch.repeat_interleave(shift, varint_bytes)
+            ] = varints
+        self.buf = buf
+
+    def nbytes(self, r: int) -> int:
+        """Region ``r``'s ``GAPS`` payload size."""
+        return self.at[r + 1] - self.at[r]
+
+    def payload(self, r: int) -> torch.Tensor:
+        """Region ``r``'s ``GAPS`` payload (a view of the group's buffer)."""
+        return self.buf[self.at[r] : self.at[r + 1]]
 
 
 def decode_into(encoded: Encoded, dest: torch.Tensor) -> None:
@@ -420,6 +488,112 @@ def decode_into(encoded: Encoded, dest: torch.Tensor) -> None:
             f"{int(torch.count_nonzero(mask))}"
         )
     bits[mask] = _view(payload[mask_bytes:], bits.dtype)
+
+
+def decode_many(
+    records: Sequence[Encoded],
+    bases: Sequence[torch.Tensor],
+    device: Optional[torch.device] = None,
+) -> Tuple[List[Optional[torch.Tensor]], List[str]]:
+    """Each record decoded onto a copy of its base (on ``device``, the base's when None):
+    the new values, and per record why it does not fit ("" when it does; its value is then
+    None), as ``decode_into`` says it. The small ``GAPS`` records of one element size are
+    decoded in one pass (thousands of MoE experts' regions: a few tensor operations, not a
+    few per region), their values views of one buffer."""
+    out: List[Optional[torch.Tensor]] = [None] * len(records)
+    errors = [""] * len(records)
+    groups: dict = {}
+    for i, (enc, base) in enumerate(zip(records, bases)):
+        where = base.device if device is None else device
+        if enc.kind == Kind.GAPS and enc.numel < SMALL_REGION:
+            groups.setdefault((enc.itemsize, where), []).append(i)
+        else:
+            _decode_one(enc, base, where, i, out, errors)
+    for (itemsize, where), members in groups.items():
+        encs = [records[i] for i in members]
+        olds = [bases[i] for i in members]
+        news = (
+            _decode_gaps_group(encs, olds, itemsize, where)
+            if len(members) > 1
+            else None
+        )
+        if news is None:  # one record, or one that does not fit: each alone, named
+            for i in members:
+                _decode_one(records[i], bases[i], where, i, out, errors)
+            continue
+        for i, new in zip(members, news):
+            out[i] = new
+    return out, errors
+
+
+def _decode_one(enc, base, device, i: int, out: list, errors: list) -> None:
+    old = torch.empty(base.shape, dtype=base.dtype, device=device).copy_(base)
+    try:
+        decode_into(enc, old)
+        out[i] = old
+    except ValueError as e:
+        errors[i] = str(e)
+
+
+def _decode_gaps_group(
+    records: List[Encoded],
+    bases: List[torch.Tensor],
+    itemsize: int,
+    device: torch.device,
+) -> Optional[List[torch.Tensor]]:
+    """``GAPS`` records onto copies of their bases in one buffer, in one pass: every
+    record's varints read together, each position offset by its record's start. None when
+    any record does not fit exactly as ``decode_into`` requires (the caller then decodes
+    each alone, so that the one that does not fit is named)."""
+    counts = [enc.changed for enc in records]
+    sizes = [enc.numel for enc in records]
+    for enc, base in zip(records, bases):
+        low, high = gaps_bytes_bounds(enc.changed, enc.itemsize)
+        if (
+            base.numel() != enc.numel
+            or base.element_size() != itemsize
+            or not low <= enc.nbytes <= high
+        ):
+            return None
+    buf = torch.cat([b.to(device).reshape(-1) for b in bases])
+    bits = buf.view(_INT_OF_SIZE[itemsize])
+    value_parts, varint_parts = [], []
+    for enc in records:
+        payload = enc.payload.to(device)
+        value_parts.append(payload[: enc.changed * itemsize])
+        varint_parts.append(payload[enc.changed * itemsize :])
+    varints = torch.cat(varint_parts)
+    lengths = torch.tensor([v.numel() for v in varint_parts], device=device)
+    last = (varints & 0x80) == 0
+    ends = lengths.cumsum(0)
+    per_record = torch.zeros(len(records), dtype=torch.int64, device=device)
+    record_of_byte = torch.repeat_interleave(
+        torch.arange(len(records), device=device), lengths
+    )
+    per_record.scatter_add_(0, record_of_byte, last.to(torch.int64))
+    if per_record.tolist() != counts or not bool(last[ends - 1].all()):
+        return None
+    try:
+        gaps = _read_varints(varints, sum(counts))
+    except ValueError:
+        return None
+    n = torch.tensor(counts, device=device)
+    record = torch.repeat_interleave(torch.arange(len(records), device=device), n)
+    steps = (gaps + 1).cumsum(0)
+    first = n.cumsum(0) - n  # each record's first position in ``gaps``
+    before = steps[first] - (gaps[first] + 1)  # the steps of the records before it
+    local = steps - 1 - before[record]
+    if bool((local >= torch.tensor(sizes, device=device)[record]).any()) or bool(
+        (local < 0).any() | (gaps >= max(sizes)).any()
+    ):
+        return None
+    starts = torch.tensor([0] + sizes[:-1], device=device).cumsum(0)
+    bits[local + starts[record]] = _view(torch.cat(value_parts), bits.dtype)
+    out, at = [], 0
+    for base, numel in zip(bases, sizes):
+        out.append(buf[at : at + numel].view(base.shape))
+        at += numel
+    return out
 
 
 def decode(encoded: Encoded, old: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ from sglang.srt.weight_sync.delta_codec import (
     Kind,
     base_digests,
     decode_into,
+    decode_many,
     delta_records,
     encode_many,
     read_base_digests,
@@ -781,7 +782,7 @@ def _decode_from(
     except DeliveryError as e:
         problems.append(str(e))
         return []
-    landings = []
+    landings, changed = [], []
     for move, enc in zip(moves, records):
         figures.record(move.tensor, enc, _head_bytes(enc, digest) + enc.nbytes)
         dests = _my_dests(move, rank)
@@ -796,11 +797,22 @@ def _decode_from(
         if problem:
             problems.append(problem)
             continue
-        if enc.kind == Kind.UNCHANGED and not side.lands_unchanged(move):
+        if enc.kind == Kind.UNCHANGED:
+            if side.lands_unchanged(move):
+                old = torch.empty(base.shape, dtype=base.dtype, device=device)
+                landings.append(Landing(old.copy_(base), move, dests))
             continue
-        old = torch.empty(base.shape, dtype=base.dtype, device=device).copy_(base)
-        if enc.kind == Kind.UNCHANGED or _applied(enc, old, where, problems):
-            landings.append(Landing(old, move, dests))
+        changed.append((move, dests, enc, base, device, where))
+    # the changed regions decoded together (``decode_many``: a MoE layer's experts are
+    # thousands of small records), each onto a copy of its base
+    for device in dict.fromkeys(c[4] for c in changed):
+        mine = [c for c in changed if c[4] == device]
+        news, errors = decode_many([c[2] for c in mine], [c[3] for c in mine], device)
+        for (move, dests, _, _, _, where), new, error in zip(mine, news, errors):
+            if error:
+                problems.append(f"{where}: {error}")
+            else:
+                landings.append(Landing(new, move, dests))
     return landings
 
 
