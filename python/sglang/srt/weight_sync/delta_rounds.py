@@ -2,9 +2,11 @@
 
 Used by the weight-sync group of remote engines (``remote.group``: trainer ranks send,
 engine ranks receive) and by the trainer-side hop between trainer ranks
-(``reshard_delta``: the receiver's base is its own copy of what it received). The plan is
-the same as a full update's (``rank_plan``); only what crosses the wire differs. A trainer rank keeps a ``Snapshot``: the engine-dtype values it last delivered for
-its own regions, in host memory, valid for one membership epoch and one plan. In each round
+(``reshard_delta``: the receiver's base is its own copy of what it received, and every
+region lands, an unchanged one as that copy). The plan is the same as a full update's
+(``rank_plan``); only what crosses the wire differs. A trainer rank keeps a ``Snapshot``:
+the engine-dtype values it last delivered for its own regions, in host memory, valid for
+one membership epoch and one plan. In each round
 it encodes every region it sends against that snapshot (``delta_codec``: nothing, indices,
 a bitmask or the whole region, whichever is fewest bytes; the whole region when it has no
 valid base) and sends each receiver one buffer of records (``delta_codec.delta_records``)

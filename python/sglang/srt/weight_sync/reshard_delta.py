@@ -62,10 +62,9 @@ from sglang.srt.weight_sync.fp8_wire import QuantizedLanding, run_quantized
 from sglang.srt.weight_sync.manifest import fingerprint_int
 from sglang.srt.weight_sync.planner import Plan
 
-__all__ = ("DELTA_VALUES", "ReshardDelta", "agreement_values")
+__all__ = ("ReshardDelta", "agreement_values")
 
-# the agreement's names (``agree_on_inputs``): equal values, then the proposal
-DELTA_VALUES = ("delta", "delta base")
+# the agreement's proposal (``agree_on_inputs``): the highest update number a rank saw
 _NUMBER = "delta update"
 
 
