@@ -133,9 +133,7 @@ def _update(sync, trainer: _Trainer, rank: int, cap: int, fail: bool = False) ->
         if out["refused"] or fail:
             delta.drop(out["refused"] or "this rank failed (test)")
         else:
-            delta.commit(
-                sync.plans.inputs_digest(sources, trainer.manifest, GROUPS, cap)
-            )
+            delta.commit()
     dist.barrier()
     return out
 

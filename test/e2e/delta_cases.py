@@ -387,7 +387,7 @@ def _reshard_once(sync, model, manifest, groups, bucket: int, delta) -> dict:
     summary = {}
     if delta is not None:
         summary = delta.summary()
-        delta.commit(sync.plans.inputs_digest(sources, manifest, groups, bucket))
+        delta.commit()
     return dict(
         buffers=buffers, received=received, sent=sent, seconds=seconds, delta=summary
     )

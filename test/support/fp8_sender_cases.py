@@ -457,4 +457,4 @@ def _one_update(
             figures["fp8_buffers"] += sum(1 for n in result.buffers if n in blocks)
         if delta is not None:
             deltas.append(delta.summary())
-            delta.commit(plans.inputs_digest(sources, manifest, groups, bucket))
+            delta.commit()

@@ -493,9 +493,10 @@ def decode_into(encoded: Encoded, dest: torch.Tensor) -> None:
 def decode_many(
     records: Sequence[Encoded],
     bases: Sequence[torch.Tensor],
-    device: Optional[torch.device] = None,
+    devices: Optional[Sequence[torch.device]] = None,
 ) -> Tuple[List[Optional[torch.Tensor]], List[str]]:
-    """Each record decoded onto a copy of its base (on ``device``, the base's when None):
+    """Each record decoded onto a copy of its base (on its device of ``devices``, the
+    base's when None):
     the new values, and per record why it does not fit ("" when it does; its value is then
     None), as ``decode_into`` says it. The small ``GAPS`` records of one element size are
     decoded in one pass (thousands of MoE experts' regions: a few tensor operations, not a
@@ -504,7 +505,7 @@ def decode_many(
     errors = [""] * len(records)
     groups: dict = {}
     for i, (enc, base) in enumerate(zip(records, bases)):
-        where = base.device if device is None else device
+        where = base.device if devices is None else devices[i]
         if enc.kind == Kind.GAPS and enc.numel < SMALL_REGION:
             groups.setdefault((enc.itemsize, where), []).append(i)
         else:

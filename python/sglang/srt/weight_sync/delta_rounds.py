@@ -807,14 +807,14 @@ def _decode_from(
         changed.append((move, dests, enc, base, device, where))
     # the changed regions decoded together (``decode_many``: a MoE layer's experts are
     # thousands of small records), each onto a copy of its base
-    for device in dict.fromkeys(c[4] for c in changed):
-        mine = [c for c in changed if c[4] == device]
-        news, errors = decode_many([c[2] for c in mine], [c[3] for c in mine], device)
-        for (move, dests, _, _, _, where), new, error in zip(mine, news, errors):
-            if error:
-                problems.append(f"{where}: {error}")
-            else:
-                landings.append(Landing(new, move, dests))
+    news, errors = decode_many(
+        [c[2] for c in changed], [c[3] for c in changed], [c[4] for c in changed]
+    )
+    for (move, dests, _, _, _, where), new, error in zip(changed, news, errors):
+        if error:
+            problems.append(f"{where}: {error}")
+        else:
+            landings.append(Landing(new, move, dests))
     return landings
 
 
@@ -876,10 +876,14 @@ def _decode_quantized(
         base = side.quantized_base(q, where, problems)
         if base is None:
             continue
-        old = base.clone() if side.received is not None else base
-        if _applied(enc, old, where, problems) or (
-            enc.kind == Kind.UNCHANGED and side.received is not None
-        ):
+        if side.received is None:  # a copy read from the e4m3 weight and scales
+            old = base
+        else:  # this rank's copy: it lands even unchanged, and is never written
+            old = base.clone()
+            if enc.kind == Kind.UNCHANGED:
+                landings.append(QuantizedLanding(old, q, rank))
+                continue
+        if _applied(enc, old, where, problems):
             landings.append(QuantizedLanding(old, q, rank))
     return landings
 

@@ -115,6 +115,7 @@ class ReshardDelta:
         self.number = 0  # the highest update number this rank saw
         self.tag: Optional[int] = None  # the update its committed bases are from
         self.inputs: Optional[str] = None  # the inputs they were planned for
+        self._planned: Optional[str] = None  # the running update's inputs (``begin``)
         self.why_full = "no update delivered yet"
         self._chunks: Dict[str, _Chunk] = {}
         self._running: Dict[str, _Chunk] = {}
@@ -144,7 +145,7 @@ class ReshardDelta:
             why = "the layouts changed (sources, engines or chunks)"
         else:
             why = ""
-        self.full, self.why = bool(why), why
+        self.full, self.why, self._planned = bool(why), why, inputs
         if self.full:
             self._chunks = {}
         for chunk in self._chunks.values():  # an update that never ended staged these
@@ -208,14 +209,14 @@ class ReshardDelta:
         self._add(figures, stats, _full_bytes(run, sender, rank))
         return stats, into.landings
 
-    def commit(self, inputs: str) -> None:
+    def commit(self) -> None:
         """The update ended on this rank and the engine applied it: what every chunk
-        staged is the next update's bases."""
+        staged is the next update's bases, for the inputs ``begin`` was given."""
         for fingerprint, chunk in self._running.items():
             chunk.sent.commit(0, fingerprint)
             chunk.received.commit(0, fingerprint)
         self._chunks, self._running = self._running, {}
-        self.tag, self.inputs = self.number, inputs
+        self.tag, self.inputs = self.number, self._planned
 
     def drop(self, why: str) -> None:
         """The update did not end with the engine's success here: no bases, so the next

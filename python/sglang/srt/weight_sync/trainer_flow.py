@@ -794,10 +794,7 @@ def _trainer_side(
     # pr: scale end
     # pr: remote
     if delta is not None:
-        inputs = sync.plans.inputs_digest(
-            sources, chan.manifest, chan.engine_groups, bucket_bytes
-        )
-        flow = _delta_outcome(flow, delta, rank, inputs)
+        flow = _delta_outcome(flow, delta, rank)
     # pr: remote end
     # pr: scale
     yield from flow
@@ -862,7 +859,7 @@ def _chunks_flow(
 
 # pr: scale end
 # pr: remote
-def _delta_outcome(flow: Flow, delta: ReshardDelta, rank: int, inputs: str) -> Flow:
+def _delta_outcome(flow: Flow, delta: ReshardDelta, rank: int) -> Flow:
     """``flow``'s chunks, then ``delta``'s bases kept when the engine applied the update,
     dropped when it did not or anything raised here (``reshard_delta``: the next update's
     agreement then finds the ranks apart, and that update is full on every rank)."""
@@ -875,7 +872,7 @@ def _delta_outcome(flow: Flow, delta: ReshardDelta, rank: int, inputs: str) -> F
         raise
     report.delta = delta.summary()
     if report.success:
-        delta.commit(inputs)
+        delta.commit()
     else:
         delta.drop(f"the engine did not apply the last update: {report.message}")
     return report

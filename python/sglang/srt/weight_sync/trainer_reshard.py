@@ -461,11 +461,11 @@ class TrainerPlans:
                 for t in staged
             }
             run = plan if sender is None else sender.plan
-            kept = _Kept()
+            landings: List[QuantizedLanding] = []
             stats = None
             # pr: remote
             if delta is not None:
-                stats, kept.landings = delta.run(
+                stats, landings = delta.run(
                     plan,
                     sender,
                     rank,
@@ -487,12 +487,12 @@ class TrainerPlans:
                     checked=checked,
                 )
                 if sender is not None:
+                    kept = _Kept()
                     run_quantized(sender, rank, local, {}, data, timeout_s, kept, stats)
+                    landings = kept.landings
             regions: List[Tuple[Fp8Region, torch.Tensor]] = []
             if sender is not None:
-                regions = fp8_regions(
-                    kept.landings, staged, staging, manifest.block_fp8
-                )
+                regions = fp8_regions(landings, staged, staging, manifest.block_fp8)
             clock.add(Phase.APPLY, stats.copy_seconds)
         clock.count_execution(stats)
         return TrainerSideResult(buffers, stats, plan, sender, regions)
